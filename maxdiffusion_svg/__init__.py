@@ -1,0 +1,15 @@
+"""Sparse VideoGen (SVG) attention for MaxDiffusion's Wan video models on TPU.
+
+The data path is route -> place -> sparse kernel -> restore; this package holds
+its pieces, one concern per module: ``geometry`` (token grid and layouts),
+``masks`` (the SVG rule), ``tiles`` (which tiles a kernel visits and masks).
+"""
+
+from maxdiffusion_svg.geometry import (Layout, RESOLUTIONS, VideoGrid, frame_major_order,
+                                       grid_for_resolution, temporal_major_order, to_frame_major,
+                                       to_temporal_major)
+from maxdiffusion_svg.masks import (Mask, PlacedMask, ProbeMask, SvgMask, band_half_width,
+                                    probe_mask, svg_mask)
+from maxdiffusion_svg.tiles import TileMode, TilePlan, TileStats, plan_mask_tiles, plan_tiles
+
+__version__ = "0.1.0"

@@ -1,0 +1,8 @@
+"""Entry point for ``python -m maxdiffusion_svg``."""
+
+import sys
+
+from maxdiffusion_svg.cli import main
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,86 @@
+"""``python -m maxdiffusion_svg``: the command-line tools."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
+from maxdiffusion_svg.tiles import TileMode
+
+_MODES = [m.value for m in TileMode]
+
+
+def _latent_grid(text: str) -> VideoGrid:
+  parts = text.lower().replace(",", "x").split("x")
+  if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+    raise ValueError(f"--latent-grid must look like FxHxW (e.g. 21x45x80), got {text!r}")
+  return VideoGrid(*(int(p) for p in parts))
+
+
+def _grid_from_args(args: argparse.Namespace) -> VideoGrid:
+  pixels = (args.frames, args.height, args.width)
+  given = [args.resolution is not None, any(v is not None for v in pixels),
+           args.latent_grid is not None]
+  if sum(given) > 1:
+    raise ValueError("give only one of --resolution, --frames/--height/--width, --latent-grid")
+  if args.latent_grid is not None:
+    return _latent_grid(args.latent_grid)
+  if any(v is not None for v in pixels):
+    if any(v is None for v in pixels):
+      raise ValueError("--frames, --height and --width must be given together")
+    return VideoGrid.for_video(*pixels)
+  return grid_for_resolution(args.resolution or "720p")
+
+
+def _add_grid_args(parser: argparse.ArgumentParser) -> None:
+  group = parser.add_argument_group("video (default: --resolution 720p)")
+  group.add_argument("--resolution", help=f"Wan preset, 81 frames: {', '.join(RESOLUTIONS)}")
+  group.add_argument("--frames", type=int, help="pixel-space frame count (e.g. 81)")
+  group.add_argument("--height", type=int, help="pixel height (e.g. 720)")
+  group.add_argument("--width", type=int, help="pixel width (e.g. 1280)")
+  group.add_argument("--latent-grid", help="latent token grid FxHxW, e.g. 21x45x80")
+
+
+def _tiles(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.report import format_report, tile_report  # pylint: disable=import-outside-toplevel
+  grid = _grid_from_args(args)
+  modes = _MODES if args.mode == "all" else [args.mode]
+  report = tile_report(grid, args.density, args.block_q, args.block_kv, modes,
+                       include_sink=not args.no_sink)
+  if args.plot:
+    from maxdiffusion_svg.plot import plot_tiles  # pylint: disable=import-outside-toplevel
+    plot_tiles(args.plot, grid, args.density, args.block_q, args.block_kv, modes,
+               include_sink=not args.no_sink)
+  print(json.dumps(report, indent=2) if args.json else format_report(report))
+  if args.plot and not args.json:
+    print(f"tile map written to {args.plot}")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
+                                   description="Sparse VideoGen attention for MaxDiffusion: tools.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  tiles = sub.add_parser("tiles", help="tile report: what a density and tile size cost per mode")
+  _add_grid_args(tiles)
+  tiles.add_argument("--density", type=float, default=0.35, help="kept-pair density in (0, 1]")
+  tiles.add_argument("--block-q", type=int, default=3328, help="query tile (multiple of 128)")
+  tiles.add_argument("--block-kv", type=int, default=1536, help="key tile (multiple of 128)")
+  tiles.add_argument("--mode", choices=_MODES + ["all"], default="all")
+  tiles.add_argument("--no-sink", action="store_true", help="drop the first-frame attention sink")
+  tiles.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+  tiles.add_argument("--plot", metavar="FILE.png", help="draw tile maps and a token-mask crop")
+  tiles.set_defaults(run=_tiles)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except ValueError as err:
+    print(f"error: {err}", file=sys.stderr)
+    return 2

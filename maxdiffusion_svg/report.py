@@ -1,0 +1,66 @@
+"""The tile report: what a (grid, density, tiles) choice costs in each traversal mode."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from maxdiffusion_svg.geometry import Layout, VideoGrid
+from maxdiffusion_svg.masks import check_density, svg_mask
+from maxdiffusion_svg.tiles import TileMode, check_block_size, plan_mask_tiles
+
+# A head type is the layout it is placed in before the kernel.
+HEAD_LAYOUTS = {"spatial": Layout.FRAME_MAJOR, "temporal": Layout.TEMPORAL_MAJOR}
+
+_COLUMNS = (  # (header, format spec of the values)
+    ("mode", "<8"), ("head", "<9"), ("kept%", ">7.2f"), ("budget%", ">+8.2f"),
+    ("recall%", ">8.2f"), ("visited%", ">9.2f"), ("masked%", ">8.2f"),
+    ("masked/visited%", ">16.2f"), ("tiles v/m/f", ">14"),
+)
+
+
+def _header(name: str, spec: str) -> str:
+  return format(name, spec[0] + "".join(c for c in spec.split(".")[0] if c.isdigit()))
+
+
+def tile_report(grid: VideoGrid, density: float, block_q: int, block_kv: int,
+                modes: Sequence[TileMode | str] = tuple(TileMode), *,
+                include_sink: bool = True) -> dict[str, Any]:
+  """Plan statistics per mode and head type, as a JSON-ready dict.
+
+  After placement both head types share one band+sink mask in their own layout,
+  so their plans, and statistics, are the same: that is what placement buys.
+  """
+  density = check_density(density)
+  block_q, block_kv = check_block_size(block_q, "block_q"), check_block_size(block_kv, "block_kv")
+  mask = svg_mask(grid, density, include_sink)
+  report: dict[str, Any] = {
+      "grid": list(grid.shape), "tokens": grid.tokens, "frame_size": grid.frame_size,
+      "density": density, "include_sink": include_sink, "band_half_width": mask.half_width,
+      "block_q": block_q, "block_kv": block_kv,
+      "q_tiles": -(-grid.tokens // block_q), "kv_tiles": -(-grid.tokens // block_kv),
+      "modes": {},
+  }
+  for mode in modes:
+    plan = plan_mask_tiles(mask, block_q, block_kv, mode)
+    report["modes"][plan.mode.value] = {head: plan.stats.as_dict() for head in HEAD_LAYOUTS}
+  return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+  """A fixed-width table of :func:`tile_report`'s output."""
+  lines = [
+      f"grid {'x'.join(map(str, report['grid']))} = {report['tokens']:,} tokens, "
+      f"density {report['density']}, band half-width {report['band_half_width']:,} tokens, "
+      f"sink {'on' if report['include_sink'] else 'off'}",
+      f"tiles {report['block_q']}x{report['block_kv']}: {report['q_tiles']} q-tiles x "
+      f"{report['kv_tiles']} kv-tiles = {report['q_tiles'] * report['kv_tiles']:,}",
+      "  ".join(_header(name, spec) for name, spec in _COLUMNS),
+  ]
+  for mode, heads in report["modes"].items():
+    for head, s in heads.items():
+      values = (mode, head, 100 * s["retained_pair_fraction"], 100 * s["budget_error"],
+                100 * s["recall"], 100 * s["visited_tile_fraction"], 100 * s["masked_tile_fraction"],
+                100 * s["masked_visited_fraction"],
+                f"{s['visited_tiles']}/{s['masked_tiles']}/{s['full_tiles']}")
+      lines.append("  ".join(format(v, spec) for (_, spec), v in zip(_COLUMNS, values)))
+  return "\n".join(lines)

@@ -1,0 +1,274 @@
+"""Tile planning: which ``block_q x block_kv`` tiles a sparse kernel visits, and which it masks.
+
+Three traversal modes, the seed design's three iterations:
+
+* ``naive`` (B1): visit every tile holding a kept pair; evaluate the exact mask in all of them.
+* ``split`` (B2): tiles whose pairs are all kept run mask-free; only boundary tiles evaluate the mask.
+* ``aligned`` (B3): round each boundary tile in (run whole) or out (skip) so the kept-pair count
+  stays close to the exact mask's; afterwards only tiles that hold padding keys need a mask.
+
+Everything is index arithmetic over the tiles a band+sink mask can reach: the cost is
+O(visited tiles), never O(S^2). Padding follows one rule everywhere: padded keys are never
+kept; padded query rows are computed and sliced off, so they never force a mask on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any
+
+import numpy as np
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.masks import SvgMask, svg_mask
+
+# Tile kinds, in the Splash kernel's convention (0 = skip, 1 = partial, 2 = full).
+EMPTY, MASKED, FULL = 0, 1, 2
+TILE_QUANTUM = 128
+
+
+class TileMode(enum.Enum):
+  """How boundary tiles are traversed."""
+
+  NAIVE = "naive"
+  SPLIT = "split"
+  ALIGNED = "aligned"
+
+  @classmethod
+  def parse(cls, mode: "TileMode | str", name: str = "mode") -> "TileMode":
+    if isinstance(mode, cls):
+      return mode
+    try:
+      return cls(mode)
+    except ValueError:
+      allowed = ", ".join(m.value for m in cls)
+      raise ValueError(f"{name} must be one of {allowed}, got {mode!r}") from None
+
+
+def check_block_size(value: Any, name: str) -> int:
+  """Tile sides must be positive multiples of 128 (the TPU lane width)."""
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value <= 0 or value % TILE_QUANTUM):
+    raise ValueError(f"{name} must be a positive multiple of {TILE_QUANTUM}, got {value!r}")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileStats:
+  """What a plan costs and how faithful it is. Fractions of tiles are of the whole padded grid."""
+
+  total_tiles: int
+  visited_tiles: int
+  masked_tiles: int
+  full_tiles: int
+  real_pairs: int  # S * S
+  exact_pairs: int  # pairs kept by the exact SVG mask
+  kept_pairs: int  # pairs the plan keeps (differs from exact only when aligned)
+  recall: float  # share of exact pairs the plan keeps
+  precision: float  # share of the plan's pairs the exact mask keeps
+
+  @property
+  def retained_pair_fraction(self) -> float:
+    return self.kept_pairs / self.real_pairs
+
+  @property
+  def exact_pair_fraction(self) -> float:
+    return self.exact_pairs / self.real_pairs
+
+  @property
+  def visited_tile_fraction(self) -> float:
+    return self.visited_tiles / self.total_tiles
+
+  @property
+  def masked_tile_fraction(self) -> float:
+    return self.masked_tiles / self.total_tiles
+
+  @property
+  def masked_visited_fraction(self) -> float:
+    return self.masked_tiles / self.visited_tiles if self.visited_tiles else 0.0
+
+  @property
+  def budget_error(self) -> float:
+    """Relative change of the kept-pair count against the exact mask."""
+    return self.kept_pairs / self.exact_pairs - 1.0
+
+  def as_dict(self) -> dict[str, float | int]:
+    out: dict[str, float | int] = dataclasses.asdict(self)
+    for name in ("retained_pair_fraction", "exact_pair_fraction", "visited_tile_fraction",
+                 "masked_tile_fraction", "masked_visited_fraction", "budget_error"):
+      out[name] = getattr(self, name)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TilePlan:
+  """Per q-tile row, the kv tiles to visit (ascending) and whether each needs a mask.
+
+  ``kv_index[i, :num_visited[i]]`` are row ``i``'s kv tiles; the remaining slots repeat
+  the last one (so a prefetching kernel fetches nothing new) and have kind ``EMPTY``.
+  In ``naive``/``split`` plans a ``MASKED`` tile applies ``mask`` exactly; in ``aligned``
+  plans it only removes padding keys (``k >= seq_len``).
+  """
+
+  mask: SvgMask
+  mode: TileMode
+  block_q: int
+  block_kv: int
+  kv_index: np.ndarray  # int32 [num_q_tiles, width]
+  kind: np.ndarray  # int8 [num_q_tiles, width]: EMPTY / MASKED / FULL
+  num_visited: np.ndarray  # int32 [num_q_tiles]
+  stats: TileStats
+
+  @property
+  def seq_len(self) -> int:
+    return self.mask.seq_len
+
+  @property
+  def num_q_tiles(self) -> int:
+    return -(-self.seq_len // self.block_q)
+
+  @property
+  def num_kv_tiles(self) -> int:
+    return -(-self.seq_len // self.block_kv)
+
+  @property
+  def width(self) -> int:
+    return self.kv_index.shape[1]
+
+  @property
+  def masks_exact(self) -> bool:
+    """Whether masked tiles evaluate the SVG rule (else they only drop padding keys)."""
+    return self.mode is not TileMode.ALIGNED
+
+  def tile_map(self) -> np.ndarray:
+    """``int8 [num_q_tiles, num_kv_tiles]`` of tile kinds, for reports and plots."""
+    out = np.zeros((self.num_q_tiles, self.num_kv_tiles), np.int8)
+    rows, slots = np.nonzero(self.kind)
+    out[rows, self.kv_index[rows, slots]] = self.kind[rows, slots]
+    return out
+
+  def dense_mask(self, max_tokens: int = 16384) -> np.ndarray:
+    """The ``S x S`` mask this plan computes, for references on small sequences only."""
+    s = self.seq_len
+    if s > max_tokens:
+      raise ValueError(f"refusing to build a dense {s}x{s} mask (max_tokens={max_tokens})")
+    out = np.zeros((s, s), bool)
+    for i, j in zip(*np.nonzero(self.kind)):
+      q0, k0 = i * self.block_q, self.kv_index[i, j] * self.block_kv
+      q1, k1 = min(q0 + self.block_q, s), min(k0 + self.block_kv, s)
+      if self.kind[i, j] == MASKED and self.masks_exact:
+        out[q0:q1, k0:k1] = self.mask.block(q0, q1, k0, k1)
+      else:
+        out[q0:q1, k0:k1] = True
+    return out
+
+
+def plan_tiles(grid: VideoGrid, density: float, block_q: int, block_kv: int,
+               mode: TileMode | str, *, include_sink: bool = True) -> TilePlan:
+  """Plans the SVG band+sink mask of ``grid`` at ``density`` (see :func:`plan_mask_tiles`)."""
+  return plan_mask_tiles(svg_mask(grid, density, include_sink), block_q, block_kv, mode)
+
+
+def plan_mask_tiles(mask: SvgMask, block_q: int, block_kv: int, mode: TileMode | str) -> TilePlan:
+  """Builds (and caches: plans are static per shape) the tile plan of ``mask``."""
+  return _plan(mask, check_block_size(block_q, "block_q"),
+               check_block_size(block_kv, "block_kv"), TileMode.parse(mode))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(mask: SvgMask, block_q: int, block_kv: int, mode: TileMode) -> TilePlan:
+  s = mask.seq_len
+  nq, nkv = -(-s // block_q), -(-s // block_kv)
+  rows, cols = _candidate_tiles(mask, block_q, block_kv, nq)
+  q0 = rows * block_q
+  q1 = np.minimum(q0 + block_q, s)
+  k0 = cols * block_kv
+  k1 = np.minimum(k0 + block_kv, s)
+  exact = mask.kept_pairs(q0, q1, k0, k1)
+  real = (q1 - q0) * (k1 - k0)
+  nonempty = exact > 0
+  rows, cols, exact, real = rows[nonempty], cols[nonempty], exact[nonempty], real[nonempty]
+  q0, q1, k0, k1 = q0[nonempty], q1[nonempty], k0[nonempty], k1[nonempty]
+  kv_padding = k0 + block_kv > s
+  boundary = exact < real
+
+  if mode is TileMode.NAIVE:
+    visit = np.ones_like(boundary)
+    kind = np.full(rows.shape, MASKED, np.int8)
+  elif mode is TileMode.SPLIT:
+    visit = np.ones_like(boundary)
+    kind = np.where(boundary | kv_padding, MASKED, FULL).astype(np.int8)
+  else:
+    diagonal = np.maximum(q0, k0) < np.minimum(q1, k1)  # keeps every row non-empty
+    visit = _balance_boundary(rows, cols, exact, real, boundary, diagonal)
+    kind = np.where(kv_padding, MASKED, FULL).astype(np.int8)
+
+  rows, cols, kind = rows[visit], cols[visit], kind[visit]
+  kept = int(real[visit].sum()) if mode is TileMode.ALIGNED else int(exact.sum())
+  covered = int(exact[visit].sum())
+  stats = TileStats(
+      total_tiles=nq * nkv,
+      visited_tiles=int(visit.sum()),
+      masked_tiles=int((kind == MASKED).sum()),
+      full_tiles=int((kind == FULL).sum()),
+      real_pairs=s * s,
+      exact_pairs=int(exact.sum()),
+      kept_pairs=kept,
+      recall=covered / int(exact.sum()),
+      precision=covered / kept,
+  )
+  kv_index, kinds, counts = _pack_rows(rows, cols, kind, nq)
+  return TilePlan(mask, mode, block_q, block_kv, kv_index, kinds, counts, stats)
+
+
+def _candidate_tiles(mask: SvgMask, block_q: int, block_kv: int, nq: int):
+  """(row, col) of every tile the sink columns or the band can reach, ascending per row."""
+  s = mask.seq_len
+  i = np.arange(nq, dtype=np.int64)
+  lo, hi = mask.band_keys(i * block_q, np.minimum((i + 1) * block_q, s))
+  band_first, band_last = lo // block_kv, (hi - 1) // block_kv
+  sink_tiles = -(-min(mask.sink, s) // block_kv)  # kv tiles [0, sink_tiles) touch the sink
+  band_start = np.maximum(band_first, sink_tiles)
+  band_count = np.maximum(band_last - band_start + 1, 0)
+  per_row = sink_tiles + band_count
+  rows = np.repeat(i, per_row)
+  offset = np.arange(rows.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+  cols = np.where(offset < sink_tiles, offset, band_start[rows] + offset - sink_tiles)
+  return rows, cols
+
+
+def _balance_boundary(rows, cols, exact, real, boundary, required) -> np.ndarray:
+  """Rounds boundary tiles in or out so the kept pairs best match the exact count.
+
+  Tiles that are wholly kept, or ``required``, stay. The rest are taken in order of
+  falling kept share (most-kept first, so recall is as high as the budget allows) and
+  the prefix whose total is closest to the exact budget is rounded in.
+  """
+  keep = ~boundary | required
+  free = np.flatnonzero(~keep)
+  share = exact[free] / real[free]
+  order = free[np.lexsort((cols[free], rows[free], -exact[free], -share))]
+  deficit = int(exact.sum()) - int(real[keep].sum())
+  totals = np.concatenate([[0], np.cumsum(real[order])])
+  keep[order[:int(np.argmin(np.abs(totals - deficit)))]] = True
+  return keep
+
+
+def _pack_rows(rows, cols, kind, nq):
+  """Packs ascending per-row lists into fixed-width ``[nq, width]`` arrays."""
+  counts = np.bincount(rows, minlength=nq).astype(np.int32)
+  width = max(int(counts.max(initial=0)), 1)
+  starts = np.cumsum(counts) - counts
+  slot = np.arange(rows.size) - np.repeat(starts, counts)
+  last = np.zeros(nq, np.int64)
+  has = counts > 0
+  last[has] = cols[starts[has] + counts[has] - 1]
+  kv_index = np.repeat(last[:, None], width, axis=1).astype(np.int32)
+  kv_index[rows, slot] = cols
+  kinds = np.zeros((nq, width), np.int8)
+  kinds[rows, slot] = kind
+  for a in (kv_index, kinds, counts):
+    a.setflags(write=False)  # plans are cached and shared
+  return kv_index, kinds, counts

@@ -1,0 +1,78 @@
+"""The tile report CLI: output agrees with the planner; bad input exits 2 with a clear message."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from maxdiffusion_svg.cli import main
+from maxdiffusion_svg.geometry import grid_for_resolution
+from maxdiffusion_svg.tiles import plan_tiles
+
+
+def run_json(capsys, *args):
+  assert main(["tiles", *args, "--json"]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_json_report_matches_the_planner(capsys):
+  report = run_json(capsys, "--resolution", "720p", "--density", "0.35")
+  assert report["grid"] == [21, 45, 80] and report["tokens"] == 75_600
+  assert report["q_tiles"] == 23 and report["kv_tiles"] == 50
+  assert set(report["modes"]) == {"naive", "split", "aligned"}
+  for mode, heads in report["modes"].items():
+    stats = plan_tiles(grid_for_resolution("720p"), 0.35, 3328, 1536, mode).stats
+    assert set(heads) == {"spatial", "temporal"}
+    for head in heads.values():
+      for key in ("retained_pair_fraction", "visited_tile_fraction", "masked_tile_fraction",
+                  "masked_visited_fraction", "budget_error"):
+        assert head[key] == pytest.approx(getattr(stats, key))
+
+
+def test_pixel_sizes_and_latent_grid_select_the_grid(capsys):
+  assert run_json(capsys, "--frames", "17", "--height", "64", "--width", "128",
+                  "--mode", "split", "--block-q", "128", "--block-kv", "128")["grid"] == [5, 4, 8]
+  report = run_json(capsys, "--latent-grid", "5x6x7", "--mode", "aligned",
+                    "--block-q", "128", "--block-kv", "256")
+  assert report["grid"] == [5, 6, 7] and list(report["modes"]) == ["aligned"]
+
+
+def test_table_lists_every_mode_and_head(capsys):
+  assert main(["tiles", "--resolution", "480p"]) == 0
+  out = capsys.readouterr().out
+  assert "32,760 tokens" in out
+  for mode in ("naive", "split", "aligned"):
+    for head in ("spatial", "temporal"):
+      assert any(line.split()[:2] == [mode, head] for line in out.splitlines())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--density", "0"], "density must be in (0, 1]"),
+    (["--density", "1.2"], "density must be in (0, 1]"),
+    (["--block-q", "100"], "block_q must be a positive multiple of 128"),
+    (["--block-kv", "-128"], "block_kv must be a positive multiple of 128"),
+    (["--resolution", "2k"], "resolution must be one of"),
+    (["--frames", "80", "--height", "720", "--width", "1280"], "num_frames"),
+    (["--frames", "81", "--height", "720"], "--frames, --height and --width"),
+    (["--latent-grid", "21x0x80"], "height must be a positive integer"),
+    (["--latent-grid", "21x45"], "--latent-grid must look like FxHxW"),
+    (["--resolution", "720p", "--latent-grid", "1x1x1"], "only one of"),
+])
+def test_bad_input_exits_2_naming_the_argument(capsys, args, needle):
+  assert main(["tiles", *args]) == 2
+  assert needle in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+  path = tmp_path / "tiles.png"
+  assert main(["tiles", "--latent-grid", "5x6x7", "--block-q", "128", "--block-kv", "128",
+               "--plot", str(path)]) == 0
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert str(path) in capsys.readouterr().out
+
+
+def test_module_entry_point_runs():
+  out = subprocess.run([sys.executable, "-m", "maxdiffusion_svg", "tiles", "--mode", "aligned"],
+                       capture_output=True, text=True, check=True).stdout
+  assert "21x45x80 = 75,600 tokens" in out
