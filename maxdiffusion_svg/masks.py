@@ -172,6 +172,41 @@ class PlacedMask(Mask):
     return self.mask.contains(layout_positions(self.grid, self.layout, q),
                               layout_positions(self.grid, self.layout, k))
 
+  def kept_pairs(self, q0: Any, q1: Any, k0: Any, k1: Any) -> np.ndarray:
+    """Exact kept pairs in frame-major rectangles ``[q0, q1) x [k0, k1)``.
+
+    Splits each rectangle into per-frame pieces; inside a (query frame, key frame)
+    piece a temporal-major band is again a diagonal band over raster positions, so
+    each piece is counted in O(1). Cost: rectangles x frames spanned^2.
+    """
+    if not isinstance(self.mask, SvgMask):
+      raise TypeError(f"kept_pairs needs an SvgMask inside, got {type(self.mask).__name__}")
+    if self.layout is Layout.FRAME_MAJOR:
+      return self.mask.kept_pairs(q0, q1, k0, k1)
+    frames, p = self.grid.frames, self.grid.frame_size
+    w, sink, s = self.mask.half_width, self.mask.sink, self.seq_len
+    q0, k0 = np.minimum(np.asarray(q0, np.int64), s), np.minimum(np.asarray(k0, np.int64), s)
+    q1 = np.clip(np.asarray(q1, np.int64), q0, s)
+    k1 = np.clip(np.asarray(k1, np.int64), k0, s)
+    total = np.zeros(np.broadcast(q0, q1, k0, k1).shape, np.int64)
+
+    def pieces(lo, hi):  # per frame offset: (frame, first, stop) raster positions inside it
+      span = int(np.max((np.maximum(hi, lo + 1) - 1) // p - lo // p, initial=0)) + 1
+      for r in range(span):
+        frame = lo // p + r
+        yield frame, np.clip(lo - frame * p, 0, p), np.clip(hi - frame * p, 0, p)
+
+    for fq, a, b in pieces(q0, q1):
+      b = np.maximum(a, b)
+      for fk, c, d in pieces(k0, k1):
+        d = np.maximum(c, d)
+        delta = fq - fk
+        lo, hi = -((w - delta) // frames), (w + delta) // frames  # k_pos - q_pos range
+        sink_cols = np.clip(-((fk - sink) // frames), c, d)  # positions with p*F + fk < sink
+        total += (_pairs_in_diagonals(a, b, c, d, lo, hi) + (b - a) * (sink_cols - c)
+                  - _pairs_in_diagonals(a, b, c, sink_cols, lo, hi))
+    return total
+
 
 def svg_mask(grid: VideoGrid, density: float, include_sink: bool = True) -> SvgMask:
   """The execution mask of a head in its placed layout at ``density``."""

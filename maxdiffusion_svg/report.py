@@ -5,14 +5,26 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from maxdiffusion_svg.geometry import Layout, VideoGrid
-from maxdiffusion_svg.masks import check_density, svg_mask
+from maxdiffusion_svg.masks import Mask, PlacedMask, SvgMask, check_density, svg_mask
 from maxdiffusion_svg.tiles import TileMode, check_block_size, plan_mask_tiles
 
-# A head type is the layout it is placed in before the kernel.
-HEAD_LAYOUTS = {"spatial": Layout.FRAME_MAJOR, "temporal": Layout.TEMPORAL_MAJOR}
+# Head types: the layout whose band the head keeps, and whether its tokens are placed
+# in that layout before the kernel. "temporal_unplaced" is what a temporal head would
+# cost without the permutation: the band scattered into per-frame stripes.
+HEADS: dict[str, tuple[Layout, bool]] = {
+    "spatial": (Layout.FRAME_MAJOR, True),
+    "temporal": (Layout.TEMPORAL_MAJOR, True),
+    "temporal_unplaced": (Layout.TEMPORAL_MAJOR, False),
+}
+
+
+def kernel_mask(mask: SvgMask, grid: VideoGrid, head: str) -> Mask:
+  """The mask the kernel sees for ``head``, in the order its tokens arrive."""
+  layout, placed = HEADS[head]
+  return mask if placed else PlacedMask(mask, grid, layout)
 
 _COLUMNS = (  # (header, format spec of the values)
-    ("mode", "<8"), ("head", "<9"), ("kept%", ">7.2f"), ("budget%", ">+8.2f"),
+    ("mode", "<8"), ("head", "<17"), ("kept%", ">7.2f"), ("budget%", ">+8.2f"),
     ("recall%", ">8.2f"), ("visited%", ">9.2f"), ("masked%", ">8.2f"),
     ("masked/visited%", ">16.2f"), ("tiles v/m/f", ">14"),
 )
@@ -27,8 +39,8 @@ def tile_report(grid: VideoGrid, density: float, block_q: int, block_kv: int,
                 include_sink: bool = True) -> dict[str, Any]:
   """Plan statistics per mode and head type, as a JSON-ready dict.
 
-  After placement both head types share one band+sink mask in their own layout,
-  so their plans, and statistics, are the same: that is what placement buys.
+  After placement both head types share one band+sink mask in their own layout, so
+  their plans and statistics are the same; ``temporal_unplaced`` shows what that buys.
   """
   density = check_density(density)
   block_q, block_kv = check_block_size(block_q, "block_q"), check_block_size(block_kv, "block_kv")
@@ -41,8 +53,10 @@ def tile_report(grid: VideoGrid, density: float, block_q: int, block_kv: int,
       "modes": {},
   }
   for mode in modes:
-    plan = plan_mask_tiles(mask, block_q, block_kv, mode)
-    report["modes"][plan.mode.value] = {head: plan.stats.as_dict() for head in HEAD_LAYOUTS}
+    mode = TileMode.parse(mode)
+    report["modes"][mode.value] = {
+        head: plan_mask_tiles(kernel_mask(mask, grid, head), block_q, block_kv, mode).stats.as_dict()
+        for head in HEADS}
   return report
 
 

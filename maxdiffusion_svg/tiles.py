@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.masks import SvgMask, svg_mask
+from maxdiffusion_svg.masks import Mask, SvgMask, svg_mask
 
 # Tile kinds, in the Splash kernel's convention (0 = skip, 1 = partial, 2 = full).
 EMPTY, MASKED, FULL = 0, 1, 2
@@ -112,7 +112,7 @@ class TilePlan:
   plans it only removes padding keys (``k >= seq_len``).
   """
 
-  mask: SvgMask
+  mask: Mask  # an SvgMask, or a PlacedMask view of one (to measure unplaced heads)
   mode: TileMode
   block_q: int
   block_kv: int
@@ -171,14 +171,21 @@ def plan_tiles(grid: VideoGrid, density: float, block_q: int, block_kv: int,
   return plan_mask_tiles(svg_mask(grid, density, include_sink), block_q, block_kv, mode)
 
 
-def plan_mask_tiles(mask: SvgMask, block_q: int, block_kv: int, mode: TileMode | str) -> TilePlan:
-  """Builds (and caches: plans are static per shape) the tile plan of ``mask``."""
+def plan_mask_tiles(mask: Mask, block_q: int, block_kv: int, mode: TileMode | str) -> TilePlan:
+  """Builds (and caches: plans are static per shape) the tile plan of ``mask``.
+
+  ``mask`` must count its kept pairs per rectangle (``kept_pairs``). For an
+  :class:`SvgMask` only the tiles its band and sink reach are examined; any other
+  mask is examined on every tile.
+  """
+  if not hasattr(mask, "kept_pairs"):
+    raise TypeError(f"cannot plan a {type(mask).__name__}: it has no kept_pairs counter")
   return _plan(mask, check_block_size(block_q, "block_q"),
                check_block_size(block_kv, "block_kv"), TileMode.parse(mode))
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(mask: SvgMask, block_q: int, block_kv: int, mode: TileMode) -> TilePlan:
+def _plan(mask: Mask, block_q: int, block_kv: int, mode: TileMode) -> TilePlan:
   s = mask.seq_len
   nq, nkv = -(-s // block_q), -(-s // block_kv)
   rows, cols = _candidate_tiles(mask, block_q, block_kv, nq)
@@ -223,9 +230,12 @@ def _plan(mask: SvgMask, block_q: int, block_kv: int, mode: TileMode) -> TilePla
   return TilePlan(mask, mode, block_q, block_kv, kv_index, kinds, counts, stats)
 
 
-def _candidate_tiles(mask: SvgMask, block_q: int, block_kv: int, nq: int):
-  """(row, col) of every tile the sink columns or the band can reach, ascending per row."""
+def _candidate_tiles(mask: Mask, block_q: int, block_kv: int, nq: int):
+  """(row, col) of every tile that may hold a kept pair, ascending per row."""
   s = mask.seq_len
+  if not isinstance(mask, SvgMask):
+    nkv = -(-s // block_kv)
+    return np.repeat(np.arange(nq), nkv), np.tile(np.arange(nkv), nq)
   i = np.arange(nq, dtype=np.int64)
   lo, hi = mask.band_keys(i * block_q, np.minimum((i + 1) * block_q, s))
   band_first, band_last = lo // block_kv, (hi - 1) // block_kv

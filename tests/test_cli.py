@@ -23,11 +23,13 @@ def test_json_report_matches_the_planner(capsys):
   assert set(report["modes"]) == {"naive", "split", "aligned"}
   for mode, heads in report["modes"].items():
     stats = plan_tiles(grid_for_resolution("720p"), 0.35, 3328, 1536, mode).stats
-    assert set(heads) == {"spatial", "temporal"}
-    for head in heads.values():
+    assert set(heads) == {"spatial", "temporal", "temporal_unplaced"}
+    for head in ("spatial", "temporal"):  # placed heads share the band+sink plan
       for key in ("retained_pair_fraction", "visited_tile_fraction", "masked_tile_fraction",
                   "masked_visited_fraction", "budget_error"):
-        assert head[key] == pytest.approx(getattr(stats, key))
+        assert heads[head][key] == pytest.approx(getattr(stats, key))
+    assert heads["temporal_unplaced"]["exact_pairs"] == stats.exact_pairs
+  assert report["modes"]["split"]["temporal_unplaced"]["visited_tile_fraction"] == 1.0
 
 
 def test_pixel_sizes_and_latent_grid_select_the_grid(capsys):
@@ -43,7 +45,7 @@ def test_table_lists_every_mode_and_head(capsys):
   out = capsys.readouterr().out
   assert "32,760 tokens" in out
   for mode in ("naive", "split", "aligned"):
-    for head in ("spatial", "temporal"):
+    for head in ("spatial", "temporal", "temporal_unplaced"):
       assert any(line.split()[:2] == [mode, head] for line in out.splitlines())
 
 

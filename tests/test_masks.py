@@ -94,6 +94,21 @@ def test_temporal_head_mask_in_original_order_equals_brute_force(include_sink):
   np.testing.assert_array_equal(PlacedMask(mask, grid, Layout.FRAME_MAJOR).dense(), mask.dense())
 
 
+@pytest.mark.parametrize("shape, density, include_sink", [
+    ((5, 6, 7), 0.3, True), ((5, 6, 7), 0.05, False), ((7, 3, 5), 0.5, True), ((4, 8, 16), 0.2, True),
+])
+def test_unplaced_temporal_kept_pairs_match_brute_force(shape, density, include_sink):
+  grid = VideoGrid(*shape)
+  mask = PlacedMask(svg_mask(grid, density, include_sink), grid, Layout.TEMPORAL_MAJOR)
+  n = grid.tokens + 50
+  full = mask.block(0, n, 0, n)
+  rng = np.random.default_rng(2)
+  q = np.sort(rng.integers(0, n, size=(300, 2)), axis=1)
+  k = np.sort(rng.integers(0, n, size=(300, 2)), axis=1)
+  got = mask.kept_pairs(q[:, 0], q[:, 1], k[:, 0], k[:, 1])
+  np.testing.assert_array_equal(got, [full[a:b, c:d].sum() for (a, b), (c, d) in zip(q, k)])
+
+
 def test_temporal_head_keeps_the_same_place_in_every_frame():
   # A temporal band of +-F positions keeps each token's own spatial position in all frames.
   grid = VideoGrid(6, 8, 16)

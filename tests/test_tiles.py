@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
-from maxdiffusion_svg.masks import SvgMask, svg_mask
+from maxdiffusion_svg.geometry import Layout, VideoGrid, grid_for_resolution
+from maxdiffusion_svg.masks import PlacedMask, SvgMask, svg_mask
 from maxdiffusion_svg.tiles import (EMPTY, FULL, MASKED, TileMode, plan_mask_tiles, plan_tiles)
 
 # (grid, density, block_q, block_kv, include_sink): odd sizes leave padding in both dims.
@@ -33,17 +33,22 @@ def brute_tiles(exact, block_q, block_kv):
   return any_kept, all_kept
 
 
-def _plan(case, mode):
+def _plan(case, mode, placed=True):
+  """A plan of the SVG mask, or of a temporal head's mask left in frame-major order."""
   shape, density, bq, bkv, sink = case
   grid = VideoGrid(*shape)
-  plan = plan_tiles(grid, density, bq, bkv, mode, include_sink=sink)
-  return grid, plan, svg_mask(grid, density, sink).dense()
+  if placed:
+    return grid, plan_tiles(grid, density, bq, bkv, mode, include_sink=sink), \
+        svg_mask(grid, density, sink).dense()
+  mask = PlacedMask(svg_mask(grid, density, sink), grid, Layout.TEMPORAL_MAJOR)
+  return grid, plan_mask_tiles(mask, bq, bkv, mode), mask.dense()
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "unplaced_temporal"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["naive", "split"])
-def test_naive_and_split_compute_exactly_the_svg_mask(case, mode):
-  _, plan, exact = _plan(case, mode)
+def test_naive_and_split_compute_exactly_the_svg_mask(case, mode, placed):
+  _, plan, exact = _plan(case, mode, placed)
   np.testing.assert_array_equal(plan.dense_mask(), exact)
   any_kept, all_kept = brute_tiles(exact, plan.block_q, plan.block_kv)
   tile_map = plan.tile_map()
@@ -62,9 +67,10 @@ def test_naive_and_split_compute_exactly_the_svg_mask(case, mode):
   assert s.masked_visited_fraction == pytest.approx(s.masked_tiles / s.visited_tiles)
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "unplaced_temporal"])
 @pytest.mark.parametrize("case", CASES)
-def test_aligned_rounds_whole_tiles_and_masks_only_padding(case):
-  grid, plan, exact = _plan(case, "aligned")
+def test_aligned_rounds_whole_tiles_and_masks_only_padding(case, placed):
+  grid, plan, exact = _plan(case, "aligned", placed)
   s_len = grid.tokens
   effective = plan.dense_mask()
   tile_map = plan.tile_map()
@@ -127,6 +133,15 @@ def test_density_one_visits_every_tile_and_masks_only_kv_padding():
     np.testing.assert_array_equal(tile_map[:, 1], MASKED)  # keys 128..255 hold padding
     np.testing.assert_array_equal(tile_map[:, 0], FULL)
     assert plan.stats.retained_pair_fraction == 1
+
+
+def test_placement_is_what_makes_temporal_heads_sparse_at_720p():
+  grid = grid_for_resolution("720p")
+  mask = svg_mask(grid, 0.35)
+  placed = plan_mask_tiles(mask, 3328, 1536, "split").stats
+  unplaced = plan_mask_tiles(PlacedMask(mask, grid, Layout.TEMPORAL_MAJOR), 3328, 1536, "split").stats
+  assert unplaced.exact_pairs == placed.exact_pairs  # same pairs, scattered into stripes
+  assert unplaced.visited_tile_fraction == 1.0 and placed.visited_tile_fraction < 0.45
 
 
 def test_seed_geometry_at_720p():
