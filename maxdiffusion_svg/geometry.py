@@ -128,13 +128,11 @@ def frame_major_order(grid: VideoGrid) -> np.ndarray:
   return np.arange(grid.tokens, dtype=np.int32).reshape(grid.frame_size, grid.frames).T.reshape(-1)
 
 
-def layout_positions(grid: VideoGrid, layout: Layout, tokens: np.ndarray) -> np.ndarray:
-  """Position in ``layout`` of frame-major token indices ``tokens`` (index arithmetic)."""
-  tokens = np.asarray(tokens)
+def layout_positions(grid: VideoGrid, layout: Layout, tokens: Any) -> Any:
+  """Position in ``layout`` of frame-major token indices (numpy or jax integer arrays)."""
   if layout is Layout.FRAME_MAJOR:
     return tokens
-  frame, pos = np.divmod(tokens, grid.frame_size)
-  return pos * grid.frames + frame
+  return (tokens % grid.frame_size) * grid.frames + tokens // grid.frame_size
 
 
 def _check_sequence(x: Any, grid: VideoGrid) -> None:

@@ -142,11 +142,20 @@ class TilePlan:
     """Whether masked tiles evaluate the SVG rule (else they only drop padding keys)."""
     return self.mode is not TileMode.ALIGNED
 
+  def masked_tile_rule(self, q: Any, k: Any) -> Any:
+    """What a ``MASKED`` tile keeps, for kernels (broadcasting numpy or jax indices)."""
+    return self.mask.contains(q, k) if self.masks_exact else k < self.seq_len
+
+  def visited_tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat ``(rows, cols, kinds)`` of the visited tiles, row-major: the kernels' work list."""
+    rows, slots = np.nonzero(self.kind)
+    return rows.astype(np.int32), self.kv_index[rows, slots], self.kind[rows, slots]
+
   def tile_map(self) -> np.ndarray:
     """``int8 [num_q_tiles, num_kv_tiles]`` of tile kinds, for reports and plots."""
     out = np.zeros((self.num_q_tiles, self.num_kv_tiles), np.int8)
-    rows, slots = np.nonzero(self.kind)
-    out[rows, self.kv_index[rows, slots]] = self.kind[rows, slots]
+    rows, cols, kinds = self.visited_tiles()
+    out[rows, cols] = kinds
     return out
 
   def dense_mask(self, max_tokens: int = 16384) -> np.ndarray:
@@ -155,10 +164,10 @@ class TilePlan:
     if s > max_tokens:
       raise ValueError(f"refusing to build a dense {s}x{s} mask (max_tokens={max_tokens})")
     out = np.zeros((s, s), bool)
-    for i, j in zip(*np.nonzero(self.kind)):
-      q0, k0 = i * self.block_q, self.kv_index[i, j] * self.block_kv
+    for i, j, kind in zip(*self.visited_tiles()):
+      q0, k0 = i * self.block_q, j * self.block_kv
       q1, k1 = min(q0 + self.block_q, s), min(k0 + self.block_kv, s)
-      if self.kind[i, j] == MASKED and self.masks_exact:
+      if kind == MASKED and self.masks_exact:
         out[q0:q1, k0:k1] = self.mask.block(q0, q1, k0, k1)
       else:
         out[q0:q1, k0:k1] = True
