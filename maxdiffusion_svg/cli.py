@@ -20,7 +20,7 @@ def _latent_grid(text: str) -> VideoGrid:
   return VideoGrid(*(int(p) for p in parts))
 
 
-def _grid_from_args(args: argparse.Namespace) -> VideoGrid:
+def _grid_from_args(args: argparse.Namespace, default: str = "720p") -> VideoGrid:
   pixels = (args.frames, args.height, args.width)
   given = [args.resolution is not None, any(v is not None for v in pixels),
            args.latent_grid is not None]
@@ -32,11 +32,11 @@ def _grid_from_args(args: argparse.Namespace) -> VideoGrid:
     if any(v is None for v in pixels):
       raise ValueError("--frames, --height and --width must be given together")
     return VideoGrid.for_video(*pixels)
-  return grid_for_resolution(args.resolution or "720p")
+  return grid_for_resolution(args.resolution or default)
 
 
-def _add_grid_args(parser: argparse.ArgumentParser) -> None:
-  group = parser.add_argument_group("video (default: --resolution 720p)")
+def _add_grid_args(parser: argparse.ArgumentParser, default: str = "720p") -> None:
+  group = parser.add_argument_group(f"video (default: --resolution {default})")
   group.add_argument("--resolution", help=f"Wan preset, 81 frames: {', '.join(RESOLUTIONS)}")
   group.add_argument("--frames", type=int, help="pixel-space frame count (e.g. 81)")
   group.add_argument("--height", type=int, help="pixel height (e.g. 720)")
@@ -60,6 +60,30 @@ def _tiles(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_kernel(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.kernel import kernel_bench_main  # pylint: disable=import-outside-toplevel
+  grid = _grid_from_args(args, default="480p")
+  kernel_bench_main(grid, _MODES if args.mode == "all" else [args.mode], args)
+  return 0
+
+
+def _bench_quality(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench,  # pylint: disable=import-outside-toplevel
+                                              run_quality_bench)
+  cfg = QualityBenchConfig(router_seeds=args.seeds,
+                           timing_resolution=None if args.no_large_timing else "720p")
+  result = run_quality_bench(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+  print(format_quality_bench(result))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
+  if args.plot:
+    from maxdiffusion_svg.plot import plot_quality  # pylint: disable=import-outside-toplevel
+    plot_quality(args.plot, cfg, result)
+    print(f"plot written to {args.plot}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
                                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -74,6 +98,29 @@ def build_parser() -> argparse.ArgumentParser:
   tiles.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
   tiles.add_argument("--plot", metavar="FILE.png", help="draw tile maps and a token-mask crop")
   tiles.set_defaults(run=_tiles)
+
+  bench = sub.add_parser("bench", help="benchmarks; without a subcommand: the quality benchmark")
+  bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  bench.add_argument("--plot", metavar="FILE.png", help="attention maps, masks, per-head routing")
+  bench.add_argument("--seeds", type=int, default=5, help="router keys to average over")
+  bench.add_argument("--no-large-timing", action="store_true",
+                     help="skip timing the router against the kernel at 720p")
+  bench.set_defaults(run=_bench_quality)
+  bench_sub = bench.add_subparsers(dest="bench_command")
+  kernel = bench_sub.add_parser("kernel", help="dense vs sparse_attention per mode (timing)")
+  _add_grid_args(kernel, default="480p")
+  kernel.add_argument("--batch", type=int, default=1)
+  kernel.add_argument("--heads", type=int, default=1)
+  kernel.add_argument("--head-dim", type=int, default=128)
+  kernel.add_argument("--density", type=float, default=0.35, help="kept-pair density in (0, 1]")
+  kernel.add_argument("--mode", choices=_MODES + ["all"], default="all")
+  kernel.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto")
+  kernel.add_argument("--block-q", type=int, help="query tile (default: 512 xla, 3328 splash)")
+  kernel.add_argument("--block-kv", type=int, help="key tile (default: 512 xla, 1536 splash)")
+  kernel.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
+  kernel.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  kernel.set_defaults(run=_bench_kernel)
   return parser
 
 

@@ -67,3 +67,52 @@ def plot_tiles(path: str, grid: VideoGrid, density: float, block_q: int, block_k
   fig.savefig(path, dpi=90)
   pyplot.close(fig)
 
+
+
+def plot_quality(path: str, cfg, result: dict, max_pixels: int = 504) -> None:
+  """Attention maps of a spatial and a temporal head with their chosen masks drawn over
+  them, and the router's per-head errors, for the quality benchmark."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+
+  from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.geometry import Layout  # pylint: disable=import-outside-toplevel
+
+  grid = cfg.grid
+  q, k, _ = planted_qkv(grid, cfg.head_types, cfg.head_dim, seed=cfg.seed)
+  heads = {t: cfg.head_types.index(t) for t in ("spatial", "temporal") if t in cfg.head_types}
+  oracle = result["oracle"]["temporal"]
+  mask = svg_mask(grid, cfg.timing_density)
+  step = max(1, -(-grid.tokens // max_pixels))
+  idx = np.arange(0, grid.tokens, step)
+  fig, axes = pyplot.subplots(1, len(heads) + 1, figsize=(5.2 * (len(heads) + 1), 5))
+  for ax, (kind, h) in zip(axes, heads.items()):
+    logits = jnp.asarray(q[0, h]) @ jnp.asarray(k[0, h]).T / np.sqrt(cfg.head_dim)
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+    s = grid.tokens - grid.tokens % step
+    pooled = probs[:s, :s].reshape(s // step, step, s // step, step).sum(axis=(1, 3))
+    ax.imshow(np.log10(pooled + 1e-9), cmap="magma", interpolation="nearest",
+              extent=(0, s, s, 0))
+    layout = Layout.TEMPORAL_MAJOR if oracle[h] else Layout.FRAME_MAJOR
+    chosen = PlacedMask(mask, grid, layout).contains(idx[:, None], idx[None, :])
+    ax.contour(idx, idx, chosen.astype(float), levels=[0.5], colors="cyan", linewidths=0.6)
+    ax.set_title(f"planted {kind} head {h}: attention (log10)\nrouted {layout.value}; "
+                 f"cyan: its mask at density {cfg.timing_density}", fontsize=9)
+    ax.set_xlabel("key token (frame-major)")
+    ax.set_ylabel("query token")
+  ax = axes[-1]
+  errors = result["routing"]["stratified_errors"]
+  x = np.arange(len(cfg.head_types))
+  ax.bar(x - 0.2, errors["spatial"], 0.4, label="spatial probe MSE", color="#2e86ab")
+  ax.bar(x + 0.2, errors["temporal"], 0.4, label="temporal probe MSE", color="#e4572e")
+  ax.set_yscale("log")
+  ax.set_xticks(x, [f"{h}\n{t[0].upper()}" for h, t in enumerate(cfg.head_types)], fontsize=7)
+  ax.set_xlabel("head (planted S = spatial, T = temporal, U = unstructured)")
+  ax.set_title("router errors per head (lower wins)", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  pyplot.close(fig)

@@ -78,3 +78,28 @@ def test_module_entry_point_runs():
   out = subprocess.run([sys.executable, "-m", "maxdiffusion_svg", "tiles", "--mode", "aligned"],
                        capture_output=True, text=True, check=True).stdout
   assert "21x45x80 = 75,600 tokens" in out
+
+
+def test_kernel_bench_reports_every_mode(tmp_path, capsys):
+  path = tmp_path / "kernel.json"
+  assert main(["bench", "kernel", "--latent-grid", "5x6x7", "--block-q", "128", "--block-kv", "128",
+               "--heads", "2", "--head-dim", "32", "--repeats", "1", "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  result = json.loads(path.read_text())
+  assert result["tokens"] == 210 and result["backend"] == "xla"
+  assert set(result["modes"]) == {"naive", "split", "aligned"}
+  for mode, row in result["modes"].items():
+    assert row["time_s"] > 0
+    assert row["efficiency_vs_dense"] == pytest.approx(
+        row["visited_tile_fraction"] / (row["time_s"] / result["dense_s"]))
+    assert any(line.split()[:1] == [mode] for line in out.splitlines())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--density", "0"], "density must be in (0, 1]"),
+    (["--heads", "0"], "heads must be >= 1"),
+    (["--block-q", "96"], "block_q must be a positive multiple of 128"),
+])
+def test_kernel_bench_bad_input_exits_2(capsys, args, needle):
+  assert main(["bench", "kernel", "--latent-grid", "5x6x7", *args]) == 2
+  assert needle in capsys.readouterr().err

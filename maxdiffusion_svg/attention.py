@@ -1,0 +1,101 @@
+"""``svg_attention``: route -> place -> sparse kernel -> restore, on one device's heads.
+
+Temporal heads are moved to temporal-major order, where their mask is the same band +
+sink as a spatial head's, so one TilePlan serves every head of the call. Placement is a
+per-head select between the two orders: shapes never depend on the routing flags, so
+re-routing never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.router import route_heads
+from maxdiffusion_svg.tiles import plan_tiles
+
+
+def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
+  """``[B, H, S, D]``: heads flagged temporal go to temporal-major order, the rest stay."""
+  return jnp.where(temporal[:, :, None, None], to_temporal_major(x, grid), x)
+
+
+def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
+  """Inverse of :func:`place`."""
+  return jnp.where(temporal[:, :, None, None], to_frame_major(x, grid), x)
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4 or x.shape[2] != grid.tokens:
+      raise ValueError(f"{name} must be [B, H, S, D] with S = grid.tokens = {grid.tokens} "
+                       f"(grid {grid}), got shape {tuple(x.shape)}")
+
+
+def profile_key(config: SvgConfig, step: Any = None, layer: Any = None) -> jax.Array:
+  """The router's key: the seed folded with the layer and step, so runs are reproducible."""
+  key = jax.random.key(config.profile_seed)
+  for index in (layer, step):
+    if index is not None:
+      key = jax.random.fold_in(key, index)
+  return key
+
+
+def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                  config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
+                  expert: str | None = None, return_info: bool = False) -> Any:
+  """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
+
+  With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``, the router's
+  ``spatial_error``/``temporal_error``, and the shared plan's ``plan`` statistics.
+  """
+  _check(q, k, v, grid)
+  plan = config.plan(grid, expert)
+  key = profile_key(config) if key is None else key
+  routing = route_heads(q, k, v, grid=grid, config=config, key=key, scale=scale)
+  flags = routing.temporal
+  out = sparse_attention(place(q, flags, grid), place(k, flags, grid), place(v, flags, grid), plan,
+                         scale=scale, backend=config.backend,
+                         block_kv_compute=config.block_kv_compute)
+  out = restore(out, flags, grid)
+  if not return_info:
+    return out
+  return out, {"temporal": flags, "spatial_error": routing.spatial_error,
+               "temporal_error": routing.temporal_error, "plan": plan.stats.as_dict()}
+
+
+def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                          config: SvgConfig, scale: float | None = None) -> jax.Array:
+  """Dense attention through the same executor (every tile full): the schedule's dense branch."""
+  block_q, block_kv = config.blocks()
+  plan = plan_tiles(grid, 1.0, block_q, block_kv, "aligned", include_sink=False)
+  return sparse_attention(q, k, v, plan, scale=scale, backend=config.backend,
+                          block_kv_compute=config.block_kv_compute)
+
+
+def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                            config: SvgConfig, step: Any, layer: Any,
+                            scale: float | None = None, expert: str | None = None) -> jax.Array:
+  """SVG inside the schedule's active steps and layers, dense outside.
+
+  ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
+  scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
+  """
+  _check(q, k, v, grid)
+  active = config.schedule.is_active(step, layer)
+  key = profile_key(config, step, layer)
+
+  def sparse(q, k, v):
+    return svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale, expert=expert)
+
+  def dense(q, k, v):
+    return dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale)
+
+  if isinstance(active, bool):
+    return (sparse if active else dense)(q, k, v)
+  return jax.lax.cond(active, sparse, dense, q, k, v)

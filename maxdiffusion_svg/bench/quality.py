@@ -1,0 +1,242 @@
+"""The quality benchmark: SVG on synthetic video attention with planted head types.
+
+Reports routing accuracy (against the planted types and against an every-row oracle
+router), attention-output PSNR and relative L2 error against dense per density and mode,
+time against dense, and the router's share of the time, also at a 720p sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiffusion_svg.attention import place, restore, svg_attention
+from maxdiffusion_svg.bench.synthetic import planted_qkv
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.kernels import dense_attention, sparse_attention
+from maxdiffusion_svg.router import PROFILE_POOLS, probe_errors, route_heads
+
+# The reference router samples the first 10,000 of 75,600 tokens at 720p (2.8 of 21
+# frames); the benchmark keeps that share on its smaller grid.
+PREFIX_SHARE = 10_000 / 75_600
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityBenchConfig:
+  grid: VideoGrid = VideoGrid(21, 12, 20)  # Wan's 21 latent frames, 5,040 tokens
+  head_types: tuple[str, ...] = ("spatial",) * 6 + ("temporal",) * 6 + ("unstructured",) * 4
+  head_dim: int = 64
+  densities: tuple[float, ...] = (0.2, 0.35, 0.5, 1.0)
+  modes: tuple[str, ...] = ("naive", "split", "aligned")
+  block_q: int = 256
+  block_kv: int = 256
+  profile_queries: int = 64
+  router_seeds: int = 5
+  timing_density: float = 0.35
+  timing_resolution: str | None = "720p"  # router share at a real length; None to skip
+  repeats: int = 2
+  seed: int = 0
+
+  def svg_config(self, **overrides: Any) -> SvgConfig:
+    kwargs: dict[str, Any] = dict(
+        density=self.timing_density, tile_mode="aligned", block_q=self.block_q,
+        block_kv=self.block_kv, backend="xla", profile_queries=self.profile_queries,
+        sample_max_row=max(1, round(PREFIX_SHARE * self.grid.tokens)))
+    kwargs.update(overrides)
+    return SvgConfig(**kwargs)
+
+
+def psnr(out: np.ndarray, ref: np.ndarray) -> float:
+  """Peak signal-to-noise ratio (dB) against ``ref``, peak = ``ref``'s value range."""
+  mse = float(np.mean((out - ref) ** 2))
+  peak = float(ref.max() - ref.min())
+  return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def rel_l2(out: np.ndarray, ref: np.ndarray) -> float:
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def oracle_routing(q, k, v, grid: VideoGrid, *, include_sink: bool = True, chunk: int = 256):
+  """The router's decision with every query row profiled (chunked over rows)."""
+  errors = jax.jit(lambda rows: probe_errors(q, k, v, rows, grid, include_sink=include_sink))
+  spatial = temporal = 0.0
+  s = grid.tokens
+  for start in range(0, s, chunk):
+    rows = jnp.minimum(jnp.arange(start, start + chunk, dtype=jnp.int32), s - 1)
+    weight = min(chunk, s - start)  # the clipped tail repeats the last row: weigh it out
+    e_s, e_t = errors(rows)
+    spatial = spatial + e_s * weight
+    temporal = temporal + e_t * weight
+  return np.asarray(temporal < spatial)
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+  jax.block_until_ready(fn())
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def _routing_section(cfg, q, k, v, planted, oracle, log) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for pool in PROFILE_POOLS:
+    svg = cfg.svg_config(profile_pool=pool)
+    route = jax.jit(lambda q, k, v, key, svg=svg: route_heads(q, k, v, grid=cfg.grid, config=svg,
+                                                              key=key))
+    vs_planted, vs_oracle = [], []
+    for i in range(cfg.router_seeds):
+      routing = route(q, k, v, jax.random.key(i))
+      flags = np.asarray(routing.temporal)[0]
+      if i == 0:
+        out[f"{pool}_errors"] = {"spatial": np.asarray(routing.spatial_error)[0].tolist(),
+                                 "temporal": np.asarray(routing.temporal_error)[0].tolist()}
+      known = planted != "unstructured"
+      vs_planted.append(np.mean(flags[known] == (planted[known] == "temporal")))
+      vs_oracle.append(np.mean(flags == oracle))
+    out[pool] = {"accuracy_vs_planted": float(np.mean(vs_planted)),
+                 "min_accuracy_vs_planted": float(np.min(vs_planted)),
+                 "agreement_vs_oracle": float(np.mean(vs_oracle))}
+    log(f"  router pool {pool}: {100 * out[pool]['accuracy_vs_planted']:.1f}% of planted heads "
+        f"correct, {100 * out[pool]['agreement_vs_oracle']:.1f}% agree with the oracle")
+  return out
+
+
+def _quality_section(cfg, q, k, v, dense, planted, log) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  groups = {t: planted == t for t in sorted(set(planted))}
+  for density in cfg.densities:
+    for mode in cfg.modes:
+      svg = cfg.svg_config(density=density, tile_mode=mode)
+      run = jax.jit(lambda q, k, v, svg=svg: svg_attention(q, k, v, grid=cfg.grid, config=svg,
+                                                           return_info=True))
+      o, info = run(q, k, v)
+      o = np.asarray(o)
+      row = {"psnr_db": psnr(o, dense), "rel_l2": rel_l2(o, dense),
+             "retained_pair_fraction": info["plan"]["retained_pair_fraction"],
+             "visited_tile_fraction": info["plan"]["visited_tile_fraction"],
+             "temporal_heads": int(np.asarray(info["temporal"]).sum())}
+      for name, sel in groups.items():
+        row[f"psnr_db_{name}"] = psnr(o[:, sel], dense[:, sel])
+      out[f"{density}/{mode}"] = row
+      log(f"  density {density} {mode}: PSNR {row['psnr_db']:.2f} dB, rel L2 {row['rel_l2']:.4f}")
+  # What routing buys: every head forced to one layout, same density and tiles.
+  svg = cfg.svg_config()
+  plan = svg.plan(cfg.grid)
+  for name, temporal in (("all_spatial", False), ("all_temporal", True)):
+    flags = jnp.full(q.shape[:2], temporal)
+    o = restore(sparse_attention(place(q, flags, cfg.grid), place(k, flags, cfg.grid),
+                                 place(v, flags, cfg.grid), plan, backend="xla"), flags, cfg.grid)
+    o = np.asarray(o)
+    out[f"{cfg.timing_density}/aligned/{name}"] = {"psnr_db": psnr(o, dense),
+                                                    "rel_l2": rel_l2(o, dense)}
+  return out
+
+
+def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
+  svg = cfg.svg_config()
+  grid = cfg.grid
+  dense_fn = jax.jit(dense_attention)
+  svg_fn = jax.jit(lambda q, k, v: svg_attention(q, k, v, grid=grid, config=svg))
+  route_fn = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=grid, config=svg,
+                                                 key=jax.random.key(0)).temporal)
+  plan = svg.plan(grid)
+  kernel_fn = jax.jit(lambda q, k, v: sparse_attention(q, k, v, plan, backend="xla"))
+  out = {"dense_s": _timed(lambda: dense_fn(q, k, v), cfg.repeats),
+         "svg_s": _timed(lambda: svg_fn(q, k, v), cfg.repeats),
+         "router_s": _timed(lambda: route_fn(q, k, v), cfg.repeats),
+         "kernel_s": _timed(lambda: kernel_fn(q, k, v), cfg.repeats)}
+  out["router_share_of_kernel"] = out["router_s"] / out["kernel_s"]
+  log(f"  bench grid: dense {out['dense_s']:.3f} s, svg {out['svg_s']:.3f} s, router "
+      f"{out['router_s']:.4f} s ({100 * out['router_share_of_kernel']:.1f}% of the sparse kernel)")
+  if cfg.timing_resolution:
+    big = grid_for_resolution(cfg.timing_resolution)
+    log(f"  timing the router against the sparse kernel at {cfg.timing_resolution} "
+        f"({big.tokens:,} tokens, 1 head)...")
+    rng = np.random.default_rng(cfg.seed)
+    qb, kb, vb = (jnp.asarray(rng.standard_normal((1, 1, big.tokens, 128), np.float32))
+                  for _ in range(3))
+    big_svg = SvgConfig(density=cfg.timing_density, backend="xla",
+                        profile_queries=cfg.profile_queries)
+    big_plan = big_svg.plan(big)
+    route_big = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=big, config=big_svg,
+                                                    key=jax.random.key(0)).temporal)
+    kernel_big = jax.jit(lambda q, k, v: sparse_attention(q, k, v, big_plan, backend="xla"))
+    out["large"] = {"resolution": cfg.timing_resolution, "tokens": big.tokens,
+                    "router_s": _timed(lambda: route_big(qb, kb, vb), cfg.repeats),
+                    "kernel_s": _timed(lambda: kernel_big(qb, kb, vb), 1)}
+    out["large"]["router_share_of_kernel"] = out["large"]["router_s"] / out["large"]["kernel_s"]
+    log(f"  {cfg.timing_resolution}: router {out['large']['router_s']:.3f} s, sparse kernel "
+        f"{out['large']['kernel_s']:.2f} s: router = "
+        f"{100 * out['large']['router_share_of_kernel']:.2f}% of the kernel")
+  return out
+
+
+def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
+                      log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Runs every section; returns a JSON-ready dict (and the inputs, for plotting)."""
+  planted = np.array(cfg.head_types)
+  log(f"planting {len(planted)} heads on grid {cfg.grid} ({cfg.grid.tokens:,} tokens)...")
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(cfg.grid, cfg.head_types, cfg.head_dim,
+                                                  seed=cfg.seed))
+  dense = np.asarray(jax.jit(dense_attention)(q, k, v))
+  log("routing with every row profiled (oracle)...")
+  oracle = oracle_routing(q, k, v, cfg.grid)[0]
+  known = planted != "unstructured"
+  result: dict[str, Any] = {
+      "grid": list(cfg.grid.shape), "tokens": cfg.grid.tokens, "heads": list(cfg.head_types),
+      "head_dim": cfg.head_dim, "tiles": [cfg.block_q, cfg.block_kv],
+      "profile_queries": cfg.profile_queries,
+      "prefix_rows": cfg.svg_config().sample_max_row,
+      "oracle": {"temporal": oracle.tolist(),
+                 "accuracy_vs_planted": float(np.mean(oracle[known] ==
+                                                      (planted[known] == "temporal")))},
+  }
+  log("routing with sampled rows...")
+  result["routing"] = _routing_section(cfg, q, k, v, planted, oracle, log)
+  log("attention quality against dense...")
+  result["quality"] = _quality_section(cfg, q, k, v, dense, planted, log)
+  log("timing...")
+  result["timing"] = _timing_section(cfg, q, k, v, log)
+  return result
+
+
+def format_quality_bench(r: dict[str, Any]) -> str:
+  lines = [f"grid {'x'.join(map(str, r['grid']))} = {r['tokens']:,} tokens, {len(r['heads'])} heads "
+           f"({', '.join(f'{r['heads'].count(t)} {t}' for t in dict.fromkeys(r['heads']))}), "
+           f"D={r['head_dim']}, tiles {r['tiles'][0]}x{r['tiles'][1]}, "
+           f"{r['profile_queries']} profiled rows (prefix pool: first {r['prefix_rows']} tokens)",
+           "",
+           "routing                      planted-correct   min over seeds   agrees with oracle",
+           f"{'oracle (every row)':<28} {100 * r['oracle']['accuracy_vs_planted']:>14.1f}%"]
+  for pool in PROFILE_POOLS:
+    row = r["routing"][pool]
+    lines.append(f"{'sampled, ' + pool:<28} {100 * row['accuracy_vs_planted']:>14.1f}% "
+                 f"{100 * row['min_accuracy_vs_planted']:>15.1f}% "
+                 f"{100 * row['agreement_vs_oracle']:>19.1f}%")
+  lines += ["", "quality vs dense        PSNR dB   rel L2   kept%  visited%  temporal heads"]
+  for name, row in r["quality"].items():
+    extra = (f"{100 * row['retained_pair_fraction']:>7.1f} {100 * row['visited_tile_fraction']:>9.1f}"
+             f" {row['temporal_heads']:>15}" if "retained_pair_fraction" in row else
+             "   (no routing)")
+    lines.append(f"{name:<22} {row['psnr_db']:>8.2f} {row['rel_l2']:>8.4f} {extra}")
+  t = r["timing"]
+  lines += ["", f"time on the bench grid: dense {t['dense_s']:.3f} s, svg_attention {t['svg_s']:.3f} s "
+            f"(ratio {t['svg_s'] / t['dense_s']:.2f}); router {t['router_s'] * 1e3:.1f} ms = "
+            f"{100 * t['router_share_of_kernel']:.1f}% of the sparse kernel"]
+  if "large" in t:
+    lg = t["large"]
+    lines.append(f"at {lg['resolution']} ({lg['tokens']:,} tokens, per head): router "
+                 f"{lg['router_s'] * 1e3:.0f} ms, sparse kernel {lg['kernel_s']:.2f} s: router = "
+                 f"{100 * lg['router_share_of_kernel']:.2f}% of the kernel")
+  return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""``SvgConfig``: every SVG setting, read from MaxDiffusion-style flat ``svg_*`` YAML keys."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels.api import BACKENDS, DEFAULT_BLOCKS, resolve_backend
+from maxdiffusion_svg.masks import check_density
+from maxdiffusion_svg.router import RouterConfig
+from maxdiffusion_svg.schedule import Interval, PRESETS, Schedule, get_preset
+from maxdiffusion_svg.tiles import TileMode, TilePlan, check_block_size, plan_tiles
+
+# MaxDiffusion's Wan 2.1 14B default; used to place a preset's dense warm-up when the
+# config does not say how many steps the run has (``num_inference_steps``).
+DEFAULT_NUM_STEPS = 50
+DEFAULT_PRESET = "moderate"
+EXPERTS = ("high_noise", "low_noise")  # Wan 2.2's two transformers
+
+
+@dataclasses.dataclass(frozen=True)
+class SvgConfig:
+  """SVG settings. Defaults are the ``moderate`` preset for a 50-step run."""
+
+  density: float = PRESETS[DEFAULT_PRESET].density
+  high_noise_density: float | None = None  # Wan 2.2 high-noise expert; None = density
+  low_noise_density: float | None = None  # Wan 2.2 low-noise expert; None = density
+  schedule: Schedule = PRESETS[DEFAULT_PRESET].schedule(DEFAULT_NUM_STEPS)
+  tile_mode: TileMode | str = TileMode.ALIGNED
+  block_q: int | None = None  # None: the backend's default (see kernels.api.DEFAULT_BLOCKS)
+  block_kv: int | None = None
+  block_kv_compute: int | None = None
+  backend: str = "auto"
+  include_sink: bool = True
+  profile_queries: int = 64
+  profile_pool: str = "stratified"
+  sample_max_row: int = 10_000
+  profile_seed: int = 0
+
+  def __post_init__(self):
+    check_density(self.density, "svg_density")
+    for name in ("high_noise_density", "low_noise_density"):
+      if getattr(self, name) is not None:
+        check_density(getattr(self, name), f"svg_{name}")
+    object.__setattr__(self, "tile_mode", TileMode.parse(self.tile_mode, "svg_tile_mode"))
+    for name in ("block_q", "block_kv", "block_kv_compute"):
+      if getattr(self, name) is not None:
+        check_block_size(getattr(self, name), f"svg_{name}")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+    if not isinstance(self.include_sink, bool):
+      raise ValueError(f"svg_include_sink must be true or false, got {self.include_sink!r}")
+    if isinstance(self.profile_seed, bool) or not isinstance(self.profile_seed, int):
+      raise ValueError(f"svg_profile_seed must be an integer, got {self.profile_seed!r}")
+    _ = self.router  # validates the router keys
+
+  @property
+  def router(self) -> RouterConfig:
+    return RouterConfig(self.profile_queries, self.profile_pool, self.sample_max_row,
+                        self.include_sink)
+
+  def density_for(self, expert: str | None = None) -> float:
+    """The density of a Wan 2.2 expert (``high_noise``/``low_noise``), or the shared one."""
+    if expert is None:
+      return self.density
+    if expert not in EXPERTS:
+      raise ValueError(f"expert must be one of {', '.join(EXPERTS)} or None, got {expert!r}")
+    own = getattr(self, f"{expert}_density")
+    return self.density if own is None else own
+
+  def blocks(self) -> tuple[int, int]:
+    default_q, default_kv = DEFAULT_BLOCKS[resolve_backend(self.backend)]
+    return self.block_q or default_q, self.block_kv or default_kv
+
+  def plan(self, grid: VideoGrid, expert: str | None = None) -> TilePlan:
+    """The tile plan every head of a call shares (static: built at trace time, cached)."""
+    block_q, block_kv = self.blocks()
+    return plan_tiles(grid, self.density_for(expert), block_q, block_kv, self.tile_mode,
+                      include_sink=self.include_sink)
+
+  @classmethod
+  def from_mapping(cls, mapping: Mapping[str, Any], num_steps: int | None = None) -> "SvgConfig":
+    """Reads the ``svg_*`` keys of a flat (MaxDiffusion) config; other keys are ignored.
+
+    ``svg_schedule`` picks a preset (default ``moderate``); any other key overrides it.
+    The preset's dense warm-up is placed using ``num_steps``, else the mapping's
+    ``num_inference_steps``, else 50. Unknown ``svg_*`` keys raise: a typo must not be
+    silently ignored.
+    """
+    svg = {k: v for k, v in mapping.items() if k.startswith("svg_")}
+    unknown = sorted(set(svg) - set(_KEYS) - {"svg_schedule"})
+    if unknown:
+      raise ValueError(f"unknown SVG config key(s) {', '.join(unknown)}; allowed: "
+                       f"{', '.join(sorted(set(_KEYS) | {'svg_schedule'}))}")
+    steps = num_steps if num_steps is not None else mapping.get("num_inference_steps",
+                                                                 DEFAULT_NUM_STEPS)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ValueError(f"num_inference_steps must be a positive integer, got {steps!r}")
+    preset = get_preset(svg.get("svg_schedule", DEFAULT_PRESET))
+    base = preset.schedule(steps)
+    kwargs: dict[str, Any] = {"density": preset.density}
+    for key, field in _KEYS.items():
+      if key in svg and field not in ("active_steps", "active_layers"):
+        kwargs[field] = svg[key]
+    kwargs["schedule"] = Schedule(
+        Interval.parse(svg["svg_active_steps"], "svg_active_steps")
+        if "svg_active_steps" in svg else base.active_steps,
+        Interval.parse(svg["svg_active_layers"], "svg_active_layers")
+        if "svg_active_layers" in svg else base.active_layers)
+    return cls(**kwargs)
+
+
+# Flat YAML key -> SvgConfig field (svg_schedule is the preset, handled apart).
+_KEYS = {
+    "svg_density": "density",
+    "svg_high_noise_density": "high_noise_density",
+    "svg_low_noise_density": "low_noise_density",
+    "svg_active_steps": "active_steps",
+    "svg_active_layers": "active_layers",
+    "svg_tile_mode": "tile_mode",
+    "svg_block_q": "block_q",
+    "svg_block_kv": "block_kv",
+    "svg_block_kv_compute": "block_kv_compute",
+    "svg_backend": "backend",
+    "svg_include_sink": "include_sink",
+    "svg_profile_queries": "profile_queries",
+    "svg_profile_pool": "profile_pool",
+    "svg_sample_max_row": "sample_max_row",
+    "svg_profile_seed": "profile_seed",
+}

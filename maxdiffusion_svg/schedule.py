@@ -1,0 +1,89 @@
+"""When SVG runs: dense warm-up steps and layers, as half-open intervals, and named presets.
+
+``is_active`` accepts Python ints (decided at trace time) or traced int32 scalars (a
+``jax.Array`` flag, for ``lax.cond``), so one compiled forward serves every step and layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """Half-open ``[start, end)``; ``end=None`` runs to the last step or layer."""
+
+  start: int = 0
+  end: int | None = None
+
+  @classmethod
+  def parse(cls, value: Any, key: str) -> "Interval":
+    """From ``[start, end]`` (YAML list); ``end`` may be null or -1 for "to the end"."""
+    if isinstance(value, Interval):
+      return value
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+      raise ValueError(f"{key} must be a [start, end) pair, got {value!r}")
+    start, end = value
+    if end is not None and end == -1:
+      end = None
+    if not _is_int(start) or start < 0 or (end is not None and not _is_int(end)):
+      raise ValueError(f"{key} must hold integers >= 0 (end may be null or -1), got {value!r}")
+    if end is not None and start >= end:
+      raise ValueError(f"{key} needs start < end, got [{start}, {end})")
+    return cls(start, end)
+
+  def contains(self, i: Any) -> Any:
+    if _is_int(i):
+      return self.start <= i and (self.end is None or i < self.end)
+    inside = jnp.asarray(i) >= self.start
+    return inside if self.end is None else inside & (jnp.asarray(i) < self.end)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Steps and layers where sparse attention runs; everything else runs dense."""
+
+  active_steps: Interval = Interval()
+  active_layers: Interval = Interval()
+
+  def is_active(self, step: Any, layer: Any) -> Any:
+    """Python bool for ints, a traced bool for traced step or layer."""
+    steps, layers = self.active_steps.contains(step), self.active_layers.contains(layer)
+    if isinstance(steps, bool) and isinstance(layers, bool):
+      return steps and layers
+    return jnp.logical_and(steps, layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A named trade-off: density, share of denoising steps kept dense, dense first layers."""
+
+  density: float
+  dense_step_fraction: float
+  dense_layers: int
+
+  def schedule(self, num_steps: int) -> Schedule:
+    return Schedule(Interval(math.floor(self.dense_step_fraction * num_steps), None),
+                    Interval(self.dense_layers, None))
+
+
+# Wan 2.1 values; see README ("Schedules") for where they come from.
+PRESETS: Mapping[str, Preset] = {
+    "conservative": Preset(density=0.40, dense_step_fraction=0.30, dense_layers=1),
+    "moderate": Preset(density=0.30, dense_step_fraction=0.20, dense_layers=1),
+    "aggressive": Preset(density=0.20, dense_step_fraction=0.10, dense_layers=1),
+}
+
+
+def get_preset(name: str) -> Preset:
+  if name not in PRESETS:
+    raise ValueError(f"svg_schedule must be one of {', '.join(PRESETS)}, got {name!r}")
+  return PRESETS[name]

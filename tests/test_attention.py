@@ -1,0 +1,121 @@
+"""svg_attention: placement, per-head masks against brute force, schedules without recompiling."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.attention import place, restore, scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.bench.synthetic import planted_qkv
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid, frame_major_order
+from maxdiffusion_svg.kernels import dense_attention, masked_attention
+from maxdiffusion_svg.schedule import Interval, Schedule
+
+GRID = VideoGrid(6, 8, 16)  # 768 tokens
+TYPES = ("spatial", "temporal", "temporal", "spatial")
+
+
+def config(**kw):
+  kw = {"block_q": 128, "block_kv": 128, "backend": "xla", "profile_queries": 16, **kw}
+  return SvgConfig(**kw)
+
+
+def test_place_and_restore_round_trip_for_every_flag_pattern():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((2, 3, GRID.tokens, 4)), jnp.float32)
+  order = frame_major_order(GRID)
+  for bits in itertools.product([False, True], repeat=6):
+    flags = jnp.asarray(np.array(bits).reshape(2, 3))
+    placed = place(x, flags, GRID)
+    for b, h in np.ndindex(2, 3):
+      want = np.asarray(x[b, h])[np.argsort(order)] if bits[b * 3 + h] else np.asarray(x[b, h])
+      np.testing.assert_array_equal(np.asarray(placed[b, h]), want)
+    np.testing.assert_array_equal(np.asarray(restore(placed, flags, GRID)), np.asarray(x))
+
+
+def head_mask_in_original_order(plan, temporal):
+  """Brute force: the plan's mask in placed positions, re-indexed to frame-major tokens."""
+  placed = plan.dense_mask()
+  if not temporal:
+    return placed
+  pos = frame_major_order(GRID)  # pos[t] = temporal-major position of token t
+  return placed[np.ix_(pos, pos)]
+
+
+@pytest.mark.parametrize("mode", ["naive", "split", "aligned"])
+@pytest.mark.parametrize("backend", ["xla", "splash"])
+def test_each_head_gets_its_chosen_mask(mode, backend):
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=32, seed=2, batch=2))
+  cfg = config(density=0.3, tile_mode=mode, backend=backend)
+  out, info = svg_attention(q, k, v, grid=GRID, config=cfg, return_info=True)
+  flags = np.asarray(info["temporal"])
+  np.testing.assert_array_equal(flags, [[t == "temporal" for t in TYPES]] * 2)
+  plan = cfg.plan(GRID)
+  for b, h in np.ndindex(*flags.shape):
+    mask = jnp.asarray(head_mask_in_original_order(plan, flags[b, h]))
+    want = masked_attention(q[b:b + 1, h:h + 1], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1], mask)
+    np.testing.assert_allclose(np.asarray(out[b, h]), np.asarray(want[0, 0]), atol=2e-5)
+  assert info["plan"]["visited_tile_fraction"] == plan.stats.visited_tile_fraction
+  assert info["spatial_error"].shape == info["temporal_error"].shape == (2, 4)
+
+
+def test_density_one_reproduces_dense():
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=32, seed=3))
+  out = svg_attention(q, k, v, grid=GRID, config=config(density=1.0))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(dense_attention(q, k, v)), atol=2e-5)
+
+
+def test_sequence_must_match_the_grid():
+  q = jnp.zeros((1, 2, 700, 16))
+  with pytest.raises(ValueError, match="S = grid.tokens = 768 .*got shape \\(1, 2, 700, 16\\)"):
+    svg_attention(q, q, q, grid=GRID, config=config())
+
+
+def test_routing_flags_steps_and_layers_change_without_recompiling():
+  cfg = config(density=0.3, schedule=Schedule(Interval(2, None), Interval(1, None)))
+  traces = []
+
+  @jax.jit
+  def run(q, k, v, step, layer):
+    traces.append(1)
+    return scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, step=step, layer=layer)
+
+  spatial_first = [jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=32, seed=4)]
+  temporal_first = [jnp.asarray(x) for x in planted_qkv(GRID, TYPES[::-1], head_dim=32, seed=4)]
+  outs = {}
+  for (step, layer), data in itertools.product([(0, 0), (3, 0), (3, 2), (7, 5)],
+                                               [spatial_first, temporal_first]):
+    outs[step, layer, id(data)] = run(*data, jnp.int32(step), jnp.int32(layer))
+  assert len(traces) == 1  # new flags, steps and layers reuse one executable
+  q, k, v = spatial_first
+  dense = np.asarray(dense_attention(q, k, v))
+  sparse = np.asarray(svg_attention(q, k, v, grid=GRID, config=cfg,
+                                    key=jax.random.fold_in(jax.random.fold_in(
+                                        jax.random.key(cfg.profile_seed), 2), 3)))
+  np.testing.assert_allclose(np.asarray(outs[0, 0, id(spatial_first)]), dense, atol=2e-5)  # warm-up
+  np.testing.assert_allclose(np.asarray(outs[3, 0, id(spatial_first)]), dense, atol=2e-5)  # layer 0
+  np.testing.assert_allclose(np.asarray(outs[3, 2, id(spatial_first)]), sparse, atol=2e-5)
+  assert np.abs(sparse - dense).max() > 1e-3  # the sparse branch really is sparse
+
+
+def test_python_int_schedule_decides_at_trace_time():
+  cfg = config(density=0.3, schedule=Schedule(Interval(5, None), Interval(0, None)))
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=32, seed=5))
+  jaxpr = str(jax.make_jaxpr(lambda q, k, v: scheduled_svg_attention(
+      q, k, v, grid=GRID, config=cfg, step=0, layer=0))(q, k, v))
+  assert "cond" not in jaxpr
+  np.testing.assert_allclose(
+      np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, step=0, layer=0)),
+      np.asarray(dense_attention(q, k, v)), atol=2e-5)
+
+
+def test_wan22_experts_use_their_own_density():
+  cfg = config(density=0.4, high_noise_density=0.6, low_noise_density=0.2)
+  assert cfg.plan(GRID, "high_noise").stats.exact_pair_fraction > \
+      cfg.plan(GRID).stats.exact_pair_fraction > cfg.plan(GRID, "low_noise").stats.exact_pair_fraction
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=32, seed=6))
+  _, info = svg_attention(q, k, v, grid=GRID, config=cfg, expert="low_noise", return_info=True)
+  assert info["plan"]["exact_pair_fraction"] == cfg.plan(GRID, "low_noise").stats.exact_pair_fraction

@@ -1,0 +1,124 @@
+"""Router against a NumPy oracle written from the definition; planted heads."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.bench.synthetic import planted_qkv
+from maxdiffusion_svg.geometry import VideoGrid, frame_major_order
+from maxdiffusion_svg.router import RouterConfig, probe_errors, route_heads, sample_rows
+
+GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 block
+
+
+def numpy_probe_masks(grid, include_sink):
+  """Spatial probe: k < P or |q//128 - k//128| < 2P//128; temporal: same, re-indexed."""
+  n, p = grid.tokens, grid.frame_size
+  radius = max(1, 2 * p // 128)
+  spatial = np.zeros((n, n), bool)
+  for q, k in itertools.product(range(n), repeat=2):
+    spatial[q, k] = (include_sink and k < p) or abs(q // 128 - k // 128) < radius
+  pos = frame_major_order(grid)
+  return spatial, spatial[np.ix_(pos, pos)]
+
+
+def numpy_route(q, k, v, rows, grid, include_sink=True):
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  spatial, temporal = numpy_probe_masks(grid, include_sink)
+  logits = np.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k) / np.sqrt(q.shape[-1])
+
+  def out(mask):
+    x = logits if mask is None else np.where(mask[rows], logits, -np.inf)
+    w = np.exp(x - x.max(-1, keepdims=True))
+    return np.einsum("bhrk,bhkd->bhrd", w / w.sum(-1, keepdims=True), v)
+
+  dense = out(None)
+  err_s = ((out(spatial) - dense) ** 2).mean(axis=(2, 3))
+  err_t = ((out(temporal) - dense) ** 2).mean(axis=(2, 3))
+  return err_t < err_s, err_s, err_t
+
+
+@pytest.mark.parametrize("pool", ["prefix", "stratified"])
+@pytest.mark.parametrize("include_sink", [True, False])
+def test_router_equals_numpy_oracle(pool, include_sink):
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((2, 4, GRID.tokens, 32)).astype(np.float32) for _ in range(3))
+  config = RouterConfig(profile_queries=16, profile_pool=pool, sample_max_row=300,
+                        include_sink=include_sink)
+  key = jax.random.key(3)
+  routing = route_heads(q, k, v, grid=GRID, config=config, key=key)
+  rows = np.asarray(sample_rows(key, GRID.tokens, config))
+  flags, err_s, err_t = numpy_route(q, k, v, rows, GRID, include_sink)
+  np.testing.assert_allclose(np.asarray(routing.spatial_error), err_s, rtol=1e-4, atol=1e-9)
+  np.testing.assert_allclose(np.asarray(routing.temporal_error), err_t, rtol=1e-4, atol=1e-9)
+  np.testing.assert_array_equal(np.asarray(routing.temporal), flags)
+
+
+def test_ties_go_to_spatial():
+  # With one frame both orders coincide, so the two probe errors are bitwise equal.
+  grid = VideoGrid(1, 8, 16)
+  rng = np.random.default_rng(5)
+  q, k, v = (rng.standard_normal((1, 3, grid.tokens, 8)).astype(np.float32) for _ in range(3))
+  routing = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=4),
+                        key=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(routing.spatial_error),
+                                np.asarray(routing.temporal_error))
+  assert not np.asarray(routing.temporal).any()
+
+
+def test_planted_heads_are_routed_to_their_type():
+  types = ("spatial", "temporal") * 4
+  grid = VideoGrid(9, 10, 16)
+  q, k, v = planted_qkv(grid, types, head_dim=32, seed=1)
+  for seed in range(3):
+    routing = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=32),
+                          key=jax.random.key(seed))
+    np.testing.assert_array_equal(np.asarray(routing.temporal)[0],
+                                  [t == "temporal" for t in types])
+
+
+def test_same_key_same_flags_and_rows():
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.standard_normal((1, 6, GRID.tokens, 16)).astype(np.float32) for _ in range(3))
+  config = RouterConfig(profile_queries=8)
+  a = route_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
+  b = route_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
+  np.testing.assert_array_equal(np.asarray(a.temporal), np.asarray(b.temporal))
+  np.testing.assert_array_equal(np.asarray(a.spatial_error), np.asarray(b.spatial_error))
+
+
+def test_sampling_pools():
+  key = jax.random.key(0)
+  prefix = np.asarray(sample_rows(key, 5000, RouterConfig(profile_queries=64, profile_pool="prefix",
+                                                          sample_max_row=700)))
+  assert prefix.min() >= 0 and prefix.max() < 700
+  strat = np.asarray(sample_rows(key, 5000, RouterConfig(profile_queries=50)))
+  np.testing.assert_array_equal(strat // 100, np.arange(50))  # one row in each 100-token slice
+  small = np.asarray(sample_rows(key, 30, RouterConfig(profile_queries=64)))
+  assert small.max() < 30
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(profile_queries=0), "svg_profile_queries must be an integer >= 1"),
+    (dict(sample_max_row=0), "svg_sample_max_row must be an integer >= 1"),
+    (dict(profile_pool="random"), "svg_profile_pool must be one of prefix, stratified"),
+])
+def test_router_config_rejects_bad_values(kwargs, needle):
+  with pytest.raises(ValueError, match=needle):
+    RouterConfig(**kwargs)
+
+
+def test_router_rejects_sequence_not_matching_grid():
+  q = np.zeros((1, 1, 100, 8), np.float32)
+  with pytest.raises(ValueError, match="does not match grid 6x8x16"):
+    route_heads(q, q, q, grid=GRID, config=RouterConfig(), key=jax.random.key(0))
+
+
+def test_probe_errors_are_float32_even_for_bfloat16_inputs():
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(rng.standard_normal((1, 2, GRID.tokens, 16)), jnp.bfloat16)
+  e_s, e_t = probe_errors(q, q, q, jnp.arange(8), GRID)
+  assert e_s.dtype == jnp.float32 and e_t.dtype == jnp.float32
