@@ -123,8 +123,8 @@ def _quality_section(cfg, q, k, v, dense, planted, log) -> dict[str, Any]:
       o, info = run(q, k, v)
       o = np.asarray(o)
       row = {"psnr_db": psnr(o, dense), "rel_l2": rel_l2(o, dense),
-             "retained_pair_fraction": info["plan"]["retained_pair_fraction"],
-             "visited_tile_fraction": info["plan"]["visited_tile_fraction"],
+             "retained_pair_fraction": float(info["plan"]["retained_pair_fraction"]),
+             "visited_tile_fraction": float(info["plan"]["visited_tile_fraction"]),
              "temporal_heads": int(np.asarray(info["temporal"]).sum())}
       for name, sel in groups.items():
         row[f"psnr_db_{name}"] = psnr(o[:, sel], dense[:, sel])
