@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test bench venv clean
+.PHONY: test bench tiles venv clean
 
 venv: $(STAMP)
 
@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The main job on its default: the 720p tile report.
+# The main job on its default: the quality benchmark.
 bench: venv
+	$(PY) -m maxdiffusion_svg bench $(ARGS)
+
+# The tile report (720p by default).
+tiles: venv
 	$(PY) -m maxdiffusion_svg tiles $(ARGS)
 
 clean:

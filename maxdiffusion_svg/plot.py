@@ -110,7 +110,7 @@ def plot_quality(path: str, cfg, result: dict, max_pixels: int = 504) -> None:
   ax.bar(x + 0.2, errors["temporal"], 0.4, label="temporal probe MSE", color="#e4572e")
   ax.set_yscale("log")
   ax.set_xticks(x, [f"{h}\n{t[0].upper()}" for h, t in enumerate(cfg.head_types)], fontsize=7)
-  ax.set_xlabel("head (planted S = spatial, T = temporal, U = unstructured)")
+  ax.set_xlabel("head (planted S = spatial, T = temporal, D = drifting, U = unstructured)")
   ax.set_title("router errors per head (lower wins)", fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()

@@ -25,6 +25,7 @@ def test_tiny_quality_bench(tmp_path):
   assert messages  # progress is shown
   for pool in ("prefix", "stratified"):
     assert result["routing"][pool]["accuracy_vs_planted"] == 1.0
+    assert result["routing"][f"{pool}/8"]["profile_queries"] == 8
   assert result["oracle"]["accuracy_vs_planted"] == 1.0
   assert result["quality"]["1.0/aligned"]["psnr_db"] > 100  # density 1 reproduces dense
   assert result["quality"]["1.0/aligned"]["rel_l2"] < 1e-5

@@ -122,3 +122,14 @@ def test_probe_errors_are_float32_even_for_bfloat16_inputs():
   q = jnp.asarray(rng.standard_normal((1, 2, GRID.tokens, 16)), jnp.bfloat16)
   e_s, e_t = probe_errors(q, q, q, jnp.arange(8), GRID)
   assert e_s.dtype == jnp.float32 and e_t.dtype == jnp.float32
+
+
+def test_stratified_pool_sees_heads_that_change_after_the_first_frames():
+  # Drifting heads are spatial in the first quarter of the frames and temporal after it.
+  grid = VideoGrid(12, 8, 16)
+  q, k, v = planted_qkv(grid, ("drifting",) * 3, head_dim=32, seed=2)
+  prefix = RouterConfig(profile_queries=32, profile_pool="prefix", sample_max_row=grid.tokens // 8)
+  strat = RouterConfig(profile_queries=32, profile_pool="stratified")
+  key = jax.random.key(0)
+  assert not np.asarray(route_heads(q, k, v, grid=grid, config=prefix, key=key).temporal).any()
+  assert np.asarray(route_heads(q, k, v, grid=grid, config=strat, key=key).temporal).all()

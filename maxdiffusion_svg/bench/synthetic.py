@@ -7,6 +7,9 @@ where the coordinates are close.
 * ``spatial``: features of the frame index, so a token attends to its own and nearby frames;
 * ``temporal``: features of the (row, column) position, so it attends to the same place in
   every frame;
+* ``drifting``: spatial in the first quarter of the frames, temporal after it, as when a
+  video's content changes; most rows are temporal, so the right route is temporal, but a
+  router that samples only the first frames sees a spatial head;
 * ``unstructured``: plain Gaussian queries and keys.
 """
 
@@ -18,7 +21,9 @@ import numpy as np
 
 from maxdiffusion_svg.geometry import VideoGrid
 
-HEAD_TYPES = ("spatial", "temporal", "unstructured")
+HEAD_TYPES = ("spatial", "temporal", "drifting", "unstructured")
+# The route a planted head should get (True = temporal); unstructured heads have none.
+EXPECTED_TEMPORAL = {"spatial": False, "temporal": True, "drifting": True}
 
 
 def _fourier_features(coords: np.ndarray, dim: int, bandwidth: float,
@@ -50,10 +55,15 @@ def planted_qkv(grid: VideoGrid, head_types: Sequence[str], head_dim: int = 64, 
   q = rng.standard_normal(shape)
   k = rng.standard_normal(shape)
   v = rng.standard_normal(shape)
+  early = (frame < max(1, grid.frames // 4))[:, None]
   for h, kind in enumerate(head_types):
     if kind == "unstructured":
       continue
-    phi = _fourier_features(coords[kind], head_dim, bandwidth=1.0, rng=rng)
+    if kind == "drifting":
+      phi = np.where(early, _fourier_features(coords["spatial"], head_dim, 1.0, rng),
+                     _fourier_features(coords["temporal"], head_dim, 1.0, rng))
+    else:
+      phi = _fourier_features(coords[kind], head_dim, bandwidth=1.0, rng=rng)
     q[:, h] = strength * phi + noise * q[:, h]
     k[:, h] = strength * phi + noise * k[:, h]
   return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
