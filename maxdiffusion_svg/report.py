@@ -23,15 +23,19 @@ def kernel_mask(mask: SvgMask, grid: VideoGrid, head: str) -> Mask:
   layout, placed = HEADS[head]
   return mask if placed else PlacedMask(mask, grid, layout)
 
-_COLUMNS = (  # (header, format spec of the values)
-    ("mode", "<8"), ("head", "<17"), ("kept%", ">7.2f"), ("budget%", ">+8.2f"),
-    ("recall%", ">8.2f"), ("visited%", ">9.2f"), ("masked%", ">8.2f"),
-    ("masked/visited%", ">16.2f"), ("tiles v/m/f", ">14"),
+
+
+# (header, width, value format); text columns are left-aligned, the rest right-aligned.
+_COLUMNS = (
+    ("mode", 8, "s"), ("head", 17, "s"), ("kept%", 7, ".2f"), ("budget%", 8, "+.2f"),
+    ("recall%", 8, ".2f"), ("visited%", 9, ".2f"), ("masked%", 8, ".2f"),
+    ("masked/visited%", 16, ".2f"), ("tiles v/m/f", 14, ""),
 )
 
 
-def _header(name: str, spec: str) -> str:
-  return format(name, spec[0] + "".join(c for c in spec.split(".")[0] if c.isdigit()))
+def _cell(value: Any, width: int, fmt: str) -> str:
+  text = format(value, fmt)
+  return text.ljust(width) if fmt == "s" else text.rjust(width)
 
 
 def tile_report(grid: VideoGrid, density: float, block_q: int, block_kv: int,
@@ -68,7 +72,7 @@ def format_report(report: dict[str, Any]) -> str:
       f"sink {'on' if report['include_sink'] else 'off'}",
       f"tiles {report['block_q']}x{report['block_kv']}: {report['q_tiles']} q-tiles x "
       f"{report['kv_tiles']} kv-tiles = {report['q_tiles'] * report['kv_tiles']:,}",
-      "  ".join(_header(name, spec) for name, spec in _COLUMNS),
+      "  ".join(_cell(name, width, "s" if fmt == "s" else "") for name, width, fmt in _COLUMNS),
   ]
   for mode, heads in report["modes"].items():
     for head, s in heads.items():
@@ -76,5 +80,5 @@ def format_report(report: dict[str, Any]) -> str:
                 100 * s["recall"], 100 * s["visited_tile_fraction"], 100 * s["masked_tile_fraction"],
                 100 * s["masked_visited_fraction"],
                 f"{s['visited_tiles']}/{s['masked_tiles']}/{s['full_tiles']}")
-      lines.append("  ".join(format(v, spec) for (_, spec), v in zip(_COLUMNS, values)))
+      lines.append("  ".join(_cell(v, width, fmt) for (_, width, fmt), v in zip(_COLUMNS, values)))
   return "\n".join(lines)
