@@ -14,7 +14,7 @@ from maxdiffusion_svg.geometry import (Layout, RESOLUTIONS, VideoGrid, frame_maj
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.masks import (Mask, PlacedMask, ProbeMask, SvgMask, band_half_width,
                                     probe_mask, svg_mask)
-from maxdiffusion_svg.router import RouterConfig, Routing, route_heads
+from maxdiffusion_svg.router import RouterConfig, Routing, profile_heads, route_heads
 from maxdiffusion_svg.schedule import PRESETS, Interval, Schedule
 from maxdiffusion_svg.tiles import TileMode, TilePlan, TileStats, plan_mask_tiles, plan_tiles
 

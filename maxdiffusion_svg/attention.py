@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import sparse_attention
-from maxdiffusion_svg.router import route_heads
+from maxdiffusion_svg.router import profile_heads
 from maxdiffusion_svg.tiles import plan_tiles
 
 
@@ -57,7 +57,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   _check(q, k, v, grid)
   plan = config.plan(grid, expert)
   key = profile_key(config) if key is None else key
-  routing = route_heads(q, k, v, grid=grid, config=config, key=key, scale=scale)
+  routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale)
   flags = routing.temporal
   out = sparse_attention(place(q, flags, grid), place(k, flags, grid), place(v, flags, grid), plan,
                          scale=scale, backend=config.backend,

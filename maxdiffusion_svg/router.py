@@ -95,9 +95,9 @@ def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid
   return errors[0], errors[1]
 
 
-def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
-                key: jax.Array, scale: float | None = None) -> Routing:
-  """Routes each head of ``[B, H, S, D]`` inputs (frame-major) to spatial or temporal.
+def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
+                  key: jax.Array, scale: float | None = None) -> Routing:
+  """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
   (e.g. ``SvgConfig``). The same key gives the same flags.
@@ -110,3 +110,9 @@ def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, co
   spatial, temporal = probe_errors(q, k, v, rows, grid, include_sink=router.include_sink,
                                    scale=scale)
   return Routing(temporal < spatial, spatial, temporal)
+
+
+def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
+                key: jax.Array, scale: float | None = None) -> jax.Array:
+  """``bool[B, H]``: True where a head is routed temporal (see :func:`profile_heads`)."""
+  return profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale).temporal

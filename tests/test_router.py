@@ -9,7 +9,7 @@ import pytest
 
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.geometry import VideoGrid, frame_major_order
-from maxdiffusion_svg.router import RouterConfig, probe_errors, route_heads, sample_rows
+from maxdiffusion_svg.router import RouterConfig, probe_errors, profile_heads, route_heads, sample_rows
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 block
 
@@ -49,7 +49,7 @@ def test_router_equals_numpy_oracle(pool, include_sink):
   config = RouterConfig(profile_queries=16, profile_pool=pool, sample_max_row=300,
                         include_sink=include_sink)
   key = jax.random.key(3)
-  routing = route_heads(q, k, v, grid=GRID, config=config, key=key)
+  routing = profile_heads(q, k, v, grid=GRID, config=config, key=key)
   rows = np.asarray(sample_rows(key, GRID.tokens, config))
   flags, err_s, err_t = numpy_route(q, k, v, rows, GRID, include_sink)
   np.testing.assert_allclose(np.asarray(routing.spatial_error), err_s, rtol=1e-4, atol=1e-9)
@@ -62,7 +62,7 @@ def test_ties_go_to_spatial():
   grid = VideoGrid(1, 8, 16)
   rng = np.random.default_rng(5)
   q, k, v = (rng.standard_normal((1, 3, grid.tokens, 8)).astype(np.float32) for _ in range(3))
-  routing = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=4),
+  routing = profile_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=4),
                         key=jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(routing.spatial_error),
                                 np.asarray(routing.temporal_error))
@@ -74,9 +74,10 @@ def test_planted_heads_are_routed_to_their_type():
   grid = VideoGrid(9, 10, 16)
   q, k, v = planted_qkv(grid, types, head_dim=32, seed=1)
   for seed in range(3):
-    routing = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=32),
-                          key=jax.random.key(seed))
-    np.testing.assert_array_equal(np.asarray(routing.temporal)[0],
+    flags = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=32),
+                        key=jax.random.key(seed))
+    assert flags.shape == (1, len(types)) and flags.dtype == bool
+    np.testing.assert_array_equal(np.asarray(flags)[0],
                                   [t == "temporal" for t in types])
 
 
@@ -84,8 +85,8 @@ def test_same_key_same_flags_and_rows():
   rng = np.random.default_rng(1)
   q, k, v = (rng.standard_normal((1, 6, GRID.tokens, 16)).astype(np.float32) for _ in range(3))
   config = RouterConfig(profile_queries=8)
-  a = route_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
-  b = route_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
+  a = profile_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
+  b = profile_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
   np.testing.assert_array_equal(np.asarray(a.temporal), np.asarray(b.temporal))
   np.testing.assert_array_equal(np.asarray(a.spatial_error), np.asarray(b.spatial_error))
 
@@ -131,5 +132,5 @@ def test_stratified_pool_sees_heads_that_change_after_the_first_frames():
   prefix = RouterConfig(profile_queries=32, profile_pool="prefix", sample_max_row=grid.tokens // 8)
   strat = RouterConfig(profile_queries=32, profile_pool="stratified")
   key = jax.random.key(0)
-  assert not np.asarray(route_heads(q, k, v, grid=grid, config=prefix, key=key).temporal).any()
-  assert np.asarray(route_heads(q, k, v, grid=grid, config=strat, key=key).temporal).all()
+  assert not np.asarray(route_heads(q, k, v, grid=grid, config=prefix, key=key)).any()
+  assert np.asarray(route_heads(q, k, v, grid=grid, config=strat, key=key)).all()

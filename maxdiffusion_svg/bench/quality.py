@@ -21,7 +21,7 @@ from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels import dense_attention, sparse_attention
-from maxdiffusion_svg.router import PROFILE_POOLS, probe_errors, route_heads
+from maxdiffusion_svg.router import PROFILE_POOLS, probe_errors, profile_heads, route_heads
 
 # The reference router samples the first 10,000 of 75,600 tokens at 720p (2.8 of 21
 # frames); the benchmark keeps that share on its smaller grid.
@@ -102,8 +102,8 @@ def _routing_section(cfg, q, k, v, planted, oracle, log) -> dict[str, Any]:
   for pool in PROFILE_POOLS:
     for queries in sorted({*cfg.query_sweep, cfg.profile_queries}):
       svg = cfg.svg_config(profile_pool=pool, profile_queries=queries)
-      route = jax.jit(lambda q, k, v, key, svg=svg: route_heads(q, k, v, grid=cfg.grid, config=svg,
-                                                                key=key))
+      route = jax.jit(lambda q, k, v, key, svg=svg: profile_heads(q, k, v, grid=cfg.grid,
+                                                                  config=svg, key=key))
       vs_planted, vs_oracle = [], []
       for i in range(cfg.router_seeds):
         routing = route(q, k, v, jax.random.key(i))
@@ -159,7 +159,7 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
   dense_fn = jax.jit(dense_attention)
   svg_fn = jax.jit(lambda q, k, v: svg_attention(q, k, v, grid=grid, config=svg))
   route_fn = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=grid, config=svg,
-                                                 key=jax.random.key(0)).temporal)
+                                                 key=jax.random.key(0)))
   plan = svg.plan(grid)
   kernel_fn = jax.jit(lambda q, k, v: sparse_attention(q, k, v, plan, backend="xla"))
   out = {"dense_s": _timed(lambda: dense_fn(q, k, v), cfg.repeats),
@@ -180,7 +180,7 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
                         profile_queries=cfg.profile_queries)
     big_plan = big_svg.plan(big)
     route_big = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=big, config=big_svg,
-                                                    key=jax.random.key(0)).temporal)
+                                                    key=jax.random.key(0)))
     kernel_big = jax.jit(lambda q, k, v: sparse_attention(q, k, v, big_plan, backend="xla"))
     out["large"] = {"resolution": cfg.timing_resolution, "tokens": big.tokens,
                     "router_s": _timed(lambda: route_big(qb, kb, vb), cfg.repeats),
