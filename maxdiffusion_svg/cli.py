@@ -60,10 +60,27 @@ def _tiles(args: argparse.Namespace) -> int:
   return 0
 
 
+def _write_json(path: str | None, result: dict) -> None:
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
+
+
+def _progress(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
 def _bench_kernel(args: argparse.Namespace) -> int:
-  from maxdiffusion_svg.bench.kernel import kernel_bench_main  # pylint: disable=import-outside-toplevel
-  grid = _grid_from_args(args, default="480p")
-  kernel_bench_main(grid, _MODES if args.mode == "all" else [args.mode], args)
+  from maxdiffusion_svg.bench.kernel import (KernelBenchConfig, format_kernel_bench,  # pylint: disable=import-outside-toplevel
+                                             run_kernel_bench)
+  cfg = KernelBenchConfig(grid=_grid_from_args(args, default="480p"), batch=args.batch,
+                          heads=args.heads, head_dim=args.head_dim, density=args.density,
+                          modes=tuple(_MODES if args.mode == "all" else [args.mode]),
+                          backend=args.backend, block_q=args.block_q, block_kv=args.block_kv,
+                          dtype=args.dtype, repeats=args.repeats)
+  result = run_kernel_bench(cfg, log=_progress)
+  print(format_kernel_bench(result))
+  _write_json(args.json, result)
   return 0
 
 
@@ -72,11 +89,9 @@ def _bench_quality(args: argparse.Namespace) -> int:
                                               run_quality_bench)
   cfg = QualityBenchConfig(router_seeds=args.seeds,
                            timing_resolution=None if args.no_large_timing else "720p")
-  result = run_quality_bench(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+  result = run_quality_bench(cfg, log=_progress)
   print(format_quality_bench(result))
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+  _write_json(args.json, result)
   if args.plot:
     from maxdiffusion_svg.plot import plot_quality  # pylint: disable=import-outside-toplevel
     plot_quality(args.plot, cfg, result)

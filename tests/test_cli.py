@@ -103,3 +103,8 @@ def test_kernel_bench_reports_every_mode(tmp_path, capsys):
 def test_kernel_bench_bad_input_exits_2(capsys, args, needle):
   assert main(["bench", "kernel", "--latent-grid", "5x6x7", *args]) == 2
   assert needle in capsys.readouterr().err
+
+
+def test_quality_bench_bad_input_exits_2(capsys):
+  assert main(["bench", "--seeds", "0"]) == 2
+  assert "router_seeds must be >= 1" in capsys.readouterr().err

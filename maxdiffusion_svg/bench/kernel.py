@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -136,19 +136,3 @@ def format_kernel_bench(result: dict[str, Any]) -> str:
                  f"{cell('ratio_vs_dense', 7)} {cell('efficiency_vs_dense', 6)} "
                  f"{cell('ratio_vs_blocked_dense', 10)} {cell('efficiency_vs_blocked_dense', 8)}")
   return "\n".join(lines)
-
-
-def kernel_bench_main(grid: VideoGrid, modes: Sequence[str], args: Any) -> dict[str, Any]:
-  """CLI glue: builds the config from parsed arguments, runs and prints."""
-  import json  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  cfg = KernelBenchConfig(grid=grid, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                          density=args.density, modes=tuple(modes), backend=args.backend,
-                          block_q=args.block_q, block_kv=args.block_kv, dtype=args.dtype,
-                          repeats=args.repeats)
-  result = run_kernel_bench(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-  print(format_kernel_bench(result))
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
-  return result

@@ -46,6 +46,11 @@ class QualityBenchConfig:
   repeats: int = 2
   seed: int = 0
 
+  def __post_init__(self):
+    for name in ("router_seeds", "repeats", "profile_queries"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
   def svg_config(self, **overrides: Any) -> SvgConfig:
     kwargs: dict[str, Any] = dict(
         density=self.timing_density, tile_mode="aligned", block_q=self.block_q,
