@@ -101,3 +101,15 @@ def test_is_active_for_ints_and_traced_scalars():
   traced = jax.jit(schedule.is_active)
   for (s, l), want in expected.items():
     assert bool(traced(jnp.int32(s), jnp.int32(l))) == want
+
+
+def test_shipped_yaml_fragments_are_valid():
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import yaml  # pylint: disable=import-outside-toplevel
+  files = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yml"))
+  assert files
+  for path in files:
+    cfg = SvgConfig.from_mapping({**yaml.safe_load(path.read_text()), "num_inference_steps": 40})
+    assert cfg.tile_mode is TileMode.ALIGNED
+  wan22 = SvgConfig.from_mapping(yaml.safe_load((files[0].parent / "svg_wan22_experts.yml").read_text()))
+  assert wan22.density_for("high_noise") == 0.5 and wan22.schedule.active_steps == Interval(11, None)
