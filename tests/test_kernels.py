@@ -152,3 +152,21 @@ def test_bad_input_names_expected_and_actual():
     sparse_attention(q[0], k[0], v[0], plan)
   with pytest.raises(ValueError, match="plan must be a TilePlan"):
     sparse_attention(q, k, v, "split")
+
+
+def test_splash_inner_kv_step_does_not_change_results():
+  grid = GRIDS["s1000"]
+  plan = plan_tiles(grid, 0.3, 128, 256, "split")
+  q, k, v = qkv(grid, heads=2, dim=32, seed=4)
+  out = sparse_attention(q, k, v, plan, backend="splash", block_kv_compute=128)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(plan_reference(q, k, v, plan)), atol=2e-5)
+
+
+def test_xla_step_size_does_not_change_results():
+  grid = GRIDS["s1000"]
+  plan = plan_tiles(grid, 0.3, 128, 128, "aligned")
+  q, k, v = qkv(grid, heads=2, dim=32, seed=5)
+  want = np.asarray(plan_reference(q, k, v, plan))
+  for tiles_per_step in (1, 3, 1000):
+    out = sparse_attention(q, k, v, plan, backend="xla", tiles_per_step=tiles_per_step)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
