@@ -31,12 +31,10 @@ class RouterConfig:
   include_sink: bool = True
 
   def __post_init__(self):
-    if isinstance(self.profile_queries, bool) or not isinstance(self.profile_queries, int) \
-        or self.profile_queries < 1:
-      raise ValueError(f"svg_profile_queries must be an integer >= 1, got {self.profile_queries!r}")
-    if isinstance(self.sample_max_row, bool) or not isinstance(self.sample_max_row, int) \
-        or self.sample_max_row < 1:
-      raise ValueError(f"svg_sample_max_row must be an integer >= 1, got {self.sample_max_row!r}")
+    for name in ("profile_queries", "sample_max_row"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"svg_{name} must be an integer >= 1, got {value!r}")
     if self.profile_pool not in PROFILE_POOLS:
       raise ValueError(f"svg_profile_pool must be one of {', '.join(PROFILE_POOLS)}, "
                        f"got {self.profile_pool!r}")
