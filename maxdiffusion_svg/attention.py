@@ -17,7 +17,7 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.router import profile_heads
-from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.tiles import TilePlan, plan_tiles
 
 
 def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
@@ -28,6 +28,16 @@ def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
 def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
   """Inverse of :func:`place`."""
   return jnp.where(temporal[:, :, None, None], to_frame_major(x, grid), x)
+
+
+def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array, *,
+                     grid: VideoGrid, plan: TilePlan, scale: float | None = None,
+                     backend: str = "auto", block_kv_compute: int | None = None) -> jax.Array:
+  """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing."""
+  out = sparse_attention(place(q, temporal, grid), place(k, temporal, grid),
+                         place(v, temporal, grid), plan, scale=scale, backend=backend,
+                         block_kv_compute=block_kv_compute)
+  return restore(out, temporal, grid)
 
 
 def _check(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
@@ -58,14 +68,11 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   plan = config.plan(grid, expert)
   key = profile_key(config) if key is None else key
   routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale)
-  flags = routing.temporal
-  out = sparse_attention(place(q, flags, grid), place(k, flags, grid), place(v, flags, grid), plan,
-                         scale=scale, backend=config.backend,
-                         block_kv_compute=config.block_kv_compute)
-  out = restore(out, flags, grid)
+  out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
+                         backend=config.backend, block_kv_compute=config.block_kv_compute)
   if not return_info:
     return out
-  return out, {"temporal": flags, "spatial_error": routing.spatial_error,
+  return out, {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
                "temporal_error": routing.temporal_error, "plan": plan.stats.as_dict()}
 
 

@@ -9,13 +9,13 @@ density-1 plan ("blocked dense"), which isolates what skipping tiles buys.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxdiffusion_svg.bench.timing import time_call
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention, resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import DEFAULT_BLOCKS
@@ -57,19 +57,6 @@ class KernelBenchConfig:
             check_block_size(self.block_kv or default_kv, "block_kv"))
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
-  """(first call incl. compilation, best of ``repeats`` later calls), in seconds."""
-  start = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - start
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - start)
-  return first, best
-
-
 def run_kernel_bench(cfg: KernelBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Times every configured mode; returns a JSON-ready dict."""
   backend = resolve_backend(cfg.backend)
@@ -93,18 +80,18 @@ def run_kernel_bench(cfg: KernelBenchConfig, log: Callable[[str], None] = print)
   if score_bytes <= DENSE_SCORE_LIMIT_BYTES:
     log(f"timing dense XLA attention ({s:,} tokens)...")
     dense = jax.jit(dense_attention)
-    result["dense_compile_s"], result["dense_s"] = _time(lambda: dense(q, k, v), cfg.repeats)
+    result["dense_compile_s"], result["dense_s"] = time_call(lambda: dense(q, k, v), cfg.repeats)
   else:
     log(f"skipping plain dense: its scores need {score_bytes / 2**30:.0f} GiB")
     result["dense_s"] = None
   log("timing blocked dense (the sparse executor at density 1)...")
   full = plan_tiles(cfg.grid, 1.0, block_q, block_kv, "split")
-  _, result["blocked_dense_s"] = _time(sparse_fn(full), cfg.repeats)
+  _, result["blocked_dense_s"] = time_call(sparse_fn(full), cfg.repeats)
 
   for mode in cfg.modes:
     plan = plan_tiles(cfg.grid, cfg.density, block_q, block_kv, mode)
     log(f"timing {mode} ({plan.stats.visited_tiles}/{plan.stats.total_tiles} tiles)...")
-    compile_s, best = _time(sparse_fn(plan), cfg.repeats)
+    compile_s, best = time_call(sparse_fn(plan), cfg.repeats)
     visited = plan.stats.visited_tile_fraction
     row: dict[str, Any] = {"time_s": best, "compile_s": compile_s,
                            "visited_tile_fraction": visited,

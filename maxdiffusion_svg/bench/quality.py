@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.attention import place, restore, svg_attention
+from maxdiffusion_svg.attention import placed_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
+from maxdiffusion_svg.bench.timing import time_call
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels import dense_attention, sparse_attention
@@ -85,16 +85,6 @@ def oracle_routing(q, k, v, grid: VideoGrid, *, include_sink: bool = True, chunk
   return np.asarray(temporal < spatial)
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> float:
-  jax.block_until_ready(fn())
-  best = math.inf
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - start)
-  return best
-
-
 def _expected(planted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(heads with a right answer, the right answer: True = temporal)."""
   known = np.array([t in EXPECTED_TEMPORAL for t in planted])
@@ -149,10 +139,8 @@ def _quality_section(cfg, q, k, v, dense, planted, log) -> dict[str, Any]:
   svg = cfg.svg_config()
   plan = svg.plan(cfg.grid)
   for name, temporal in (("all_spatial", False), ("all_temporal", True)):
-    flags = jnp.full(q.shape[:2], temporal)
-    o = restore(sparse_attention(place(q, flags, cfg.grid), place(k, flags, cfg.grid),
-                                 place(v, flags, cfg.grid), plan, backend="xla"), flags, cfg.grid)
-    o = np.asarray(o)
+    o = np.asarray(placed_attention(q, k, v, jnp.full(q.shape[:2], temporal), grid=cfg.grid,
+                                    plan=plan, backend="xla"))
     out[f"{cfg.timing_density}/aligned/{name}"] = {"psnr_db": psnr(o, dense),
                                                     "rel_l2": rel_l2(o, dense)}
   return out
@@ -167,10 +155,10 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
                                                  key=jax.random.key(0)))
   plan = svg.plan(grid)
   kernel_fn = jax.jit(lambda q, k, v: sparse_attention(q, k, v, plan, backend="xla"))
-  out = {"dense_s": _timed(lambda: dense_fn(q, k, v), cfg.repeats),
-         "svg_s": _timed(lambda: svg_fn(q, k, v), cfg.repeats),
-         "router_s": _timed(lambda: route_fn(q, k, v), cfg.repeats),
-         "kernel_s": _timed(lambda: kernel_fn(q, k, v), cfg.repeats)}
+  out = {"dense_s": time_call(lambda: dense_fn(q, k, v), cfg.repeats)[1],
+         "svg_s": time_call(lambda: svg_fn(q, k, v), cfg.repeats)[1],
+         "router_s": time_call(lambda: route_fn(q, k, v), cfg.repeats)[1],
+         "kernel_s": time_call(lambda: kernel_fn(q, k, v), cfg.repeats)[1]}
   out["router_share_of_kernel"] = out["router_s"] / out["kernel_s"]
   log(f"  bench grid: dense {out['dense_s']:.3f} s, svg {out['svg_s']:.3f} s, router "
       f"{out['router_s']:.4f} s ({100 * out['router_share_of_kernel']:.1f}% of the sparse kernel)")
@@ -188,8 +176,8 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
                                                     key=jax.random.key(0)))
     kernel_big = jax.jit(lambda q, k, v: sparse_attention(q, k, v, big_plan, backend="xla"))
     out["large"] = {"resolution": cfg.timing_resolution, "tokens": big.tokens,
-                    "router_s": _timed(lambda: route_big(qb, kb, vb), cfg.repeats),
-                    "kernel_s": _timed(lambda: kernel_big(qb, kb, vb), 1)}
+                    "router_s": time_call(lambda: route_big(qb, kb, vb), cfg.repeats)[1],
+                    "kernel_s": time_call(lambda: kernel_big(qb, kb, vb), 1)[1]}
     out["large"]["router_share_of_kernel"] = out["large"]["router_s"] / out["large"]["kernel_s"]
     log(f"  {cfg.timing_resolution}: router {out['large']['router_s']:.3f} s, sparse kernel "
         f"{out['large']['kernel_s']:.2f} s: router = "
@@ -199,7 +187,7 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
 
 def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
                       log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Runs every section; returns a JSON-ready dict (and the inputs, for plotting)."""
+  """Runs every section; returns a JSON-ready dict."""
   planted = np.array(cfg.head_types)
   log(f"planting {len(planted)} heads on grid {cfg.grid} ({cfg.grid.tokens:,} tokens)...")
   q, k, v = (jnp.asarray(x) for x in planted_qkv(cfg.grid, cfg.head_types, cfg.head_dim,

@@ -2,9 +2,10 @@
 
 The visited tiles form a flat work list. A ``lax.scan`` takes a fixed number of tiles
 per step, computes their logits, and folds them into the online-softmax state (running
-max, denominator, accumulator) of just the rows they touch, by gather and scatter. Full tiles and masked tiles are
-two separate scans over the same state, so full tiles never evaluate a mask: the
-seed's B2/B3 split, in XLA. A flat list wastes nothing on rows that visit fewer tiles.
+max, denominator, accumulator) of just the rows they touch, by gather and scatter. Full
+and masked tiles are two separate scans over the same state, so full tiles never
+evaluate a mask: the seed's B2/B3 split, in XLA. A flat list wastes nothing on rows that
+visit fewer tiles.
 """
 
 from __future__ import annotations
