@@ -40,16 +40,19 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
   return restore(out, temporal, grid)
 
 
-def _check(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
+  """Frame-major ``[B, H, S, D]`` inputs with ``S`` equal to the grid's token count."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4 or x.shape[2] != grid.tokens:
       raise ValueError(f"{name} must be [B, H, S, D] with S = grid.tokens = {grid.tokens} "
                        f"(grid {grid}), got shape {tuple(x.shape)}")
 
 
-def profile_key(config: SvgConfig, step: Any = None, layer: Any = None) -> jax.Array:
-  """The router's key: the seed folded with the layer and step, so runs are reproducible."""
-  key = jax.random.key(config.profile_seed)
+def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
+                key: jax.Array | None = None) -> jax.Array:
+  """The router's key: ``key`` (default: the config's seed) folded with the layer and step,
+  so runs are reproducible and each step and layer samples its own rows."""
+  key = jax.random.key(config.profile_seed) if key is None else key
   for index in (layer, step):
     if index is not None:
       key = jax.random.fold_in(key, index)
@@ -64,7 +67,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``, the router's
   ``spatial_error``/``temporal_error``, and the shared plan's ``plan`` statistics.
   """
-  _check(q, k, v, grid)
+  check_qkv(q, k, v, grid)
   plan = config.plan(grid, expert)
   key = profile_key(config) if key is None else key
   routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale)
@@ -87,15 +90,17 @@ def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Vid
 
 def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                             config: SvgConfig, step: Any, layer: Any,
-                            scale: float | None = None, expert: str | None = None) -> jax.Array:
+                            scale: float | None = None, expert: str | None = None,
+                            key: jax.Array | None = None) -> jax.Array:
   """SVG inside the schedule's active steps and layers, dense outside.
 
   ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
   scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
+  The router's key is ``key`` (default: the config's seed) folded with layer and step.
   """
-  _check(q, k, v, grid)
+  check_qkv(q, k, v, grid)
   active = config.schedule.is_active(step, layer)
-  key = profile_key(config, step, layer)
+  key = profile_key(config, step, layer, key)
 
   def sparse(q, k, v):
     return svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale, expert=expert)

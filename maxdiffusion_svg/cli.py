@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -99,6 +100,28 @@ def _bench_quality(args: argparse.Namespace) -> int:
   return 0
 
 
+def simulate_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` host devices. Only takes effect before JAX starts its backend,
+  which the CLI has not done when a subcommand begins."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
+
+
+def _bench_sharded(args: argparse.Namespace) -> int:
+  simulate_cpu_devices(args.devices)
+  from maxdiffusion_svg.bench.sharded import (ShardedBenchConfig, format_sharded_bench,  # pylint: disable=import-outside-toplevel
+                                              run_sharded_bench)
+  cfg = ShardedBenchConfig(grid=_grid_from_args(args, default="480p"), devices=args.devices,
+                           batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                           density=args.density, mode=args.mode, backend=args.backend,
+                           block_q=args.block_q, block_kv=args.block_kv, repeats=args.repeats)
+  result = run_sharded_bench(cfg, log=_progress)
+  print(format_sharded_bench(result))
+  _write_json(args.json, result)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
                                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -136,6 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
   kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
   kernel.add_argument("--json", metavar="FILE", help="also write the results as JSON")
   kernel.set_defaults(run=_bench_kernel)
+
+  sharded = bench_sub.add_parser(
+      "sharded", help="permutation after vs before the Ulysses exchange: collectives and time")
+  _add_grid_args(sharded, default="480p")
+  sharded.add_argument("--devices", type=int, default=8,
+                       help="devices on the context axis (simulated on CPU)")
+  sharded.add_argument("--batch", type=int, default=1)
+  sharded.add_argument("--heads", type=int, default=8, help="a multiple of --devices")
+  sharded.add_argument("--head-dim", type=int, default=128)
+  sharded.add_argument("--density", type=float, default=0.35, help="kept-pair density in (0, 1]")
+  sharded.add_argument("--mode", choices=_MODES, default="aligned")
+  sharded.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto")
+  sharded.add_argument("--block-q", type=int, help="query tile (default: 512 xla, 3328 splash)")
+  sharded.add_argument("--block-kv", type=int, help="key tile (default: 512 xla, 1536 splash)")
+  sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
+  sharded.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  sharded.set_defaults(run=_bench_sharded)
   return parser
 
 

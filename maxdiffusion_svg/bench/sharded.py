@@ -1,0 +1,166 @@
+"""Sharded benchmark: where the permutation goes relative to the Ulysses head exchange.
+
+* ``after`` (the design, ``sharded_svg_attention``): exchange to local heads, then route,
+  place, run the kernel and restore on each device, then exchange back.
+* ``before`` (what the seed replaced): route and place the global, sequence-sharded
+  arrays, exchange, run the kernel, exchange back, restore globally. XLA has to move
+  tokens across devices for every reorder and for the router's full-length keys.
+
+Both are compiled on one mesh; the collectives each program runs are read from its HLO
+(``bench.hlo``), and each is timed. On simulated CPU devices the bytes are faithful to
+what a TPU slice would move, but the times are not interconnect times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from maxdiffusion_svg.attention import place, restore, svg_attention
+from maxdiffusion_svg.bench.hlo import KINDS, collective_stats
+from maxdiffusion_svg.bench.synthetic import planted_qkv
+from maxdiffusion_svg.bench.timing import time_call
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
+from maxdiffusion_svg.router import route_heads
+from maxdiffusion_svg.sharding import exchange_heads, head_exchange, sharded_svg_attention
+
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+PLACEMENTS = ("after", "before")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedBenchConfig:
+  grid: VideoGrid = dataclasses.field(default_factory=lambda: grid_for_resolution("480p"))
+  devices: int = 8
+  batch: int = 1
+  heads: int = 8
+  head_dim: int = 128
+  density: float = 0.35
+  mode: str = "aligned"
+  backend: str = "xla"
+  block_q: int | None = None
+  block_kv: int | None = None
+  repeats: int = 2
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("devices", "batch", "heads", "head_dim", "repeats"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    self.svg_config()  # validates density, mode, backend and tiles
+
+  def svg_config(self) -> SvgConfig:
+    return SvgConfig(density=self.density, tile_mode=self.mode, backend=self.backend,
+                     block_q=self.block_q, block_kv=self.block_kv)
+
+
+def bench_mesh(devices: int) -> Mesh:
+  """A MaxDiffusion-shaped mesh with every device on the ``context`` axis."""
+  available = jax.devices()
+  if len(available) < devices:
+    raise ValueError(
+        f"--devices {devices} needs {devices} devices but JAX has {len(available)}; on CPU set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts")
+  return Mesh(np.array(available[:devices]).reshape(1, 1, devices, 1), MESH_AXES)
+
+
+def permute_before_exchange(mesh: Mesh, grid: VideoGrid, config: SvgConfig,
+                            key: jax.Array) -> Callable[..., jax.Array]:
+  """The replaced design: route and place the global sequence-sharded arrays, then exchange."""
+
+  def run(q, k, v):
+    ex = head_exchange(mesh, q.shape)
+    seq = NamedSharding(mesh, ex.qkv_spec)
+    temporal = route_heads(q, k, v, grid=grid, config=config, key=key)
+    placed = [jax.lax.with_sharding_constraint(place(x, temporal, grid), seq) for x in (q, k, v)]
+    plan = config.plan(grid)
+    kernel = lambda q, k, v: sparse_attention(q, k, v, plan, backend=config.backend,
+                                              block_kv_compute=config.block_kv_compute)
+    out = exchange_heads(kernel, ex)(*placed)
+    return jax.lax.with_sharding_constraint(restore(out, temporal, grid), seq)
+
+  return run
+
+
+def run_sharded_bench(cfg: ShardedBenchConfig,
+                      log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Compiles and times both placements and the single-device path; returns a JSON-ready dict."""
+  mesh = bench_mesh(cfg.devices)
+  svg = cfg.svg_config()
+  grid = cfg.grid
+  key = jax.random.key(cfg.seed)
+  types = tuple(("spatial", "temporal")[h % 2] for h in range(cfg.heads))
+  log(f"building planted q, k, v ({cfg.batch}x{cfg.heads}x{grid.tokens:,}x{cfg.head_dim})...")
+  host = [jnp.asarray(x) for x in planted_qkv(grid, types, cfg.head_dim, seed=cfg.seed,
+                                              batch=cfg.batch)]
+  spec = head_exchange(mesh, host[0].shape).qkv_spec
+  q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in host)
+  block_q, block_kv = svg.blocks()
+  result: dict[str, Any] = {
+      "grid": list(grid.shape), "tokens": grid.tokens, "batch": cfg.batch, "heads": cfg.heads,
+      "head_dim": cfg.head_dim, "density": cfg.density, "mode": svg.tile_mode.value,
+      "backend": resolve_backend(svg.backend), "block_q": block_q, "block_kv": block_kv,
+      "devices": cfg.devices, "platform": jax.devices()[0].platform,
+      "mesh": dict(mesh.shape), "repeats": cfg.repeats, "placements": {}}
+
+  functions = {
+      "after": lambda q, k, v: sharded_svg_attention(q, k, v, mesh=mesh, grid=grid, config=svg,
+                                                     key=key),
+      "before": permute_before_exchange(mesh, grid, svg, key),
+  }
+  outputs = {}
+  for name in PLACEMENTS:
+    fn = jax.jit(functions[name])
+    log(f"compiling and timing the permutation {name} the exchange...")
+    collectives = collective_stats(fn.lower(q, k, v).compile().as_text(), cfg.devices)
+    first, best = time_call(lambda fn=fn: fn(q, k, v), cfg.repeats)
+    outputs[name] = np.asarray(fn(q, k, v))
+    result["placements"][name] = {
+        "collectives": collectives, "time_s": best, "first_call_s": first,
+        "collective_count": sum(c["count"] for c in collectives.values()),
+        "collective_bytes": sum(c["bytes"] for c in collectives.values())}
+  result["max_abs_difference"] = float(np.abs(outputs["after"] - outputs["before"]).max())
+
+  log("timing single-device svg_attention...")
+  single = jax.jit(lambda q, k, v: svg_attention(q, k, v, grid=grid, config=svg, key=key))
+  local = [jax.device_put(x, jax.devices()[0]) for x in host]
+  _, result["single_device_s"] = time_call(lambda: single(*local), cfg.repeats)
+  return result
+
+
+def _megabytes(n: float) -> str:
+  return f"{n / 2**20:.2f} MB"
+
+
+def format_sharded_bench(result: dict[str, Any]) -> str:
+  mesh = " ".join(f"{a}={n}" for a, n in result["mesh"].items())
+  lines = [
+      f"grid {'x'.join(map(str, result['grid']))} = {result['tokens']:,} tokens, "
+      f"B={result['batch']} H={result['heads']} D={result['head_dim']} float32, density "
+      f"{result['density']} {result['mode']}, backend {result['backend']}, tiles "
+      f"{result['block_q']}x{result['block_kv']}, {result['devices']} {result['platform']} "
+      f"devices (mesh {mesh}), best of {result['repeats']}",
+      "bytes are sent per device per call, read from the compiled HLO",
+      f"{'permutation':<13}" + "".join(f"{kind:>22}" for kind in KINDS)
+      + f"{'total':>12} {'time s':>8}"]
+  for name, row in result["placements"].items():
+    cells = []
+    for kind in KINDS:
+      c = row["collectives"].get(kind)
+      cells.append(f"{c['count']} x = {_megabytes(c['bytes'])}" if c else "-")
+    lines.append(f"{name + ' exchange':<13}" + "".join(f"{c:>22}" for c in cells)
+                 + f"{_megabytes(row['collective_bytes']):>12} {row['time_s']:>8.3f}")
+  after, before = result["placements"]["after"], result["placements"]["before"]
+  lines.append(f"before/after: {before['collective_bytes'] / after['collective_bytes']:.2f}x "
+               f"bytes, {before['time_s'] / after['time_s']:.2f}x time; outputs agree to "
+               f"{result['max_abs_difference']:.1e}")
+  lines.append(f"single-device svg_attention (all heads on one device): "
+               f"{result['single_device_s']:.3f} s")
+  return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""Sharded SVG: the Ulysses head exchange around the single-device path.
+
+Video self-attention arrives sequence-sharded over the mesh's ``context`` axis. An
+all-to-all gives each device the full sequence of ``H / n`` heads; there routing,
+placement, the sparse kernel and restoration are all local (a temporal-major reorder of a
+sequence-sharded array would interleave every device's frames, i.e. move data across
+devices), and an all-to-all returns the output to sequence shards. The seed measured
+this order at 46.81 ms against 75.64 ms for routing and permuting before the exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadExchange:
+  """How one call is spread over a mesh: sequence shards outside, local heads inside."""
+
+  mesh: Mesh
+  seq_axis: str
+  batch_axes: tuple[str, ...]  # those present in the mesh
+  shards: int  # size of seq_axis
+  seq_len: int
+
+  @property
+  def padded_len(self) -> int:
+    """The sequence padded to a multiple of the shards (the pad tail is never attended)."""
+    return -(-self.seq_len // self.shards) * self.shards
+
+  @property
+  def qkv_spec(self) -> P:
+    """``[B, H, S, D]`` sharded by batch and sequence: the layout outside the exchange."""
+    return P(self.batch_axes or None, None, self.seq_axis, None)
+
+  @property
+  def head_spec(self) -> P:
+    """``[B, H, ...]`` per-head values (e.g. routing flags) of each device's local heads."""
+    return P(self.batch_axes or None, self.seq_axis)
+
+  def reshard(self, x: jax.Array, spec: P) -> jax.Array:
+    """On a mesh of explicit axes, moves ``x`` to ``spec`` (shard_map requires its inputs
+    there already); on auto axes XLA's propagation does it, so ``x`` is returned as is."""
+    axes = (self.seq_axis, *self.batch_axes)
+    types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+    if all(types[a] == AxisType.Explicit for a in axes):
+      return jax.reshard(x, NamedSharding(self.mesh, spec))
+    return x
+
+
+def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "context",
+                  batch_axes: Sequence[str] = ("data", "fsdp")) -> HeadExchange:
+  """Validates a ``[B, H, S, D]`` shape against the mesh (errors name the problem)."""
+  if seq_axis not in mesh.shape:
+    raise ValueError(f"seq_axis {seq_axis!r} is not an axis of the mesh (axes: "
+                     f"{', '.join(mesh.axis_names)})")
+  if seq_axis in batch_axes:
+    raise ValueError(f"seq_axis {seq_axis!r} cannot also be a batch axis")
+  present = tuple(a for a in batch_axes if a in mesh.shape)
+  batch, heads = q_shape[0], q_shape[1]
+  n = mesh.shape[seq_axis]
+  if heads % n:
+    raise ValueError(f"heads ({heads}) must be divisible by the {n} shards of mesh axis "
+                     f"{seq_axis!r}: the head exchange gives each shard heads / {n} heads")
+  batch_shards = 1
+  for axis in present:
+    batch_shards *= mesh.shape[axis]
+  if batch % batch_shards:
+    raise ValueError(f"batch ({batch}) must be divisible by the {batch_shards} shards of the "
+                     f"batch axes {present}")
+  return HeadExchange(mesh, seq_axis, present, n, q_shape[2])
+
+
+def _to_local_heads(x: jax.Array, ex: HeadExchange) -> jax.Array:
+  """``[b, H, S/n, D]`` sequence shard -> ``[b, H/n, S, D]`` (heads split in order)."""
+  if ex.shards == 1:
+    return x
+  return jax.lax.all_to_all(x, ex.seq_axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _to_sequence_shards(x: jax.Array, ex: HeadExchange) -> jax.Array:
+  if ex.shards == 1:
+    return x
+  return jax.lax.all_to_all(x, ex.seq_axis, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _pad_seq(x: jax.Array, length: int) -> jax.Array:
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+
+def exchange_heads(fn: Callable[..., Any], ex: HeadExchange, *,
+                   extra_specs: Sequence[P] = (), aux_spec: P | None = None) -> Callable[..., Any]:
+  """Runs ``fn`` on each device's local heads over the whole (unpadded) sequence.
+
+  Returns ``g(q, k, v, *extras)`` on global sequence-sharded ``[B, H, S, D]`` arrays;
+  ``fn(q, k, v, *extras)`` sees ``[b, H/n, S, D]``. ``extras`` enter with
+  ``extra_specs``. ``fn`` returns the output, or with ``aux_spec`` ``(out, aux)`` whose
+  leaves are per-head ``[b, H/n, ...]`` values, gathered to ``[B, H, ...]``. The pad that
+  makes ``S`` divisible by the shards is cut off before ``fn``, so it never reaches the
+  permutation or a softmax.
+  """
+  def body(q, k, v, *extras):
+    q, k, v = (_to_local_heads(x, ex)[:, :, :ex.seq_len] for x in (q, k, v))
+    result = fn(q, k, v, *extras)
+    out, aux = result if aux_spec is not None else (result, None)
+    out = _to_sequence_shards(_pad_seq(out, ex.padded_len), ex)
+    return out if aux_spec is None else (out, aux)
+
+  in_specs = (ex.qkv_spec,) * 3 + tuple(extra_specs)
+  out_specs = ex.qkv_spec if aux_spec is None else (ex.qkv_spec, aux_spec)
+  # check_vma is off because Pallas kernels (Splash) do not declare how their outputs vary
+  # over mesh axes; the specs above are the contract.
+  mapped = jax.shard_map(body, mesh=ex.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def run(q, k, v, *extras):
+    q, k, v = (ex.reshard(_pad_seq(x, ex.padded_len), ex.qkv_spec) for x in (q, k, v))
+    result = mapped(q, k, v, *extras)
+    out, aux = result if aux_spec is not None else (result, None)
+    if ex.padded_len != ex.seq_len:  # an uneven slice of a sharded axis needs it whole
+      out = ex.reshard(out, P(ex.batch_axes or None))[:, :, :ex.seq_len]
+    return out if aux_spec is None else (out, aux)
+
+  return run
+
+
+def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
+                          grid: VideoGrid, config: SvgConfig, key: jax.Array | None = None,
+                          scale: float | None = None, step: Any = None, layer: Any = None,
+                          expert: str | None = None, seq_axis: str = "context",
+                          batch_axes: Sequence[str] = ("data", "fsdp"),
+                          return_info: bool = False) -> Any:
+  """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
+
+  Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
+  (:func:`svg_attention`, or :func:`scheduled_svg_attention` when ``step`` and ``layer``
+  are given, as Python ints or traced int32 scalars), then all-to-all back. Each device
+  routes its own heads with the same key, so a head's route does not depend on the device
+  holding it. ``return_info`` (unscheduled calls only) adds the single-device info dict
+  with ``temporal`` and the router errors gathered to ``[B, H]``.
+  """
+  check_qkv(q, k, v, grid)
+  ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes)
+  if (step is None) != (layer is None):
+    raise ValueError("give both step and layer (the schedule needs both), or neither "
+                     "(always sparse)")
+  scheduled = step is not None
+  if scheduled and return_info:
+    raise ValueError("return_info is for unscheduled calls (no step/layer): a dense step "
+                     "has no routing to report")
+  # Traced values enter as replicated operands; Python ints stay static (decided while tracing).
+  extras = {"key": key, "step": step, "layer": layer}
+  traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
+  static = {name: x for name, x in extras.items() if name not in traced}
+  plan_stats = config.plan(grid, expert).stats.as_dict()
+
+  def local(q, k, v, *values):
+    given = {**static, **dict(zip(traced, values))}
+    if scheduled:
+      return scheduled_svg_attention(q, k, v, grid=grid, config=config, step=given["step"],
+                                     layer=given["layer"], key=given["key"], scale=scale,
+                                     expert=expert)
+    out, info = svg_attention(q, k, v, grid=grid, config=config, key=given["key"], scale=scale,
+                              expert=expert, return_info=True)
+    info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}
+    return (out, info) if return_info else out
+
+  run = exchange_heads(local, ex, extra_specs=(P(),) * len(traced),
+                       aux_spec=ex.head_spec if return_info else None)
+  result = run(q, k, v, *traced.values())
+  if not return_info:
+    return result
+  out, info = result
+  return out, {**info, "plan": plan_stats}

@@ -1,0 +1,10 @@
+"""Test session set-up: eight simulated CPU devices, so the sharded tests run everywhere.
+
+XLA reads the flag when JAX starts its backend, which no test module does at import.
+"""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
