@@ -3,7 +3,8 @@
 The data path is route -> place -> sparse kernel -> restore; one concern per module:
 ``geometry`` (token grid and layouts), ``masks`` (the SVG rule), ``tiles`` (which tiles a
 kernel visits and masks), ``kernels`` (Splash and XLA executors), ``router`` (per-head
-spatial/temporal choice), ``attention`` (``svg_attention``), ``config`` and ``schedule``.
+spatial/temporal choice), ``attention`` (``svg_attention``), ``sharding`` (the Ulysses head
+exchange around it), ``config`` and ``schedule``.
 """
 
 from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention
@@ -16,6 +17,7 @@ from maxdiffusion_svg.masks import (Mask, PlacedMask, ProbeMask, SvgMask, band_h
                                     probe_mask, svg_mask)
 from maxdiffusion_svg.router import RouterConfig, Routing, profile_heads, route_heads
 from maxdiffusion_svg.schedule import PRESETS, Interval, Schedule
+from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.tiles import TileMode, TilePlan, TileStats, plan_mask_tiles, plan_tiles
 
 __version__ = "0.1.0"

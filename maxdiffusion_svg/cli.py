@@ -115,7 +115,8 @@ def _bench_sharded(args: argparse.Namespace) -> int:
   cfg = ShardedBenchConfig(grid=_grid_from_args(args, default="480p"), devices=args.devices,
                            batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                            density=args.density, mode=args.mode, backend=args.backend,
-                           block_q=args.block_q, block_kv=args.block_kv, repeats=args.repeats)
+                           block_q=args.block_q, block_kv=args.block_kv, dtype=args.dtype,
+                           timing=not args.no_timing, repeats=args.repeats)
   result = run_sharded_bench(cfg, log=_progress)
   print(format_sharded_bench(result))
   _write_json(args.json, result)
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
   sharded.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto")
   sharded.add_argument("--block-q", type=int, help="query tile (default: 512 xla, 3328 splash)")
   sharded.add_argument("--block-kv", type=int, help="key tile (default: 512 xla, 1536 splash)")
+  sharded.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  sharded.add_argument("--no-timing", action="store_true",
+                       help="compile and count collectives only (abstract inputs: any size)")
   sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
   sharded.add_argument("--json", metavar="FILE", help="also write the results as JSON")
   sharded.set_defaults(run=_bench_sharded)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxdiffusion_svg.attention import place, restore, svg_attention
 from maxdiffusion_svg.bench.hlo import KINDS, collective_stats
@@ -47,6 +47,8 @@ class ShardedBenchConfig:
   backend: str = "xla"
   block_q: int | None = None
   block_kv: int | None = None
+  dtype: str = "float32"
+  timing: bool = True  # False: compile and count collectives only, on abstract inputs
   repeats: int = 2
   seed: int = 0
 
@@ -54,6 +56,8 @@ class ShardedBenchConfig:
     for name in ("devices", "batch", "heads", "head_dim", "repeats"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
     self.svg_config()  # validates density, mode, backend and tiles
 
   def svg_config(self) -> SvgConfig:
@@ -71,13 +75,14 @@ def bench_mesh(devices: int) -> Mesh:
   return Mesh(np.array(available[:devices]).reshape(1, 1, devices, 1), MESH_AXES)
 
 
-def permute_before_exchange(mesh: Mesh, grid: VideoGrid, config: SvgConfig,
-                            key: jax.Array) -> Callable[..., jax.Array]:
-  """The replaced design: route and place the global sequence-sharded arrays, then exchange."""
+def permute_before_exchange(mesh: Mesh, grid: VideoGrid, config: SvgConfig, key: jax.Array,
+                            spec: P) -> Callable[..., jax.Array]:
+  """The replaced design: route and place the global arrays, kept in ``spec`` (sequence
+  shards), then exchange."""
 
   def run(q, k, v):
     ex = head_exchange(mesh, q.shape)
-    seq = NamedSharding(mesh, ex.qkv_spec)
+    seq = NamedSharding(mesh, spec)
     temporal = route_heads(q, k, v, grid=grid, config=config, key=key)
     placed = [jax.lax.with_sharding_constraint(place(x, temporal, grid), seq) for x in (q, k, v)]
     plan = config.plan(grid)
@@ -91,43 +96,60 @@ def permute_before_exchange(mesh: Mesh, grid: VideoGrid, config: SvgConfig,
 
 def run_sharded_bench(cfg: ShardedBenchConfig,
                       log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Compiles and times both placements and the single-device path; returns a JSON-ready dict."""
+  """Compiles (and with ``cfg.timing`` times) both placements and the single-device path.
+
+  Returns a JSON-ready dict. Without timing, inputs are abstract shapes: nothing is
+  allocated, so the collectives of full-size Wan calls can be counted on a small machine.
+  """
   mesh = bench_mesh(cfg.devices)
   svg = cfg.svg_config()
   grid = cfg.grid
   key = jax.random.key(cfg.seed)
-  types = tuple(("spatial", "temporal")[h % 2] for h in range(cfg.heads))
-  log(f"building planted q, k, v ({cfg.batch}x{cfg.heads}x{grid.tokens:,}x{cfg.head_dim})...")
-  host = [jnp.asarray(x) for x in planted_qkv(grid, types, cfg.head_dim, seed=cfg.seed,
-                                              batch=cfg.batch)]
-  spec = head_exchange(mesh, host[0].shape).qkv_spec
-  q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in host)
+  shape = (cfg.batch, cfg.heads, grid.tokens, cfg.head_dim)
+  ex = head_exchange(mesh, shape)
+  # Inputs arrive sequence-sharded as in a Wan forward; a length the devices do not
+  # divide cannot be laid out so, and enters sharded by batch only.
+  even = ex.padded_len == ex.seq_len
+  spec = ex.qkv_spec if even else P(ex.batch_axes or None)
+  sharding = NamedSharding(mesh, spec)
+  if cfg.timing:
+    log(f"building planted q, k, v ({'x'.join(map(str, shape))})...")
+    types = tuple(("spatial", "temporal")[h % 2] for h in range(cfg.heads))
+    host = [jnp.asarray(x, cfg.dtype) for x in planted_qkv(grid, types, cfg.head_dim,
+                                                            seed=cfg.seed, batch=cfg.batch)]
+    q, k, v = (jax.device_put(x, sharding) for x in host)
+  else:
+    q = k = v = jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=sharding)
   block_q, block_kv = svg.blocks()
   result: dict[str, Any] = {
       "grid": list(grid.shape), "tokens": grid.tokens, "batch": cfg.batch, "heads": cfg.heads,
-      "head_dim": cfg.head_dim, "density": cfg.density, "mode": svg.tile_mode.value,
-      "backend": resolve_backend(svg.backend), "block_q": block_q, "block_kv": block_kv,
-      "devices": cfg.devices, "platform": jax.devices()[0].platform,
-      "mesh": dict(mesh.shape), "repeats": cfg.repeats, "placements": {}}
+      "head_dim": cfg.head_dim, "dtype": cfg.dtype, "density": cfg.density,
+      "mode": svg.tile_mode.value, "backend": resolve_backend(svg.backend), "block_q": block_q,
+      "block_kv": block_kv, "devices": cfg.devices, "platform": jax.devices()[0].platform,
+      "mesh": dict(mesh.shape), "inputs_sequence_sharded": even, "timing": cfg.timing,
+      "repeats": cfg.repeats, "placements": {}}
 
   functions = {
       "after": lambda q, k, v: sharded_svg_attention(q, k, v, mesh=mesh, grid=grid, config=svg,
                                                      key=key),
-      "before": permute_before_exchange(mesh, grid, svg, key),
+      "before": permute_before_exchange(mesh, grid, svg, key, spec),
   }
   outputs = {}
   for name in PLACEMENTS:
-    fn = jax.jit(functions[name])
-    log(f"compiling and timing the permutation {name} the exchange...")
-    collectives = collective_stats(fn.lower(q, k, v).compile().as_text(), cfg.devices)
-    first, best = time_call(lambda fn=fn: fn(q, k, v), cfg.repeats)
-    outputs[name] = np.asarray(fn(q, k, v))
-    result["placements"][name] = {
-        "collectives": collectives, "time_s": best, "first_call_s": first,
+    log(f"compiling the permutation {name} the exchange...")
+    compiled = jax.jit(functions[name]).lower(q, k, v).compile()
+    collectives = collective_stats(compiled.as_text(), cfg.devices)
+    row = result["placements"][name] = {
+        "collectives": collectives,
         "collective_count": sum(c["count"] for c in collectives.values()),
         "collective_bytes": sum(c["bytes"] for c in collectives.values())}
+    if cfg.timing:
+      log("timing it...")
+      row["first_call_s"], row["time_s"] = time_call(lambda c=compiled: c(q, k, v), cfg.repeats)
+      outputs[name] = np.asarray(compiled(q, k, v), np.float32)
+  if not cfg.timing:
+    return result
   result["max_abs_difference"] = float(np.abs(outputs["after"] - outputs["before"]).max())
-
   log("timing single-device svg_attention...")
   single = jax.jit(lambda q, k, v: svg_attention(q, k, v, grid=grid, config=svg, key=key))
   local = [jax.device_put(x, jax.devices()[0]) for x in host]
@@ -135,32 +157,45 @@ def run_sharded_bench(cfg: ShardedBenchConfig,
   return result
 
 
-def _megabytes(n: float) -> str:
-  return f"{n / 2**20:.2f} MB"
+def _mebibytes(n: float) -> str:
+  return f"{n / 2**20:.2f} MiB"
 
 
 def format_sharded_bench(result: dict[str, Any]) -> str:
   mesh = " ".join(f"{a}={n}" for a, n in result["mesh"].items())
   lines = [
       f"grid {'x'.join(map(str, result['grid']))} = {result['tokens']:,} tokens, "
-      f"B={result['batch']} H={result['heads']} D={result['head_dim']} float32, density "
+      f"B={result['batch']} H={result['heads']} D={result['head_dim']} {result['dtype']}, density "
       f"{result['density']} {result['mode']}, backend {result['backend']}, tiles "
       f"{result['block_q']}x{result['block_kv']}, {result['devices']} {result['platform']} "
-      f"devices (mesh {mesh}), best of {result['repeats']}",
-      "bytes are sent per device per call, read from the compiled HLO",
-      f"{'permutation':<13}" + "".join(f"{kind:>22}" for kind in KINDS)
-      + f"{'total':>12} {'time s':>8}"]
-  for name, row in result["placements"].items():
+      f"devices (mesh {mesh})"
+      + (f", best of {result['repeats']}" if result["timing"] else ", compiled only"),
+      "bytes are sent per device per call, read from the compiled HLO"
+      + ("; XLA:CPU moves bfloat16 collectives as float32 (a TPU moves half these bytes)"
+         if result["dtype"] == "bfloat16" and result["platform"] == "cpu" else "")
+      + ("" if result["inputs_sequence_sharded"] else
+         f"; {result['tokens']:,} tokens do not split evenly, so inputs enter unsharded"),
+  ]
+  rows = result["placements"]
+  kinds = [kind for kind in KINDS if any(kind in row["collectives"] for row in rows.values())]
+  timed = result["timing"]
+  lines.append(f"{'permutation':<16}" + "".join(f"{kind:>22}" for kind in kinds)
+               + f"{'total':>13}" + (f"{'time s':>9}" if timed else ""))
+  for name, row in rows.items():
     cells = []
-    for kind in KINDS:
+    for kind in kinds:
       c = row["collectives"].get(kind)
-      cells.append(f"{c['count']} x = {_megabytes(c['bytes'])}" if c else "-")
-    lines.append(f"{name + ' exchange':<13}" + "".join(f"{c:>22}" for c in cells)
-                 + f"{_megabytes(row['collective_bytes']):>12} {row['time_s']:>8.3f}")
-  after, before = result["placements"]["after"], result["placements"]["before"]
-  lines.append(f"before/after: {before['collective_bytes'] / after['collective_bytes']:.2f}x "
-               f"bytes, {before['time_s'] / after['time_s']:.2f}x time; outputs agree to "
-               f"{result['max_abs_difference']:.1e}")
-  lines.append(f"single-device svg_attention (all heads on one device): "
-               f"{result['single_device_s']:.3f} s")
+      cells.append(f"{c['count']} ops, {_mebibytes(c['bytes'])}" if c else "-")
+    lines.append(f"{name + ' exchange':<16}" + "".join(f"{c:>22}" for c in cells)
+                 + f"{_mebibytes(row['collective_bytes']):>13}"
+                 + (f"{row['time_s']:>9.3f}" if timed else ""))
+  after, before = rows["after"], rows["before"]
+  summary = f"before/after: {before['collective_bytes'] / after['collective_bytes']:.2f}x bytes"
+  if timed:
+    summary += (f", {before['time_s'] / after['time_s']:.2f}x time; outputs agree to "
+                f"{result['max_abs_difference']:.1e}")
+    lines += [summary, f"single-device svg_attention (all heads on one device): "
+                       f"{result['single_device_s']:.3f} s"]
+  else:
+    lines.append(summary)
   return "\n".join(lines)
