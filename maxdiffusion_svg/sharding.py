@@ -11,6 +11,7 @@ this order at 46.81 ms against 75.64 ms for routing and permuting before the exc
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -71,9 +72,7 @@ def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "contex
   if heads % n:
     raise ValueError(f"heads ({heads}) must be divisible by the {n} shards of mesh axis "
                      f"{seq_axis!r}: the head exchange gives each shard heads / {n} heads")
-  batch_shards = 1
-  for axis in present:
-    batch_shards *= mesh.shape[axis]
+  batch_shards = math.prod(mesh.shape[axis] for axis in present)
   if batch % batch_shards:
     raise ValueError(f"batch ({batch}) must be divisible by the {batch_shards} shards of the "
                      f"batch axes {present}")
