@@ -3,7 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test bench tiles venv clean
+MD_VENV ?= .venv-maxdiffusion
+MD_PY := $(MD_VENV)/bin/python
+MD_STAMP := $(MD_VENV)/.installed-stamp
+
+.PHONY: test bench tiles venv clean test-maxdiffusion venv-maxdiffusion
 
 venv: $(STAMP)
 
@@ -25,5 +29,23 @@ bench: venv
 tiles: venv
 	$(PY) -m maxdiffusion_svg tiles $(ARGS)
 
+# The MaxDiffusion integration tests, against a MaxDiffusion source tree used in place:
+#   make test-maxdiffusion MAXDIFFUSION_SRC=/path/to/maxdiffusion
+# The venv holds MaxDiffusion's runtime deps from PyPI (~8 GB: PyPI's torch is the CUDA build).
+venv-maxdiffusion: $(MD_STAMP)
+
+$(MD_STAMP): pyproject.toml requirements-maxdiffusion.txt
+	@py=$$(scripts/find_python.sh) && echo "creating $(MD_VENV) with $$py" && "$$py" -m venv $(MD_VENV)
+	$(MD_PY) -m pip install -q --upgrade pip
+	$(MD_PY) -m pip install -q -r requirements-maxdiffusion.txt
+	$(MD_PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+test-maxdiffusion: $(MD_STAMP)
+	@test -n "$(MAXDIFFUSION_SRC)" || { echo "set MAXDIFFUSION_SRC=/path/to/maxdiffusion (a source checkout)"; exit 2; }
+	@test -d "$(MAXDIFFUSION_SRC)/src/maxdiffusion" || { echo "no src/maxdiffusion under $(MAXDIFFUSION_SRC)"; exit 2; }
+	MAXDIFFUSION_SRC="$(abspath $(MAXDIFFUSION_SRC))" PYTHONPATH="$(abspath $(MAXDIFFUSION_SRC))/src" \
+	  $(MD_PY) -m pytest -q tests/maxdiffusion $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(MD_VENV) .pytest_cache

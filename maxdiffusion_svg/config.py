@@ -80,19 +80,22 @@ class SvgConfig:
                       include_sink=self.include_sink)
 
   @classmethod
-  def from_mapping(cls, mapping: Mapping[str, Any], num_steps: int | None = None) -> "SvgConfig":
+  def from_mapping(cls, mapping: Mapping[str, Any], num_steps: int | None = None,
+                   extra_keys: tuple[str, ...] = ()) -> "SvgConfig":
     """Reads the ``svg_*`` keys of a flat (MaxDiffusion) config; other keys are ignored.
 
     ``svg_schedule`` picks a preset (default ``moderate``); any other key overrides it.
     The preset's dense warm-up is placed using ``num_steps``, else the mapping's
     ``num_inference_steps``, else 50. Unknown ``svg_*`` keys raise: a typo must not be
-    silently ignored.
+    silently ignored. ``extra_keys`` are ``svg_*`` keys a caller reads itself (the
+    MaxDiffusion plugin's); they are allowed and left alone.
     """
-    svg = {k: v for k, v in mapping.items() if k.startswith("svg_")}
-    unknown = sorted(set(svg) - set(_KEYS) - {"svg_schedule"})
+    allowed = set(_KEYS) | {"svg_schedule"} | set(extra_keys)
+    unknown = sorted(k for k in mapping if k.startswith("svg_") and k not in allowed)
     if unknown:
       raise ValueError(f"unknown SVG config key(s) {', '.join(unknown)}; allowed: "
-                       f"{', '.join(sorted(set(_KEYS) | {'svg_schedule'}))}")
+                       f"{', '.join(sorted(allowed))}")
+    svg = {k: v for k, v in mapping.items() if k in allowed}
     steps = num_steps if num_steps is not None else mapping.get("num_inference_steps",
                                                                  DEFAULT_NUM_STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

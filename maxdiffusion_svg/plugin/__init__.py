@@ -1,0 +1,44 @@
+"""MaxDiffusion integration: the ``svg`` attention kernel and the hooks that feed it.
+
+The only package that imports MaxDiffusion, and only when :func:`register` runs, so
+importing ``maxdiffusion_svg`` (or this package) touches neither MaxDiffusion nor JAX's
+devices (multi-host runs initialise ``jax.distributed`` later, in ``pyconfig``).
+"""
+
+from __future__ import annotations
+
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+
+
+def register() -> None:
+  """Registers the ``svg`` kernel with MaxDiffusion and installs the hooks (idempotent)."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion.models import attention_flax
+
+  from maxdiffusion_svg.plugin import hooks
+  from maxdiffusion_svg.plugin.kernel import svg_kernel
+  # pylint: enable=import-outside-toplevel
+  hooks.install()
+  attention_flax.register_kernel(KERNEL_NAME)(svg_kernel)
+
+
+def prepare_transformer(model, settings: PluginSettings, expert: str | None = None):
+  """See :func:`maxdiffusion_svg.plugin.hooks.prepare_transformer`."""
+  from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
+  return hooks.prepare_transformer(model, settings, expert)
+
+
+def set_denoising_schedule(model, timesteps) -> None:
+  """See :func:`maxdiffusion_svg.plugin.hooks.set_denoising_schedule`."""
+  from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
+  hooks.set_denoising_schedule(model, timesteps)
+
+
+def record_calls():
+  """See :func:`maxdiffusion_svg.plugin.kernel.record_calls`."""
+  from maxdiffusion_svg.plugin.kernel import record_calls as record  # pylint: disable=import-outside-toplevel
+  return record()
+
+
+__all__ = ["KERNEL_NAME", "PluginSettings", "prepare_transformer", "record_calls", "register",
+           "set_denoising_schedule"]

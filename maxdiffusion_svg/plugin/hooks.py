@@ -1,0 +1,269 @@
+"""What MaxDiffusion's kernel call lacks, supplied by a few documented hooks.
+
+A registered attention kernel receives ``(q, k, v, context)`` and nothing about the video.
+SVG also needs the token grid, the denoising step, the layer and the Wan 2.2 expert. The
+hooks below supply them, each a wrapper around one MaxDiffusion function, installed once
+by :func:`install` (MaxDiffusion's files are not modified):
+
+* ``create_sharded_logical_transformer`` (``wan_pipeline``): reads the ``svg_*`` keys of
+  the global config (errors before weights load), then :func:`prepare_transformer` the
+  model: settings and expert as static attributes, a per-layer index variable on each
+  self-attention op, and a variable for the run's timestep schedule.
+* ``WanModel.__call__``: the grid from the latent shape and patch size (static ints), and
+  the step as a *traced* function of the timestep it receives: the number of schedule
+  timesteps above it. The jitted forward is compiled once and reused for every step, the
+  warm-up and ``lax.scan`` loops included, so nothing step-dependent is a trace constant.
+* ``NNXAttentionOp.apply_attention``: the running op, whose layer variable is sliced per
+  layer by ``nnx.scan`` (``scan_layers: True``) or set per block (``False``).
+* every Wan pipeline's ``__call__`` and the scheduler's ``set_timesteps``: when a pipeline
+  sets its timesteps, they are written into its transformers' schedule variables, which
+  travel to the jitted forward as data (a fixed-length array: no recompilation).
+* ``aot_cache.install``: adds the SVG settings to the compiled-executable cache key.
+
+Values cross from a hook to the kernel through context variables, set only while the
+wrapped call runs (its trace, for jitted code).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+
+# The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
+MAX_STEPS = 1000
+EXPERT_OF_SUBFOLDER = {"transformer": "high_noise", "transformer_2": "low_noise"}
+_PIPELINE_TRANSFORMERS = ("transformer", "high_noise_transformer", "low_noise_transformer")
+
+
+class SvgLayerIndex(nnx.Variable):
+  """A self-attention op's layer index (stacked ``[num_layers]`` under ``scan_layers``)."""
+
+
+class SvgTimesteps(nnx.Variable):
+  """The run's timestep schedule, padded with -1 to ``MAX_STEPS`` entries."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCall:
+  """What a ``WanModel`` call tells the kernels it runs."""
+
+  model: str  # class name, for error messages
+  grid: VideoGrid
+  settings: PluginSettings | None  # None: the model was not prepared for svg
+  expert: str | None
+  step: jax.Array | None  # traced int32; None when no schedule was set
+
+
+_MODEL_CALL: contextvars.ContextVar[ModelCall | None] = contextvars.ContextVar(
+    "svg_model_call", default=None)
+_ATTENTION_OP: contextvars.ContextVar[Any] = contextvars.ContextVar("svg_attention_op",
+                                                                    default=None)
+_PIPELINE: contextvars.ContextVar[Any] = contextvars.ContextVar("svg_pipeline", default=None)
+
+
+def current_model_call() -> ModelCall | None:
+  return _MODEL_CALL.get()
+
+
+def current_attention_op() -> Any:
+  return _ATTENTION_OP.get()
+
+
+def layer_index(op: Any) -> jax.Array | None:
+  """The op's layer index as a traced scalar, if the model was prepared."""
+  var = getattr(op, "svg_layer", None)
+  return None if var is None else var.value
+
+
+# ---------------------------------------------------------------- preparing a transformer
+
+
+def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
+  """(op, layer) for every self-attention op; layer None for the stacked scanned op."""
+  if model.scan_layers:
+    yield model.blocks.attn1.attention_op, None
+  else:
+    for i, block in enumerate(model.blocks):
+      yield block.attn1.attention_op, i
+
+
+def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None) -> Any:
+  """Attaches what the ``svg`` kernel needs to a ``WanModel`` (in place; returns it).
+
+  Done by the hooks for every transformer a Wan pipeline loads; call it yourself for a
+  ``WanModel`` built another way. ``expert``: ``high_noise``/``low_noise`` for Wan 2.2.
+  """
+  if not isinstance(settings, PluginSettings):
+    raise ValueError(f"settings must be PluginSettings, got {type(settings).__name__}")
+  settings.svg.density_for(expert)  # validates the expert
+  model.svg_settings = settings
+  model.svg_expert = expert
+  for op, layer in _self_attention_ops(model):
+    index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
+    op.svg_layer = SvgLayerIndex(index)
+  model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
+  model.svg_schedule_set = False
+  return model
+
+
+def set_denoising_schedule(model: Any, timesteps: Any) -> None:
+  """Writes a run's decreasing timesteps into a prepared model (the pipelines do this).
+
+  The kernel's step is then the number of these timesteps above the one the model is
+  called with: step ``i`` for ``timesteps[i]``, whatever ran before.
+  """
+  timesteps = jnp.asarray(timesteps, jnp.float32).reshape(-1)
+  if timesteps.size > MAX_STEPS:
+    raise ValueError(f"at most {MAX_STEPS} denoising steps are supported, got {timesteps.size}")
+  padded = jnp.full((MAX_STEPS,), -1.0, jnp.float32).at[:timesteps.size].set(timesteps)
+  model.svg_timesteps.value = padded
+  if not model.svg_schedule_set:
+    model.svg_schedule_set = True
+
+
+def is_prepared(model: Any) -> bool:
+  return getattr(model, "svg_settings", None) is not None
+
+
+# ------------------------------------------------------------------------------ wrappers
+
+
+def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(self, hidden_states, timestep, *args, **kwargs):
+    _, _, frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = self.config.patch_size
+    grid = VideoGrid(frames // p_t, height // p_h, width // p_w)
+    step = None
+    if is_prepared(self) and self.svg_schedule_set:
+      # TI2V gives per-token timesteps (0 on the first frame): the step's is the largest.
+      t = jnp.max(jnp.asarray(timestep, jnp.float32))
+      step = jnp.sum(self.svg_timesteps.value > t).astype(jnp.int32)
+    call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
+                     getattr(self, "svg_expert", None), step)
+    token = _MODEL_CALL.set(call)
+    try:
+      return original(self, hidden_states, timestep, *args, **kwargs)
+    finally:
+      _MODEL_CALL.reset(token)
+
+  return wrapper
+
+
+def _op_call(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(self, *args, **kwargs):
+    token = _ATTENTION_OP.set(self)
+    try:
+      return original(self, *args, **kwargs)
+    finally:
+      _ATTENTION_OP.reset(token)
+
+  return wrapper
+
+
+def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(devices_array, mesh, rngs, config, restored_checkpoint=None, subfolder=""):
+    settings = None
+    if config.attention == KERNEL_NAME:
+      settings = PluginSettings.from_mapping(config.get_keys())  # fails before weights load
+    model = original(devices_array, mesh, rngs, config, restored_checkpoint=restored_checkpoint,
+                     subfolder=subfolder)
+    if settings is not None:
+      expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
+      prepare_transformer(model, settings, expert)
+    return model
+
+  return wrapper
+
+
+def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(self, *args, **kwargs):
+    token = _PIPELINE.set(self)
+    try:
+      return original(self, *args, **kwargs)
+    finally:
+      _PIPELINE.reset(token)
+
+  return wrapper
+
+
+def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(self, *args, **kwargs):
+    state = original(self, *args, **kwargs)
+    pipeline = _PIPELINE.get()
+    if pipeline is not None:
+      for name in _PIPELINE_TRANSFORMERS:
+        model = getattr(pipeline, name, None)
+        if model is not None and is_prepared(model):
+          set_denoising_schedule(model, state.timesteps)
+    return state
+
+  return wrapper
+
+
+def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(cache_dir, meta, mesh):
+    from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
+    config = pyconfig.config
+    if config is not None and meta.get("attention") == KERNEL_NAME:
+      meta = {**meta, "svg": repr(PluginSettings.from_mapping(config.get_keys()))}
+    return original(cache_dir, meta, mesh)
+
+  return wrapper
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+  """Replaces ``owner.name`` with ``make(original)`` once (re-installing is a no-op)."""
+  original = getattr(owner, name)
+  if getattr(original, "_svg_hook", False):
+    return
+  wrapped = make(original)
+  wrapped._svg_hook = True  # pylint: disable=protected-access
+  setattr(owner, name, wrapped)
+
+
+def _all_subclasses(cls: type) -> Iterator[type]:
+  for sub in cls.__subclasses__():
+    yield sub
+    yield from _all_subclasses(sub)
+
+
+def install() -> None:
+  """Installs every hook (idempotent). Imports MaxDiffusion's Wan modules."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import aot_cache
+  from maxdiffusion.models import attention_flax
+  from maxdiffusion.models.wan.transformers import transformer_wan
+  from maxdiffusion.pipelines.wan import (wan_pipeline, wan_pipeline_2_1, wan_pipeline_2_2,  # noqa: F401
+                                          wan_pipeline_i2v_2p1, wan_pipeline_i2v_2p2)
+  from maxdiffusion.schedulers import scheduling_unipc_multistep_flax
+  # pylint: enable=import-outside-toplevel
+  _wrap(transformer_wan.WanModel, "__call__", _model_call)
+  _wrap(attention_flax.NNXAttentionOp, "apply_attention", _op_call)
+  _wrap(wan_pipeline, "create_sharded_logical_transformer", _create_transformer)
+  for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
+    if "__call__" in vars(pipeline):
+      _wrap(pipeline, "__call__", _pipeline_call)
+  _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
+        _set_timesteps)
+  _wrap(aot_cache, "install", _aot_install)

@@ -1,0 +1,133 @@
+"""The ``svg`` attention kernel as MaxDiffusion calls it: ``(q, k, v, context) -> [B, S, H*D]``.
+
+Video self-attention of a prepared Wan transformer runs ``sharded_svg_attention`` on the
+call's mesh, with the step, layer and expert the hooks supply. Cross-attention, masked
+calls and short sequences run MaxDiffusion's dense path, as users expect. Anything else
+(a model the hooks do not cover, a sequence that is not the video grid) raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from maxdiffusion_svg.plugin import hooks
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME
+from maxdiffusion_svg.schedule import Interval
+from maxdiffusion_svg.sharding import sharded_svg_attention
+
+SUPPORTED = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a MaxDiffusion Wan "
+             "pipeline, or prepared with maxdiffusion_svg.plugin.prepare_transformer")
+
+
+_CALL_LOG: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
+    "svg_call_log", default=None)
+
+
+@contextlib.contextmanager
+def record_calls() -> Iterator[list[dict[str, Any]]]:
+  """Logs every ``svg`` kernel execution of the functions traced inside the block.
+
+  A test and benchmark aid: each execution appends ``{"kind", "sparse", "step", "layer",
+  "expert", "density"}`` (``kind``: ``self``, or ``cross``/``masked``/``short`` for dense
+  calls; ``density``: the sparse branch's)
+  through ``jax.debug.callback``, so steps and layers are the traced values of that run.
+  Call ``jax.effects_barrier()`` before reading the list.
+  """
+  log: list[dict[str, Any]] = []
+  token = _CALL_LOG.set(log)
+  try:
+    yield log
+  finally:
+    _CALL_LOG.reset(token)
+
+
+def _record(kind: str, expert: str | None, sparse: Any = False, step: Any = -1,
+            layer: Any = -1, density: float | None = None) -> None:
+  log = _CALL_LOG.get()
+  if log is None:
+    return
+
+  def append(sparse, step, layer):
+    log.append({"kind": kind, "sparse": bool(sparse), "step": int(step), "layer": int(layer),
+                "expert": expert, "density": density})
+
+  jax.debug.callback(append, jnp.asarray(sparse), jnp.asarray(step), jnp.asarray(layer))
+
+
+def _is_everything(interval: Interval) -> bool:
+  return interval.start == 0 and interval.end is None
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any],
+                    kernel: str) -> jax.Array:
+  """MaxDiffusion's own dispatcher with another kernel name, so its mask handling (a boolean
+  keep-mask becomes a bias for ``dot_product``) and short-sequence fallback apply."""
+  from maxdiffusion.models import attention_flax  # pylint: disable=import-outside-toplevel
+  op = hooks.current_attention_op()
+  return attention_flax._apply_attention(  # pylint: disable=protected-access
+      query=q, key=k, value=v, heads=context["heads"], dim_head=context["dim_head"],
+      split_head_dim=context["split_head_dim"], float32_qk_product=context["float32_qk_product"],
+      attention_kernel=kernel, flash_min_seq_length=getattr(op, "flash_min_seq_length", 0),
+      use_memory_efficient_attention=context["use_memory_efficient_attention"],
+      scale=context["scale"], dtype=context["dtype"], mesh=context["mesh"],
+      axis_names_q=context["axis_names_q"], axis_names_kv=context["axis_names_kv"],
+      flash_block_sizes=context["flash_block_sizes"], dpa_layer=context["dpa_layer"],
+      mask_padding_tokens=context["mask_padding_tokens"],
+      residual_checkpoint_name=context["residual_checkpoint_name"],
+      attention_mask=context["attention_mask"], use_base2_exp=context["use_base2_exp"],
+      use_experimental_scheduler=context["use_experimental_scheduler"],
+      ulysses_shards=context["ulysses_shards"],
+      ulysses_attention_chunks=context["ulysses_attention_chunks"],
+      is_causal=context["is_causal"])
+
+
+def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]) -> jax.Array:
+  """The registered ``svg`` kernel."""
+  from maxdiffusion.models import attention_flax  # pylint: disable=import-outside-toplevel
+  call = hooks.current_model_call()
+  if call is None:
+    raise ValueError(f"attention={KERNEL_NAME!r} was called outside a Wan transformer; it "
+                     f"supports {SUPPORTED}. Use another attention kernel for this model.")
+  if call.settings is None:
+    raise ValueError(f"attention={KERNEL_NAME!r}: this {call.model} was not prepared for SVG "
+                     f"(no svg settings); it supports {SUPPORTED}.")
+  settings = call.settings
+  dense = settings.resolved_dense_kernel(jax.default_backend())
+  if q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn":
+    _record("cross", call.expert)
+    return dense_attention(q, k, v, context, dense)
+  if context["attention_mask"] is not None:
+    _record("masked", call.expert)
+    return dense_attention(q, k, v, context, dense)
+  seq_len = q.shape[2]
+  if seq_len < settings.min_seq_length:
+    _record("short", call.expert)
+    return dense_attention(q, k, v, context, dense)
+  if seq_len != call.grid.tokens:
+    raise ValueError(f"attention={KERNEL_NAME!r}: self-attention of {seq_len} tokens in "
+                     f"{call.model}, but its video grid {call.grid} has {call.grid.tokens}; "
+                     f"it supports {SUPPORTED} whose sequence is the patchified video")
+  schedule = settings.svg.schedule
+  step = call.step
+  if step is None:
+    if not _is_everything(schedule.active_steps):
+      raise ValueError(f"attention={KERNEL_NAME!r}: svg_active_steps is "
+                       f"{schedule.active_steps} but the denoising step is unknown: run the "
+                       f"model through a Wan pipeline, or call "
+                       f"maxdiffusion_svg.plugin.set_denoising_schedule(model, timesteps)")
+    step = 0
+  layer = hooks.layer_index(hooks.current_attention_op())
+  if layer is None:
+    raise ValueError(f"attention={KERNEL_NAME!r}: a self-attention op of {call.model} has no "
+                     f"layer index (the model was prepared before its blocks existed?)")
+  _record("self", call.expert, schedule.is_active(step, layer), step, layer,
+          settings.svg.density_for(call.expert))
+  out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
+                              config=settings.svg, scale=context["scale"], step=step,
+                              layer=layer, expert=call.expert)
+  return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

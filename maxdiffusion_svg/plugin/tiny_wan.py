@@ -1,0 +1,178 @@
+"""A tiny random-weight Wan transformer built the pipeline's way: smoke tests and benchmarks.
+
+``create_sharded_logical_transformer`` runs for real (through the installed hooks), from a
+config that is the installed MaxDiffusion's own ``base_wan_14b.yml`` plus our keys, written
+to a temporary file; only the Hugging Face config and weight loaders are replaced, as
+MaxDiffusion's own tests do. A pipeline around it runs the real denoising loop on given
+prompt embeddings (no text encoder, no VAE decode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import types
+import zlib
+from typing import Any
+from unittest import mock
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+from jax.sharding import Mesh
+from maxdiffusion import max_utils, pyconfig
+from maxdiffusion.pipelines.wan import wan_pipeline
+
+HEADS = 8
+HEAD_DIM = 32
+TEXT_LEN = 16
+TRANSFORMER = {
+    "added_kv_proj_dim": None, "attention_head_dim": HEAD_DIM, "cross_attn_norm": True,
+    "eps": 1e-06, "ffn_dim": 64, "freq_dim": 32, "image_dim": None, "in_channels": 4,
+    "num_attention_heads": HEADS, "num_layers": 2, "out_channels": 4, "patch_size": [1, 2, 2],
+    "pos_embed_seq_len": None, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 1024,
+    "text_dim": 32,
+}
+LATENT = (4, 9, 16, 16)  # channels, frames, height, width -> grid 9x8x8 = 576 tokens
+VIDEO = {"num_frames": 33, "height": 128, "width": 128}  # the pixel video of LATENT
+BASE_KEYS = {
+    "skip_jax_distributed_system": True, "weights_dtype": "float32",
+    "activations_dtype": "float32", "pretrained_model_name_or_path": "tiny-wan",
+    "flash_min_seq_length": 0, "run_name": "tiny",
+    # SVG at test scale: 128-token tiles, no length floor, probe 16 rows.
+    "svg_block_q": 128, "svg_block_kv": 128, "svg_min_seq_length": 0,
+    "svg_profile_queries": 16, "svg_backend": "xla",
+}
+
+
+def base_config_path(name: str = "base_wan_14b.yml") -> str:
+  return str(importlib.resources.files("maxdiffusion.configs") / name)
+
+
+def write_config(directory, base: str = "base_wan_14b.yml", **keys: Any) -> str:
+  """MaxDiffusion's ``base`` YAML with ``keys`` added or replaced, in ``directory``."""
+  with open(base_config_path(base), encoding="utf-8") as f:
+    data = yaml.safe_load(f)
+  data.update(BASE_KEYS)
+  data.update(keys)
+  path = f"{directory}/config.yml"
+  with open(path, "w", encoding="utf-8") as f:
+    yaml.safe_dump(data, f)
+  return path
+
+
+def init_config(path: str, *overrides: str):
+  pyconfig.initialize([None, path, *overrides], unittest=True)
+  return pyconfig.config
+
+
+def _value(name: tuple, shape, dtype, scale: float) -> jax.Array:
+  seed = zlib.crc32("/".join(map(str, name)).encode())
+  return scale * jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _random_params(scale: float):
+  """A loader of random weights keyed by parameter name and layer, so that stacked
+  (``scan_layers``) and per-block models get the same weights."""
+
+  def load(_path, eval_shapes, *args, **kwargs):
+    del args, kwargs
+    params = {}
+    for name, shape in flax.traverse_util.flatten_dict(eval_shapes).items():
+      if name[0] == "blocks" and isinstance(name[1], int):  # one block of a Python loop
+        params[name] = _value(name, shape.shape, shape.dtype, scale)
+      elif name[0] == "blocks":  # stacked over layers
+        params[name] = jnp.stack([_value(("blocks", i, *name[1:]), shape.shape[1:], shape.dtype,
+                                         scale) for i in range(shape.shape[0])])
+      else:
+        params[name] = _value(name, shape.shape, shape.dtype, scale)
+    return flax.traverse_util.unflatten_dict(params)
+
+  return load
+
+
+@contextlib.contextmanager
+def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1):
+  """Replaces the Hugging Face config and weight loaders with a tiny random Wan."""
+  config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads}
+
+  def load_config(*args, return_unused_kwargs=False, **kwargs):
+    del args
+    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
+
+  with mock.patch.object(wan_pipeline.WanModel, "load_config", side_effect=load_config), \
+       mock.patch.object(wan_pipeline, "load_wan_transformer", side_effect=_random_params(scale)):
+    yield
+
+
+def make_mesh(config, devices: int) -> tuple[np.ndarray, Mesh]:
+  array = max_utils.create_device_mesh(config, devices=jax.devices()[:devices], logging=False)
+  return array, Mesh(array, config.mesh_axes)
+
+
+def build_transformer(config, mesh_devices: tuple[np.ndarray, Mesh], subfolder: str = "transformer",
+                      num_layers: int = 2, heads: int = HEADS):
+  array, mesh = mesh_devices
+  with tiny_loaders(num_layers, heads), mesh:
+    return wan_pipeline.create_sharded_logical_transformer(
+        devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config, subfolder=subfolder)
+
+
+def inputs(batch: int = 2, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+  rng = np.random.default_rng(seed)
+  latents = jnp.asarray(rng.standard_normal((batch, *LATENT)), jnp.float32)
+  text = jnp.asarray(rng.standard_normal((batch, TEXT_LEN, TRANSFORMER["text_dim"])), jnp.float32)
+  return latents, text
+
+
+def forward(model, mesh: Mesh, config, latents, text, t) -> jax.Array:
+  """One transformer call through the pipeline's jitted forward (reused across steps)."""
+  graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+  timestep = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (latents.shape[0],))
+  with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
+    out, _ = wan_pipeline.transformer_forward_pass(
+        graphdef, state, rest, latents, timestep, text, do_classifier_free_guidance=False,
+        guidance_scale=1.0)
+  return out
+
+
+def _scheduler(config):
+  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import FlaxUniPCMultistepScheduler  # pylint: disable=import-outside-toplevel
+  scheduler = FlaxUniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
+                                          use_flow_sigmas=True, flow_shift=config.flow_shift)
+  return scheduler, scheduler.create_state()
+
+
+def _components(config, mesh_devices) -> dict[str, Any]:
+  array, mesh = mesh_devices
+  channels = LATENT[0]
+  # Only what the denoising loop reads of a VAE: latent statistics and scale factors.
+  vae = types.SimpleNamespace(latents_mean=[0.0] * channels, latents_std=[1.0] * channels,
+                              z_dim=channels, temperal_downsample=[False, True, True])
+  scheduler, state = _scheduler(config)
+  return {"tokenizer": None, "text_encoder": None, "vae": vae, "vae_cache": None,
+          "scheduler": scheduler, "scheduler_state": state, "devices_array": array, "mesh": mesh}
+
+
+def pipeline_2_1(config, mesh_devices, transformer):
+  """A ``WanPipeline2_1`` around ``transformer``: the real loop, latents out."""
+  from maxdiffusion.pipelines.wan.wan_pipeline_2_1 import WanPipeline2_1  # pylint: disable=import-outside-toplevel
+  return WanPipeline2_1(config=config, transformer=transformer, **_components(config, mesh_devices))
+
+
+def pipeline_2_2(config, mesh_devices, high_noise, low_noise):
+  """A ``WanPipeline2_2`` around two transformers (high-noise first, as Wan 2.2 runs them)."""
+  from maxdiffusion.pipelines.wan.wan_pipeline_2_2 import WanPipeline2_2  # pylint: disable=import-outside-toplevel
+  return WanPipeline2_2(config=config, high_noise_transformer=high_noise,
+                        low_noise_transformer=low_noise, **_components(config, mesh_devices))
+
+
+def generate(pipeline, steps: int, text: jax.Array, **kwargs) -> jax.Array:
+  """Denoised latents for ``text`` embeddings (the negative prompt is its negation)."""
+  latents, _ = pipeline(prompt_embeds=text, negative_prompt_embeds=-text,
+                        num_inference_steps=steps, output_type="latent", **VIDEO, **kwargs)
+  return latents

@@ -1,0 +1,81 @@
+"""The svg kernel inside a tiny random Wan transformer built the pipeline's way."""
+
+import jax
+import numpy as np
+import pytest
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg import plugin
+from maxdiffusion_svg.plugin import tiny_wan
+
+EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+  plugin.register()
+
+
+_RESULTS = {}
+
+
+def forward(tmp_path_factory, devices, attention, scan_layers=True, **keys):
+  """Transformer output on fixed inputs (batch 2, as with classifier-free guidance), and
+  the svg kernel's call log; cached, since several tests compare the same runs."""
+  cache_key = repr((devices, attention, scan_layers, sorted(keys.items())))
+  if cache_key not in _RESULTS:
+    config = tiny_wan.init_config(tiny_wan.write_config(
+        str(tmp_path_factory.mktemp("config")), attention=attention, scan_layers=scan_layers,
+        **keys))
+    mesh = tiny_wan.make_mesh(config, devices)
+    model = tiny_wan.build_transformer(config, mesh)
+    latents, text = tiny_wan.inputs(batch=2)
+    with plugin.record_calls() as log:
+      out = np.asarray(tiny_wan.forward(model, mesh[1], config, latents, text, 500))
+      jax.effects_barrier()
+    _RESULTS[cache_key] = (out, log)
+  return _RESULTS[cache_key]
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_density_one_equals_dot_product(tmp_path_factory, devices):
+  dense, _ = forward(tmp_path_factory, devices, "dot_product")
+  svg, log = forward(tmp_path_factory, devices, "svg", svg_density=1.0, **EVERYTHING)
+  scale = np.abs(dense).max()
+  np.testing.assert_allclose(svg / scale, dense / scale, atol=1e-4)
+  assert [r["kind"] for r in log].count("self") == 2  # both layers ran the svg path
+  assert all(r["sparse"] for r in log if r["kind"] == "self")
+
+
+def test_sparse_density_runs_and_stays_close(tmp_path_factory):
+  dense, _ = forward(tmp_path_factory, 8, "dot_product")
+  sparse, log = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
+  rel = np.linalg.norm(sparse - dense) / np.linalg.norm(dense)
+  assert 1e-3 < rel < 0.05, rel  # really sparse, and close (README: "tiny Wan" figures)
+  assert [(r["kind"], r["layer"], r["sparse"], r["density"]) for r in log
+          if r["kind"] == "self"] == [("self", 0, True, 0.3), ("self", 1, True, 0.3)]
+
+
+def test_cross_attention_and_outside_the_schedule_run_dense(tmp_path_factory):
+  dense, _ = forward(tmp_path_factory, 8, "dot_product")
+  # Layer 0 is outside svg_active_layers: it runs dense, layer 1 sparse.
+  out, log = forward(tmp_path_factory, 8, "svg", svg_density=0.3,
+                     svg_active_steps=[0, None], svg_active_layers=[1, None])
+  assert sorted((r["kind"], r["layer"], r["sparse"]) for r in log) == [
+      ("cross", -1, False), ("cross", -1, False), ("self", 0, False), ("self", 1, True)]
+  all_sparse, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
+  assert not np.allclose(out, all_sparse, atol=1e-4)  # layer 0 really was dense
+  assert not np.allclose(out, dense, atol=1e-4)
+
+
+def test_scan_layers_on_and_off_agree(tmp_path_factory):
+  keys = {"svg_density": 0.3, "svg_active_steps": [0, None], "svg_active_layers": [1, None]}
+  scanned, log_scanned = forward(tmp_path_factory, 8, "svg", scan_layers=True, **keys)
+  looped, log_looped = forward(tmp_path_factory, 8, "svg", scan_layers=False, **keys)
+  scale = np.abs(scanned).max()
+  np.testing.assert_allclose(looped / scale, scanned / scale, atol=1e-5)
+  assert sorted(map(str, log_scanned)) == sorted(map(str, log_looped))
