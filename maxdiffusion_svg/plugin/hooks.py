@@ -26,6 +26,7 @@ wrapped call runs (its trace, for jitted code).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -72,6 +73,16 @@ _PIPELINE: contextvars.ContextVar[Any] = contextvars.ContextVar("svg_pipeline", 
 
 def current_model_call() -> ModelCall | None:
   return _MODEL_CALL.get()
+
+
+@contextlib.contextmanager
+def model_call(call: ModelCall) -> Iterator[None]:
+  """Makes ``call`` what the kernels see while the block runs (the ``WanModel`` hook's job)."""
+  token = _MODEL_CALL.set(call)
+  try:
+    yield
+  finally:
+    _MODEL_CALL.reset(token)
 
 
 def current_attention_op() -> Any:
@@ -151,11 +162,8 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
       step = jnp.sum(self.svg_timesteps.value > t).astype(jnp.int32)
     call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
                      getattr(self, "svg_expert", None), step)
-    token = _MODEL_CALL.set(call)
-    try:
+    with model_call(call):
       return original(self, hidden_states, timestep, *args, **kwargs)
-    finally:
-      _MODEL_CALL.reset(token)
 
   return wrapper
 
