@@ -123,6 +123,18 @@ def _bench_sharded(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_collectives(args: argparse.Namespace) -> int:
+  simulate_cpu_devices(args.devices)
+  from maxdiffusion_svg.plugin.collectives import format_collectives, measure  # pylint: disable=import-outside-toplevel
+  latent = tuple(int(n) for n in args.latent.lower().split("x"))
+  if len(latent) != 4:
+    raise ValueError(f"--latent must be CxFxHxW, got {args.latent!r}")
+  result = measure(args.kernels, args.devices, latent, args.text_len, log=_progress)
+  print(format_collectives(result))
+  _write_json(args.json, result)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
                                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -180,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
   sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
   sharded.add_argument("--json", metavar="FILE", help="also write the results as JSON")
   sharded.set_defaults(run=_bench_sharded)
+
+  collectives = bench_sub.add_parser(
+      "collectives", help="bytes each attention kernel moves in a tiny Wan forward (needs "
+                          "MaxDiffusion on PYTHONPATH)")
+  collectives.add_argument("--devices", type=int, default=8)
+  collectives.add_argument("--kernels", nargs="+", default=["svg", "ulysses", "dot_product"])
+  collectives.add_argument("--latent", default="4x21x30x52", help="latent CxFxHxW")
+  collectives.add_argument("--text-len", type=int, default=128, help="a multiple of 128")
+  collectives.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  collectives.set_defaults(run=_bench_collectives)
   return parser
 
 

@@ -122,10 +122,12 @@ def build_transformer(config, mesh_devices: tuple[np.ndarray, Mesh], subfolder: 
         devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config, subfolder=subfolder)
 
 
-def inputs(batch: int = 2, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+def inputs(batch: int = 2, seed: int = 0, text_len: int = TEXT_LEN,
+           latent: tuple[int, ...] = LATENT) -> tuple[jax.Array, jax.Array]:
+  """Latents and text embeddings (Splash kernels need ``text_len`` a multiple of 128)."""
   rng = np.random.default_rng(seed)
-  latents = jnp.asarray(rng.standard_normal((batch, *LATENT)), jnp.float32)
-  text = jnp.asarray(rng.standard_normal((batch, TEXT_LEN, TRANSFORMER["text_dim"])), jnp.float32)
+  latents = jnp.asarray(rng.standard_normal((batch, *latent)), jnp.float32)
+  text = jnp.asarray(rng.standard_normal((batch, text_len, TRANSFORMER["text_dim"])), jnp.float32)
   return latents, text
 
 
