@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.schedule import PRESETS, Interval, Schedule
 from maxdiffusion_svg.tiles import TileMode
 
@@ -109,7 +110,10 @@ def test_shipped_yaml_fragments_are_valid():
   files = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yml"))
   assert files
   for path in files:
-    cfg = SvgConfig.from_mapping({**yaml.safe_load(path.read_text()), "num_inference_steps": 40})
-    assert cfg.tile_mode is TileMode.ALIGNED
-  wan22 = SvgConfig.from_mapping(yaml.safe_load((files[0].parent / "svg_wan22_experts.yml").read_text()))
+    data = yaml.safe_load(path.read_text())
+    assert data["attention"] == "svg"
+    settings = PluginSettings.from_mapping({**data, "num_inference_steps": 40})
+    assert settings.svg.tile_mode is TileMode.ALIGNED and settings.dense_kernel is None
+  wan22 = PluginSettings.from_mapping(yaml.safe_load(
+      (files[0].parent / "svg_wan22_experts.yml").read_text())).svg
   assert wan22.density_for("high_noise") == 0.5 and wan22.schedule.active_steps == Interval(11, None)
