@@ -92,7 +92,7 @@ def current_attention_op() -> Any:
 def layer_index(op: Any) -> jax.Array | None:
   """The op's layer index as a traced scalar, if the model was prepared."""
   var = getattr(op, "svg_layer", None)
-  return None if var is None else var.value
+  return None if var is None else var[...]
 
 
 # ---------------------------------------------------------------- preparing a transformer
@@ -136,7 +136,7 @@ def set_denoising_schedule(model: Any, timesteps: Any) -> None:
   if timesteps.size > MAX_STEPS:
     raise ValueError(f"at most {MAX_STEPS} denoising steps are supported, got {timesteps.size}")
   padded = jnp.full((MAX_STEPS,), -1.0, jnp.float32).at[:timesteps.size].set(timesteps)
-  model.svg_timesteps.value = padded
+  model.svg_timesteps[...] = padded
   if not model.svg_schedule_set:
     model.svg_schedule_set = True
 
@@ -159,7 +159,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
     if is_prepared(self) and self.svg_schedule_set:
       # TI2V gives per-token timesteps (0 on the first frame): the step's is the largest.
       t = jnp.max(jnp.asarray(timestep, jnp.float32))
-      step = jnp.sum(self.svg_timesteps.value > t).astype(jnp.int32)
+      step = jnp.sum(self.svg_timesteps[...] > t).astype(jnp.int32)
     call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
                      getattr(self, "svg_expert", None), step)
     with model_call(call):
