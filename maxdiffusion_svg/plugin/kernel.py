@@ -97,17 +97,19 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     raise ValueError(f"attention={KERNEL_NAME!r}: this {call.model} was not prepared for SVG "
                      f"(no svg settings); it supports {SUPPORTED}.")
   settings = call.settings
-  dense = settings.resolved_dense_kernel(jax.default_backend())
+  seq_len = q.shape[2] if q.ndim == 4 else q.shape[1]
   if q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn":
-    _record("cross", call.expert)
-    return dense_attention(q, k, v, context, dense)
-  if context["attention_mask"] is not None:
-    _record("masked", call.expert)
-    return dense_attention(q, k, v, context, dense)
-  seq_len = q.shape[2]
-  if seq_len < settings.min_seq_length:
-    _record("short", call.expert)
-    return dense_attention(q, k, v, context, dense)
+    dense_reason = "cross"
+  elif context["attention_mask"] is not None:
+    dense_reason = "masked"
+  elif seq_len < settings.min_seq_length:
+    dense_reason = "short"
+  else:
+    dense_reason = None
+  if dense_reason is not None:
+    _record(dense_reason, call.expert)
+    return dense_attention(q, k, v, context,
+                           settings.resolved_dense_kernel(jax.default_backend()))
   if seq_len != call.grid.tokens:
     raise ValueError(f"attention={KERNEL_NAME!r}: self-attention of {seq_len} tokens in "
                      f"{call.model}, but its video grid {call.grid} has {call.grid.tokens}; "
@@ -124,7 +126,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   layer = hooks.layer_index(hooks.current_attention_op())
   if layer is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: a self-attention op of {call.model} has no "
-                     f"layer index (the model was prepared before its blocks existed?)")
+                     f"layer index (prepare_transformer tags blocks[*].attn1 only)")
   _record("self", call.expert, schedule.is_active(step, layer), step, layer,
           settings.svg.density_for(call.expert))
   out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
