@@ -168,17 +168,25 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _op_call(original: Callable[..., Any]) -> Callable[..., Any]:
+_Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
-  @functools.wraps(original)
-  def wrapper(self, *args, **kwargs):
-    token = _ATTENTION_OP.set(self)
-    try:
-      return original(self, *args, **kwargs)
-    finally:
-      _ATTENTION_OP.reset(token)
 
-  return wrapper
+def _binding_self(var: contextvars.ContextVar[Any]) -> _Wrapper:
+  """Wraps a method so that ``var`` holds its ``self`` while it runs."""
+
+  def make(original: Callable[..., Any]) -> Callable[..., Any]:
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+      token = var.set(self)
+      try:
+        return original(self, *args, **kwargs)
+      finally:
+        var.reset(token)
+
+    return wrapper
+
+  return make
 
 
 def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -194,19 +202,6 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
       expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
       prepare_transformer(model, settings, expert)
     return model
-
-  return wrapper
-
-
-def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
-
-  @functools.wraps(original)
-  def wrapper(self, *args, **kwargs):
-    token = _PIPELINE.set(self)
-    try:
-      return original(self, *args, **kwargs)
-    finally:
-      _PIPELINE.reset(token)
 
   return wrapper
 
@@ -240,7 +235,7 @@ def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def _wrap(owner: Any, name: str, make: _Wrapper) -> None:
   """Replaces ``owner.name`` with ``make(original)`` once (re-installing is a no-op)."""
   original = getattr(owner, name)
   if getattr(original, "_svg_hook", False):
@@ -267,11 +262,11 @@ def install() -> None:
   from maxdiffusion.schedulers import scheduling_unipc_multistep_flax
   # pylint: enable=import-outside-toplevel
   _wrap(transformer_wan.WanModel, "__call__", _model_call)
-  _wrap(attention_flax.NNXAttentionOp, "apply_attention", _op_call)
+  _wrap(attention_flax.NNXAttentionOp, "apply_attention", _binding_self(_ATTENTION_OP))
   _wrap(wan_pipeline, "create_sharded_logical_transformer", _create_transformer)
   for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
     if "__call__" in vars(pipeline):
-      _wrap(pipeline, "__call__", _pipeline_call)
+      _wrap(pipeline, "__call__", _binding_self(_PIPELINE))
   _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
         _set_timesteps)
   _wrap(aot_cache, "install", _aot_install)
