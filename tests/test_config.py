@@ -115,5 +115,5 @@ def test_shipped_yaml_fragments_are_valid():
     settings = PluginSettings.from_mapping({**data, "num_inference_steps": 40})
     assert settings.svg.tile_mode is TileMode.ALIGNED and settings.dense_kernel is None
   wan22 = PluginSettings.from_mapping(yaml.safe_load(
-      (files[0].parent / "svg_wan22_experts.yml").read_text())).svg
+      (files[0].parent / "wan22_svg.yml").read_text())).svg
   assert wan22.density_for("high_noise") == 0.5 and wan22.schedule.active_steps == Interval(11, None)

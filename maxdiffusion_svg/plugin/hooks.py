@@ -201,6 +201,10 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
     if settings is not None:
       expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
       prepare_transformer(model, settings, expert)
+      from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
+      max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
+                      f"{f' ({expert} expert)' if expert else ''}: "
+                      f"{settings.summary(jax.default_backend())}")
     return model
 
   return wrapper

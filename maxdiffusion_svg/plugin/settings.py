@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.config import DEFAULT_PRESET, SvgConfig
+from maxdiffusion_svg.kernels.api import resolve_backend
 
 KERNEL_NAME = "svg"
 # svg_* keys the kernel reads itself (SvgConfig reads the rest).
@@ -30,6 +31,7 @@ class PluginSettings:
   svg: SvgConfig = SvgConfig()
   dense_kernel: str | None = None
   min_seq_length: int = DEFAULT_MIN_SEQ_LENGTH
+  preset: str = DEFAULT_PRESET  # the svg_schedule the keys started from (for the log)
 
   def __post_init__(self):
     if self.dense_kernel is not None and (not isinstance(self.dense_kernel, str)
@@ -46,7 +48,25 @@ class PluginSettings:
     dense = mapping.get("svg_dense_kernel")
     return cls(svg=SvgConfig.from_mapping(mapping, extra_keys=PLUGIN_KEYS),
                dense_kernel=dense or None,
-               min_seq_length=mapping.get("svg_min_seq_length", DEFAULT_MIN_SEQ_LENGTH))
+               min_seq_length=mapping.get("svg_min_seq_length", DEFAULT_MIN_SEQ_LENGTH),
+               preset=mapping.get("svg_schedule", DEFAULT_PRESET))
+
+  def summary(self, platform: str | None = None) -> str:
+    """One line for the run's log: what will be sparse, where, and how."""
+    svg = self.svg
+    densities = f"density {svg.density}"
+    if svg.high_noise_density is not None or svg.low_noise_density is not None:
+      densities += (f" (high-noise {svg.density_for('high_noise')}, "
+                    f"low-noise {svg.density_for('low_noise')})")
+    steps, layers = svg.schedule.active_steps, svg.schedule.active_layers
+    block_q, block_kv = svg.blocks()
+    backend = svg.backend if platform is None else resolve_backend(svg.backend)
+    dense = self.dense_kernel or "flash on TPU, dot_product elsewhere"
+    return (f"SVG attention: preset {self.preset}, {densities}, sparse steps "
+            f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
+            f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
+            f"{svg.tile_mode.value} {block_q}x{block_kv}, backend {backend}, dense kernel "
+            f"{dense}, dense below {self.min_seq_length} tokens")
 
   def resolved_dense_kernel(self, platform: str) -> str:
     if self.dense_kernel is not None:

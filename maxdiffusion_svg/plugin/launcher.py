@@ -1,0 +1,50 @@
+"""``python -m maxdiffusion_svg.generate CONFIG [key=value ...]``: Wan generation with SVG, on
+an unmodified MaxDiffusion.
+
+Merges the config's ``base_config`` chain into one complete YAML (in a temporary folder,
+kept for the run), registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
+way its own ``__main__`` does. The SVG summary line is logged when each transformer is built.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from typing import Sequence
+
+from maxdiffusion_svg.plugin import overlay
+
+
+def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
+  """``[prog, merged.yml, *overrides]`` for MaxDiffusion from ``[prog, config.yml, *overrides]``,
+  and the chain of config files merged."""
+  if len(argv) < 2 or "=" in argv[1]:
+    raise ValueError("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
+  config, chain = overlay.load_config(argv[1])
+  merged = overlay.write_config(config, f"{directory}/merged_config.yml")
+  return [argv[0], merged, *argv[2:]], chain
+
+
+def run(argv: Sequence[str]) -> None:
+  """Everything ``main`` does but the absl app wrapper (which exits): for tests and scripts."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import generate_wan, max_logging
+
+  from maxdiffusion_svg import plugin
+  # pylint: enable=import-outside-toplevel
+  plugin.register()
+  with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_") as directory:
+    maxdiffusion_argv, chain = prepare_argv(argv, directory)
+    max_logging.log(f"maxdiffusion_svg: config {' -> '.join(chain)} merged into "
+                    f"{maxdiffusion_argv[1]}")
+    generate_wan.main(maxdiffusion_argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  # pylint: disable=import-outside-toplevel
+  from absl import app
+  from maxdiffusion.train_utils import transformer_engine_context
+  # pylint: enable=import-outside-toplevel
+  argv = list(sys.argv if argv is None else argv)
+  with transformer_engine_context():
+    app.run(run, argv=argv)

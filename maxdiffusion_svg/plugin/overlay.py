@@ -1,0 +1,90 @@
+"""Configs that hold only their own keys: ``base_config:`` names the YAML they extend.
+
+MaxDiffusion reads one complete YAML (no includes), and a ``key=value`` override must name
+a key that YAML already has. A config here names its base instead of copying it; the
+chain is merged (later files win, key by key) into one complete YAML before MaxDiffusion
+reads it, so overrides then work for every key, ours included. A base is looked up
+beside the file naming it, then among the installed MaxDiffusion's configs. MaxDiffusion
+itself is not imported: its configs folder is found from the package's location.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Any, Sequence
+
+import yaml
+
+BASE_KEY = "base_config"
+
+
+def maxdiffusion_config_dirs() -> list[pathlib.Path]:
+  """``configs/`` folders of the importable ``maxdiffusion`` package (none if absent)."""
+  try:
+    spec = importlib.util.find_spec("maxdiffusion")
+  except (ImportError, ValueError):
+    return []
+  locations = spec.submodule_search_locations if spec is not None else None
+  return [pathlib.Path(p) / "configs" for p in (locations or [])
+          if (pathlib.Path(p) / "configs").is_dir()]
+
+
+def find_base(name: str, referrer: pathlib.Path,
+              search_dirs: Sequence[pathlib.Path] | None = None) -> pathlib.Path:
+  """The file ``name`` refers to from ``referrer``: beside it, then in ``search_dirs``."""
+  candidate = pathlib.Path(name)
+  if candidate.is_absolute():
+    places = [candidate]
+  else:
+    dirs = maxdiffusion_config_dirs() if search_dirs is None else search_dirs
+    places = [referrer.parent / candidate, *(pathlib.Path(d) / candidate for d in dirs)]
+  for place in places:
+    if place.is_file():
+      return place.resolve()
+  raise ValueError(f"{referrer}: {BASE_KEY} {name!r} not found; looked in "
+                   f"{', '.join(str(p) for p in places)}")
+
+
+def _read(path: pathlib.Path) -> dict[str, Any]:
+  with open(path, encoding="utf-8") as f:
+    data = yaml.safe_load(f)
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ValueError(f"{path}: a config must be a YAML mapping of keys, got {type(data).__name__}")
+  return data
+
+
+def load_config(path: str | pathlib.Path,
+                search_dirs: Sequence[pathlib.Path] | None = None) -> tuple[dict[str, Any], list[str]]:
+  """The merged config of ``path`` and its chain of bases, and the chain (file first)."""
+  chain: list[pathlib.Path] = []
+  current = pathlib.Path(path).expanduser().resolve()
+  if not current.is_file():
+    raise ValueError(f"config file {current} does not exist")
+  layers = []
+  while True:
+    if current in chain:
+      cycle = " -> ".join(str(p) for p in [*chain[chain.index(current):], current])
+      raise ValueError(f"{BASE_KEY} cycle: {cycle}")
+    chain.append(current)
+    data = _read(current)
+    base = data.pop(BASE_KEY, None)
+    layers.append(data)
+    if base is None:
+      break
+    if not isinstance(base, str) or not base:
+      raise ValueError(f"{current}: {BASE_KEY} must be a file name, got {base!r}")
+    current = find_base(base, current, search_dirs)
+  merged: dict[str, Any] = {}
+  for layer in reversed(layers):  # the base first, each file over it
+    merged.update(layer)
+  return merged, [str(p) for p in chain]
+
+
+def write_config(config: dict[str, Any], path: str | pathlib.Path) -> str:
+  """Writes a complete (merged) config where MaxDiffusion's ``pyconfig`` can read it."""
+  with open(path, "w", encoding="utf-8") as f:
+    yaml.safe_dump(config, f, sort_keys=False)
+  return str(path)

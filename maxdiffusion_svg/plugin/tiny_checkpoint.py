@@ -1,0 +1,91 @@
+"""A tiny random-weight Wan checkpoint on disk, in the Hugging Face diffusers folder layout.
+
+Unlike ``tiny_wan`` (which patches MaxDiffusion's loaders), this lets the stock
+``maxdiffusion.generate_wan`` run end to end, offline and on CPU: tokenizer, text
+encoder, transformer(s), VAE and scheduler all load from ``directory``. Needs torch,
+diffusers, transformers and tokenizers, imported only when a checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+HEADS = 8
+HEAD_DIM = 32  # 8 heads divide a context axis of 8 devices
+TEXT_DIM = 32  # the text encoder's d_model
+LATENT_CHANNELS = 4  # the VAE's z_dim and the transformer's in/out channels
+TRANSFORMER = {
+    "patch_size": (1, 2, 2), "num_attention_heads": HEADS, "attention_head_dim": HEAD_DIM,
+    "in_channels": LATENT_CHANNELS, "out_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
+    "freq_dim": 32, "ffn_dim": 64, "num_layers": 2, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}
+# MaxDiffusion's loader reads the transformer through its shard index, so shard it.
+SHARD_SIZE = "2MB"
+
+
+def _tokenizer():
+  """A character-level fast tokenizer built in memory: no sentencepiece model, no download,
+  and different prompts still give different ids (T5 ids: pad 0, eos 1, unk 2)."""
+  from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+  symbols = ["<pad>", "</s>", "<unk>", *(string.ascii_lowercase + string.digits + string.punctuation)]
+  tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
+  tok.normalizer = normalizers.Lowercase()
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex("."), behavior="isolated")])
+  tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+  return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                 unk_token="<unk>", model_max_length=512,
+                                 model_input_names=["input_ids", "attention_mask"])
+
+
+def _text_encoder():
+  from transformers import UMT5Config, UMT5EncoderModel  # pylint: disable=import-outside-toplevel
+  return UMT5EncoderModel(UMT5Config(
+      vocab_size=128, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+      relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
+      eos_token_id=1, decoder_start_token_id=0))
+
+
+def _vae():
+  """Wan 2.1's VAE layout (8x spatial, 4x temporal) at a small width."""
+  from diffusers import AutoencoderKLWan  # pylint: disable=import-outside-toplevel
+  return AutoencoderKLWan(base_dim=8, z_dim=LATENT_CHANNELS, latents_mean=[0.0] * LATENT_CHANNELS,
+                          latents_std=[1.0] * LATENT_CHANNELS)
+
+
+def _write(directory: str, seed: int, transformers: tuple[str, ...], **pipeline_config) -> str:
+  """Writes every component, then ``model_index.json`` from a diffusers ``WanPipeline``."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel  # pylint: disable=import-outside-toplevel
+  os.makedirs(directory, exist_ok=True)
+  torch.manual_seed(seed)
+  parts = {
+      "tokenizer": _tokenizer(), "text_encoder": _text_encoder(), "vae": _vae(),
+      "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                           flow_shift=3.0),
+  }
+  for i, name in enumerate(transformers):
+    torch.manual_seed(seed + 1 + i)  # different weights for each expert
+    parts[name] = WanTransformer3DModel(**TRANSFORMER)
+  for name, part in parts.items():
+    path = os.path.join(directory, name)
+    if name.startswith("transformer"):
+      part.save_pretrained(path, max_shard_size=SHARD_SIZE)
+    else:
+      part.save_pretrained(path)
+  WanPipeline(**parts, **pipeline_config).save_config(directory)
+  return directory
+
+
+def write_wan21(directory: str, *, seed: int = 0) -> str:
+  """A tiny Wan 2.1 T2V checkpoint in ``directory`` (about 10 MB); returns ``directory``."""
+  return _write(directory, seed, ("transformer",))
+
+
+def write_wan22(directory: str, *, seed: int = 0) -> str:
+  """A tiny Wan 2.2 A14B-style T2V checkpoint: ``transformer`` is the high-noise expert,
+  ``transformer_2`` the low-noise one, as in diffusers."""
+  return _write(directory, seed, ("transformer", "transformer_2"), boundary_ratio=0.875)
