@@ -6,10 +6,17 @@ encoder, transformer(s), VAE and scheduler all load from ``directory``. Needs to
 diffusers, transformers and tokenizers, imported only when a checkpoint is written.
 """
 
+# pylint: disable=import-outside-toplevel  # heavy torch stack, loaded only to write
+
 from __future__ import annotations
 
 import os
 import string
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  import diffusers
+  import transformers
 
 HEADS = 8
 HEAD_DIM = 32  # 8 heads divide a context axis of 8 devices
@@ -25,12 +32,13 @@ TRANSFORMER = {
 SHARD_SIZE = "2MB"
 
 
-def _tokenizer():
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
   """A character-level fast tokenizer built in memory: no sentencepiece model, no download,
   and different prompts still give different ids (T5 ids: pad 0, eos 1, unk 2)."""
-  from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
-  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
-  symbols = ["<pad>", "</s>", "<unk>", *(string.ascii_lowercase + string.digits + string.punctuation)]
+  from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+  from transformers import PreTrainedTokenizerFast
+  chars = string.ascii_lowercase + string.digits + string.punctuation
+  symbols = ["<pad>", "</s>", "<unk>", *chars]
   tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
   tok.normalizer = normalizers.Lowercase()
   tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -41,25 +49,26 @@ def _tokenizer():
                                  model_input_names=["input_ids", "attention_mask"])
 
 
-def _text_encoder():
-  from transformers import UMT5Config, UMT5EncoderModel  # pylint: disable=import-outside-toplevel
+def _text_encoder() -> transformers.UMT5EncoderModel:
+  """UMT5 as in Wan, two layers; its d_model is the transformer's text_dim."""
+  from transformers import UMT5Config, UMT5EncoderModel
   return UMT5EncoderModel(UMT5Config(
       vocab_size=128, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
       relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
       eos_token_id=1, decoder_start_token_id=0))
 
 
-def _vae():
+def _vae() -> diffusers.AutoencoderKLWan:
   """Wan 2.1's VAE layout (8x spatial, 4x temporal) at a small width."""
-  from diffusers import AutoencoderKLWan  # pylint: disable=import-outside-toplevel
+  from diffusers import AutoencoderKLWan
   return AutoencoderKLWan(base_dim=8, z_dim=LATENT_CHANNELS, latents_mean=[0.0] * LATENT_CHANNELS,
                           latents_std=[1.0] * LATENT_CHANNELS)
 
 
-def _write(directory: str, seed: int, transformers: tuple[str, ...], **pipeline_config) -> str:
+def _write(directory: str, seed: int, experts: tuple[str, ...], **pipeline_config) -> str:
   """Writes every component, then ``model_index.json`` from a diffusers ``WanPipeline``."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel  # pylint: disable=import-outside-toplevel
+  import torch
+  from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
   os.makedirs(directory, exist_ok=True)
   torch.manual_seed(seed)
   parts = {
@@ -67,7 +76,7 @@ def _write(directory: str, seed: int, transformers: tuple[str, ...], **pipeline_
       "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                            flow_shift=3.0),
   }
-  for i, name in enumerate(transformers):
+  for i, name in enumerate(experts):
     torch.manual_seed(seed + 1 + i)  # different weights for each expert
     parts[name] = WanTransformer3DModel(**TRANSFORMER)
   for name, part in parts.items():
