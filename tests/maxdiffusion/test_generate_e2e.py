@@ -1,0 +1,155 @@
+"""End to end, offline, on CPU: a tiny random Wan checkpoint generated through the launcher,
+through a patched ``python -m maxdiffusion.generate`` and the patched stock ``generate_wan``."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion import generate_wan
+
+from maxdiffusion_svg import plugin
+from maxdiffusion_svg.plugin import launcher, tiny_checkpoint
+
+ROOT = pathlib.Path(__file__).parent.parent.parent
+STEPS = 3
+# A 33-frame 128x128 video: a 9x8x8 = 576-token grid; 128-token tiles so SVG has tiles to skip.
+TINY = ["height=128", "width=128", "num_frames=33", f"num_inference_steps={STEPS}",
+        "max_sequence_length=16", "weights_dtype=float32", "activations_dtype=float32",
+        "skip_jax_distributed_system=True", "run_name=tiny", "svg_block_q=128",
+        "svg_block_kv=128", "svg_min_seq_length=0"]
+SVG_KEYS = {"svg_active_steps": [1, -1], "svg_active_layers": [1, -1], "svg_profile_queries": 16}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  base = tmp_path_factory.mktemp("checkpoints")
+  return {"wan21": tiny_checkpoint.write_wan21(str(base / "wan21")),
+          "wan22": tiny_checkpoint.write_wan22(str(base / "wan22"))}
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+  """A config that extends the shipped 1.3B one (a chain: run -> wan_svg_1_3b -> MaxDiffusion's)."""
+  path = tmp_path_factory.mktemp("config") / "tiny_svg.yml"
+  path.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
+                                  **SVG_KEYS}))
+  return str(path)
+
+
+def launch(tmp_path, monkeypatch, argv):
+  """Runs the launcher in this process; returns the frames it exported and the call log."""
+  frames = []
+  export = generate_wan.export_to_video
+
+  def capture(video, path, fps):
+    frames.append(np.asarray(video))
+    return export(video, path, fps=fps)
+
+  monkeypatch.setattr(generate_wan, "export_to_video", capture)
+  monkeypatch.chdir(tmp_path)
+  with plugin.record_calls() as log:
+    launcher.run(["maxdiffusion_svg.generate", *argv])
+    jax.effects_barrier()
+  (video,) = frames
+  return video, log
+
+
+def psnr(a, b):
+  """PSNR of two uint8 videos, in dB."""
+  mse = np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+  return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+@pytest.fixture(scope="module")
+def dense_video(checkpoints, run_config, tmp_path_factory):
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    video, _ = launch(tmp_path_factory.mktemp("dense"), monkeypatch, [
+        run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}",
+        "attention=dot_product", *TINY])
+  return video
+
+
+def test_density_one_gives_the_dense_video(checkpoints, run_config, dense_video, tmp_path,
+                                           monkeypatch):
+  video, log = launch(tmp_path, monkeypatch, [
+      run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=1.0",
+      *TINY])
+  assert video.shape == dense_video.shape == (33, 128, 128, 3) and video.dtype == np.uint8
+  diff = np.abs(video.astype(int) - dense_video.astype(int))
+  assert diff.max() <= 1 and diff.mean() < 1e-3, (diff.max(), diff.mean())  # rounding only
+  assert any(r["sparse"] for r in log)
+
+
+def test_sparse_video_follows_the_schedule(checkpoints, run_config, dense_video, tmp_path,
+                                           monkeypatch):
+  video, log = launch(tmp_path, monkeypatch, [
+      run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3",
+      *TINY])
+  self_calls = [(r["step"], r["layer"], r["sparse"]) for r in log if r["kind"] == "self"]
+  # generate_wan's 2-step warm-up, then the run: sparse from step 1 in layer 1 (the config's keys).
+  assert self_calls[-2 * STEPS:] == [(s, l, s >= 1 and l >= 1) for s in range(STEPS)
+                                     for l in range(2)]
+  assert sum(r["kind"] == "cross" for r in log) == len(self_calls)
+  quality = psnr(video, dense_video)
+  print(f"tiny Wan 2.1, density 0.3, steps [1, {STEPS}) x layer 1 sparse: video PSNR "
+        f"{quality:.1f} dB against dense")
+  assert 20 < quality < 80  # really sparse, and still the same video
+  np.save(tmp_path.parent / "sparse_video.npy", video)
+
+
+@pytest.fixture(scope="module")
+def patched_maxdiffusion(tmp_path_factory):
+  """A copy of the MaxDiffusion source with patches/maxdiffusion-plugins.patch applied."""
+  copy = tmp_path_factory.mktemp("patched") / "maxdiffusion"
+  shutil.copytree(pathlib.Path(os.environ.get("MAXDIFFUSION_SRC", "")) / "src",
+                  copy / "src", ignore=shutil.ignore_patterns("__pycache__", "tests"))
+  script = ROOT / "scripts" / "apply_maxdiffusion_patch.sh"
+  check = subprocess.run([str(script), "--check", str(copy)], capture_output=True, text=True,
+                         check=False)
+  assert check.returncode == 0 and "applies cleanly" in check.stdout, check.stderr
+  subprocess.run([str(script), str(copy)], check=True, capture_output=True)
+  again = subprocess.run([str(script), str(copy)], capture_output=True, text=True, check=True)
+  assert "already applied" in again.stdout
+  return copy
+
+
+@pytest.mark.parametrize("module", ["maxdiffusion.generate", "maxdiffusion.generate_wan"])
+def test_patched_maxdiffusion_runs_the_config_alone(module, patched_maxdiffusion, checkpoints,
+                                                    run_config, tmp_path):
+  env = {**os.environ, "PYTHONPATH": str(patched_maxdiffusion / "src"), "HF_HUB_OFFLINE": "1",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  result = subprocess.run(
+      [sys.executable, "-m", module, run_config,
+       f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3", *TINY],
+      cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "maxdiffusion_svg: transformer: SVG attention: preset moderate, density 0.3" in \
+      result.stdout + result.stderr  # the entry point registered the plugin
+  (mp4,) = tmp_path.glob("wan_output_*.mp4")
+  import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
+  frames = iio.imread(mp4)
+  assert frames.shape[:3] == (33, 128, 128)
+
+
+def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path, monkeypatch):
+  config = tmp_path / "tiny_wan22.yml"
+  config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
+                                    **SVG_KEYS}))
+  video, log = launch(tmp_path, monkeypatch, [
+      str(config), f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
+      *TINY])
+  densities = {(r["expert"], r["density"]) for r in log if r["kind"] == "self"}
+  assert densities == {("high_noise", 0.5), ("low_noise", 0.2)}
+  assert video.shape == (33, 128, 128, 3)
