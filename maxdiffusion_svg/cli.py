@@ -135,6 +135,16 @@ def _bench_collectives(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_e2e(args: argparse.Namespace) -> int:
+  simulate_cpu_devices(args.devices)
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  from maxdiffusion_svg.plugin.e2e import format_e2e_bench, run_e2e_bench  # pylint: disable=import-outside-toplevel
+  result = run_e2e_bench(args.steps, args.presets, log=_progress)
+  print(format_e2e_bench(result))
+  _write_json(args.json, result)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
                                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -202,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
   collectives.add_argument("--text-len", type=int, default=128, help="a multiple of 128")
   collectives.add_argument("--json", metavar="FILE", help="also write the results as JSON")
   collectives.set_defaults(run=_bench_collectives)
+
+  e2e = bench_sub.add_parser(
+      "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "
+                  "MaxDiffusion on PYTHONPATH and its runtime deps)")
+  e2e.add_argument("--devices", type=int, default=8, help="simulated on CPU")
+  e2e.add_argument("--steps", type=int, default=10)
+  e2e.add_argument("--presets", nargs="+", default=["conservative", "moderate", "aggressive"])
+  e2e.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  e2e.set_defaults(run=_bench_e2e)
   return parser
 
 

@@ -29,7 +29,9 @@ TINY = ["height=128", "width=128", "num_frames=33", f"num_inference_steps={STEPS
         "max_sequence_length=16", "weights_dtype=float32", "activations_dtype=float32",
         "skip_jax_distributed_system=True", "run_name=tiny", "svg_block_q=128",
         "svg_block_kv=128", "svg_min_seq_length=0"]
-SVG_KEYS = {"svg_active_steps": [1, -1], "svg_active_layers": [1, -1], "svg_profile_queries": 16}
+# Keys the shipped configs leave to the preset; here so that the command line can set them.
+SVG_KEYS = {"svg_density": 0.3, "svg_active_steps": [1, -1], "svg_active_layers": [1, -1],
+            "svg_profile_queries": 16}
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +127,24 @@ def patched_maxdiffusion(tmp_path_factory):
   return copy
 
 
-@pytest.mark.parametrize("module", ["maxdiffusion.generate", "maxdiffusion.generate_wan"])
-def test_patched_maxdiffusion_runs_the_config_alone(module, patched_maxdiffusion, checkpoints,
-                                                    run_config, tmp_path):
+@pytest.mark.parametrize("module, config", [
+    ("maxdiffusion.generate", "chained"),  # the config alone, through the patched generate
+    ("maxdiffusion.generate_wan", "chained"),  # the stock Wan entry point, plugins loaded
+    ("maxdiffusion.generate_wan", "base"),  # MaxDiffusion's own YAML with attention=svg
+])
+def test_patched_maxdiffusion_runs_the_config_alone(module, config, patched_maxdiffusion,
+                                                    checkpoints, run_config, tmp_path):
   env = {**os.environ, "PYTHONPATH": str(patched_maxdiffusion / "src"), "HF_HUB_OFFLINE": "1",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  if config == "chained":
+    argv = [run_config, "svg_density=0.3", *TINY]
+  else:  # every svg_* key at its default; the base has no svg keys to override
+    base = patched_maxdiffusion / "src" / "maxdiffusion" / "configs" / "base_wan_14b.yml"
+    argv = [str(base), "attention=svg", "per_device_batch_size=0.125",
+            *(a for a in TINY if not a.startswith("svg_"))]
   result = subprocess.run(
-      [sys.executable, "-m", module, run_config,
-       f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3", *TINY],
+      [sys.executable, "-m", module, *argv,
+       f"pretrained_model_name_or_path={checkpoints['wan21']}"],
       cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "maxdiffusion_svg: transformer: SVG attention: preset moderate, density 0.3" in \
