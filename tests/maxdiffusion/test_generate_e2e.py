@@ -1,6 +1,7 @@
 """End to end, offline, on CPU: a tiny random Wan checkpoint generated through the launcher,
 through a patched ``python -m maxdiffusion.generate`` and the patched stock ``generate_wan``."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -20,7 +21,7 @@ require_maxdiffusion()
 from maxdiffusion import generate_wan
 
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.plugin import launcher, tiny_checkpoint
+from maxdiffusion_svg.plugin import launcher, overlay, tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 STEPS = 3
@@ -94,11 +95,20 @@ def test_density_one_gives_the_dense_video(checkpoints, run_config, dense_video,
   assert any(r["sparse"] for r in log)
 
 
-def test_sparse_video_follows_the_schedule(checkpoints, run_config, dense_video, tmp_path,
-                                           monkeypatch):
-  video, log = launch(tmp_path, monkeypatch, [
-      run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3",
-      *TINY])
+@pytest.fixture(scope="module")
+def sparse_run(checkpoints, run_config, tmp_path_factory):
+  """The launcher at density 0.3: its frames, its MP4 and its call log."""
+  workdir = tmp_path_factory.mktemp("sparse")
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    video, log = launch(workdir, monkeypatch, [
+        run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3",
+        *TINY])
+  (mp4,) = workdir.glob("wan_output_*.mp4")
+  return video, mp4.read_bytes(), log
+
+
+def test_sparse_video_follows_the_schedule(sparse_run, dense_video):
+  video, _, log = sparse_run
   self_calls = [(r["step"], r["layer"], r["sparse"]) for r in log if r["kind"] == "self"]
   # generate_wan's 2-step warm-up, then the run: sparse from step 1 in layer 1 (the config's keys).
   assert self_calls[-2 * STEPS:] == [(s, l, s >= 1 and l >= 1) for s in range(STEPS)
@@ -108,7 +118,19 @@ def test_sparse_video_follows_the_schedule(checkpoints, run_config, dense_video,
   print(f"tiny Wan 2.1, density 0.3, steps [1, {STEPS}) x layer 1 sparse: video PSNR "
         f"{quality:.1f} dB against dense")
   assert 20 < quality < 80  # really sparse, and still the same video
-  np.save(tmp_path.parent / "sparse_video.npy", video)
+
+
+def test_an_unknown_svg_key_fails_before_weights_load(checkpoints, tmp_path, monkeypatch):
+  config = tmp_path / "typo.yml"
+  config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
+                                    "svg_densty": 0.3}))
+  from maxdiffusion.pipelines.wan import wan_pipeline  # pylint: disable=import-outside-toplevel
+  loaded = []
+  monkeypatch.setattr(wan_pipeline, "load_wan_transformer", lambda *a, **k: loaded.append(1))
+  with pytest.raises(ValueError, match="unknown SVG config key.*svg_densty"):
+    launch(tmp_path, monkeypatch, [
+        str(config), f"pretrained_model_name_or_path={checkpoints['wan21']}", *TINY])
+  assert not loaded
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +155,7 @@ def patched_maxdiffusion(tmp_path_factory):
     ("maxdiffusion.generate_wan", "base"),  # MaxDiffusion's own YAML with attention=svg
 ])
 def test_patched_maxdiffusion_runs_the_config_alone(module, config, patched_maxdiffusion,
-                                                    checkpoints, run_config, tmp_path):
+                                                    checkpoints, run_config, sparse_run, tmp_path):
   env = {**os.environ, "PYTHONPATH": str(patched_maxdiffusion / "src"), "HF_HUB_OFFLINE": "1",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   if config == "chained":
@@ -150,9 +172,27 @@ def test_patched_maxdiffusion_runs_the_config_alone(module, config, patched_maxd
   assert "maxdiffusion_svg: transformer: SVG attention: preset moderate, density 0.3" in \
       result.stdout + result.stderr  # the entry point registered the plugin
   (mp4,) = tmp_path.glob("wan_output_*.mp4")
-  import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
-  frames = iio.imread(mp4)
-  assert frames.shape[:3] == (33, 128, 128)
+  if config == "chained":  # the same video as through the launcher
+    assert mp4.read_bytes() == sparse_run[1]
+  else:
+    import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
+    assert iio.imread(mp4).shape[:3] == (33, 128, 128)
+
+
+def test_patched_pyconfig_merges_as_the_launcher_does(patched_maxdiffusion):
+  code = ("import json, sys, yaml\nfrom maxdiffusion import pyconfig\n"
+          "path = sys.argv[1]\nwith open(path) as f:\n  raw = yaml.safe_load(f)\n"
+          "print(json.dumps(pyconfig._with_base_configs(path, raw)))")
+  for name in ("wan_svg.yml", "wan_svg_1_3b.yml", "wan22_svg.yml"):
+    path = ROOT / "configs" / name
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(patched_maxdiffusion / "src")})
+    merged = json.loads(result.stdout.strip().splitlines()[-1])
+    ours, chain = overlay.load_config(path, search_dirs=[
+        patched_maxdiffusion / "src" / "maxdiffusion" / "configs"])
+    assert merged == json.loads(json.dumps(ours)) and len(chain) == 2
+    assert merged["attention"] == "svg" and "logical_axis_rules" in merged
 
 
 def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path, monkeypatch):
