@@ -70,7 +70,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   check_qkv(q, k, v, grid)
   plan = config.plan(grid, expert)
   key = profile_key(config) if key is None else key
-  routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale)
+  routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale, plan=plan)
   out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
                          backend=config.backend, block_kv_compute=config.block_kv_compute)
   if not return_info:

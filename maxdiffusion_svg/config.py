@@ -36,6 +36,7 @@ class SvgConfig:
   profile_queries: int = 64
   profile_pool: str = "stratified"
   sample_max_row: int = 10_000
+  profile_masks: str = "execution"
   profile_seed: int = 0
 
   def __post_init__(self):
@@ -58,7 +59,7 @@ class SvgConfig:
   @property
   def router(self) -> RouterConfig:
     return RouterConfig(self.profile_queries, self.profile_pool, self.sample_max_row,
-                        self.include_sink)
+                        self.include_sink, self.profile_masks)
 
   def density_for(self, expert: str | None = None) -> float:
     """The density of a Wan 2.2 expert (``high_noise``/``low_noise``), or the shared one."""
@@ -130,5 +131,6 @@ _KEYS = {
     "svg_profile_queries": "profile_queries",
     "svg_profile_pool": "profile_pool",
     "svg_sample_max_row": "sample_max_row",
+    "svg_profile_masks": "profile_masks",
     "svg_profile_seed": "profile_seed",
 }

@@ -1,10 +1,13 @@
 """The SVG router: per head, is attention better approximated spatially or temporally?
 
 A few query rows are sampled; their attention output is computed densely over all keys
-and under the spatial and the temporal probe masks; each head takes the mask whose
-output is closer to dense (mean squared error, float32; ties go to spatial). Probe masks
-are evaluated in the original frame-major order by index arithmetic, so routing needs
-no permutation and no ``S x S`` array: its cost is ``rows x S`` per head.
+and under one mask placed in each layout (frame-major = spatial, temporal-major =
+temporal); each head takes the layout whose output is closer to dense (mean squared
+error, float32; ties go to spatial). The mask is either the reference SVG router's fixed
+*probe* (about two frames either side, whatever the density) or the *execution* mask,
+the one the kernel will run (the plan's, tile-rounded in ``aligned`` mode). Masks are
+evaluated in the original frame-major order by index arithmetic, so routing needs no
+permutation and no ``S x S`` array: its cost is ``rows x S`` per head.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.geometry import Layout, VideoGrid
-from maxdiffusion_svg.masks import PlacedMask, probe_mask
+from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
+from maxdiffusion_svg.tiles import TilePlan
 
 PROFILE_POOLS = ("prefix", "stratified")
+PROFILE_MASKS = ("probe", "execution")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +34,7 @@ class RouterConfig:
   profile_pool: str = "stratified"
   sample_max_row: int = 10_000
   include_sink: bool = True
+  profile_masks: str = "execution"  # chosen by measurement: README, "Which masks the router judges by"
 
   def __post_init__(self):
     for name in ("profile_queries", "sample_max_row"):
@@ -38,6 +44,9 @@ class RouterConfig:
     if self.profile_pool not in PROFILE_POOLS:
       raise ValueError(f"svg_profile_pool must be one of {', '.join(PROFILE_POOLS)}, "
                        f"got {self.profile_pool!r}")
+    if self.profile_masks not in PROFILE_MASKS:
+      raise ValueError(f"svg_profile_masks must be one of {', '.join(PROFILE_MASKS)}, "
+                       f"got {self.profile_masks!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +83,10 @@ def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> j
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
-                 *, include_sink: bool = True, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
-  """MSE against dense of the spatial and temporal probe outputs of ``rows``: ``[B, H]`` each."""
+def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
+                  mask: Mask, *, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
+  temporal-major (temporal): ``[B, H]`` each."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   f32 = jnp.float32
   qs = jnp.take(q, rows, axis=2).astype(f32)
@@ -84,33 +94,51 @@ def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid
   logits = logits * scale
   v32 = v.astype(f32)
   dense = _masked_output(logits, v32, None)
-  probe = probe_mask(grid, include_sink)
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
   errors = []
   for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
-    keep = PlacedMask(probe, grid, layout).contains(rows[:, None], keys)
+    keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
     errors.append(jnp.mean((_masked_output(logits, v32, keep) - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
 
+def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
+                 *, include_sink: bool = True, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """MSE against dense of the spatial and temporal probe outputs of ``rows``: ``[B, H]`` each."""
+  return layout_errors(q, k, v, rows, grid, probe_mask(grid, include_sink), scale=scale)
+
+
+def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -> Mask:
+  """The mask the router compares layouts under: the probe, or ``plan``'s computed mask."""
+  if router.profile_masks == "probe":
+    return probe_mask(grid, router.include_sink)
+  if plan is None:
+    raise ValueError("svg_profile_masks=execution needs the call's tile plan (plan=...)")
+  return plan.computed_mask
+
+
 def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
-                  key: jax.Array, scale: float | None = None) -> Routing:
+                  key: jax.Array, scale: float | None = None,
+                  plan: TilePlan | None = None) -> Routing:
   """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
-  (e.g. ``SvgConfig``). The same key gives the same flags.
+  (e.g. ``SvgConfig``). ``plan`` is the call's tile plan, needed for execution masks. The
+  same key gives the same flags.
   """
   router = getattr(config, "router", config)
   if q.shape[2] != grid.tokens:
     raise ValueError(f"sequence length {q.shape[2]} does not match grid {grid} "
                      f"({grid.tokens} tokens)")
+  mask = routing_mask(grid, router, plan)
   rows = sample_rows(key, grid.tokens, router)
-  spatial, temporal = probe_errors(q, k, v, rows, grid, include_sink=router.include_sink,
-                                   scale=scale)
+  spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale)
   return Routing(temporal < spatial, spatial, temporal)
 
 
 def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
-                key: jax.Array, scale: float | None = None) -> jax.Array:
+                key: jax.Array, scale: float | None = None,
+                plan: TilePlan | None = None) -> jax.Array:
   """``bool[B, H]``: True where a head is routed temporal (see :func:`profile_heads`)."""
-  return profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale).temporal
+  return profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
+                       plan=plan).temporal

@@ -19,6 +19,7 @@ import enum
 import functools
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.geometry import VideoGrid
@@ -158,20 +159,45 @@ class TilePlan:
     out[rows, cols] = kinds
     return out
 
+  @functools.cached_property
+  def computed_mask(self) -> "ComputedMask":
+    """The pairs this plan's kernel computes, as a mask (membership in O(1) per pair)."""
+    return ComputedMask(self)
+
   def dense_mask(self, max_tokens: int = 16384) -> np.ndarray:
     """The ``S x S`` mask this plan computes, for references on small sequences only."""
-    s = self.seq_len
-    if s > max_tokens:
-      raise ValueError(f"refusing to build a dense {s}x{s} mask (max_tokens={max_tokens})")
-    out = np.zeros((s, s), bool)
-    for i, j, kind in zip(*self.visited_tiles()):
-      q0, k0 = i * self.block_q, j * self.block_kv
-      q1, k1 = min(q0 + self.block_q, s), min(k0 + self.block_kv, s)
-      if kind == MASKED and self.masks_exact:
-        out[q0:q1, k0:k1] = self.mask.block(q0, q1, k0, k1)
-      else:
-        out[q0:q1, k0:k1] = True
-    return out
+    return self.computed_mask.dense(max_tokens)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ComputedMask(Mask):
+  """What a plan's kernel computes: the exact rule in ``naive``/``split`` plans; in ``aligned``
+  plans every pair of a visited tile, except padding keys.
+
+  Membership of an aligned plan is a lookup in its ``[q_tiles, kv_tiles]`` table of visited
+  tiles (O(tiles) memory), so a router can score sampled rows against the mask that will
+  really run without an ``S x S`` array. Works on numpy and jax index arrays.
+  """
+
+  plan: TilePlan
+
+  @property
+  def seq_len(self) -> int:  # type: ignore[override]
+    return self.plan.seq_len
+
+  @functools.cached_property
+  def visited(self) -> np.ndarray:
+    return self.plan.tile_map() != EMPTY
+
+  def _rule(self, q: Any, k: Any) -> Any:
+    plan = self.plan
+    if plan.masks_exact:
+      return plan.mask.contains(q, k)
+    numpy = all(isinstance(x, (np.ndarray, np.integer, int)) for x in (q, k))
+    xp, table = (np, self.visited) if numpy else (jnp, jnp.asarray(self.visited))
+    rows = xp.minimum(q // plan.block_q, plan.num_q_tiles - 1)
+    cols = xp.minimum(k // plan.block_kv, plan.num_kv_tiles - 1)
+    return table[rows, cols]
 
 
 def plan_tiles(grid: VideoGrid, density: float, block_q: int, block_kv: int,

@@ -25,6 +25,7 @@ EVERY_KEY = {
     "svg_profile_queries": 32,
     "svg_profile_pool": "prefix",
     "svg_sample_max_row": 5000,
+    "svg_profile_masks": "probe",
     "svg_profile_seed": 7,
 }
 
@@ -39,6 +40,7 @@ def test_every_key_is_read():
   assert cfg.backend == "xla" and cfg.include_sink is False
   assert cfg.router.profile_queries == 32 and cfg.router.profile_pool == "prefix"
   assert cfg.router.sample_max_row == 5000 and cfg.router.include_sink is False
+  assert cfg.router.profile_masks == "probe"
   assert cfg.profile_seed == 7
 
 
@@ -79,6 +81,7 @@ def test_defaults_are_the_moderate_preset():
     ({"svg_include_sink": "yes"}, "svg_include_sink must be true or false"),
     ({"svg_profile_queries": 0}, "svg_profile_queries must be an integer >= 1"),
     ({"svg_profile_pool": "all"}, "svg_profile_pool must be one of prefix, stratified"),
+    ({"svg_profile_masks": "exact"}, "svg_profile_masks must be one of probe, execution"),
     ({"svg_sample_max_row": 0}, "svg_sample_max_row must be an integer >= 1"),
     ({"svg_profile_seed": 1.5}, "svg_profile_seed must be an integer"),
     ({"svg_densty": 0.3}, "unknown SVG config key\\(s\\) svg_densty; allowed: "),

@@ -15,7 +15,8 @@ import numpy as np
 TINY = QualityBenchConfig(grid=VideoGrid(6, 8, 16), head_types=("spatial", "temporal", "unstructured"),
                           head_dim=32, densities=(0.35, 1.0), modes=("split", "aligned"),
                           block_q=128, block_kv=128, profile_queries=16, router_seeds=2,
-                          timing_resolution=None, repeats=1)
+                          router_head_types=("spatial", "temporal", "mixed50", "weak_temporal"),
+                          router_densities=(0.35,), timing_resolution=None, repeats=1)
 
 
 def test_tiny_quality_bench(tmp_path):
@@ -31,8 +32,13 @@ def test_tiny_quality_bench(tmp_path):
   assert result["quality"]["1.0/aligned"]["rel_l2"] < 1e-5
   assert result["quality"]["0.35/aligned"]["rel_l2"] > 1e-4  # and 0.35 really is sparse
   assert result["timing"]["router_share_of_kernel"] > 0
+  routers = result["routers"]["0.35"]
+  for masks in ("probe", "execution"):  # the ideal is an upper bound for any router
+    assert routers[masks]["gap_db"] >= -1e-9
+    assert routers[masks]["psnr_db"] <= routers["ideal_psnr_db"] + 1e-9
+  assert routers["ideal_temporal"][:2] == [False, True]  # the clear heads
   text = format_quality_bench(result)
-  assert "sampled, stratified" in text and "0.35/split" in text
+  assert "sampled, stratified" in text and "0.35/split" in text and "execution" in text
   path = tmp_path / "quality.png"
   plot_quality(str(path), TINY, result)
   assert path.read_bytes()[:4] == b"\x89PNG"

@@ -7,11 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxdiffusion_svg.bench.routers import ideal_routing, layout_outputs
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.geometry import VideoGrid, frame_major_order
+from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.router import RouterConfig, probe_errors, profile_heads, route_heads, sample_rows
+from maxdiffusion_svg.tiles import plan_tiles
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 block
+PROBE = {"profile_masks": "probe"}  # the reference SVG router's masks (the default is execution)
 
 
 def numpy_probe_masks(grid, include_sink):
@@ -46,7 +50,7 @@ def numpy_route(q, k, v, rows, grid, include_sink=True):
 def test_router_equals_numpy_oracle(pool, include_sink):
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((2, 4, GRID.tokens, 32)).astype(np.float32) for _ in range(3))
-  config = RouterConfig(profile_queries=16, profile_pool=pool, sample_max_row=300,
+  config = RouterConfig(profile_queries=16, profile_pool=pool, sample_max_row=300, **PROBE,
                         include_sink=include_sink)
   key = jax.random.key(3)
   routing = profile_heads(q, k, v, grid=GRID, config=config, key=key)
@@ -62,7 +66,7 @@ def test_ties_go_to_spatial():
   grid = VideoGrid(1, 8, 16)
   rng = np.random.default_rng(5)
   q, k, v = (rng.standard_normal((1, 3, grid.tokens, 8)).astype(np.float32) for _ in range(3))
-  routing = profile_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=4),
+  routing = profile_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=4, **PROBE),
                         key=jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(routing.spatial_error),
                                 np.asarray(routing.temporal_error))
@@ -74,7 +78,7 @@ def test_planted_heads_are_routed_to_their_type():
   grid = VideoGrid(9, 10, 16)
   q, k, v = planted_qkv(grid, types, head_dim=32, seed=1)
   for seed in range(3):
-    flags = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=32),
+    flags = route_heads(q, k, v, grid=grid, config=RouterConfig(profile_queries=32, **PROBE),
                         key=jax.random.key(seed))
     assert flags.shape == (1, len(types)) and flags.dtype == bool
     np.testing.assert_array_equal(np.asarray(flags)[0],
@@ -84,7 +88,7 @@ def test_planted_heads_are_routed_to_their_type():
 def test_same_key_same_flags_and_rows():
   rng = np.random.default_rng(1)
   q, k, v = (rng.standard_normal((1, 6, GRID.tokens, 16)).astype(np.float32) for _ in range(3))
-  config = RouterConfig(profile_queries=8)
+  config = RouterConfig(profile_queries=8, **PROBE)
   a = profile_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
   b = profile_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(7))
   np.testing.assert_array_equal(np.asarray(a.temporal), np.asarray(b.temporal))
@@ -129,8 +133,82 @@ def test_stratified_pool_sees_heads_that_change_after_the_first_frames():
   # Drifting heads are spatial in the first quarter of the frames and temporal after it.
   grid = VideoGrid(12, 8, 16)
   q, k, v = planted_qkv(grid, ("drifting",) * 3, head_dim=32, seed=2)
-  prefix = RouterConfig(profile_queries=32, profile_pool="prefix", sample_max_row=grid.tokens // 8)
-  strat = RouterConfig(profile_queries=32, profile_pool="stratified")
+  prefix = RouterConfig(profile_queries=32, profile_pool="prefix", sample_max_row=grid.tokens // 8,
+                        **PROBE)
+  strat = RouterConfig(profile_queries=32, profile_pool="stratified", **PROBE)
   key = jax.random.key(0)
   assert not np.asarray(route_heads(q, k, v, grid=grid, config=prefix, key=key)).any()
   assert np.asarray(route_heads(q, k, v, grid=grid, config=strat, key=key)).all()
+
+
+# ------------------------------------------------- execution masks: the mask the kernel runs
+
+
+def numpy_layout_errors(q, k, v, rows, grid, placed_mask):
+  """Errors of rows under a placed-layout mask (given dense) put in both layouts."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  pos = frame_major_order(grid)
+  logits = np.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k) / np.sqrt(q.shape[-1])
+
+  def out(mask):
+    x = logits if mask is None else np.where(mask[rows], logits, -np.inf)
+    w = np.exp(x - x.max(-1, keepdims=True))
+    return np.einsum("bhrk,bhkd->bhrd", w / w.sum(-1, keepdims=True), v)
+
+  dense = out(None)
+  return [((out(m) - dense) ** 2).mean(axis=(2, 3))
+          for m in (placed_mask, placed_mask[np.ix_(pos, pos)])]
+
+
+@pytest.mark.parametrize("mode", ["split", "aligned"])
+def test_execution_masks_are_the_plans_computed_mask(mode):
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.standard_normal((1, 3, GRID.tokens, 16)).astype(np.float32) for _ in range(3))
+  plan = plan_tiles(GRID, 0.3, 128, 256, mode)
+  config = RouterConfig(profile_queries=16, profile_masks="execution")
+  key = jax.random.key(5)
+  routing = profile_heads(q, k, v, grid=GRID, config=config, key=key, plan=plan)
+  rows = np.asarray(sample_rows(key, GRID.tokens, config))
+  err_s, err_t = numpy_layout_errors(q, k, v, rows, GRID, plan.dense_mask())
+  np.testing.assert_allclose(np.asarray(routing.spatial_error), err_s, rtol=1e-4, atol=1e-9)
+  np.testing.assert_allclose(np.asarray(routing.temporal_error), err_t, rtol=1e-4, atol=1e-9)
+  probe = profile_heads(q, k, v, grid=GRID, config=RouterConfig(profile_queries=16, **PROBE),
+                        key=key)
+  assert not np.allclose(np.asarray(probe.spatial_error), err_s)  # a different question
+
+
+def test_execution_routing_agrees_with_the_ideal_router_on_clear_heads():
+  types = ("spatial", "temporal", "temporal", "spatial", "weak_temporal", "weak_spatial")
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, types, head_dim=32, seed=3, batch=2))
+  for density in (0.2, 0.5):
+    plan = plan_tiles(GRID, density, 128, 128, "aligned")
+    spatial, temporal = layout_outputs(q, k, v, GRID, plan)
+    ideal = ideal_routing(spatial, temporal, np.asarray(dense_attention(q, k, v)))
+    np.testing.assert_array_equal(ideal, [[t.endswith("temporal") for t in types]] * 2)
+    config = RouterConfig(profile_queries=16, profile_masks="execution")
+    for seed in range(3):
+      flags = route_heads(q, k, v, grid=GRID, config=config, key=jax.random.key(seed), plan=plan)
+      np.testing.assert_array_equal(np.asarray(flags), ideal)
+
+
+@pytest.mark.parametrize("masks", ["probe", "execution"])
+def test_same_key_same_flags_for_both_mask_choices(masks):
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, ("mixed50", "mixed25", "unstructured"),
+                                                  head_dim=32, seed=4))
+  plan = plan_tiles(GRID, 0.35, 128, 128, "aligned")
+  config = RouterConfig(profile_queries=16, profile_masks=masks)
+  run = jax.jit(lambda q, k, v, key: route_heads(q, k, v, grid=GRID, config=config, key=key,
+                                                 plan=plan))
+  first = np.asarray(run(q, k, v, jax.random.key(11)))
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(run(q, k, v, jax.random.key(11))), first)
+  np.testing.assert_array_equal(np.asarray(route_heads(q, k, v, grid=GRID, config=config,
+                                                       key=jax.random.key(11), plan=plan)), first)
+
+
+def test_execution_masks_need_the_plan_and_a_valid_name():
+  q = jnp.zeros((1, 1, GRID.tokens, 8))
+  with pytest.raises(ValueError, match="svg_profile_masks=execution needs the call's tile plan"):
+    route_heads(q, q, q, grid=GRID, config=RouterConfig(), key=jax.random.key(0))  # the default
+  with pytest.raises(ValueError, match="svg_profile_masks must be one of probe, execution"):
+    RouterConfig(profile_masks="exact")

@@ -16,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.attention import placed_attention, svg_attention
+from maxdiffusion_svg.bench.routers import ROUTER_HEADS, compare_routers, format_router_comparison
 from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
 from maxdiffusion_svg.bench.timing import time_call
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels import dense_attention, sparse_attention
-from maxdiffusion_svg.router import PROFILE_POOLS, probe_errors, profile_heads, route_heads
+from maxdiffusion_svg.router import (PROFILE_MASKS, PROFILE_POOLS, probe_errors, profile_heads,
+                                    route_heads)
 
 # The reference router samples the first 10,000 of 75,600 tokens at 720p (2.8 of 21
 # frames); the benchmark keeps that share on its smaller grid.
@@ -41,6 +43,8 @@ class QualityBenchConfig:
   profile_queries: int = 64
   query_sweep: tuple[int, ...] = (8, 16)  # also route with this few rows, to compare pools
   router_seeds: int = 5
+  router_head_types: tuple[str, ...] = ROUTER_HEADS  # probe vs execution masks, against the ideal
+  router_densities: tuple[float, ...] = (0.2, 0.35, 0.5)
   timing_density: float = 0.35
   timing_resolution: str | None = "720p"  # router share at a real length; None to skip
   repeats: int = 2
@@ -97,8 +101,8 @@ def _routing_section(cfg, q, k, v, planted, oracle, log) -> dict[str, Any]:
   for pool in PROFILE_POOLS:
     for queries in sorted({*cfg.query_sweep, cfg.profile_queries}):
       svg = cfg.svg_config(profile_pool=pool, profile_queries=queries)
-      route = jax.jit(lambda q, k, v, key, svg=svg: profile_heads(q, k, v, grid=cfg.grid,
-                                                                  config=svg, key=key))
+      route = jax.jit(lambda q, k, v, key, svg=svg: profile_heads(
+          q, k, v, grid=cfg.grid, config=svg, key=key, plan=svg.plan(cfg.grid)))
       vs_planted, vs_oracle = [], []
       for i in range(cfg.router_seeds):
         routing = route(q, k, v, jax.random.key(i))
@@ -151,9 +155,9 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
   grid = cfg.grid
   dense_fn = jax.jit(dense_attention)
   svg_fn = jax.jit(lambda q, k, v: svg_attention(q, k, v, grid=grid, config=svg))
-  route_fn = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=grid, config=svg,
-                                                 key=jax.random.key(0)))
   plan = svg.plan(grid)
+  route_fn = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=grid, config=svg,
+                                                 key=jax.random.key(0), plan=plan))
   kernel_fn = jax.jit(lambda q, k, v: sparse_attention(q, k, v, plan, backend="xla"))
   out = {"dense_s": time_call(lambda: dense_fn(q, k, v), cfg.repeats)[1],
          "svg_s": time_call(lambda: svg_fn(q, k, v), cfg.repeats)[1],
@@ -172,16 +176,18 @@ def _timing_section(cfg, q, k, v, log) -> dict[str, Any]:
     big_svg = SvgConfig(density=cfg.timing_density, backend="xla",
                         profile_queries=cfg.profile_queries)
     big_plan = big_svg.plan(big)
-    route_big = jax.jit(lambda q, k, v: route_heads(q, k, v, grid=big, config=big_svg,
-                                                    key=jax.random.key(0)))
     kernel_big = jax.jit(lambda q, k, v: sparse_attention(q, k, v, big_plan, backend="xla"))
-    out["large"] = {"resolution": cfg.timing_resolution, "tokens": big.tokens,
-                    "router_s": time_call(lambda: route_big(qb, kb, vb), cfg.repeats)[1],
-                    "kernel_s": time_call(lambda: kernel_big(qb, kb, vb), 1)[1]}
-    out["large"]["router_share_of_kernel"] = out["large"]["router_s"] / out["large"]["kernel_s"]
-    log(f"  {cfg.timing_resolution}: router {out['large']['router_s']:.3f} s, sparse kernel "
-        f"{out['large']['kernel_s']:.2f} s: router = "
-        f"{100 * out['large']['router_share_of_kernel']:.2f}% of the kernel")
+    large = out["large"] = {"resolution": cfg.timing_resolution, "tokens": big.tokens,
+                            "kernel_s": time_call(lambda: kernel_big(qb, kb, vb), 1)[1]}
+    for masks in PROFILE_MASKS:
+      router = dataclasses.replace(big_svg, profile_masks=masks)
+      route_big = jax.jit(lambda q, k, v, router=router: route_heads(
+          q, k, v, grid=big, config=router, key=jax.random.key(0), plan=big_plan))
+      large[f"router_{masks}_s"] = time_call(lambda: route_big(qb, kb, vb), cfg.repeats)[1]
+      large[f"router_{masks}_share_of_kernel"] = large[f"router_{masks}_s"] / large["kernel_s"]
+      log(f"  {cfg.timing_resolution}: router ({masks} masks) {large[f'router_{masks}_s']:.3f} s, "
+          f"sparse kernel {large['kernel_s']:.2f} s: router = "
+          f"{100 * large[f'router_{masks}_share_of_kernel']:.2f}% of the kernel")
   return out
 
 
@@ -208,6 +214,13 @@ def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
   result["routing"] = _routing_section(cfg, q, k, v, planted, oracle, log)
   log("attention quality against dense...")
   result["quality"] = _quality_section(cfg, q, k, v, dense, planted, log)
+  log(f"probe vs execution masks against the ideal router ({len(cfg.router_head_types)} heads)...")
+  qr, kr, vr = (jnp.asarray(x) for x in planted_qkv(cfg.grid, cfg.router_head_types,
+                                                     cfg.head_dim, seed=cfg.seed + 1))
+  result["router_heads"] = list(cfg.router_head_types)
+  result["routers"] = compare_routers(qr, kr, vr, np.asarray(jax.jit(dense_attention)(qr, kr, vr)),
+                                      cfg.router_head_types, cfg.svg_config, cfg.grid,
+                                      cfg.router_densities, cfg.router_seeds, psnr, log)
   log("timing...")
   result["timing"] = _timing_section(cfg, q, k, v, log)
   return result
@@ -228,6 +241,11 @@ def format_quality_bench(r: dict[str, Any]) -> str:
     lines.append(f"{label:<28} {100 * row['accuracy_vs_planted']:>14.1f}% "
                  f"{100 * row['min_accuracy_vs_planted']:>15.1f}% "
                  f"{100 * row['agreement_vs_oracle']:>19.1f}%")
+  if "routers" in r:
+    heads = r["router_heads"]
+    lines += ["", f"routers on {len(heads)} heads "
+              f"({', '.join(f'{heads.count(t)} {t}' for t in dict.fromkeys(heads))}); "
+              "hard = all but plain spatial/temporal", *format_router_comparison(r["routers"])]
   lines += ["", "quality vs dense        PSNR dB   rel L2   kept%  visited%  temporal heads"]
   for name, row in r["quality"].items():
     extra = (f"{100 * row['retained_pair_fraction']:>7.1f} {100 * row['visited_tile_fraction']:>9.1f}"
@@ -240,7 +258,9 @@ def format_quality_bench(r: dict[str, Any]) -> str:
             f"{100 * t['router_share_of_kernel']:.1f}% of the sparse kernel"]
   if "large" in t:
     lg = t["large"]
-    lines.append(f"at {lg['resolution']} ({lg['tokens']:,} tokens, per head): router "
-                 f"{lg['router_s'] * 1e3:.0f} ms, sparse kernel {lg['kernel_s']:.2f} s: router = "
-                 f"{100 * lg['router_share_of_kernel']:.2f}% of the kernel")
+    for masks in PROFILE_MASKS:
+      lines.append(f"at {lg['resolution']} ({lg['tokens']:,} tokens, per head): router ({masks} "
+                   f"masks) {lg[f'router_{masks}_s'] * 1e3:.0f} ms, sparse kernel "
+                   f"{lg['kernel_s']:.2f} s: router = "
+                   f"{100 * lg[f'router_{masks}_share_of_kernel']:.2f}% of the kernel")
   return "\n".join(lines)

@@ -83,9 +83,9 @@ def permute_before_exchange(mesh: Mesh, grid: VideoGrid, config: SvgConfig, key:
   def run(q, k, v):
     ex = head_exchange(mesh, q.shape)
     seq = NamedSharding(mesh, spec)
-    temporal = route_heads(q, k, v, grid=grid, config=config, key=key)
-    placed = [jax.lax.with_sharding_constraint(place(x, temporal, grid), seq) for x in (q, k, v)]
     plan = config.plan(grid)
+    temporal = route_heads(q, k, v, grid=grid, config=config, key=key, plan=plan)
+    placed = [jax.lax.with_sharding_constraint(place(x, temporal, grid), seq) for x in (q, k, v)]
     kernel = lambda q, k, v: sparse_attention(q, k, v, plan, backend=config.backend,
                                               block_kv_compute=config.block_kv_compute)
     out = exchange_heads(kernel, ex)(*placed)

@@ -10,7 +10,12 @@ where the coordinates are close.
 * ``drifting``: spatial in the first quarter of the frames, temporal after it, as when a
   video's content changes; most rows are temporal, so the right route is temporal, but a
   router that samples only the first frames sees a spatial head;
-* ``unstructured``: plain Gaussian queries and keys.
+* ``unstructured``: plain Gaussian queries and keys;
+* ``mixed25``/``mixed50``/``mixed75``: a spatial and a temporal component at once, the
+  number being the temporal share of the logits (half the features for each component);
+  which layout serves such a head best depends on the density;
+* ``weak_spatial``/``weak_temporal``: planted at a third of the strength, so attention is
+  diffuse and the structure barely stands out of the noise.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ import numpy as np
 
 from maxdiffusion_svg.geometry import VideoGrid
 
-HEAD_TYPES = ("spatial", "temporal", "drifting", "unstructured")
-# The route a planted head should get (True = temporal); unstructured heads have none.
-EXPECTED_TEMPORAL = {"spatial": False, "temporal": True, "drifting": True}
+MIXED = {"mixed25": 0.25, "mixed50": 0.5, "mixed75": 0.75}  # temporal share of the logits
+WEAK = {"weak_spatial": "spatial", "weak_temporal": "temporal"}
+WEAK_STRENGTH = 1 / 3  # of ``strength``
+HEAD_TYPES = ("spatial", "temporal", "drifting", "unstructured", *MIXED, *WEAK)
+# The route a planted head should get (True = temporal); unstructured and mixed heads have none.
+EXPECTED_TEMPORAL = {"spatial": False, "temporal": True, "drifting": True,
+                     "weak_spatial": False, "weak_temporal": True}
 
 
 def _fourier_features(coords: np.ndarray, dim: int, bandwidth: float,
@@ -57,13 +66,23 @@ def planted_qkv(grid: VideoGrid, head_types: Sequence[str], head_dim: int = 64, 
   v = rng.standard_normal(shape)
   early = (frame < max(1, grid.frames // 4))[:, None]
   for h, kind in enumerate(head_types):
+    scale = strength
     if kind == "unstructured":
       continue
     if kind == "drifting":
       phi = np.where(early, _fourier_features(coords["spatial"], head_dim, 1.0, rng),
                      _fourier_features(coords["temporal"], head_dim, 1.0, rng))
+    elif kind in MIXED:
+      share, half = MIXED[kind], head_dim // 2
+      phi = np.concatenate(
+          [np.sqrt(1 - share) * _fourier_features(coords["spatial"], half, 1.0, rng),
+           np.sqrt(share) * _fourier_features(coords["temporal"], head_dim - half, 1.0, rng)],
+          axis=1)
+    elif kind in WEAK:
+      phi = _fourier_features(coords[WEAK[kind]], head_dim, bandwidth=1.0, rng=rng)
+      scale = strength * WEAK_STRENGTH
     else:
       phi = _fourier_features(coords[kind], head_dim, bandwidth=1.0, rng=rng)
-    q[:, h] = strength * phi + noise * q[:, h]
-    k[:, h] = strength * phi + noise * k[:, h]
+    q[:, h] = scale * phi + noise * q[:, h]
+    k[:, h] = scale * phi + noise * k[:, h]
   return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
