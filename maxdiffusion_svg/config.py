@@ -48,6 +48,10 @@ class SvgConfig:
     for name in ("block_q", "block_kv", "block_kv_compute"):
       if getattr(self, name) is not None:
         check_block_size(getattr(self, name), f"svg_{name}")
+    kv = self.block_kv or DEFAULT_BLOCKS["splash"][1]
+    if self.block_kv_compute is not None and kv % self.block_kv_compute:
+      raise ValueError(f"svg_block_kv_compute ({self.block_kv_compute}) must divide svg_block_kv "
+                       f"({kv}{'' if self.block_kv else ', the Splash default'})")
     if self.backend not in BACKENDS:
       raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
     if not isinstance(self.include_sink, bool):

@@ -72,9 +72,14 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
 
   if backend == "splash":
     from maxdiffusion_svg.kernels.splash import splash_sparse_attention  # pylint: disable=import-outside-toplevel
-    interpret = jax.default_backend() != "tpu"
-    impl = lambda q, k, v: splash_sparse_attention(q, k, v, plan, scale, interpret=interpret,
-                                                   block_kv_compute=block_kv_compute)
+
+    def run(interpret):
+      return lambda q, k, v: splash_sparse_attention(q, k, v, plan, scale, interpret=interpret,
+                                                     block_kv_compute=block_kv_compute)
+
+    # The Mosaic kernel where the function is lowered for TPU, its interpreter elsewhere:
+    # decided per lowering platform, so one jitted function runs on CPU and exports for TPU.
+    impl = lambda q, k, v: jax.lax.platform_dependent(q, k, v, tpu=run(False), default=run(True))
   else:
     from maxdiffusion_svg.kernels.xla import xla_sparse_attention  # pylint: disable=import-outside-toplevel
     impl = lambda q, k, v: xla_sparse_attention(q, k, v, plan, scale, tiles_per_step)

@@ -2,16 +2,19 @@
 
 Splash's forward kernel runs a compacted grid over a flat list of active tiles
 (``active_rows``/``active_cols``), with a mask-free body for full tiles (kind 2) and a
-masked body for partial ones (kind 1), whose mask it computes in-kernel from a
-``mask_function`` of (query, key) indices. A TilePlan is that list already, so the
-MaskInfo is a reshuffle of the plan's arrays in O(tiles): no ``S x S`` mask, no host
-pass over tiles. This is the only module that touches tokamax internals (the public
-op takes no MaskInfo and refuses to run off TPU).
+masked body for partial ones (kind 1). A TilePlan is that list already, so the MaskInfo
+is a reshuffle of the plan's arrays in O(tiles): no ``S x S`` mask, no host pass over
+tiles. Masked tiles get their mask the cheaper of two ways tokamax supports (see
+``mask_traffic``): ``aligned`` plans mask only padding keys, one pattern for every masked
+tile, stored once as a partial block; ``naive``/``split`` plans mask band edges of many
+shapes, computed in-kernel from a mask function. This is the only module that touches
+tokamax internals (the public op takes no MaskInfo and refuses to run off TPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -23,19 +26,106 @@ from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_in
 
 from maxdiffusion_svg.tiles import MASKED, TilePlan
 
+LANES = 128
+# The inner kv step. 256 keeps the kernel's per-step [block_q, block_kv_compute] float32
+# temporaries small enough for the scoped VMEM budget at the seed's 3328-row tiles
+# (MaxDiffusion's tuned sparse kernel uses 256 too); it must divide block_kv.
+DEFAULT_BLOCK_KV_COMPUTE = 256
+# Scoped VMEM a kernel may use without raising XLA's --xla_tpu_scoped_vmem_limit_kib
+# (tokamax's pallas_call sets no vmem_limit_bytes). 16-32 MiB depending on the chip;
+# configurations estimated above this are refused.
+VMEM_BUDGET_BYTES = 32 * 2**20
+
+
+def default_kv_compute(block_kv: int) -> int:
+  return DEFAULT_BLOCK_KV_COMPUTE if block_kv % DEFAULT_BLOCK_KV_COMPUTE == 0 else LANES
+
+
+def mask_strategy(plan: TilePlan) -> str | None:
+  """How masked tiles get their mask: ``stored`` (aligned: one padding pattern), ``function``
+  (naive/split: band edges, computed in-kernel), or ``None`` (no masked tile)."""
+  if not (plan.kind == MASKED).any():
+    return None
+  return "function" if plan.masks_exact else "stored"
+
+
+def vmem_estimate(plan: TilePlan, head_dim: int, dtype: Any,
+                  block_kv_compute: int | None = None) -> dict[str, int]:
+  """Bytes of VMEM one kernel instance holds: pipelined (double-buffered) input and output
+  blocks, the online-softmax scratch, and the per-step temporaries of the inner kv loop.
+
+  A model, not a measurement: inputs are q, k, v and the mask input; temporaries are the
+  float32 logits and probabilities of one ``[block_q, block_kv_compute]`` step, plus what
+  the masked body adds (key indices and tiled query indices for a mask function, the
+  int8 mask slice for a stored block).
+  """
+  bq, bkv = plan.block_q, plan.block_kv
+  bkc = block_kv_compute or default_kv_compute(bkv)
+  item = jnp.dtype(dtype).itemsize
+  strategy = mask_strategy(plan)
+  mask_input = {"function": bq * LANES * 4, "stored": bq * bkv, None: 0}[strategy]
+  mask_temps = {"function": 2 * bq * bkc * 4 + bq * bkc, "stored": 2 * bq * bkc, None: 0}
+  out = {
+      "blocks": 2 * (2 * bq * head_dim * item + 2 * bkv * head_dim * item + mask_input),
+      "scratch": 2 * bq * LANES * 4 + bq * head_dim * 4,
+      "temporaries": 2 * bq * bkc * 4 + mask_temps[strategy],
+  }
+  out["total"] = sum(out.values())
+  return out
+
+
+def check_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None) -> None:
+  need = vmem_estimate(plan, head_dim, dtype, block_kv_compute)
+  if need["total"] > VMEM_BUDGET_BYTES:
+    mib = {k: f"{v / 2**20:.1f} MiB" for k, v in need.items()}
+    raise ValueError(
+        f"Splash tiles {plan.block_q}x{plan.block_kv} with block_kv_compute "
+        f"{block_kv_compute or default_kv_compute(plan.block_kv)} need about {mib['total']} "
+        f"of VMEM (blocks {mib['blocks']}, scratch {mib['scratch']}, temporaries "
+        f"{mib['temporaries']}), over the {VMEM_BUDGET_BYTES / 2**20:.0f} MiB budget: lower "
+        f"svg_block_kv_compute (e.g. {LANES * 2}) or svg_block_q")
+
+
+def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:
+  """HBM bytes per call (``heads`` heads) of each way to mask the plan's masked tiles.
+
+  ``function``: tokamax broadcasts the query indices to ``[S_pad, 128]`` int32 in HBM on
+  every call and every head reads all of it (one ``[block_q, 128]`` block per q-tile row).
+  ``stored``: one int8 ``[block_q, block_kv]`` block per distinct tile pattern, written to
+  HBM once per call, fetched whenever the prefetched pattern changes along the work list. A pattern is
+  set by the tile's diagonal offset and where the sink and the padding cut it, so distinct
+  patterns are counted from tile coordinates (an upper bound on distinct contents).
+  """
+  rows, cols, kinds = plan.visited_tiles()
+  s, bq, bkv = plan.seq_len, plan.block_q, plan.block_kv
+  padded = plan.num_q_tiles * bq
+  function_bytes = (1 + heads) * padded * LANES * 4
+  masked = kinds == MASKED
+  q0, k0 = rows[masked].astype(np.int64) * bq, cols[masked].astype(np.int64) * bkv
+  if plan.masks_exact:
+    sink = getattr(plan.mask, "sink", 0)
+    keys = np.stack([k0 - q0, np.clip(sink - k0, 0, bkv), np.clip(s - k0, 0, bkv),
+                     np.clip(s - q0, 0, bq)], axis=1)
+  else:  # aligned: only padding keys are masked
+    keys = np.clip(s - k0, 0, bkv)[:, None]
+  _, ids = np.unique(keys, axis=0, return_inverse=True) if keys.size else (None, np.zeros(0))
+  ids = np.asarray(ids).reshape(-1)
+  distinct = int(ids.max()) + 1 if ids.size else 0
+  changes = int((ids[1:] != ids[:-1]).sum()) if ids.size else 0
+  wrap = int(ids.size > 0 and ids[0] != ids[-1])
+  fetches = (heads * (changes + wrap) + 1) if ids.size else 0
+  return {"function": {"bytes": float(function_bytes)},
+          "stored": {"bytes": float((distinct + fetches) * bq * bkv), "blocks": distinct}}
+
 
 @dataclasses.dataclass(frozen=True)
 class _TileMaskFunction:
-  """The plan's masked-tile rule as a hashable callable (Splash keys compilation on it)."""
+  """The plan's exact rule as a hashable callable (Splash keys compilation on it)."""
 
   plan_mask: Any
-  exact: bool
-  seq_len: int
 
   def __call__(self, q: jax.Array, k: jax.Array) -> jax.Array:
-    if self.exact:
-      return self.plan_mask.contains(q, k)
-    return k < self.seq_len
+    return self.plan_mask.contains(q, k)
 
 
 def _smallest_int(a: np.ndarray) -> np.ndarray:
@@ -56,17 +146,28 @@ def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, _TileMaskFunction | None]:
     rows = np.concatenate([rows, empty_rows])[order]
     cols = np.concatenate([cols, np.zeros_like(empty_rows)])[order]
     kinds = np.concatenate([kinds, np.zeros(empty_rows.size, kinds.dtype)])[order]
-  has_masked = bool((kinds == MASKED).any())
+  strategy = mask_strategy(plan)
+  blocks = mask_next = q_sequence = mask_fn = None
+  if strategy == "stored":
+    # Every masked tile of an aligned plan is in the last kv column and drops the same
+    # padding keys: one block serves them all, fetched once. Built with jnp so that, under
+    # jit, it is computed per call rather than embedded as a constant in the executable.
+    last_k0 = (plan.num_kv_tiles - 1) * plan.block_kv
+    keep = jnp.arange(plan.block_kv) < plan.seq_len - last_k0
+    blocks = jnp.broadcast_to(keep, (1, plan.block_q, plan.block_kv)).astype(jnp.int8)
+    mask_next = np.zeros(rows.size, np.int8)
+  elif strategy == "function":
+    q_sequence = jnp.arange(plan.num_q_tiles * plan.block_q, dtype=jnp.int32)
+    mask_fn = _TileMaskFunction(plan.mask)
   info = MaskInfo(
-      mask_next=None,
+      mask_next=mask_next,
       active_rows=_smallest_int(rows),
       active_cols=_smallest_int(cols),
       block_mask=kinds.astype(np.int8),
       num_active_blocks=np.array([rows.size], np.int32),
-      partial_mask_blocks=None,
-      q_sequence=np.arange(plan.num_q_tiles * plan.block_q, dtype=np.int32) if has_masked else None,
+      partial_mask_blocks=blocks,
+      q_sequence=q_sequence,
   )
-  mask_fn = _TileMaskFunction(plan.mask, plan.masks_exact, plan.seq_len) if has_masked else None
   return info, mask_fn
 
 
@@ -74,18 +175,21 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                             scale: float, *, interpret: bool,
                             block_kv_compute: int | None = None) -> jax.Array:
   """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles."""
-  b, h, s, _ = q.shape
+  _, _, s, head_dim = q.shape
+  check_vmem(plan, head_dim, q.dtype, block_kv_compute)
   info, mask_fn = plan_mask_info(plan)
+  # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale
+  # here rounds a bfloat16 q once instead of twice.
   config = splash.SplashConfig(block_q=plan.block_q, block_kv=plan.block_kv,
-                               block_kv_compute=block_kv_compute or plan.block_kv,
-                               interpret=interpret)
+                               block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
+                               interpret=interpret, q_prescaled_log2e=True)
   kernel = splash.SplashAttentionKernel(
       jax.tree.map(jnp.asarray, info), None, config=config, is_mqa=False, save_residuals=False,
       mask_value=splash_base.DEFAULT_MASK_VALUE, mask_function=mask_fn,
       fwd_mask_sparsity=plan.stats.visited_tile_fraction, dkv_mask_sparsity=1.0)
   pad_q = plan.num_q_tiles * plan.block_q - s
   pad_kv = plan.num_kv_tiles * plan.block_kv - s
-  qs = (q.astype(jnp.float32) * scale).astype(q.dtype)  # Splash does not scale logits
+  qs = (q.astype(jnp.float32) * (scale * math.log2(math.e))).astype(q.dtype)
   qs = jnp.pad(qs, ((0, 0), (0, 0), (0, pad_q), (0, 0)))
   ks = jnp.pad(k, ((0, 0), (0, 0), (0, pad_kv), (0, 0)))
   vs = jnp.pad(v, ((0, 0), (0, 0), (0, pad_kv), (0, 0)))
