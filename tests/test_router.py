@@ -29,9 +29,10 @@ def numpy_probe_masks(grid, include_sink):
   return spatial, spatial[np.ix_(pos, pos)]
 
 
-def numpy_route(q, k, v, rows, grid, include_sink=True):
+def numpy_layout_errors(q, k, v, rows, grid, placed_mask):
+  """Errors of ``rows`` against dense under a dense placed-layout mask put in both layouts."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  spatial, temporal = numpy_probe_masks(grid, include_sink)
+  pos = frame_major_order(grid)
   logits = np.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k) / np.sqrt(q.shape[-1])
 
   def out(mask):
@@ -40,8 +41,13 @@ def numpy_route(q, k, v, rows, grid, include_sink=True):
     return np.einsum("bhrk,bhkd->bhrd", w / w.sum(-1, keepdims=True), v)
 
   dense = out(None)
-  err_s = ((out(spatial) - dense) ** 2).mean(axis=(2, 3))
-  err_t = ((out(temporal) - dense) ** 2).mean(axis=(2, 3))
+  return [((out(m) - dense) ** 2).mean(axis=(2, 3))
+          for m in (placed_mask, placed_mask[np.ix_(pos, pos)])]
+
+
+def numpy_route(q, k, v, rows, grid, include_sink=True):
+  spatial, _ = numpy_probe_masks(grid, include_sink)
+  err_s, err_t = numpy_layout_errors(q, k, v, rows, grid, spatial)
   return err_t < err_s, err_s, err_t
 
 
@@ -142,22 +148,6 @@ def test_stratified_pool_sees_heads_that_change_after_the_first_frames():
 
 
 # ------------------------------------------------- execution masks: the mask the kernel runs
-
-
-def numpy_layout_errors(q, k, v, rows, grid, placed_mask):
-  """Errors of rows under a placed-layout mask (given dense) put in both layouts."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  pos = frame_major_order(grid)
-  logits = np.einsum("bhrd,bhkd->bhrk", q[:, :, rows], k) / np.sqrt(q.shape[-1])
-
-  def out(mask):
-    x = logits if mask is None else np.where(mask[rows], logits, -np.inf)
-    w = np.exp(x - x.max(-1, keepdims=True))
-    return np.einsum("bhrk,bhkd->bhrd", w / w.sum(-1, keepdims=True), v)
-
-  dense = out(None)
-  return [((out(m) - dense) ** 2).mean(axis=(2, 3))
-          for m in (placed_mask, placed_mask[np.ix_(pos, pos)])]
 
 
 @pytest.mark.parametrize("mode", ["split", "aligned"])
