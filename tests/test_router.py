@@ -18,15 +18,14 @@ GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 bl
 PROBE = {"profile_masks": "probe"}  # the reference SVG router's masks (the default is execution)
 
 
-def numpy_probe_masks(grid, include_sink):
-  """Spatial probe: k < P or |q//128 - k//128| < 2P//128; temporal: same, re-indexed."""
+def numpy_probe_mask(grid, include_sink):
+  """The probe in its placed layout: k < P or |q//128 - k//128| < 2P//128."""
   n, p = grid.tokens, grid.frame_size
   radius = max(1, 2 * p // 128)
   spatial = np.zeros((n, n), bool)
   for q, k in itertools.product(range(n), repeat=2):
     spatial[q, k] = (include_sink and k < p) or abs(q // 128 - k // 128) < radius
-  pos = frame_major_order(grid)
-  return spatial, spatial[np.ix_(pos, pos)]
+  return spatial
 
 
 def numpy_layout_errors(q, k, v, rows, grid, placed_mask):
@@ -46,8 +45,7 @@ def numpy_layout_errors(q, k, v, rows, grid, placed_mask):
 
 
 def numpy_route(q, k, v, rows, grid, include_sink=True):
-  spatial, _ = numpy_probe_masks(grid, include_sink)
-  err_s, err_t = numpy_layout_errors(q, k, v, rows, grid, spatial)
+  err_s, err_t = numpy_layout_errors(q, k, v, rows, grid, numpy_probe_mask(grid, include_sink))
   return err_t < err_s, err_s, err_t
 
 
