@@ -137,8 +137,7 @@ def set_denoising_schedule(model: Any, timesteps: Any) -> None:
     raise ValueError(f"at most {MAX_STEPS} denoising steps are supported, got {timesteps.size}")
   padded = jnp.full((MAX_STEPS,), -1.0, jnp.float32).at[:timesteps.size].set(timesteps)
   model.svg_timesteps[...] = padded
-  if not model.svg_schedule_set:
-    model.svg_schedule_set = True
+  model.svg_schedule_set = True  # static: set before the first compile, unchanged after
 
 
 def is_prepared(model: Any) -> bool:
