@@ -61,10 +61,20 @@ def _tiles(args: argparse.Namespace) -> int:
   return 0
 
 
-def _write_json(path: str | None, result: dict) -> None:
-  if path:
-    with open(path, "w", encoding="utf-8") as f:
+def _report(args: argparse.Namespace, text: str, result: dict) -> None:
+  """Prints a benchmark's table, and writes its result as JSON where ``--json`` asks."""
+  print(text)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)
+
+
+def _add_json_arg(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def _add_devices_arg(parser: argparse.ArgumentParser, help_text: str = "simulated on CPU") -> None:
+  parser.add_argument("--devices", type=int, default=8, help=help_text)
 
 
 def _progress(message: str) -> None:
@@ -80,8 +90,7 @@ def _bench_kernel(args: argparse.Namespace) -> int:
                           backend=args.backend, block_q=args.block_q, block_kv=args.block_kv,
                           dtype=args.dtype, repeats=args.repeats)
   result = run_kernel_bench(cfg, log=_progress)
-  print(format_kernel_bench(result))
-  _write_json(args.json, result)
+  _report(args, format_kernel_bench(result), result)
   return 0
 
 
@@ -91,8 +100,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
   cfg = QualityBenchConfig(router_seeds=args.seeds,
                            timing_resolution=None if args.no_large_timing else "720p")
   result = run_quality_bench(cfg, log=_progress)
-  print(format_quality_bench(result))
-  _write_json(args.json, result)
+  _report(args, format_quality_bench(result), result)
   if args.plot:
     from maxdiffusion_svg.plot import plot_quality  # pylint: disable=import-outside-toplevel
     plot_quality(args.plot, cfg, result)
@@ -118,8 +126,7 @@ def _bench_sharded(args: argparse.Namespace) -> int:
                            block_q=args.block_q, block_kv=args.block_kv, dtype=args.dtype,
                            timing=not args.no_timing, repeats=args.repeats)
   result = run_sharded_bench(cfg, log=_progress)
-  print(format_sharded_bench(result))
-  _write_json(args.json, result)
+  _report(args, format_sharded_bench(result), result)
   return 0
 
 
@@ -130,8 +137,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
   if len(latent) != 4:
     raise ValueError(f"--latent must be CxFxHxW, got {args.latent!r}")
   result = measure(args.kernels, args.devices, latent, args.text_len, log=_progress)
-  print(format_collectives(result))
-  _write_json(args.json, result)
+  _report(args, format_collectives(result), result)
   return 0
 
 
@@ -140,8 +146,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   from maxdiffusion_svg.plugin.e2e import format_e2e_bench, run_e2e_bench  # pylint: disable=import-outside-toplevel
   result = run_e2e_bench(args.steps, args.presets, log=_progress)
-  print(format_e2e_bench(result))
-  _write_json(args.json, result)
+  _report(args, format_e2e_bench(result), result)
   return 0
 
 
@@ -161,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
   tiles.set_defaults(run=_tiles)
 
   bench = sub.add_parser("bench", help="benchmarks; without a subcommand: the quality benchmark")
-  bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  _add_json_arg(bench)
   bench.add_argument("--plot", metavar="FILE.png", help="attention maps, masks, per-head routing")
   bench.add_argument("--seeds", type=int, default=5, help="router keys to average over")
   bench.add_argument("--no-large-timing", action="store_true",
@@ -180,14 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
   kernel.add_argument("--block-kv", type=int, help="key tile (default: 512 xla, 1536 splash)")
   kernel.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
-  kernel.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  _add_json_arg(kernel)
   kernel.set_defaults(run=_bench_kernel)
 
   sharded = bench_sub.add_parser(
       "sharded", help="permutation after vs before the Ulysses exchange: collectives and time")
   _add_grid_args(sharded, default="480p")
-  sharded.add_argument("--devices", type=int, default=8,
-                       help="devices on the context axis (simulated on CPU)")
+  _add_devices_arg(sharded, "devices on the context axis (simulated on CPU)")
   sharded.add_argument("--batch", type=int, default=1)
   sharded.add_argument("--heads", type=int, default=8, help="a multiple of --devices")
   sharded.add_argument("--head-dim", type=int, default=128)
@@ -200,26 +204,26 @@ def build_parser() -> argparse.ArgumentParser:
   sharded.add_argument("--no-timing", action="store_true",
                        help="compile and count collectives only (abstract inputs: any size)")
   sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
-  sharded.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  _add_json_arg(sharded)
   sharded.set_defaults(run=_bench_sharded)
 
   collectives = bench_sub.add_parser(
       "collectives", help="bytes each attention kernel moves in a tiny Wan forward (needs "
                           "MaxDiffusion on PYTHONPATH)")
-  collectives.add_argument("--devices", type=int, default=8)
+  _add_devices_arg(collectives)
   collectives.add_argument("--kernels", nargs="+", default=["svg", "ulysses", "dot_product"])
   collectives.add_argument("--latent", default="4x21x30x52", help="latent CxFxHxW")
   collectives.add_argument("--text-len", type=int, default=128, help="a multiple of 128")
-  collectives.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  _add_json_arg(collectives)
   collectives.set_defaults(run=_bench_collectives)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "
                   "MaxDiffusion on PYTHONPATH and its runtime deps)")
-  e2e.add_argument("--devices", type=int, default=8, help="simulated on CPU")
+  _add_devices_arg(e2e)
   e2e.add_argument("--steps", type=int, default=10)
   e2e.add_argument("--presets", nargs="+", default=["conservative", "moderate", "aggressive"])
-  e2e.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  _add_json_arg(e2e)
   e2e.set_defaults(run=_bench_e2e)
   return parser
 
