@@ -13,9 +13,8 @@ tokamax internals (the public op takes no MaskInfo and refuses to run off TPU).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -98,9 +97,10 @@ def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:
   """
   rows, cols, kinds = plan.visited_tiles()
   s, bq, bkv = plan.seq_len, plan.block_q, plan.block_kv
-  padded = plan.num_q_tiles * bq
-  function_bytes = (1 + heads) * padded * LANES * 4
+  function = {"bytes": float((1 + heads) * plan.num_q_tiles * bq * LANES * 4)}
   masked = kinds == MASKED
+  if not masked.any():
+    return {"function": function, "stored": {"bytes": 0.0, "blocks": 0}}
   q0, k0 = rows[masked].astype(np.int64) * bq, cols[masked].astype(np.int64) * bkv
   if plan.masks_exact:
     sink = getattr(plan.mask, "sink", 0)
@@ -108,24 +108,14 @@ def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:
                      np.clip(s - q0, 0, bq)], axis=1)
   else:  # aligned: only padding keys are masked
     keys = np.clip(s - k0, 0, bkv)[:, None]
-  _, ids = np.unique(keys, axis=0, return_inverse=True) if keys.size else (None, np.zeros(0))
-  ids = np.asarray(ids).reshape(-1)
-  distinct = int(ids.max()) + 1 if ids.size else 0
-  changes = int((ids[1:] != ids[:-1]).sum()) if ids.size else 0
-  wrap = int(ids.size > 0 and ids[0] != ids[-1])
-  fetches = (heads * (changes + wrap) + 1) if ids.size else 0
-  return {"function": {"bytes": float(function_bytes)},
+  _, ids = np.unique(keys, axis=0, return_inverse=True)
+  ids = ids.reshape(-1)
+  distinct = int(ids.max()) + 1
+  # Per head the prefetched pattern changes at each new pattern and, going round to the next
+  # head, once more if the last pattern is not the first; the very first block is one fetch.
+  fetches = heads * (int((ids[1:] != ids[:-1]).sum()) + int(ids[0] != ids[-1])) + 1
+  return {"function": function,
           "stored": {"bytes": float((distinct + fetches) * bq * bkv), "blocks": distinct}}
-
-
-@dataclasses.dataclass(frozen=True)
-class _TileMaskFunction:
-  """The plan's exact rule as a hashable callable (Splash keys compilation on it)."""
-
-  plan_mask: Any
-
-  def __call__(self, q: jax.Array, k: jax.Array) -> jax.Array:
-    return self.plan_mask.contains(q, k)
 
 
 def _smallest_int(a: np.ndarray) -> np.ndarray:
@@ -136,7 +126,7 @@ def _smallest_int(a: np.ndarray) -> np.ndarray:
   return a.astype(np.int32)
 
 
-def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, _TileMaskFunction | None]:
+def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]:
   """Splash's forward MaskInfo (and in-kernel mask function) for ``plan``."""
   rows, cols, kinds = plan.visited_tiles()
   # A row with no visited tile still needs one (do-nothing) step so its output is written.
@@ -158,7 +148,8 @@ def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, _TileMaskFunction | None]:
     mask_next = np.zeros(rows.size, np.int8)
   elif strategy == "function":
     q_sequence = jnp.arange(plan.num_q_tiles * plan.block_q, dtype=jnp.int32)
-    mask_fn = _TileMaskFunction(plan.mask)
+    # A bound method of the frozen mask: hashable, as Splash keys compilation on it.
+    mask_fn = plan.mask.contains
   info = MaskInfo(
       mask_next=mask_next,
       active_rows=_smallest_int(rows),
