@@ -160,7 +160,6 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   extras = {"key": key, "step": step, "layer": layer}
   traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
   static = {name: x for name, x in extras.items() if name not in traced}
-  plan_stats = config.plan(grid, expert).stats.as_dict()
 
   def local(q, k, v, *values):
     given = {**static, **dict(zip(traced, values))}
@@ -179,4 +178,4 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if not return_info:
     return result
   out, info = result
-  return out, {**info, "plan": plan_stats}
+  return out, {**info, "plan": config.plan(grid, expert).stats.as_dict()}
