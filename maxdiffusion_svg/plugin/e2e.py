@@ -54,11 +54,15 @@ def _capturing() -> Iterator[dict[str, Any]]:
 
 
 def psnr(video: np.ndarray, reference: np.ndarray) -> float:
+  """PSNR (dB) of a uint8 video against a reference video."""
   mse = float(np.mean((video.astype(np.float64) - reference.astype(np.float64)) ** 2))
   return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def _generate(config: str, overrides: Sequence[str], workdir: str) -> dict[str, Any]:
+def generate(argv: Sequence[str], workdir: str) -> dict[str, Any]:
+  """Runs the launcher in this process on ``argv`` (``[config, key=value ...]``) from
+  ``workdir``: the exported ``frames`` (uint8), the pipeline ``trace`` of the last call
+  and the svg kernel's call ``log``."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from maxdiffusion_svg import plugin  # pylint: disable=import-outside-toplevel
@@ -66,7 +70,7 @@ def _generate(config: str, overrides: Sequence[str], workdir: str) -> dict[str, 
   os.chdir(workdir)  # generate_wan writes its MP4 into the working directory
   try:
     with _capturing() as captured, plugin.record_calls() as log:
-      launcher.run(["maxdiffusion_svg.generate", config, *overrides])
+      launcher.run(["maxdiffusion_svg.generate", *argv])
       jax.effects_barrier()
   finally:
     os.chdir(cwd)
@@ -96,7 +100,7 @@ def run_e2e_bench(steps: int = 10, presets: Sequence[str] = tuple(PRESETS),
     dense_frames = None
     for name, extra in runs.items():
       log(f"generating: {name}...")
-      out = _generate(config, [*common, *extra], tmp)
+      out = generate([config, *common, *extra], tmp)
       frames = out["frames"]
       dense_frames = frames if dense_frames is None else dense_frames
       calls = [r for r in out["log"] if r["kind"] == "self"][-2 * steps:]  # the real run

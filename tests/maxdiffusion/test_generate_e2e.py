@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 import yaml
@@ -18,10 +17,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion import generate_wan
-
-from maxdiffusion_svg import plugin
-from maxdiffusion_svg.plugin import launcher, overlay, tiny_checkpoint
+from maxdiffusion_svg.plugin import e2e, overlay, tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 STEPS = 3
@@ -51,42 +47,22 @@ def run_config(tmp_path_factory):
   return str(path)
 
 
-def launch(tmp_path, monkeypatch, argv):
-  """Runs the launcher in this process; returns the frames it exported and the call log."""
-  frames = []
-  export = generate_wan.export_to_video
-
-  def capture(video, path, fps):
-    frames.append(np.asarray(video))
-    return export(video, path, fps=fps)
-
-  monkeypatch.setattr(generate_wan, "export_to_video", capture)
-  monkeypatch.chdir(tmp_path)
-  with plugin.record_calls() as log:
-    launcher.run(["maxdiffusion_svg.generate", *argv])
-    jax.effects_barrier()
-  (video,) = frames
-  return video, log
-
-
-def psnr(a, b):
-  """PSNR of two uint8 videos, in dB."""
-  mse = np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
-  return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+def launch(workdir, argv):
+  """The launcher in this process: the frames it exported and the svg kernel's call log."""
+  out = e2e.generate(argv, str(workdir))
+  return out["frames"], out["log"]
 
 
 @pytest.fixture(scope="module")
 def dense_video(checkpoints, run_config, tmp_path_factory):
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    video, _ = launch(tmp_path_factory.mktemp("dense"), monkeypatch, [
-        run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}",
-        "attention=dot_product", *TINY])
+  video, _ = launch(tmp_path_factory.mktemp("dense"), [
+      run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}",
+      "attention=dot_product", *TINY])
   return video
 
 
-def test_density_one_gives_the_dense_video(checkpoints, run_config, dense_video, tmp_path,
-                                           monkeypatch):
-  video, log = launch(tmp_path, monkeypatch, [
+def test_density_one_gives_the_dense_video(checkpoints, run_config, dense_video, tmp_path):
+  video, log = launch(tmp_path, [
       run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=1.0",
       *TINY])
   assert video.shape == dense_video.shape == (33, 128, 128, 3) and video.dtype == np.uint8
@@ -99,10 +75,9 @@ def test_density_one_gives_the_dense_video(checkpoints, run_config, dense_video,
 def sparse_run(checkpoints, run_config, tmp_path_factory):
   """The launcher at density 0.3: its frames, its MP4 and its call log."""
   workdir = tmp_path_factory.mktemp("sparse")
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    video, log = launch(workdir, monkeypatch, [
-        run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3",
-        *TINY])
+  video, log = launch(workdir, [
+      run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}", "svg_density=0.3",
+      *TINY])
   (mp4,) = workdir.glob("wan_output_*.mp4")
   return video, mp4.read_bytes(), log
 
@@ -114,7 +89,7 @@ def test_sparse_video_follows_the_schedule(sparse_run, dense_video):
   assert self_calls[-2 * STEPS:] == [(s, l, s >= 1 and l >= 1) for s in range(STEPS)
                                      for l in range(2)]
   assert sum(r["kind"] == "cross" for r in log) == len(self_calls)
-  quality = psnr(video, dense_video)
+  quality = e2e.psnr(video, dense_video)
   print(f"tiny Wan 2.1, density 0.3, steps [1, {STEPS}) x layer 1 sparse: video PSNR "
         f"{quality:.1f} dB against dense")
   assert 20 < quality < 80  # really sparse, and still the same video
@@ -128,7 +103,7 @@ def test_an_unknown_svg_key_fails_before_weights_load(checkpoints, tmp_path, mon
   loaded = []
   monkeypatch.setattr(wan_pipeline, "load_wan_transformer", lambda *a, **k: loaded.append(1))
   with pytest.raises(ValueError, match="unknown SVG config key.*svg_densty"):
-    launch(tmp_path, monkeypatch, [
+    launch(tmp_path, [
         str(config), f"pretrained_model_name_or_path={checkpoints['wan21']}", *TINY])
   assert not loaded
 
@@ -195,11 +170,11 @@ def test_patched_pyconfig_merges_as_the_launcher_does(patched_maxdiffusion):
     assert merged["attention"] == "svg" and "logical_axis_rules" in merged
 
 
-def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path, monkeypatch):
+def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
   config = tmp_path / "tiny_wan22.yml"
   config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
                                     **SVG_KEYS}))
-  video, log = launch(tmp_path, monkeypatch, [
+  video, log = launch(tmp_path, [
       str(config), f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
       *TINY])
   densities = {(r["expert"], r["density"]) for r in log if r["kind"] == "self"}

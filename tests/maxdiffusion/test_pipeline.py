@@ -1,7 +1,6 @@
 """The svg kernel through MaxDiffusion's own denoising loops: steps, warm-up, Wan 2.2 experts."""
 
 import jax
-import numpy as np
 import pytest
 
 from md_required import require_maxdiffusion
