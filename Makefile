@@ -7,7 +7,7 @@ MD_VENV ?= .venv-maxdiffusion
 MD_PY := $(MD_VENV)/bin/python
 MD_STAMP := $(MD_VENV)/.installed-stamp
 
-.PHONY: test bench tiles venv clean test-maxdiffusion venv-maxdiffusion
+.PHONY: test bench tiles venv clean test-maxdiffusion venv-maxdiffusion compile-tpu
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ bench: venv
 # The tile report (720p by default).
 tiles: venv
 	$(PY) -m maxdiffusion_svg tiles $(ARGS)
+
+# Compile for every TPU generation libtpu knows, on this host (no TPU): the full matrix.
+compile-tpu: venv
+	$(PY) -m maxdiffusion_svg bench compile $(ARGS)
 
 # The MaxDiffusion integration tests, against a MaxDiffusion source tree used in place:
 #   make test-maxdiffusion MAXDIFFUSION_SRC=/path/to/maxdiffusion

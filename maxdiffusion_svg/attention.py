@@ -8,15 +8,17 @@ re-routing never recompiles.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
-from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
+from maxdiffusion_svg.kernels.api import follows_lowering_platform, lowering_tpu_target
 from maxdiffusion_svg.router import profile_heads
+from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import TilePlan, plan_tiles
 
 
@@ -32,12 +34,25 @@ def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
 
 def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array, *,
                      grid: VideoGrid, plan: TilePlan, scale: float | None = None,
-                     backend: str = "auto", block_kv_compute: int | None = None) -> jax.Array:
+                     backend: str = "auto", block_kv_compute: int | None = None,
+                     target: Target | None = None) -> jax.Array:
   """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing."""
   out = sparse_attention(place(q, temporal, grid), place(k, temporal, grid),
                          place(v, temporal, grid), plan, scale=scale, backend=backend,
-                         block_kv_compute=block_kv_compute)
+                         block_kv_compute=block_kv_compute, target=target)
   return restore(out, temporal, grid)
+
+
+def per_platform(config: SvgConfig, target: Target,
+                 build: Callable[[str, Target], Callable[..., Any]]) -> Callable[..., Any]:
+  """``build(backend, target)`` for the executor the call will run on. With ``auto`` on a
+  host that is not a TPU, both: Splash (tiles for a TPU of unknown generation) where the call
+  is lowered for a TPU, the XLA path elsewhere; the plans differ, so the whole path is built
+  twice and the lowering keeps one."""
+  if follows_lowering_platform(config.backend, target):
+    tpu, default = build("splash", lowering_tpu_target(target)), build("xla", target)
+    return lambda *xs: jax.lax.platform_dependent(*xs, tpu=tpu, default=default)
+  return build(resolve_backend(config.backend, target), target)
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
@@ -61,37 +76,58 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
 
 def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                   config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
-                  expert: str | None = None, return_info: bool = False) -> Any:
+                  expert: str | None = None, return_info: bool = False,
+                  target: Target | None = None) -> Any:
   """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
 
-  With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``, the router's
-  ``spatial_error``/``temporal_error``, and the shared plan's ``plan`` statistics.
+  ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
+  and its tiles. With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``,
+  the router's ``spatial_error``/``temporal_error``, and the shared plan's ``plan``
+  statistics (the target's plan).
   """
   check_qkv(q, k, v, grid)
-  plan = config.plan(grid, expert)
+  target = target or config.target()
   key = profile_key(config) if key is None else key
-  routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale, plan=plan)
-  out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
-                         backend=config.backend, block_kv_compute=config.block_kv_compute)
+
+  def build(backend: str, target: Target) -> Callable[..., Any]:
+    plan = config.plan(grid, expert, target, backend)
+    compute = config.tiles(target, backend).block_kv_compute
+
+    def run(q, k, v, key):
+      routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
+                              plan=plan)
+      out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
+                             backend=backend, block_kv_compute=compute, target=target)
+      return out, routing
+    return run
+
+  out, routing = per_platform(config, target, build)(q, k, v, key)
   if not return_info:
     return out
   return out, {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
-               "temporal_error": routing.temporal_error, "plan": plan.stats.as_dict()}
+               "temporal_error": routing.temporal_error,
+               "plan": config.plan(grid, expert, target).stats.as_dict()}
 
 
 def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
-                          config: SvgConfig, scale: float | None = None) -> jax.Array:
+                          config: SvgConfig, scale: float | None = None,
+                          target: Target | None = None) -> jax.Array:
   """Dense attention through the same executor (every tile full): the schedule's dense branch."""
-  block_q, block_kv = config.blocks()
-  plan = plan_tiles(grid, 1.0, block_q, block_kv, "aligned", include_sink=False)
-  return sparse_attention(q, k, v, plan, scale=scale, backend=config.backend,
-                          block_kv_compute=config.block_kv_compute)
+  def build(backend: str, target: Target) -> Callable[..., Any]:
+    tiles = config.tiles(target, backend)
+    plan = plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, "aligned", include_sink=False)
+    return lambda q, k, v: sparse_attention(q, k, v, plan, scale=scale, backend=backend,
+                                            block_kv_compute=tiles.block_kv_compute,
+                                            target=target)
+
+  return per_platform(config, target or config.target(), build)(q, k, v)
 
 
 def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                             config: SvgConfig, step: Any, layer: Any,
                             scale: float | None = None, expert: str | None = None,
-                            key: jax.Array | None = None) -> jax.Array:
+                            key: jax.Array | None = None,
+                            target: Target | None = None) -> jax.Array:
   """SVG inside the schedule's active steps and layers, dense outside.
 
   ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
@@ -101,12 +137,14 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
   check_qkv(q, k, v, grid)
   active = config.schedule.is_active(step, layer)
   key = profile_key(config, step, layer, key)
+  target = target or config.target()
 
   def sparse(q, k, v):
-    return svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale, expert=expert)
+    return svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale, expert=expert,
+                         target=target)
 
   def dense(q, k, v):
-    return dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale)
+    return dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale, target=target)
 
   if isinstance(active, bool):
     return (sparse if active else dense)(q, k, v)

@@ -150,6 +150,27 @@ def _bench_e2e(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_compile(args: argparse.Namespace) -> int:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+  from maxdiffusion_svg.bench.compile import (CompileBenchConfig, format_compile_bench,  # pylint: disable=import-outside-toplevel
+                                              parse_list, run_compile_bench)
+  from maxdiffusion_svg.tpu_aot import libtpu_available  # pylint: disable=import-outside-toplevel
+  if not libtpu_available():
+    raise ValueError("bench compile needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
+  cfg = CompileBenchConfig(chips=parse_list(args.chips), resolutions=parse_list(args.resolutions),
+                           density=args.density, sharded=not args.no_sharded,
+                           raised=not args.no_raised, calibrate=args.calibrate)
+  result = run_compile_bench(cfg, log=_progress)
+  if args.maxdiffusion:
+    from maxdiffusion_svg.plugin.aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
+    result["maxdiffusion"] = compile_wan_forwards(log=_progress)
+    _report(args, format_compile_bench(result) + "\n\n" + format_wan_forwards(
+        result["maxdiffusion"]), result)
+  else:
+    _report(args, format_compile_bench(result), result)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
                                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -216,6 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
   collectives.add_argument("--text-len", type=int, default=128, help="a multiple of 128")
   _add_json_arg(collectives)
   collectives.set_defaults(run=_bench_collectives)
+
+  compile_ = bench_sub.add_parser(
+      "compile", help="compile for TPU generations with libtpu on this host: what fits, "
+                      "per-device memory, compile time (no TPU needed)")
+  compile_.add_argument("--chips", default="v5e,v6e,v5p,v4", help="comma-separated (default: %(default)s)")
+  compile_.add_argument("--resolutions", default="720p,1080p,1440p",
+                        help="comma-separated (default: %(default)s)")
+  compile_.add_argument("--density", type=float, default=0.3, help="default: %(default)s")
+  compile_.add_argument("--no-sharded", action="store_true", help="skip the v6e 2x4 sharded rows")
+  compile_.add_argument("--no-raised", action="store_true", help="skip the 64 MiB VMEM rows")
+  compile_.add_argument("--calibrate", action="store_true",
+                        help="also ask the compiler for each kernel's scoped VMEM (3-4 compiles each)")
+  compile_.add_argument("--maxdiffusion", action="store_true",
+                        help="also compile MaxDiffusion's Wan 2.1 14B forward for a v6e-8 with "
+                             "svg, flash and ulysses (needs MaxDiffusion on PYTHONPATH)")
+  _add_json_arg(compile_)
+  compile_.set_defaults(run=_bench_compile)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "

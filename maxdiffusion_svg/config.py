@@ -6,10 +6,12 @@ import dataclasses
 from typing import Any, Mapping
 
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.kernels.api import BACKENDS, DEFAULT_BLOCKS, resolve_backend
+from maxdiffusion_svg.kernels.api import BACKENDS, XLA_BLOCKS, resolve_backend
+from maxdiffusion_svg.kernels.tpu_memory import SplashTiles, default_kv_compute, default_splash_tiles
 from maxdiffusion_svg.masks import check_density
 from maxdiffusion_svg.router import RouterConfig
 from maxdiffusion_svg.schedule import Interval, PRESETS, Schedule, get_preset
+from maxdiffusion_svg.target import VMEM_FLAG, Target, target_of
 from maxdiffusion_svg.tiles import TileMode, TilePlan, check_block_size, plan_tiles
 
 # MaxDiffusion's Wan 2.1 14B default; used to place a preset's dense warm-up when the
@@ -28,10 +30,14 @@ class SvgConfig:
   low_noise_density: float | None = None  # Wan 2.2 low-noise expert; None = density
   schedule: Schedule = PRESETS[DEFAULT_PRESET].schedule(DEFAULT_NUM_STEPS)
   tile_mode: TileMode | str = TileMode.ALIGNED
-  block_q: int | None = None  # None: the backend's default (see kernels.api.DEFAULT_BLOCKS)
+  # None or 0: the target's default (XLA: 512; Splash: by the TPU's scoped-VMEM limit).
+  block_q: int | None = None
   block_kv: int | None = None
   block_kv_compute: int | None = None
   backend: str = "auto"
+  # The scoped-VMEM limit (KiB) TPU kernels compile under; None or 0: LIBTPU_INIT_ARGS's
+  # --xla_tpu_scoped_vmem_limit_kib, else the generation's default.
+  vmem_limit_kib: int | None = None
   include_sink: bool = True
   profile_queries: int = 64
   profile_pool: str = "stratified"
@@ -45,13 +51,20 @@ class SvgConfig:
       if getattr(self, name) is not None:
         check_density(getattr(self, name), f"svg_{name}")
     object.__setattr__(self, "tile_mode", TileMode.parse(self.tile_mode, "svg_tile_mode"))
+    for name in ("block_q", "block_kv", "block_kv_compute", "vmem_limit_kib"):
+      if getattr(self, name) == 0 and not isinstance(getattr(self, name), bool):
+        object.__setattr__(self, name, None)  # 0: the target's default (YAML cannot override null)
     for name in ("block_q", "block_kv", "block_kv_compute"):
       if getattr(self, name) is not None:
         check_block_size(getattr(self, name), f"svg_{name}")
-    kv = self.block_kv or DEFAULT_BLOCKS["splash"][1]
-    if self.block_kv_compute is not None and kv % self.block_kv_compute:
+    if self.block_kv and self.block_kv_compute and self.block_kv % self.block_kv_compute:
       raise ValueError(f"svg_block_kv_compute ({self.block_kv_compute}) must divide svg_block_kv "
-                       f"({kv}{'' if self.block_kv else ', the Splash default'})")
+                       f"({self.block_kv})")
+    if self.vmem_limit_kib is not None and (
+        isinstance(self.vmem_limit_kib, bool) or not isinstance(self.vmem_limit_kib, int)
+        or self.vmem_limit_kib < 0):
+      raise ValueError(f"svg_vmem_limit_kib must be an integer >= 0 (0: LIBTPU_INIT_ARGS's "
+                       f"{VMEM_FLAG}, else the generation's default), got {self.vmem_limit_kib!r}")
     if self.backend not in BACKENDS:
       raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
     if not isinstance(self.include_sink, bool):
@@ -74,15 +87,37 @@ class SvgConfig:
     own = getattr(self, f"{expert}_density")
     return self.density if own is None else own
 
-  def blocks(self) -> tuple[int, int]:
-    default_q, default_kv = DEFAULT_BLOCKS[resolve_backend(self.backend)]
-    return self.block_q or default_q, self.block_kv or default_kv
+  def target(self, mesh: Any = None) -> Target:
+    """The hardware of ``mesh`` (default: the default device), under this config's VMEM limit."""
+    return target_of(mesh, self.vmem_limit_kib or None)
 
-  def plan(self, grid: VideoGrid, expert: str | None = None) -> TilePlan:
+  def tiles(self, target: Target | None = None, backend: str | None = None) -> SplashTiles:
+    """Tile and inner kv step for ``target`` (default: the default device): the keys given,
+    the rest from the executor's defaults for that target. ``block_kv_compute`` is Splash's
+    (the XLA path ignores it)."""
+    target = target or self.target()
+    if resolve_backend(backend or self.backend, target) == "xla":
+      default = SplashTiles(*XLA_BLOCKS, default_kv_compute(XLA_BLOCKS[1]))
+    else:
+      default = default_splash_tiles(target)
+    block_q, block_kv = self.block_q or default.block_q, self.block_kv or default.block_kv
+    compute = self.block_kv_compute or (default.block_kv_compute if block_kv == default.block_kv
+                                        else default_kv_compute(block_kv))
+    if block_kv % compute:
+      raise ValueError(f"svg_block_kv_compute ({compute}) must divide svg_block_kv ({block_kv}, "
+                       f"the default for {target.describe()})")
+    return SplashTiles(block_q, block_kv, compute)
+
+  def blocks(self, target: Target | None = None) -> tuple[int, int]:
+    tiles = self.tiles(target)
+    return tiles.block_q, tiles.block_kv
+
+  def plan(self, grid: VideoGrid, expert: str | None = None, target: Target | None = None,
+           backend: str | None = None) -> TilePlan:
     """The tile plan every head of a call shares (static: built at trace time, cached)."""
-    block_q, block_kv = self.blocks()
-    return plan_tiles(grid, self.density_for(expert), block_q, block_kv, self.tile_mode,
-                      include_sink=self.include_sink)
+    tiles = self.tiles(target, backend)
+    return plan_tiles(grid, self.density_for(expert), tiles.block_q, tiles.block_kv,
+                      self.tile_mode, include_sink=self.include_sink)
 
   @classmethod
   def from_mapping(cls, mapping: Mapping[str, Any], num_steps: int | None = None,
@@ -131,6 +166,7 @@ _KEYS = {
     "svg_block_kv": "block_kv",
     "svg_block_kv_compute": "block_kv_compute",
     "svg_backend": "backend",
+    "svg_vmem_limit_kib": "vmem_limit_kib",
     "svg_include_sink": "include_sink",
     "svg_profile_queries": "profile_queries",
     "svg_profile_pool": "profile_pool",

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.target import Target, target_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,10 @@ def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "contex
     raise ValueError(f"batch ({batch}) must be divisible by the {batch_shards} shards of the "
                      f"batch axes {present}")
   return HeadExchange(mesh, seq_axis, present, n, q_shape[2])
+
+
+def batch_shards(ex: HeadExchange) -> int:
+  return math.prod(ex.mesh.shape[axis] for axis in ex.batch_axes)
 
 
 def _to_local_heads(x: jax.Array, ex: HeadExchange) -> jax.Array:
@@ -137,7 +142,8 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           scale: float | None = None, step: Any = None, layer: Any = None,
                           expert: str | None = None, seq_axis: str = "context",
                           batch_axes: Sequence[str] = ("data", "fsdp"),
-                          return_info: bool = False) -> Any:
+                          return_info: bool = False, fold_batch: bool = True,
+                          target: Target | None = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
   Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
@@ -146,9 +152,29 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   routes its own heads with the same key, so a head's route does not depend on the device
   holding it. ``return_info`` (unscheduled calls only) adds the single-device info dict
   with ``temporal`` and the router errors gathered to ``[B, H]``.
+
+  ``fold_batch``: where no mesh axis shards the batch (Wan's CFG pair on a context-only
+  mesh), the batch is folded into the heads around the exchange, as MaxDiffusion's
+  ``ulysses`` does: every (example, head) is independent, and at batch 2 the TPU compiler
+  would otherwise tile the exchanged tensors as T(2,128) instead of T(8,128).
+  ``target``: the hardware (default: the mesh's devices), which picks the executor and tiles.
   """
   check_qkv(q, k, v, grid)
   ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes)
+  target = target_of(mesh, config.vmem_limit_kib) if target is None else target
+  batch, heads = q.shape[:2]
+  if fold_batch and batch > 1 and batch_shards(ex) == 1:
+    folded = sharded_svg_attention(
+        *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)), mesh=mesh, grid=grid,
+        config=config, key=key, scale=scale, step=step, layer=layer, expert=expert,
+        seq_axis=seq_axis, batch_axes=batch_axes, return_info=return_info, fold_batch=False,
+        target=target)
+    out, info = folded if return_info else (folded, None)
+    out = out.reshape(q.shape[:2] + out.shape[2:])
+    if not return_info:
+      return out
+    return out, {name: value.reshape(batch, heads) if name != "plan" else value
+                 for name, value in info.items()}
   if (step is None) != (layer is None):
     raise ValueError("give both step and layer (the schedule needs both), or neither "
                      "(always sparse)")
@@ -166,9 +192,9 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
     if scheduled:
       return scheduled_svg_attention(q, k, v, grid=grid, config=config, step=given["step"],
                                      layer=given["layer"], key=given["key"], scale=scale,
-                                     expert=expert)
+                                     expert=expert, target=target)
     out, info = svg_attention(q, k, v, grid=grid, config=config, key=given["key"], scale=scale,
-                              expert=expert, return_info=True)
+                              expert=expert, return_info=True, target=target)
     info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}
     return (out, info) if return_info else out
 
@@ -178,4 +204,4 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if not return_info:
     return result
   out, info = result
-  return out, {**info, "plan": config.plan(grid, expert).stats.as_dict()}
+  return out, {**info, "plan": config.plan(grid, expert, target).stats.as_dict()}

@@ -27,6 +27,7 @@ EVERY_KEY = {
     "svg_sample_max_row": 5000,
     "svg_profile_masks": "probe",
     "svg_profile_seed": 7,
+    "svg_vmem_limit_kib": 65536,
 }
 
 
@@ -42,6 +43,7 @@ def test_every_key_is_read():
   assert cfg.router.sample_max_row == 5000 and cfg.router.include_sink is False
   assert cfg.router.profile_masks == "probe"
   assert cfg.profile_seed == 7
+  assert cfg.vmem_limit_kib == 65536
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -76,7 +78,8 @@ def test_defaults_are_the_moderate_preset():
     ({"svg_active_layers": [-2, 5]}, "svg_active_layers must hold integers >= 0"),
     ({"svg_tile_mode": "fast"}, "svg_tile_mode must be one of naive, split, aligned"),
     ({"svg_block_q": 100}, "svg_block_q must be a positive multiple of 128"),
-    ({"svg_block_kv_compute": 0}, "svg_block_kv_compute must be a positive multiple of 128"),
+    ({"svg_block_kv_compute": -128}, "svg_block_kv_compute must be a positive multiple of 128"),
+    ({"svg_vmem_limit_kib": -1}, "svg_vmem_limit_kib must be an integer >= 0"),
     ({"svg_backend": "cuda"}, "svg_backend must be one of auto, splash, xla"),
     ({"svg_include_sink": "yes"}, "svg_include_sink must be true or false"),
     ({"svg_profile_queries": 0}, "svg_profile_queries must be an integer >= 1"),

@@ -1,6 +1,7 @@
 """sharded_svg_attention on 8 simulated CPU devices against the single-device path."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,28 @@ def test_equals_single_device_with_the_same_routing_and_sharding(shape):
                              np.asarray(want_info["temporal_error"]), rtol=1e-4, atol=1e-12)
   assert info["plan"] == want_info["plan"]
   assert out.sharding.is_equivalent_to(qs.sharding, out.ndim)
+
+
+def test_cfg_batch_folds_into_heads_where_nothing_shards_the_batch():
+  """Batch 2 on a context-only mesh: the exchange moves [1, 2H, ...] (MaxDiffusion's ulysses
+  fold), with the same result as the unfolded exchange; a sharded batch is left alone."""
+  q, k, v = planted(seed=9)
+  cfg = config()
+  outs = {}
+  for shape, fold in (((1, 1, 8, 1), True), ((1, 1, 8, 1), False), ((2, 1, 4, 1), True)):
+    mesh = mesh_of(shape)
+    run = jax.jit(lambda q, k, v, mesh=mesh, fold=fold: sharded_svg_attention(
+        q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY, fold_batch=fold))
+    args = sharded(mesh, q, k, v)
+    # What each device sends into the exchange: [local batch, heads, S / shards, D].
+    exchanged = re.findall(r'"stablehlo.all_to_all".*split_dimension = 1 .*: \(tensor<(\d+)x(\d+)x',
+                           run.lower(*args).as_text())
+    want = {((1, 1, 8, 1), True): ("1", "16"), ((1, 1, 8, 1), False): ("2", "8"),
+            ((2, 1, 4, 1), True): ("1", "8")}[(shape, fold)]
+    assert exchanged == [want] * 3, exchanged  # q, k, v
+    outs[(shape, fold)] = np.asarray(run(*args))
+  np.testing.assert_array_equal(outs[((1, 1, 8, 1), True)], outs[((1, 1, 8, 1), False)])
+  np.testing.assert_allclose(outs[((2, 1, 4, 1), True)], outs[((1, 1, 8, 1), True)], atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "splash"])

@@ -23,66 +23,9 @@ from tokamax._src.ops.experimental.tpu.splash_attention import base as splash_ba
 from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
 from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
+from maxdiffusion_svg.kernels.tpu_memory import LANES, check_fits, default_kv_compute, mask_strategy
+from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import MASKED, TilePlan
-
-LANES = 128
-# The inner kv step. 256 keeps the kernel's per-step [block_q, block_kv_compute] float32
-# temporaries small enough for the scoped VMEM budget at the seed's 3328-row tiles
-# (MaxDiffusion's tuned sparse kernel uses 256 too); it must divide block_kv.
-DEFAULT_BLOCK_KV_COMPUTE = 256
-# Scoped VMEM a kernel may use without raising XLA's --xla_tpu_scoped_vmem_limit_kib
-# (tokamax's pallas_call sets no vmem_limit_bytes). 16-32 MiB depending on the chip;
-# configurations estimated above this are refused.
-VMEM_BUDGET_BYTES = 32 * 2**20
-
-
-def default_kv_compute(block_kv: int) -> int:
-  return DEFAULT_BLOCK_KV_COMPUTE if block_kv % DEFAULT_BLOCK_KV_COMPUTE == 0 else LANES
-
-
-def mask_strategy(plan: TilePlan) -> str | None:
-  """How masked tiles get their mask: ``stored`` (aligned: one padding pattern), ``function``
-  (naive/split: band edges, computed in-kernel), or ``None`` (no masked tile)."""
-  if not (plan.kind == MASKED).any():
-    return None
-  return "function" if plan.masks_exact else "stored"
-
-
-def vmem_estimate(plan: TilePlan, head_dim: int, dtype: Any,
-                  block_kv_compute: int | None = None) -> dict[str, int]:
-  """Bytes of VMEM one kernel instance holds: pipelined (double-buffered) input and output
-  blocks, the online-softmax scratch, and the per-step temporaries of the inner kv loop.
-
-  A model, not a measurement: inputs are q, k, v and the mask input; temporaries are the
-  float32 logits and probabilities of one ``[block_q, block_kv_compute]`` step, plus what
-  the masked body adds (key indices and tiled query indices for a mask function, the
-  int8 mask slice for a stored block).
-  """
-  bq, bkv = plan.block_q, plan.block_kv
-  bkc = block_kv_compute or default_kv_compute(bkv)
-  item = jnp.dtype(dtype).itemsize
-  strategy = mask_strategy(plan)
-  mask_input = {"function": bq * LANES * 4, "stored": bq * bkv, None: 0}[strategy]
-  mask_temps = {"function": 2 * bq * bkc * 4 + bq * bkc, "stored": 2 * bq * bkc, None: 0}
-  out = {
-      "blocks": 2 * (2 * bq * head_dim * item + 2 * bkv * head_dim * item + mask_input),
-      "scratch": 2 * bq * LANES * 4 + bq * head_dim * 4,
-      "temporaries": 2 * bq * bkc * 4 + mask_temps[strategy],
-  }
-  out["total"] = sum(out.values())
-  return out
-
-
-def check_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None) -> None:
-  need = vmem_estimate(plan, head_dim, dtype, block_kv_compute)
-  if need["total"] > VMEM_BUDGET_BYTES:
-    mib = {k: f"{v / 2**20:.1f} MiB" for k, v in need.items()}
-    raise ValueError(
-        f"Splash tiles {plan.block_q}x{plan.block_kv} with block_kv_compute "
-        f"{block_kv_compute or default_kv_compute(plan.block_kv)} need about {mib['total']} "
-        f"of VMEM (blocks {mib['blocks']}, scratch {mib['scratch']}, temporaries "
-        f"{mib['temporaries']}), over the {VMEM_BUDGET_BYTES / 2**20:.0f} MiB budget: lower "
-        f"svg_block_kv_compute (e.g. {LANES * 2}) or svg_block_q")
 
 
 def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:
@@ -163,11 +106,13 @@ def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]
 
 
 def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
-                            scale: float, *, interpret: bool,
+                            scale: float, *, interpret: bool, target: Target,
                             block_kv_compute: int | None = None) -> jax.Array:
-  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles."""
+  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles;
+  the compiled kernel (``interpret=False``) must fit ``target``'s VMEM and SMEM."""
   _, _, s, head_dim = q.shape
-  check_vmem(plan, head_dim, q.dtype, block_kv_compute)
+  if not interpret:
+    check_fits(plan, head_dim, q.dtype, block_kv_compute, target)
   info, mask_fn = plan_mask_info(plan)
   # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale
   # here rounds a bfloat16 q once instead of twice.

@@ -203,7 +203,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
                       f"{f' ({expert} expert)' if expert else ''}: "
-                      f"{settings.summary(jax.default_backend())}")
+                      f"{settings.summary(settings.svg.target(mesh))}")
     return model
 
   return wrapper

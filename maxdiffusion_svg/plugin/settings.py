@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from maxdiffusion_svg.config import DEFAULT_PRESET, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
+from maxdiffusion_svg.target import Target
 
 KERNEL_NAME = "svg"
 # svg_* keys the kernel reads itself (SvgConfig reads the rest).
@@ -51,21 +52,30 @@ class PluginSettings:
                min_seq_length=mapping.get("svg_min_seq_length", DEFAULT_MIN_SEQ_LENGTH),
                preset=mapping.get("svg_schedule", DEFAULT_PRESET))
 
-  def summary(self, platform: str | None = None) -> str:
-    """One line for the run's log: what will be sparse, where, and how."""
+  def summary(self, target: Target | None = None) -> str:
+    """One line for the run's log: what will be sparse, where, and how (on ``target``, the
+    hardware of the model's mesh; without it, the settings as given)."""
     svg = self.svg
     densities = f"density {svg.density}"
     if svg.high_noise_density is not None or svg.low_noise_density is not None:
       densities += (f" (high-noise {svg.density_for('high_noise')}, "
                     f"low-noise {svg.density_for('low_noise')})")
     steps, layers = svg.schedule.active_steps, svg.schedule.active_layers
-    block_q, block_kv = svg.blocks()
-    backend = svg.backend if platform is None else resolve_backend(svg.backend)
-    dense = self.dense_kernel or "flash on TPU, dot_product elsewhere"
-    return (f"SVG attention: preset {self.preset}, {densities}, sparse steps "
+    if target is None:
+      tiles = "default" if svg.block_q is None and svg.block_kv is None else (
+          f"{svg.block_q or 'default'}x{svg.block_kv or 'default'}")
+      backend, dense, where = svg.backend, self.dense_kernel or "flash on TPU, dot_product elsewhere", ""
+    else:
+      t = svg.tiles(target)
+      tiles = f"{t.block_q}x{t.block_kv}"
+      backend = resolve_backend(svg.backend, target)
+      if backend == "splash":
+        tiles += f" (kv step {t.block_kv_compute})"
+      dense, where = self.resolved_dense_kernel(target.platform), f" on {target.describe()}"
+    return (f"SVG attention{where}: preset {self.preset}, {densities}, sparse steps "
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
-            f"{svg.tile_mode.value} {block_q}x{block_kv}, backend {backend}, dense kernel "
+            f"{svg.tile_mode.value} {tiles}, backend {backend}, dense kernel "
             f"{dense}, dense below {self.min_seq_length} tokens")
 
   def resolved_dense_kernel(self, platform: str) -> str:

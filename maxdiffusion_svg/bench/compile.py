@@ -1,0 +1,163 @@
+"""``bench compile``: what compiles for which TPU, by libtpu's own word (no TPU needed).
+
+For each TPU generation libtpu knows and each resolution: the Splash kernel of every mode and
+the schedule's dense branch with the generation's default tiles, under its default scoped-VMEM
+limit; the raised-limit tiles under 64 MiB; the sharded path on a v6e 2x4 slice (40 heads,
+batch 1 and the CFG pair). Each row: compiles or not, the compiler's error line, our VMEM and
+SMEM estimates against the limits, per-device memory from ``memory_analysis()``, compile time.
+``--calibrate`` adds the scoped VMEM the compiler actually allocates for each kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from maxdiffusion_svg.attention import dense_tiled_attention
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import grid_for_resolution
+from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.kernels.tpu_memory import smem_estimate, vmem_estimate
+from maxdiffusion_svg.sharding import sharded_svg_attention
+from maxdiffusion_svg.target import MIB, Target, target_for_devices
+from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.tpu_aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
+                                      scoped_vmem_need, topology_devices, vmem_options)
+
+MODES = ("naive", "split", "aligned")
+RAISED_KIB = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileBenchConfig:
+  chips: tuple[str, ...] = ("v5e", "v6e", "v5p", "v4")
+  resolutions: tuple[str, ...] = ("720p", "1080p", "1440p")
+  density: float = 0.3
+  local_heads: int = 5  # Wan 14B's 40 heads over an 8-way exchange
+  head_dim: int = 128
+  sharded: bool = True
+  raised: bool = True
+  calibrate: bool = False
+
+  def __post_init__(self):
+    for chip in self.chips:
+      if chip not in SINGLE_CHIP:
+        raise ValueError(f"--chips must be among {', '.join(SINGLE_CHIP)}, got {chip!r}")
+    for resolution in self.resolutions:
+      grid_for_resolution(resolution)
+
+
+def _row(case: str, chip: str, resolution: str, mode: str, tiles: str, result: Any,
+         estimates: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+  return {"case": case, "chip": chip, "resolution": resolution, "mode": mode, "tiles": tiles,
+          **result.as_dict(), **(estimates or {}), **extra}
+
+
+def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bool,
+                 log: Callable[[str], None]) -> list[dict[str, Any]]:
+  mesh = chip_mesh(chip)
+  limit = RAISED_KIB if raised else None
+  target = target_for_devices(mesh.devices.flat, limit)
+  grid = grid_for_resolution(resolution)
+  spec = abstract((1, cfg.local_heads, grid.tokens, cfg.head_dim), jnp.bfloat16, mesh)
+  rows = []
+  for mode in MODES + ("dense",):
+    config = SvgConfig(tile_mode="aligned" if mode == "dense" else mode, density=cfg.density,
+                       vmem_limit_kib=limit)
+    tiles = config.tiles(target)
+    if mode == "dense":
+      plan = plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, "aligned", include_sink=False)
+      fn = lambda q, k, v, config=config: dense_tiled_attention(q, k, v, grid=grid,
+                                                                 config=config, target=target)
+    else:
+      plan = config.plan(grid, target=target)
+      fn = lambda q, k, v, plan=plan, tiles=tiles: sparse_attention(
+          q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target)
+    lowered = jax.jit(fn).lower(spec, spec, spec)
+    result = compile_lowered(lowered, vmem_options(limit))
+    estimate = vmem_estimate(plan, cfg.head_dim, jnp.bfloat16, tiles.block_kv_compute)
+    extra = {"vmem_estimate": estimate["total"], "vmem_limit": target.vmem_limit,
+             "smem_estimate": smem_estimate(plan), "smem_limit": target.smem}
+    if cfg.calibrate and result.ok:
+      extra["vmem_compiler"] = scoped_vmem_need(lowered)
+    label = f"{tiles.block_q}x{tiles.block_kv}/{tiles.block_kv_compute}"
+    rows.append(_row("raised" if raised else "default", chip, resolution, mode, label, result,
+                     extra))
+    log(f"{chip} {resolution} {mode} {'64 MiB' if raised else 'default'}: "
+        f"{'compiles' if result.ok else result.error} ({result.seconds:.0f} s)")
+  return rows
+
+
+def _sharded_rows(cfg: CompileBenchConfig, resolution: str,
+                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+  mesh = Mesh(np.array(topology_devices("v6e:2x4")).reshape(1, 8), ("data", "context"))
+  grid = grid_for_resolution(resolution)
+  rows = []
+  for batch, fold in ((1, True), (2, True), (2, False)):
+    spec = abstract((batch, 8 * cfg.local_heads, grid.tokens, cfg.head_dim), jnp.bfloat16, mesh,
+                    P("data", None, "context", None))
+    fn = lambda q, k, v, fold=fold: sharded_svg_attention(
+        q, k, v, mesh=mesh, grid=grid, config=SvgConfig(density=cfg.density),
+        key=jax.random.key(0), fold_batch=fold)
+    result = compile_lowered(jax.jit(fn).lower(spec, spec, spec))
+    t2 = None
+    if result.ok:
+      t2 = result.executable.as_text().count("T(2,128)")
+    rows.append(_row("sharded", "v6e 2x4", resolution, f"batch {batch}" +
+                     ("" if fold else ", no fold"), "default", result, t2_tiles=t2))
+    log(f"sharded v6e 2x4 {resolution} batch {batch} fold {fold}: "
+        f"{'compiles' if result.ok else result.error} ({result.seconds:.0f} s)")
+  return rows
+
+
+def run_compile_bench(cfg: CompileBenchConfig,
+                      log: Callable[[str], None] = print) -> dict[str, Any]:
+  rows: list[dict[str, Any]] = []
+  for chip in cfg.chips:
+    for resolution in cfg.resolutions:
+      rows += _kernel_rows(cfg, chip, resolution, False, log)
+    if cfg.raised:
+      rows += _kernel_rows(cfg, chip, cfg.resolutions[0], True, log)
+  if cfg.sharded:
+    for resolution in cfg.resolutions:
+      rows += _sharded_rows(cfg, resolution, log)
+  return {"config": dataclasses.asdict(cfg), "jax": jax.__version__, "libtpu": _libtpu_version(),
+          "rows": rows}
+
+
+def _libtpu_version() -> str:
+  from importlib.metadata import version  # pylint: disable=import-outside-toplevel
+  return version("libtpu")
+
+
+def _mib(value: Any) -> str:
+  return "" if value is None else f"{value / MIB:.1f}"
+
+
+def format_compile_bench(result: dict[str, Any]) -> str:
+  """The table: one row per compile, memory in MiB."""
+  head = ("| case | chip | video | mode | tiles (q x kv / kv step) | compiles | VMEM est / limit "
+          "| compiler VMEM | SMEM est KiB | args | temp | s | compiler's error |")
+  lines = [f"Compiled by libtpu {result['libtpu']} (jax {result['jax']}) for TPU topologies on "
+           f"this host; memory per device in MiB (measured: compiler).", "", head,
+           "|" + "---|" * 13]
+  for r in result["rows"]:
+    memory = r.get("memory", {})
+    vmem = (f"{_mib(r['vmem_estimate'])} / {_mib(r['vmem_limit'])}"
+            if "vmem_estimate" in r else "")
+    smem = f"{r['smem_estimate'] / 1024:.0f}" if "smem_estimate" in r else ""
+    lines.append(
+        f"| {r['case']} | {r['chip']} | {r['resolution']} | {r['mode']} | {r['tiles']} | "
+        f"{'yes' if r['ok'] else '**no**'} | {vmem} | {_mib(r.get('vmem_compiler'))} | {smem} | "
+        f"{_mib(memory.get('argument'))} | {_mib(memory.get('temp'))} | {r['seconds']} | "
+        f"{r['error']} |")
+  return "\n".join(lines)
+
+
+def parse_list(text: str | Sequence[str]) -> tuple[str, ...]:
+  return tuple(text.split(",")) if isinstance(text, str) else tuple(text)

@@ -1,0 +1,150 @@
+"""Will a Splash plan fit a TPU's on-chip memories? VMEM and SMEM needs, limits and defaults.
+
+Splash keeps its pipelined blocks, online-softmax scratch and per-step temporaries in
+scoped VMEM, under a per-kernel limit the compiler enforces (the generation's default
+unless ``--xla_tpu_scoped_vmem_limit_kib`` raises it), and copies its tile tables whole
+into SMEM. A configuration over either fails deep inside libtpu; these estimates refuse
+it first, naming the generation, the bytes, the limit and the ``svg_*`` keys to change.
+The VMEM model's coefficients are fitted to libtpu's own allocations (docs: the compile
+benchmark's calibration table) and kept above them; tests compile against libtpu to hold
+both claims: what is accepted compiles, and what is refused would not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiffusion_svg.target import GENERIC_TPU, MIB, Target, VMEM_FLAG
+from maxdiffusion_svg.tiles import MASKED, TilePlan
+
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashTiles:
+  """Splash's tile: ``block_q x block_kv``, walked in ``block_kv_compute``-wide inner steps."""
+
+  block_q: int
+  block_kv: int
+  block_kv_compute: int
+
+
+# Default tiles by the scoped-VMEM limit in force, largest first: each compiles for every
+# mode and the dense branch under that limit (docs: "Compiles for"). 32 MiB is the seed
+# design's v6e tile; 64 MiB (MaxDiffusion's Wan runs raise the limit to it) is the upstream
+# port's tuned sparse tile.
+SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
+    (64 * MIB, SplashTiles(3328, 2816, 256)),
+    (32 * MIB, SplashTiles(3328, 1536, 256)),
+    (16 * MIB, SplashTiles(2048, 1536, 256)),
+)
+# v4 has 16 MiB of VMEM in all and widens int8 mask blocks to 32 bits: a narrower kv tile.
+V4_TILES = SplashTiles(2048, 1024, 256)
+# The inner kv step when block_kv is the user's: the widest of these dividing it.
+KV_COMPUTE_CHOICES = (256, 128)
+
+
+def default_splash_tiles(target: Target) -> SplashTiles:
+  """The tiles for ``target``'s generation and VMEM limit (the smallest entry below all)."""
+  if target.generation is not None and target.generation.name == "v4":
+    return V4_TILES
+  limit = target.vmem_limit or GENERIC_TPU.default_scoped_vmem
+  for floor, tiles in SPLASH_TILES:
+    if limit >= floor:
+      return tiles
+  return SPLASH_TILES[-1][1]
+
+
+def default_kv_compute(block_kv: int) -> int:
+  return next(c for c in KV_COMPUTE_CHOICES if block_kv % c == 0)
+
+
+def mask_strategy(plan: TilePlan) -> str | None:
+  """How masked tiles get their mask: ``stored`` (aligned: one padding pattern), ``function``
+  (naive/split: band edges, computed in-kernel), or ``None`` (no masked tile)."""
+  if not (plan.kind == MASKED).any():
+    return None
+  return "function" if plan.masks_exact else "stored"
+
+
+# Scoped VMEM of one Splash kernel, fitted to libtpu 0.0.50.1's own allocations (bf16,
+# head_dim 128; tests/test_target.py holds the measurements) as
+#   bytes = a*bq*bkc + b*bq*(bkv/bkc) + c*bq + d + e*bq*bkv
+# per chip family and mask strategy: the inner kv loop is unrolled, so its step count matters
+# as well as its width. No physical model fits every chip (v6e needs less than v5e for the
+# same tile, and more for a narrower inner step); the fit is within 6% of every measurement
+# and scaled by its largest under-estimate plus 2%, so it stays above them.
+_VMEM_FIT = {
+    ("v5e", "stored"): ((9.148, 26.2, 0.0, 1026.0e3, 1.611), 1.012),
+    ("v5e", "function"): ((15.919, 396.5, 0.0, 0.0, 0.0), 1.021),
+    ("v6e", "stored"): ((0.0, 62.8, 2114.6, 2677.3e3, 0.0), 1.036),
+    ("v6e", "function"): ((17.245, 0.0, 0.0, 102.0e3, 0.0), 1.053),
+}
+_FAMILY = {"v4": "v5e", "v5e": "v5e", "v5p": "v5e", "v6e": "v6e"}
+_CHIP_SCALE = {"v5p": 1.03}  # v5p allocated up to 3% more than v5e for the same kernel
+_MARGIN = 0.02
+
+
+def vmem_estimate(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None = None,
+                  target: Target | None = None) -> dict[str, int]:
+  """Scoped-VMEM bytes of one Splash kernel for ``plan`` on ``target``'s chip (a v5e-like chip
+  when unknown): ``total``, and the part that ``mask`` blocks (stored) take on a v4, which
+  holds int8 blocks as 32-bit. Fitted at head_dim 128 and 2-byte inputs; other sizes scale
+  the per-row terms."""
+  bq, bkv = plan.block_q, plan.block_kv
+  bkc = block_kv_compute or default_kv_compute(bkv)
+  generation = target.generation.name if target and target.generation else "v5e"
+  strategy = "function" if mask_strategy(plan) == "function" else "stored"
+  (a, b, c, d, e), worst = _VMEM_FIT[(_FAMILY.get(generation, "v5e"), strategy)]
+  rows = max(1.0, head_dim / 128 * jnp.dtype(dtype).itemsize / 2)
+  fitted = a * bq * bkc + b * bq * (bkv // bkc) + c * bq * rows + d + e * bq * bkv
+  widened = 3 * bq * bkv if generation == "v4" and mask_strategy(plan) == "stored" else 0
+  scale = (worst + _MARGIN) * _CHIP_SCALE.get(generation, 1.0)
+  return {"total": int((fitted + widened) * scale), "widened_mask": widened}
+
+
+def smem_estimate(plan: TilePlan) -> int:
+  """SMEM bytes of the tile tables: per work-list entry (visited tiles, plus one per q-tile
+  row with none) its row, column, kind, two int32 row bounds and, for a stored mask, the
+  block index; rows and columns as narrow as they fit."""
+  rows, cols, _ = plan.visited_tiles()
+  entries = rows.size + np.setdiff1d(np.arange(plan.num_q_tiles), rows).size
+  width = lambda n: 1 if n <= 127 else 2 if n <= 32767 else 4
+  per_entry = (width(plan.num_q_tiles) + width(plan.num_kv_tiles) + 1 + 8
+               + (1 if mask_strategy(plan) == "stored" else 0))
+  return entries * per_entry + 4
+
+
+def _keys_to_change(plan: TilePlan) -> str:
+  return (f"lower svg_block_q ({plan.block_q}), svg_block_kv ({plan.block_kv}) or "
+          f"svg_block_kv_compute, or raise the limit (svg_vmem_limit_kib / {VMEM_FLAG})")
+
+
+def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
+               target: Target) -> None:
+  """Raises before compiling when ``plan`` cannot fit ``target``'s VMEM or SMEM.
+
+  Only for a known TPU generation: elsewhere there is no limit to hold (interpreted Splash
+  on CPU), or none known (a newer TPU; its default tiles are the smallest entry).
+  """
+  if not target.is_tpu or target.generation is GENERIC_TPU:
+    return
+  name = f"TPU {target.generation.name}"
+  need = vmem_estimate(plan, head_dim, dtype, block_kv_compute, target)["total"]
+  if need > target.vmem_limit:
+    raise ValueError(
+        f"Splash tiles {plan.block_q}x{plan.block_kv} with block_kv_compute "
+        f"{block_kv_compute or default_kv_compute(plan.block_kv)} need about "
+        f"{need / MIB:.1f} MiB of VMEM on {name} (estimate fitted to libtpu), over its "
+        f"{target.vmem_limit / MIB:g} MiB scoped-VMEM limit: {_keys_to_change(plan)}")
+  smem = smem_estimate(plan)
+  if smem > target.smem:
+    raise ValueError(
+        f"Splash's tile tables for {plan.num_q_tiles}x{plan.num_kv_tiles} tiles of "
+        f"{plan.block_q}x{plan.block_kv} need about {smem / 1024:.0f} KiB of SMEM, over "
+        f"{name}'s {target.smem // 1024} KiB: raise svg_block_q or svg_block_kv (fewer, "
+        f"larger tiles)")

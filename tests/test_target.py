@@ -1,0 +1,105 @@
+"""The target decides: executor, Splash tiles and the limits they are checked against."""
+
+import types
+
+import jax.numpy as jnp
+import pytest
+
+from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles
+from maxdiffusion_svg.kernels.tpu_memory import (SPLASH_TILES, check_fits, default_splash_tiles,
+                                                 smem_estimate, vmem_estimate)
+from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, Target, generation_for_kind,
+                                     target_for_devices, target_of, tpu_target,
+                                     vmem_limit_from_flags)
+
+# libtpu 0.0.50.1's own scoped-VMEM allocation (KiB) for Splash kernels at 720p, 5 heads,
+# head_dim 128, bf16, density 0.3 (maxdiffusion_svg.tpu_aot.scoped_vmem_need; v4 aligned: the
+# total VMEM its compiler reported using). (chip, mode, block_q, block_kv, block_kv_compute).
+COMPILER_VMEM_KIB = {
+    ("v5e", "aligned", 3328, 1536, 256): 17203, ("v5e", "aligned", 2048, 1536, 256): 10803,
+    ("v5e", "aligned", 2048, 2048, 256): 12851, ("v5e", "aligned", 3328, 1536, 128): 13874,
+    ("v5e", "aligned", 3328, 2816, 256): 24259, ("v5e", "split", 3328, 1536, 256): 20552,
+    ("v5e", "split", 2048, 1536, 256): 12928, ("v5e", "split", 3328, 1536, 512): 30464,
+    ("v5e", "split", 3328, 2816, 256): 27617, ("v6e", "aligned", 3328, 1536, 256): 10803,
+    ("v6e", "aligned", 2048, 1536, 256): 7598, ("v6e", "aligned", 3328, 1536, 128): 12390,
+    ("v6e", "aligned", 3328, 2816, 256): 11192, ("v6e", "split", 3328, 1536, 256): 13906,
+    ("v6e", "split", 2048, 1536, 256): 9431, ("v6e", "split", 3328, 1536, 512): 28989,
+    ("v6e", "split", 3328, 2816, 256): 14295, ("v5p", "aligned", 3328, 1536, 256): 17961,
+    ("v5p", "split", 3328, 1536, 256): 17971, ("v4", "split", 3328, 1536, 256): 13650,
+    ("v4", "aligned", 3328, 1536, 256): 29788, ("v4", "aligned", 2048, 1536, 256): 18903,
+}
+
+
+def device(kind, platform="tpu"):
+  return types.SimpleNamespace(device_kind=kind, platform=platform)
+
+
+def test_device_kinds_name_their_generation_and_unknown_tpus_get_the_smallest_limits():
+  assert generation_for_kind("TPU v5 lite").name == "v5e"
+  assert generation_for_kind("TPU v6 lite").name == "v6e"
+  assert generation_for_kind("TPU v5").name == "v5p"
+  assert generation_for_kind("TPU v4").name == "v4"
+  assert generation_for_kind("TPU7x") is GENERIC_TPU
+  assert GENERIC_TPU.default_scoped_vmem == min(g.default_scoped_vmem for g in GENERATIONS.values())
+  assert target_for_devices([device("cpu", "cpu")]) == Target("cpu")
+  assert target_of().platform == "cpu"  # this host
+
+
+def test_the_vmem_limit_comes_from_the_key_then_libtpu_flags_then_the_generation(monkeypatch):
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  assert target_for_devices([device("TPU v5 lite")]).vmem_limit == 16 * MIB
+  assert target_for_devices([device("TPU v6 lite")]).vmem_limit == 32 * MIB
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--foo=1 --xla_tpu_scoped_vmem_limit_kib=65536")
+  assert vmem_limit_from_flags() == 64 * MIB
+  assert target_for_devices([device("TPU v5 lite")]).vmem_limit == 64 * MIB
+  assert target_for_devices([device("TPU v5 lite")], vmem_limit_kib=32768).vmem_limit == 32 * MIB
+  with pytest.raises(ValueError, match=r"asks for 262144 KiB of scoped VMEM, more than TPU v6e's "
+                                       r"131072 KiB"):
+    tpu_target("v6e", vmem_limit_kib=262144)
+  # LIBTPU_INIT_ARGS is capped at the chip's VMEM, as the compiler caps it.
+  assert tpu_target("v4").vmem_limit == 16 * MIB
+
+
+def test_default_tiles_follow_the_limit_and_user_keys_win(monkeypatch):
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  tiles = lambda config, gen, limit=None: config.tiles(tpu_target(gen, limit))
+  assert tiles(SvgConfig(), "v5e") == SPLASH_TILES[-1][1]
+  assert (tiles(SvgConfig(), "v6e").block_q, tiles(SvgConfig(), "v6e").block_kv) == (3328, 1536)
+  assert tiles(SvgConfig(), "v6e", 65536) == default_splash_tiles(tpu_target("v6e", 65536))
+  assert tiles(SvgConfig(block_q=1024), "v6e").block_q == 1024
+  assert tiles(SvgConfig(block_kv=1024), "v6e").block_kv_compute == 256
+  assert tiles(SvgConfig(block_kv=1152), "v6e").block_kv_compute == 128
+  assert SvgConfig(backend="auto").tiles(Target("cpu")).block_q == 512  # the XLA path's
+  assert SvgConfig(block_q=0, vmem_limit_kib=0) == SvgConfig()  # 0: the default, from YAML
+  with pytest.raises(ValueError, match=r"svg_block_kv_compute \(1024\) must divide svg_block_kv "
+                                       r"\(1536, the default for TPU v6e"):
+    SvgConfig(block_kv_compute=1024).tiles(tpu_target("v6e"))
+
+
+def test_the_vmem_estimate_stays_above_what_the_compiler_allocates():
+  grid = grid_for_resolution("720p")
+  ratios = []
+  for (chip, mode, bq, bkv, bkc), kib in COMPILER_VMEM_KIB.items():
+    plan = plan_tiles(grid, 0.3, bq, bkv, mode)
+    estimate = vmem_estimate(plan, 128, jnp.bfloat16, bkc, tpu_target(chip))["total"]
+    assert estimate >= kib * 1024, (chip, mode, bq, bkv, bkc)
+    ratios.append(estimate / (kib * 1024))
+  assert sorted(ratios)[len(ratios) // 2] < 1.06  # close, not just above
+
+
+def test_every_default_fits_its_own_limit_by_the_estimate():
+  for generation in GENERATIONS:
+    for limit in (None, 65536) if generation != "v4" else (None,):  # v4 has 16 MiB in all
+      target = tpu_target(generation, limit)
+      for resolution in ("720p", "1080p", "1440p"):
+        for mode in ("naive", "split", "aligned"):
+          config = SvgConfig(tile_mode=mode, density=0.3)
+          t = config.tiles(target)
+          check_fits(config.plan(grid_for_resolution(resolution), target=target), 128,
+                     jnp.bfloat16, t.block_kv_compute, target)
+
+
+def test_smem_estimate_matches_the_compiler_report():
+  # libtpu: "Used 1.17M of 1.00M smem" for this plan's tables (tests/test_tpu_compile.py).
+  plan = plan_tiles(grid_for_resolution("1440p"), 1.0, 1024, 1024, "aligned", include_sink=False)
+  assert abs(smem_estimate(plan) / MIB - 1.17) < 0.01

@@ -1,0 +1,161 @@
+"""Compiled for real TPUs by libtpu on this host: the defaults fit, the checks agree with it.
+
+Each test lowers with abstract inputs placed on a TPU topology's devices and compiles with
+libtpu (Mosaic included), so VMEM, SMEM and layout limits are the compiler's, not ours.
+About 3 minutes on 2 cores; the full matrix is ``make compile-tpu``.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention
+from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.sharding import sharded_svg_attention
+from maxdiffusion_svg.target import GENERIC_TPU, target_for_devices, tpu_target
+from maxdiffusion_svg.tpu_aot import (abstract, aot_compile, chip_mesh, libtpu_available,
+                                      topology_devices, vmem_options)
+
+pytestmark = pytest.mark.skipif(not libtpu_available(),
+                                reason="libtpu is not installed (pip install -e '.[test]')")
+
+LOCAL_HEADS, HEADS, HEAD_DIM = 5, 40, 128  # Wan 14B: 40 heads, 5 per device after 8-way Ulysses
+
+
+def qkv(mesh, grid, heads=LOCAL_HEADS, batch=1, spec=None):
+  return (abstract((batch, heads, grid.tokens, HEAD_DIM), jnp.bfloat16, mesh, spec),) * 3
+
+
+def compile_ok(fn, args, options=None):
+  result = aot_compile(fn, args, options)
+  assert result.ok, result.error
+  return result
+
+
+@pytest.mark.parametrize("mode", ["naive", "split", "aligned"])
+@pytest.mark.parametrize("resolution", ["720p", "1440p"])
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_default_tiles_compile_under_the_default_vmem_limit(chip, resolution, mode):
+  mesh = chip_mesh(chip)
+  target = target_for_devices(mesh.devices.flat)
+  config = SvgConfig(tile_mode=mode, density=0.3)
+  grid = grid_for_resolution(resolution)
+  plan, tiles = config.plan(grid, target=target), config.tiles(target)
+  compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute,
+                                              target=target), qkv(mesh, grid))
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_scheduled_call_with_its_dense_branch_compiles(chip):
+  """Traced step and layer: routing, placement, the sparse kernel and the dense branch."""
+  mesh = chip_mesh(chip)
+  grid = grid_for_resolution("720p")
+  config = SvgConfig()
+  fn = lambda q, k, v, step, layer: scheduled_svg_attention(
+      q, k, v, grid=grid, config=config, step=step, layer=layer,
+      target=target_for_devices(mesh.devices.flat))
+  scalar = abstract((), jnp.int32, mesh)
+  result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
+  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_raised_vmem_limit_tiles_compile_under_that_limit(chip):
+  mesh = chip_mesh(chip)
+  target = target_for_devices(mesh.devices.flat, vmem_limit_kib=65536)
+  config = SvgConfig(tile_mode="split", vmem_limit_kib=65536)
+  tiles = config.tiles(target)
+  assert (tiles.block_q, tiles.block_kv) == (3328, 2816)
+  grid = grid_for_resolution("720p")
+  plan = config.plan(grid, target=target)
+  fn = lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute,
+                                        target=target)
+  compile_ok(fn, qkv(mesh, grid), vmem_options(65536))
+  if chip == "v6e":
+    return  # 3328x2816 needs ~14 MiB on a v6e: it fits the default 32 MiB as well
+  # On a v5e, the same tiles under the default limit are refused before compiling.
+  with pytest.raises(ValueError, match=rf"on TPU {chip} .*, over its \d+ MiB scoped-VMEM limit"):
+    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=target_for_devices(
+        mesh.devices.flat)), qkv(mesh, grid))
+
+
+def test_v5e_refuses_the_seed_tiles_before_compiling_and_the_compiler_agrees():
+  mesh = chip_mesh("v5e")
+  grid = grid_for_resolution("720p")
+  plan = plan_tiles(grid, 0.3, 3328, 1536, "split")
+  args = qkv(mesh, grid)
+  v5e = target_for_devices(mesh.devices.flat)
+  with pytest.raises(ValueError, match=r"need about [\d.]+ MiB of VMEM on TPU v5e .*, over its 16 "
+                                       r"MiB scoped-VMEM limit: lower svg_block_q \(3328\)"):
+    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v5e), args)
+  # Unchecked (a TPU of unknown generation), libtpu refuses the same kernel.
+  unchecked = tpu_target(GENERIC_TPU)
+  result = aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=unchecked), args)
+  assert not result.ok and "CompileTimeScopedVmemOom" in result.error, result.error
+  assert re.search(r"Scoped allocation with size [\d.]+M and limit 16.00M", result.error)
+
+
+def test_tile_tables_over_smem_are_refused_and_the_compiler_agrees():
+  """1440p at 1024x1024, every tile visited: ~1.2 MB of tile tables against 1 MiB."""
+  mesh = chip_mesh("v6e")
+  grid = grid_for_resolution("1440p")
+  plan = plan_tiles(grid, 1.0, 1024, 1024, "aligned", include_sink=False)
+  args = qkv(mesh, grid, heads=1)
+  v6e = target_for_devices(mesh.devices.flat)
+  with pytest.raises(ValueError, match=r"tile tables for 296x296 tiles of 1024x1024 need about "
+                                       r"\d+ KiB of SMEM, over TPU v6e's 1024 KiB"):
+    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e), args)
+  result = aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan,
+                                                        target=tpu_target(GENERIC_TPU)), args)
+  assert not result.ok and "smem" in result.error, result.error
+  # Fewer, larger tiles fit, and compile.
+  plan = plan_tiles(grid, 1.0, 1280, 1280, "aligned", include_sink=False)
+  compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e), args)
+
+
+def test_auto_follows_the_compile_target_not_the_host():
+  """On this CPU host, ``auto`` runs the XLA path; lowered for a TPU it holds Splash."""
+  assert jax.default_backend() == "cpu"
+  grid = grid_for_resolution("480p")
+  fn = lambda q, k, v: svg_attention(q, k, v, grid=grid, config=SvgConfig())
+  mesh = chip_mesh("v6e")
+  tpu = aot_compile(fn, qkv(mesh, grid))
+  assert tpu.ok, tpu.error
+  assert 'custom_call_target="tpu_custom_call"' in tpu.executable.as_text()
+  cpu_args = (jax.ShapeDtypeStruct((1, LOCAL_HEADS, grid.tokens, HEAD_DIM), jnp.bfloat16),) * 3
+  assert "tpu_custom_call" not in jax.jit(fn).lower(*cpu_args).as_text()
+
+
+def sharded(mesh, grid, batch, fold=True):
+  config = SvgConfig()
+  spec = P("data", None, "context", None)
+  fn = lambda q, k, v: sharded_svg_attention(q, k, v, mesh=mesh, grid=grid, config=config,
+                                             key=jax.random.key(0), fold_batch=fold)
+  return fn, qkv(mesh, grid, heads=HEADS, batch=batch, spec=spec)
+
+
+def a2a_layouts(hlo_text):
+  return re.findall(r"= \w+\[[\d,]+\]\{([^}]*)\} all-to-all\(", hlo_text)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sharded_svg_compiles_for_a_v6e_2x4_slice(batch):
+  mesh = Mesh(np.array(topology_devices("v6e:2x4")).reshape(1, 8), ("data", "context"))
+  grid = grid_for_resolution("720p")
+  result = compile_ok(*sharded(mesh, grid, batch))
+  text = result.executable.as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 1
+  layouts = a2a_layouts(text)
+  assert len(layouts) == 4 and not any("T(2,128)" in layout for layout in layouts), layouts
+
+
+def test_cfg_batch_fold_keeps_the_exchange_off_t2_tiles():
+  """At batch 2 without the fold, libtpu tiles the exchanged output as T(2,128)."""
+  mesh = Mesh(np.array(topology_devices("v6e:2x4")).reshape(1, 8), ("data", "context"))
+  grid = grid_for_resolution("720p")
+  unfolded = compile_ok(*sharded(mesh, grid, 2, fold=False)).executable.as_text()
+  assert any("T(2,128)" in layout for layout in a2a_layouts(unfolded))
