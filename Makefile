@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-# The test suite (what .ci/run calls).
+# The test suite (what .ci/run calls): one worker per core (the TPU compiles are single-threaded).
+PYTEST_ARGS ?= -n auto --dist loadscope
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

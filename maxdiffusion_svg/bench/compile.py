@@ -24,7 +24,7 @@ from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import smem_estimate, vmem_estimate
 from maxdiffusion_svg.sharding import sharded_svg_attention
-from maxdiffusion_svg.target import MIB, Target, target_for_devices
+from maxdiffusion_svg.target import GENERATIONS, MIB, target_for_devices
 from maxdiffusion_svg.tiles import plan_tiles
 from maxdiffusion_svg.tpu_aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
                                       scoped_vmem_need, topology_devices, vmem_options)
@@ -121,7 +121,7 @@ def run_compile_bench(cfg: CompileBenchConfig,
   for chip in cfg.chips:
     for resolution in cfg.resolutions:
       rows += _kernel_rows(cfg, chip, resolution, False, log)
-    if cfg.raised:
+    if cfg.raised and GENERATIONS[chip].vmem >= RAISED_KIB * 1024:  # v4 has 16 MiB in all
       rows += _kernel_rows(cfg, chip, cfg.resolutions[0], True, log)
   if cfg.sharded:
     for resolution in cfg.resolutions:

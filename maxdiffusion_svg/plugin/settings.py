@@ -76,7 +76,8 @@ class PluginSettings:
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
             f"{svg.tile_mode.value} {tiles}, backend {backend}, dense kernel "
-            f"{dense}, dense below {self.min_seq_length} tokens")
+            f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
+            f"dense below {self.min_seq_length} tokens")
 
   def resolved_dense_kernel(self, platform: str) -> str:
     if self.dense_kernel is not None:
