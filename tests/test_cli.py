@@ -108,3 +108,18 @@ def test_kernel_bench_bad_input_exits_2(capsys, args, needle):
 def test_quality_bench_bad_input_exits_2(capsys):
   assert main(["bench", "--seeds", "0"]) == 2
   assert "router_seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_compile_bench_table_and_bad_chip(capsys):
+  from maxdiffusion_svg.bench.compile import format_compile_bench
+  row = {"case": "default", "chip": "v5e", "resolution": "720p", "mode": "split",
+         "tiles": "3328x1536/256", "ok": False, "seconds": 9.1,
+         "error": "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom ... Scoped allocation with "
+                  "size 20.07M and limit 16.00M", "memory": {}, "vmem_estimate": 22 * 2**20,
+         "vmem_limit": 16 * 2**20, "smem_estimate": 8192, "smem_limit": 2**20,
+         "vmem_compiler": 21045248}
+  text = format_compile_bench({"libtpu": "0.0.50.1", "jax": "0.12.0.1", "rows": [row]})
+  assert ("| default | v5e | 720p | split | 3328x1536/256 | **no** | 22.0 / 16.0 | 20.1 | 8 |"
+          in text) and "size 20.07M and limit 16.00M" in text
+  assert main(["bench", "compile", "--chips", "v9z"]) == 2
+  assert "--chips must be among v4, v5e, v5p, v6e, got 'v9z'" in capsys.readouterr().err

@@ -159,3 +159,18 @@ def test_cfg_batch_fold_keeps_the_exchange_off_t2_tiles():
   grid = grid_for_resolution("720p")
   unfolded = compile_ok(*sharded(mesh, grid, 2, fold=False)).executable.as_text()
   assert any("T(2,128)" in layout for layout in a2a_layouts(unfolded))
+
+
+def test_the_compilers_own_vmem_need_is_the_calibrated_one():
+  """tpu_aot.scoped_vmem_need walks libtpu's allocation errors up to the kernel's real need;
+  it must reproduce a measurement the VMEM estimate was fitted to (tests/test_target.py)."""
+  from test_target import COMPILER_VMEM_KIB  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu_aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
+  mesh = chip_mesh("v6e")
+  grid = grid_for_resolution("720p")
+  plan = plan_tiles(grid, 0.3, 2048, 1536, "aligned")
+  lowered = jax.jit(lambda q, k, v: sparse_attention(
+      q, k, v, plan, backend="splash", block_kv_compute=256,
+      target=tpu_target(GENERIC_TPU))).lower(*qkv(mesh, grid))
+  need = scoped_vmem_need(lowered, start_kib=4096)
+  assert abs(need / 1024 - COMPILER_VMEM_KIB[("v6e", "aligned", 2048, 1536, 256)]) <= 16

@@ -72,10 +72,10 @@ class PluginSettings:
       if backend == "splash":
         tiles += f" (kv step {t.block_kv_compute})"
       dense, where = self.resolved_dense_kernel(target.platform), f" on {target.describe()}"
-    return (f"SVG attention{where}: preset {self.preset}, {densities}, sparse steps "
+    return (f"SVG attention: preset {self.preset}, {densities}, sparse steps "
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
-            f"{svg.tile_mode.value} {tiles}, backend {backend}, dense kernel "
+            f"{svg.tile_mode.value} {tiles}, backend {backend}{where}, dense kernel "
             f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
             f"dense below {self.min_seq_length} tokens")
 
