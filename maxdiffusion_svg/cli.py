@@ -114,6 +114,7 @@ def simulate_cpu_devices(count: int) -> None:
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu, if installed, is for compiling only
 
 
 def _bench_sharded(args: argparse.Namespace) -> int:
@@ -153,7 +154,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 def _bench_compile(args: argparse.Namespace) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
   from maxdiffusion_svg.bench.compile import (CompileBenchConfig, format_compile_bench,  # pylint: disable=import-outside-toplevel
-                                              parse_list, run_compile_bench)
+                                              format_compile_summary, parse_list,
+                                              run_compile_bench)
   from maxdiffusion_svg.tpu_aot import libtpu_available  # pylint: disable=import-outside-toplevel
   if not libtpu_available():
     raise ValueError("bench compile needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
@@ -161,13 +163,12 @@ def _bench_compile(args: argparse.Namespace) -> int:
                            density=args.density, sharded=not args.no_sharded,
                            raised=not args.no_raised, calibrate=args.calibrate)
   result = run_compile_bench(cfg, log=_progress)
+  text = format_compile_bench(result) + "\n\n" + format_compile_summary(result)
   if args.maxdiffusion:
     from maxdiffusion_svg.plugin.aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
     result["maxdiffusion"] = compile_wan_forwards(log=_progress)
-    _report(args, format_compile_bench(result) + "\n\n" + format_wan_forwards(
-        result["maxdiffusion"]), result)
-  else:
-    _report(args, format_compile_bench(result), result)
+    text += "\n\n" + format_wan_forwards(result["maxdiffusion"])
+  _report(args, text, result)
   return 0
 
 

@@ -159,5 +159,38 @@ def format_compile_bench(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def format_compile_summary(result: dict[str, Any]) -> str:
+  """One row per chip, limit and resolution: does each mode compile, and what it needs."""
+  groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+  for r in result["rows"]:
+    if r["case"] in ("default", "raised"):
+      groups.setdefault((r["chip"], r["case"], r["resolution"]), {})[r["mode"]] = r
+  lines = ["| chip | scoped VMEM | video | tiles | naive | split | aligned | dense branch | "
+           "VMEM estimate, MiB (mask function / stored) | temp per device, MiB (aligned) | "
+           "compile s |", "|" + "---|" * 11]
+  mark = lambda r: "compiles" if r["ok"] else "**fails**"
+  for (chip, case, resolution), modes in groups.items():
+    any_row = next(iter(modes.values()))
+    estimates = f"{_mib(modes['split']['vmem_estimate'])} / {_mib(modes['aligned']['vmem_estimate'])}"
+    seconds = [m["seconds"] for m in modes.values()]
+    lines.append(
+        f"| {chip} | {_mib(any_row['vmem_limit']).replace('.0', '')} MiB"
+        f"{' (raised)' if case == 'raised' else ''} | {resolution} | {any_row['tiles']} | "
+        f"{mark(modes['naive'])} | {mark(modes['split'])} | {mark(modes['aligned'])} | "
+        f"{mark(modes['dense'])} | {estimates} | "
+        f"{_mib(modes['aligned'].get('memory', {}).get('temp'))} | "
+        f"{min(seconds):.0f}-{max(seconds):.0f} |")
+  sharded = [r for r in result["rows"] if r["case"] == "sharded"]
+  if sharded:
+    lines += ["", "| sharded_svg_attention, v6e 2x4, 40 heads | video | compiles | args MiB | temp MiB "
+              "| T(2,128) layouts | compile s |", "|---|---|---|---|---|---|---|"]
+    for r in sharded:
+      memory = r.get("memory", {})
+      lines.append(f"| {r['mode']} | {r['resolution']} | {mark(r)} | "
+                   f"{_mib(memory.get('argument'))} | {_mib(memory.get('temp'))} | "
+                   f"{r.get('t2_tiles', '')} | {r['seconds']:.0f} |")
+  return "\n".join(lines)
+
+
 def parse_list(text: str | Sequence[str]) -> tuple[str, ...]:
   return tuple(text.split(",")) if isinstance(text, str) else tuple(text)
