@@ -3,6 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
+# The venv holds libtpu (the test extra) to compile for TPUs, not to run on one: targets run JAX
+# on the CPU unless JAX_PLATFORMS is set (e.g. JAX_PLATFORMS=tpu make bench on a TPU VM).
+export JAX_PLATFORMS ?= cpu
+
 MD_VENV ?= .venv-maxdiffusion
 MD_PY := $(MD_VENV)/bin/python
 MD_STAMP := $(MD_VENV)/.installed-stamp

@@ -76,7 +76,8 @@ def mask_strategy(plan: TilePlan) -> str | None:
 #   bytes = a*bq*bkc + b*bq*(bkv/bkc) + c*bq + d + e*bq*bkv
 # per chip family and mask strategy: the inner kv loop is unrolled, so its step count matters
 # as well as its width. No physical model fits every chip (v6e needs less than v5e for the
-# same tile, and more for a narrower inner step); the fit is within 6% of every measurement
+# same tile, and more for a narrower inner step); the fit is within 6% of every v5e and v6e
+# measurement (v5p and v4 use the v5e fit, checked by compiling their defaults)
 # and scaled by its largest under-estimate plus 2%, so it stays above them.
 _VMEM_FIT = {
     ("v5e", "stored"): ((9.148, 26.2, 0.0, 1026.0e3, 1.611), 1.012),
