@@ -1,0 +1,120 @@
+"""Several JAX processes on one machine, as the hosts of a multi-host TPU slice would be.
+
+``run_processes("pkg.module:function", n)`` starts ``n`` Python processes; each joins JAX's
+distributed runtime through a loopback coordinator (CPU devices, gloo collectives), so the
+global mesh spans every process's devices exactly as a v6e-16's spans its 4 hosts, then calls
+the function with its process index and writes the JSON-able result. Time is bounded: on a
+timeout or any failure every process is killed and the error carries each process's log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+_ENV_PREFIX = "MDSVG_MP_"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessResult:
+  index: int
+  returncode: int | None  # None: killed at the timeout
+  log: str
+  value: Any = None
+
+
+class ProcessesFailed(RuntimeError):
+  """Raised when a process fails or time runs out; ``results`` hold every process's log."""
+
+  def __init__(self, message: str, results: Sequence[ProcessResult]):
+    logs = "\n".join(f"--- process {r.index} (exit {r.returncode}) ---\n{r.log[-4000:]}"
+                     for r in results)
+    super().__init__(f"{message}\n{logs}")
+    self.results = list(results)
+
+
+def free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def run_processes(worker: str, num_processes: int, *, devices_per_process: int = 4,
+                  args: Any = None, timeout: float = 300.0,
+                  env: dict[str, str] | None = None) -> list[Any]:
+  """Runs ``worker`` ("module:function", called as ``function(process_index, args)``) in
+  ``num_processes`` processes joined by ``jax.distributed``; returns their results in order."""
+  if num_processes < 1 or devices_per_process < 1:
+    raise ValueError(f"num_processes and devices_per_process must be >= 1, got "
+                     f"{num_processes}, {devices_per_process}")
+  module, _, function = worker.partition(":")
+  if not module or not function:
+    raise ValueError(f"worker must be 'module:function', got {worker!r}")
+  port = free_port()
+  with tempfile.TemporaryDirectory(prefix="mdsvg-mp-") as tmp:
+    folder = pathlib.Path(tmp)
+    (folder / "args.json").write_text(json.dumps(args), encoding="utf-8")
+    procs = []
+    for index in range(num_processes):
+      child_env = {**os.environ, **(env or {}),
+                   f"{_ENV_PREFIX}WORKER": worker, f"{_ENV_PREFIX}DIR": tmp,
+                   f"{_ENV_PREFIX}COORDINATOR": f"127.0.0.1:{port}",
+                   f"{_ENV_PREFIX}NUM": str(num_processes), f"{_ENV_PREFIX}INDEX": str(index),
+                   "JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
+      log = open(folder / f"log{index}.txt", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+      procs.append((subprocess.Popen([sys.executable, "-m", __name__], env=child_env,  # pylint: disable=consider-using-with
+                                     stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while any(p.poll() is None for p, _ in procs):
+      if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p, _ in procs):
+        timed_out = time.monotonic() > deadline
+        for p, _ in procs:
+          if p.poll() is None:
+            p.kill()
+        break
+      time.sleep(0.1)
+    results = []
+    for index, (p, log) in enumerate(procs):
+      code = p.wait()
+      log.close()
+      out = folder / f"result{index}.json"
+      value = json.loads(out.read_text(encoding="utf-8")) if out.exists() else None
+      results.append(ProcessResult(index, None if timed_out and code < 0 else code,
+                                   (folder / f"log{index}.txt").read_text(encoding="utf-8"),
+                                   value))
+  if timed_out:
+    raise ProcessesFailed(f"{worker} did not finish in {timeout:.0f} s", results)
+  if any(r.returncode != 0 for r in results):
+    raise ProcessesFailed(f"{worker} failed", results)
+  return [r.value for r in results]
+
+
+def _child() -> None:
+  env = os.environ
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  index = int(env[f"{_ENV_PREFIX}INDEX"])
+  jax.distributed.initialize(coordinator_address=env[f"{_ENV_PREFIX}COORDINATOR"],
+                             num_processes=int(env[f"{_ENV_PREFIX}NUM"]), process_id=index,
+                             initialization_timeout=120)
+  module, _, function = env[f"{_ENV_PREFIX}WORKER"].partition(":")
+  folder = pathlib.Path(env[f"{_ENV_PREFIX}DIR"])
+  args = json.loads((folder / "args.json").read_text(encoding="utf-8"))
+  value = getattr(importlib.import_module(module), function)(index, args)
+  (folder / f"result{index}.json").write_text(json.dumps(value), encoding="utf-8")
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  _child()

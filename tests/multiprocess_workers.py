@@ -1,0 +1,60 @@
+"""Functions the multi-process tests run in each JAX process (maxdiffusion_svg.multiprocess).
+
+Every process builds the same NumPy inputs and places its own shards with
+``make_array_from_callback``, as each host of a slice would; process 0 saves the gathered output.
+"""
+
+import numpy as np
+
+
+def sharded_config():
+  from maxdiffusion_svg.config import SvgConfig  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.schedule import Interval, Schedule  # pylint: disable=import-outside-toplevel
+  return SvgConfig(block_q=128, block_kv=128, backend="xla", profile_queries=16, density=0.3,
+                   schedule=Schedule(Interval(2, None), Interval(1, None)))
+
+
+def sharded_inputs(grid_shape, batch, seed):
+  from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.geometry import VideoGrid  # pylint: disable=import-outside-toplevel
+  types = ("spatial", "temporal", "temporal", "spatial", "temporal", "spatial", "spatial",
+           "temporal")
+  grid = VideoGrid(*grid_shape)
+  return grid, planted_qkv(grid, types, head_dim=32, seed=seed, batch=batch)
+
+
+def sharded_svg(index, args):
+  """Scheduled ``sharded_svg_attention`` with traced step and layer on the global mesh."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
+  grid, qkv = sharded_inputs(args["grid"], args["batch"], args["seed"])
+  mesh = Mesh(np.array(jax.devices()).reshape(args["mesh"]), ("data", "fsdp", "context", "tensor"))
+  sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
+  arrays = [jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]) for x in qkv]
+  traces = []
+  config = sharded_config()
+
+  def fn(q, k, v, step, layer):
+    traces.append(1)
+    return sharded_svg_attention(q, k, v, mesh=mesh, grid=grid, config=config,
+                                 key=jax.random.key(7), step=step, layer=layer)
+
+  run = jax.jit(fn)
+  outputs = []
+  for step, layer in args["calls"]:
+    out = run(*arrays, np.int32(step), np.int32(layer))
+    outputs.append(np.asarray(multihost_utils.process_allgather(out, tiled=True)))
+  if index == 0:
+    np.save(args["out"], np.stack(outputs))
+  return {"traces": len(traces), "process_count": jax.process_count(),
+          "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+          "addressable_shards": len(arrays[0].addressable_shards)}
+
+
+def sleep(index, seconds):
+  """Never finishes within the test's timeout."""
+  del index
+  import time  # pylint: disable=import-outside-toplevel
+  time.sleep(seconds)

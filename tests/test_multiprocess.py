@@ -1,0 +1,54 @@
+"""Two JAX processes of four CPU devices each, as two hosts of a slice: the same results as one
+process of eight (maxdiffusion_svg.multiprocess)."""
+
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
+from maxdiffusion_svg.sharding import sharded_svg_attention
+from multiprocess_workers import sharded_config, sharded_inputs
+
+TESTS = str(pathlib.Path(__file__).parent)
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
+CALLS = [(0, 0), (3, 0), (3, 2), (5, 1)]  # dense, dense (layer 0), sparse, sparse
+
+
+def single_process(grid_shape, batch, seed, mesh_shape):
+  grid, qkv = sharded_inputs(grid_shape, batch, seed)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "fsdp", "context", "tensor"))
+  sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
+  q, k, v = (jax.device_put(x, sharding) for x in qkv)
+  run = jax.jit(lambda q, k, v, step, layer: sharded_svg_attention(
+      q, k, v, mesh=mesh, grid=grid, config=sharded_config(), key=jax.random.key(7),
+      step=step, layer=layer))
+  return np.stack([np.asarray(run(q, k, v, np.int32(s), np.int32(l))) for s, l in CALLS])
+
+
+@pytest.mark.parametrize("batch,mesh_shape", [(2, (1, 1, 8, 1)), (2, (2, 1, 4, 1))])
+def test_two_processes_equal_one_with_traced_step_and_layer(tmp_path, batch, mesh_shape):
+  args = {"grid": (6, 8, 16), "batch": batch, "seed": 3, "mesh": mesh_shape, "calls": CALLS,
+          "out": str(tmp_path / "out.npy")}
+  infos = run_processes("multiprocess_workers:sharded_svg", 2, devices_per_process=4,
+                        args=args, env=ENV, timeout=240)
+  for info in infos:  # each process saw the global mesh and compiled once for all four calls
+    assert info == {"traces": 1, "process_count": 2, "devices": 8, "local_devices": 4,
+                    "addressable_shards": 4}
+  got = np.load(tmp_path / "out.npy")
+  want = single_process(args["grid"], batch, args["seed"], mesh_shape)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert not np.allclose(got[0], got[2])  # the dense and the sparse branch both ran
+
+
+def test_a_failing_process_is_reported_with_every_log():
+  with pytest.raises(ProcessesFailed, match=r"(?s)failed.*--- process 0 .*--- process 1 "):
+    run_processes("multiprocess_workers:no_such_function", 2, env=ENV, timeout=60)
+
+
+def test_time_is_bounded():
+  with pytest.raises(ProcessesFailed, match=r"did not finish in 5 s"):
+    run_processes("multiprocess_workers:sleep", 2, args=60, env=ENV, timeout=5)
