@@ -180,3 +180,58 @@ def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
   densities = {(r["expert"], r["density"]) for r in log if r["kind"] == "self"}
   assert densities == {("high_noise", 0.5), ("low_noise", 0.2)}
   assert video.shape == (33, 128, 128, 3)
+
+
+PLUGIN_ORDER_SCRIPT = """
+import json, sys
+from maxdiffusion import max_utils, pyconfig
+order = []
+real = max_utils.maybe_initialize_jax_distributed_system
+def distributed(raw_keys):
+  order.append("distributed")
+max_utils.maybe_initialize_jax_distributed_system = distributed
+import fake_plugin
+fake_plugin.ORDER = order
+try:
+  pyconfig.initialize([None, sys.argv[1], "run_name=order"])
+except RuntimeError as e:
+  order.append("error: " + str(e))
+print(json.dumps(order))
+"""
+
+
+def fake_plugin_dist(folder, behaviour):
+  """A package with a ``maxdiffusion.plugins`` entry point, importable from ``folder``."""
+  (folder / "fake_plugin.py").write_text(
+      "ORDER = []\n"
+      "def register():\n"
+      f"  {behaviour}\n"
+      "  import jax\n"
+      "  ORDER.append('plugin: ' + jax.devices()[0].platform)\n", encoding="utf-8")
+  info = folder / "fake_plugin-0.1.dist-info"
+  info.mkdir()
+  (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-plugin\nVersion: 0.1\n",
+                                 encoding="utf-8")
+  (info / "entry_points.txt").write_text(
+      "[maxdiffusion.plugins]\nfake = fake_plugin:register\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("behaviour, want", [
+    ("pass", ["distributed", "plugin: cpu"]),
+    ("raise KeyError('boom')", ["distributed", "error: maxdiffusion plugin 'fake' "
+                                "(fake_plugin:register, entry point group "
+                                "'maxdiffusion.plugins') failed to load: KeyError: 'boom'"]),
+])
+def test_plugins_load_after_distributed_init_and_errors_name_the_entry_point(
+    patched_maxdiffusion, tmp_path, behaviour, want):
+  """A plugin that touches a device at load must not start JAX's backends before
+  jax.distributed.initialize: in a multi-host job every host would then run alone."""
+  fake_plugin_dist(tmp_path, behaviour)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
+                                                      str(patched_maxdiffusion / "src")])}
+  config = patched_maxdiffusion / "src" / "maxdiffusion" / "configs" / "base_wan_14b.yml"
+  result = subprocess.run([sys.executable, "-c", PLUGIN_ORDER_SCRIPT, str(config)], env=env,
+                          capture_output=True, text=True, check=False, cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  order = json.loads(result.stdout.strip().splitlines()[-1])
+  assert order == want
