@@ -30,6 +30,11 @@ def test_jobset_runs_the_launcher_on_a_v6e8_slice():
                        "/gcs/maxdiffusion_svg/configs/wan_svg.yml"]
   assert (ROOT / "configs" / "wan_svg.yml").is_file()  # what the staged configs hold
   assert all("=" in w for w in words[4:]) and any(w.startswith("output_dir=gs://") for w in words)
+  # run_name is always defined: MaxDiffusion joins output_dir with it to upload the video.
+  assert "run_name=${JOBSET_NAME}" in words
+  (env,) = container["env"]
+  assert env["name"] == "JOBSET_NAME" and env["valueFrom"]["fieldRef"]["fieldPath"] == (
+      "metadata.labels['jobset.sigs.k8s.io/jobset-name']")
   mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
   (volume,) = pod["volumes"]
   assert mounts[volume["name"]] == "/gcs" and volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
