@@ -74,3 +74,16 @@ def test_shipped_configs_name_maxdiffusion_bases():
            for p in (pathlib.Path(__file__).parent.parent / "configs").glob("*.yml")}
   assert bases == {"wan_svg.yml": "base_wan_14b.yml", "wan_svg_1_3b.yml": "base_wan_1_3b.yml",
                    "wan22_svg.yml": "base_wan_27b.yml"}
+
+
+def test_a_bucket_output_needs_a_run_name_before_anything_loads():
+  from maxdiffusion_svg.plugin.launcher import check_run_name  # pylint: disable=import-outside-toplevel
+  bucket = {"output_dir": "gs://b/out", "run_name": ""}
+  with pytest.raises(ValueError, match=r"run_name is not set .* output_dir 'gs://b/out' is a "
+                                       r"bucket.*Give run_name=NAME"):
+    check_run_name(bucket, ["num_inference_steps=3"], env={})
+  check_run_name(bucket, ["run_name=job"], env={})
+  check_run_name(bucket, [], env={"JOBSET_NAME": "wan-svg"})  # as XPK and our JobSet set it
+  check_run_name({"output_dir": "/tmp/out", "run_name": ""}, [], env={})  # local: no upload
+  with pytest.raises(ValueError, match="run_name is not set"):
+    check_run_name({"output_dir": "/tmp", "run_name": ""}, ["output_dir=gs://b"], env={})

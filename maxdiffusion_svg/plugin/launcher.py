@@ -8,9 +8,10 @@ way its own ``__main__`` does. The SVG summary line is logged when each transfor
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from maxdiffusion_svg.plugin import overlay
 
@@ -21,8 +22,23 @@ def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[s
   if len(argv) < 2 or "=" in argv[1]:
     raise ValueError("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
   config, chain = overlay.load_config(argv[1])
+  check_run_name(config, argv[2:])
   merged = overlay.write_config(config, f"{directory}/merged_config.yml")
   return [argv[0], merged, *argv[2:]], chain
+
+
+def check_run_name(config: Mapping[str, Any], overrides: Sequence[str],
+                   env: Mapping[str, str] | None = None) -> None:
+  """A gs:// ``output_dir`` needs a run name: MaxDiffusion uploads each video to
+  ``output_dir/run_name`` only after the whole generation, and an unset name (``''`` without
+  ``JOBSET_NAME``, which only XPK sets) fails there. Checked before anything loads."""
+  env = os.environ if env is None else env
+  keys = {**config, **dict(o.split("=", 1) for o in overrides if "=" in o)}
+  output_dir = str(keys.get("output_dir") or "")
+  if output_dir.startswith("gs://") and not (keys.get("run_name") or env.get("JOBSET_NAME")):
+    raise ValueError(f"run_name is not set and JOBSET_NAME is not in the environment, but "
+                     f"output_dir {output_dir!r} is a bucket: MaxDiffusion uploads each video "
+                     f"to output_dir/run_name after generating it. Give run_name=NAME.")
 
 
 def run(argv: Sequence[str]) -> None:
