@@ -5,6 +5,11 @@ distributed runtime through a loopback coordinator (CPU devices, gloo collective
 global mesh spans every process's devices exactly as a v6e-16's spans its 4 hosts, then calls
 the function with its process index and writes the JSON-able result. Time is bounded: on a
 timeout or any failure every process is killed and the error carries each process's log.
+
+Each process's environment also describes the job the way a cluster launcher would (JAX's
+Open MPI detection plus ``JAX_COORDINATOR_ADDRESS``), so that code which calls
+``jax.distributed.initialize()`` with no arguments itself, as MaxDiffusion does, joins the
+same job: pass ``initialize=False`` and let it.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def free_port() -> int:
 
 def run_processes(worker: str, num_processes: int, *, devices_per_process: int = 4,
                   args: Any = None, timeout: float = 300.0,
-                  env: dict[str, str] | None = None) -> list[Any]:
+                  env: dict[str, str] | None = None, initialize: bool = True) -> list[Any]:
   """Runs ``worker`` ("module:function", called as ``function(process_index, args)``) in
   ``num_processes`` processes joined by ``jax.distributed``; returns their results in order."""
   if num_processes < 1 or devices_per_process < 1:
@@ -67,8 +72,14 @@ def run_processes(worker: str, num_processes: int, *, devices_per_process: int =
     for index in range(num_processes):
       child_env = {**os.environ, **(env or {}),
                    f"{_ENV_PREFIX}WORKER": worker, f"{_ENV_PREFIX}DIR": tmp,
-                   f"{_ENV_PREFIX}COORDINATOR": f"127.0.0.1:{port}",
-                   f"{_ENV_PREFIX}NUM": str(num_processes), f"{_ENV_PREFIX}INDEX": str(index),
+                   f"{_ENV_PREFIX}INITIALIZE": "1" if initialize else "",
+                   f"{_ENV_PREFIX}INDEX": str(index),
+                   # What jax.distributed.initialize() detects without arguments.
+                   "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                   "OMPI_MCA_orte_hnp_uri": "4096.0;tcp://127.0.0.1:1",
+                   "OMPI_COMM_WORLD_SIZE": str(num_processes),
+                   "OMPI_COMM_WORLD_RANK": str(index),
+                   "OMPI_COMM_WORLD_LOCAL_RANK": str(index),
                    "JAX_PLATFORMS": "cpu",
                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
       log = open(folder / f"log{index}.txt", "w", encoding="utf-8")  # pylint: disable=consider-using-with
@@ -105,15 +116,15 @@ def _child() -> None:
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   index = int(env[f"{_ENV_PREFIX}INDEX"])
-  jax.distributed.initialize(coordinator_address=env[f"{_ENV_PREFIX}COORDINATOR"],
-                             num_processes=int(env[f"{_ENV_PREFIX}NUM"]), process_id=index,
-                             initialization_timeout=120)
+  if env.get(f"{_ENV_PREFIX}INITIALIZE"):
+    jax.distributed.initialize(initialization_timeout=120)  # from the job's environment
   module, _, function = env[f"{_ENV_PREFIX}WORKER"].partition(":")
   folder = pathlib.Path(env[f"{_ENV_PREFIX}DIR"])
   args = json.loads((folder / "args.json").read_text(encoding="utf-8"))
   value = getattr(importlib.import_module(module), function)(index, args)
   (folder / f"result{index}.json").write_text(json.dumps(value), encoding="utf-8")
-  jax.distributed.shutdown()
+  if jax.distributed.is_initialized():
+    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""The tiny Wan through the launcher in 2 JAX processes of 4 CPU devices, as 2 hosts of a slice:
+MaxDiffusion initializes jax.distributed itself, the plugin's sharded SVG spans both, and the
+video equals one process of 8 devices."""
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import yaml
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg.multiprocess import run_processes
+from maxdiffusion_svg.plugin import e2e, tiny_checkpoint
+
+ROOT = pathlib.Path(__file__).parent.parent.parent
+TINY = ["height=128", "width=128", "num_frames=33", "num_inference_steps=3",
+        "max_sequence_length=16", "weights_dtype=float32", "activations_dtype=float32",
+        "skip_jax_distributed_system=False", "run_name=multihost", "svg_block_q=128",
+        "svg_block_kv=128", "svg_min_seq_length=0"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+  base = tmp_path_factory.mktemp("multihost")
+  config = base / "tiny_svg.yml"
+  config.write_text(yaml.safe_dump({
+      "base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"), "svg_density": 0.3,
+      "svg_active_steps": [1, -1], "svg_active_layers": [1, -1], "svg_profile_queries": 16}))
+  checkpoint = tiny_checkpoint.write_wan21(str(base / "wan21"))
+  here = str(pathlib.Path(__file__).parent)
+  env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+         "HF_HUB_OFFLINE": "1"}
+  argv = [str(config), f"pretrained_model_name_or_path={checkpoint}", *TINY]
+  return base, argv, env
+
+
+def run(job, processes):
+  base, argv, env = job
+  workdir = base / f"{processes}proc"
+  infos = run_processes("multihost_workers:launch", processes, devices_per_process=8 // processes,
+                        args={"workdir": str(workdir), "argv": argv}, env=env, timeout=900,
+                        initialize=False)
+  frames = [np.load(workdir / f"process{i}" / "frames.npy") for i in range(processes)]
+  return infos, frames
+
+
+def test_two_hosts_write_the_video_of_one(job):
+  one_info, (one,) = run(job, 1)
+  infos, frames = run(job, 2)
+  assert one_info[0]["process_count"] == 1 and one_info[0]["devices"] == 8
+  assert one_info[0]["sparse_calls"] > 0  # SVG ran (the call log works in one process)
+  for info, video in zip(infos, frames):
+    # Every process joined one 8-device job (MaxDiffusion's own jax.distributed.initialize)...
+    assert (info["process_count"], info["devices"], info["local_devices"]) == (2, 8, 4)
+    # ...and exported the video: generate_wan writes the MP4 in every process's working
+    # directory (only its TensorBoard writer is process 0's).
+    assert info["videos"] == one_info[0]["videos"] and len(info["videos"]) == 1
+    assert e2e.psnr(video, one) > 50, e2e.psnr(video, one)
