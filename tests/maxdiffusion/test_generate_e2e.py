@@ -4,7 +4,6 @@ through a patched ``python -m maxdiffusion.generate`` and the patched stock ``ge
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -106,22 +105,6 @@ def test_an_unknown_svg_key_fails_before_weights_load(checkpoints, tmp_path, mon
     launch(tmp_path, [
         str(config), f"pretrained_model_name_or_path={checkpoints['wan21']}", *TINY])
   assert not loaded
-
-
-@pytest.fixture(scope="module")
-def patched_maxdiffusion(tmp_path_factory):
-  """A copy of the MaxDiffusion source with patches/maxdiffusion-plugins.patch applied."""
-  copy = tmp_path_factory.mktemp("patched") / "maxdiffusion"
-  shutil.copytree(pathlib.Path(os.environ.get("MAXDIFFUSION_SRC", "")) / "src",
-                  copy / "src", ignore=shutil.ignore_patterns("__pycache__", "tests"))
-  script = ROOT / "scripts" / "apply_maxdiffusion_patch.sh"
-  check = subprocess.run([str(script), "--check", str(copy)], capture_output=True, text=True,
-                         check=False)
-  assert check.returncode == 0 and "applies cleanly" in check.stdout, check.stderr
-  subprocess.run([str(script), str(copy)], check=True, capture_output=True)
-  again = subprocess.run([str(script), str(copy)], capture_output=True, text=True, check=True)
-  assert "already applied" in again.stdout
-  return copy
 
 
 @pytest.mark.parametrize("module, config", [
