@@ -40,6 +40,10 @@ class HeadExchange:
     return -(-self.seq_len // self.shards) * self.shards
 
   @property
+  def batch_shards(self) -> int:
+    return math.prod(self.mesh.shape[axis] for axis in self.batch_axes)
+
+  @property
   def qkv_spec(self) -> P:
     """``[B, H, S, D]`` sharded by batch and sequence: the layout outside the exchange."""
     return P(self.batch_axes or None, None, self.seq_axis, None)
@@ -73,15 +77,11 @@ def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "contex
   if heads % n:
     raise ValueError(f"heads ({heads}) must be divisible by the {n} shards of mesh axis "
                      f"{seq_axis!r}: the head exchange gives each shard heads / {n} heads")
-  batch_shards = math.prod(mesh.shape[axis] for axis in present)
-  if batch % batch_shards:
-    raise ValueError(f"batch ({batch}) must be divisible by the {batch_shards} shards of the "
+  ex = HeadExchange(mesh, seq_axis, present, n, q_shape[2])
+  if batch % ex.batch_shards:
+    raise ValueError(f"batch ({batch}) must be divisible by the {ex.batch_shards} shards of the "
                      f"batch axes {present}")
-  return HeadExchange(mesh, seq_axis, present, n, q_shape[2])
-
-
-def batch_shards(ex: HeadExchange) -> int:
-  return math.prod(ex.mesh.shape[axis] for axis in ex.batch_axes)
+  return ex
 
 
 def _to_local_heads(x: jax.Array, ex: HeadExchange) -> jax.Array:
@@ -163,7 +163,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes)
   target = target_of(mesh, config.vmem_limit_kib) if target is None else target
   batch, heads = q.shape[:2]
-  if fold_batch and batch > 1 and batch_shards(ex) == 1:
+  if fold_batch and batch > 1 and ex.batch_shards == 1:
     folded = sharded_svg_attention(
         *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)), mesh=mesh, grid=grid,
         config=config, key=key, scale=scale, step=step, layer=layer, expert=expert,
