@@ -11,7 +11,12 @@ MD_VENV ?= .venv-maxdiffusion
 MD_PY := $(MD_VENV)/bin/python
 MD_STAMP := $(MD_VENV)/.installed-stamp
 
-.PHONY: test bench tiles venv clean test-maxdiffusion venv-maxdiffusion compile-tpu
+.PHONY: test bench tiles venv clean test-maxdiffusion venv-maxdiffusion compile-tpu xpk
+
+# The xpk CLI for tests/test_gke.py's dry runs, in its own venv (it pins protobuf and packaging).
+XPK_VENV ?= .venv-xpk
+XPK_VERSION ?= 1.16.0
+XPK_BIN := $(XPK_VENV)/bin/xpk
 
 venv: $(STAMP)
 
@@ -21,10 +26,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+xpk: $(XPK_BIN)
+
+$(XPK_BIN):
+	@py=$$(scripts/find_python.sh) && echo "creating $(XPK_VENV) with $$py" && "$$py" -m venv $(XPK_VENV)
+	$(XPK_VENV)/bin/python -m pip install -q 'xpk==$(XPK_VERSION)'
+
 # The test suite (what .ci/run calls): one worker per core (the TPU compiles are single-threaded).
 PYTEST_ARGS ?= -n auto --dist loadscope
-test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: venv $(XPK_BIN)
+	MDSVG_XPK="$(abspath $(XPK_BIN))" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The main job on its default: the quality benchmark.
 bench: venv
@@ -57,4 +68,4 @@ test-maxdiffusion: $(MD_STAMP)
 	  $(MD_PY) -m pytest -q $(or $(MD_PYTEST_ARGS),tests/maxdiffusion)
 
 clean:
-	rm -rf $(VENV) $(MD_VENV) .pytest_cache
+	rm -rf $(VENV) $(MD_VENV) $(XPK_VENV) .pytest_cache

@@ -55,9 +55,13 @@ def free_port() -> int:
 
 def run_processes(worker: str, num_processes: int, *, devices_per_process: int = 4,
                   args: Any = None, timeout: float = 300.0,
-                  env: dict[str, str] | None = None, initialize: bool = True) -> list[Any]:
+                  env: dict[str, str] | None = None, initialize: bool = True,
+                  kill_on_failure: bool = True) -> list[Any]:
   """Runs ``worker`` ("module:function", called as ``function(process_index, args)``) in
-  ``num_processes`` processes joined by ``jax.distributed``; returns their results in order."""
+  ``num_processes`` processes joined by ``jax.distributed``; returns their results in order.
+
+  ``kill_on_failure=False`` lets the others run on (to the timeout) when one fails: for tests
+  that every process fails by itself."""
   if num_processes < 1 or devices_per_process < 1:
     raise ValueError(f"num_processes and devices_per_process must be >= 1, got "
                      f"{num_processes}, {devices_per_process}")
@@ -88,7 +92,8 @@ def run_processes(worker: str, num_processes: int, *, devices_per_process: int =
     deadline = time.monotonic() + timeout
     timed_out = False
     while any(p.poll() is None for p, _ in procs):
-      if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p, _ in procs):
+      failed = kill_on_failure and any(p.poll() not in (None, 0) for p, _ in procs)
+      if time.monotonic() > deadline or failed:
         timed_out = time.monotonic() > deadline
         for p, _ in procs:
           if p.poll() is None:

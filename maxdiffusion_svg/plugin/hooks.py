@@ -19,6 +19,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
   sets its timesteps, they are written into its transformers' schedule variables, which
   travel to the jitted forward as data (a fixed-length array: no recompilation).
 * ``aot_cache.install``: adds the SVG settings to the compiled-executable cache key.
+* ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
+  context shards against heads), after ``jax.distributed`` starts and before weights load.
 
 Values cross from a hook to the kernel through context variables, set only while the
 wrapped call runs (its trace, for jitted code).
@@ -30,6 +32,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
+import os
+import pathlib
 from typing import Any, Callable, Iterator
 
 import jax
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -238,6 +244,46 @@ def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
+def transformer_heads(pretrained_model_name_or_path: str) -> int:
+  """The transformer's attention heads, from its ``config.json`` alone.
+
+  Read here rather than with MaxDiffusion's ``load_config``, which rewrites the file in place
+  on every load: processes sharing a checkpoint folder would then race on it."""
+  path = pathlib.Path(pretrained_model_name_or_path)
+  if path.is_dir():
+    config_file = path / "transformer" / "config.json"
+  else:
+    from huggingface_hub import hf_hub_download  # pylint: disable=import-outside-toplevel
+    config_file = hf_hub_download(pretrained_model_name_or_path, "config.json",
+                                  subfolder="transformer")
+  with open(config_file, encoding="utf-8") as f:
+    return int(json.load(f)["num_attention_heads"])
+
+
+def job_of(config: Any) -> preflight.Job:
+  """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
+  build and the transformer's head count (no weights)."""
+  from maxdiffusion import max_utils  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(max_utils.create_device_mesh(config, logging=False), config.mesh_axes)
+  return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
+                       local_device_count=jax.local_device_count(),
+                       context_shards=mesh.shape.get("context", 1),
+                       heads=transformer_heads(config.pretrained_model_name_or_path),
+                       output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""))
+
+
+def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(original)
+  def wrapper(config, pipeline=None, *args, **kwargs):
+    if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
+      PluginSettings.from_mapping(config.get_keys())
+      preflight.check_job(job_of(config), os.environ)
+    return original(config, pipeline, *args, **kwargs)
+
+  return wrapper
+
+
 def _wrap(owner: Any, name: str, make: _Wrapper) -> None:
   """Replaces ``owner.name`` with ``make(original)`` once (re-installing is a no-op)."""
   original = getattr(owner, name)
@@ -257,7 +303,7 @@ def _all_subclasses(cls: type) -> Iterator[type]:
 def install() -> None:
   """Installs every hook (idempotent). Imports MaxDiffusion's Wan modules."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion import aot_cache
+  from maxdiffusion import aot_cache, generate_wan
   from maxdiffusion.models import attention_flax
   from maxdiffusion.models.wan.transformers import transformer_wan
   from maxdiffusion.pipelines.wan import (wan_pipeline, wan_pipeline_2_1, wan_pipeline_2_2,  # noqa: F401
@@ -273,3 +319,4 @@ def install() -> None:
   _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
         _set_timesteps)
   _wrap(aot_cache, "install", _aot_install)
+  _wrap(generate_wan, "run", _preflight)

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from typing import Any, Mapping, Sequence
 
-from maxdiffusion_svg.plugin import overlay
+from maxdiffusion_svg.plugin import overlay, preflight
 
 
 def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
@@ -29,16 +29,12 @@ def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[s
 
 def check_run_name(config: Mapping[str, Any], overrides: Sequence[str],
                    env: Mapping[str, str] | None = None) -> None:
-  """A gs:// ``output_dir`` needs a run name: MaxDiffusion uploads each video to
-  ``output_dir/run_name`` only after the whole generation, and an unset name (``''`` without
-  ``JOBSET_NAME``, which only XPK sets) fails there. Checked before anything loads."""
+  """:func:`preflight.check_run_name` on the merged keys, before anything loads (MaxDiffusion
+  takes an empty ``run_name`` from ``JOBSET_NAME``, which XPK sets and our JobSets pass)."""
   env = os.environ if env is None else env
   keys = {**config, **dict(o.split("=", 1) for o in overrides if "=" in o)}
-  output_dir = str(keys.get("output_dir") or "")
-  if output_dir.startswith("gs://") and not (keys.get("run_name") or env.get("JOBSET_NAME")):
-    raise ValueError(f"run_name is not set and JOBSET_NAME is not in the environment, but "
-                     f"output_dir {output_dir!r} is a bucket: MaxDiffusion uploads each video "
-                     f"to output_dir/run_name after generating it. Give run_name=NAME.")
+  preflight.check_run_name(str(keys.get("output_dir") or ""),
+                           str(keys.get("run_name") or env.get("JOBSET_NAME") or ""))
 
 
 def run(argv: Sequence[str]) -> None:

@@ -1,7 +1,24 @@
-"""What each JAX process runs in the multi-host tests (maxdiffusion_svg.multiprocess)."""
+"""What each JAX process runs in the multi-host tests (maxdiffusion_svg.multiprocess).
+
+Each process gets its own copy of the checkpoint, as each host of a slice has its own disk:
+MaxDiffusion's ``load_config`` rewrites a component's ``config.json`` in place on every load, so
+processes sharing one folder race on it."""
 
 import glob
 import os
+import re
+import shutil
+import subprocess
+import sys
+
+
+def _workdir(index, args):
+  workdir = os.path.join(args["workdir"], f"process{index}")
+  os.makedirs(workdir, exist_ok=True)
+  checkpoint = os.path.join(workdir, "checkpoint")
+  if not os.path.isdir(checkpoint):
+    shutil.copytree(args["checkpoint"], checkpoint)
+  return workdir, [*args["argv"], f"pretrained_model_name_or_path={checkpoint}"]
 
 
 def launch(index, args):
@@ -10,9 +27,8 @@ def launch(index, args):
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin import e2e  # pylint: disable=import-outside-toplevel
-  workdir = os.path.join(args["workdir"], f"process{index}")
-  os.makedirs(workdir, exist_ok=True)
-  out = e2e.generate(args["argv"], workdir)
+  workdir, argv = _workdir(index, args)
+  out = e2e.generate(argv, workdir)
   np.save(os.path.join(workdir, "frames.npy"), out["frames"])
   return {"process_count": jax.process_count(), "devices": jax.device_count(),
           "local_devices": jax.local_device_count(),
@@ -24,12 +40,10 @@ def patched_generate(index, args):
   """``python -m maxdiffusion.generate CONFIG ...`` of a patched MaxDiffusion (first on
   PYTHONPATH), as each host of a job runs it: its plugin entry points load the svg kernel."""
   import runpy  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  workdir = os.path.join(args["workdir"], f"process{index}")
-  os.makedirs(workdir, exist_ok=True)
+  workdir, argv = _workdir(index, args)
   os.chdir(workdir)
-  sys.argv = ["maxdiffusion.generate", *args["argv"]]
+  sys.argv = ["maxdiffusion.generate", *argv]
   try:
     runpy.run_module("maxdiffusion.generate", run_name="__main__", alter_sys=True)
   except SystemExit as stop:  # absl's app.run exits when main returns
@@ -37,3 +51,22 @@ def patched_generate(index, args):
       raise
   return {"process_count": jax.process_count(), "devices": jax.device_count(),
           "videos": sorted(glob.glob(f"{workdir}/*.mp4"))}
+
+
+def container(index, args):
+  """A manifest's container command, as the pod runs it: ``args["command"]`` (``python``
+  is this interpreter) with ``args["env"]``, in its own working directory. The command's own
+  ``jax.distributed.initialize()`` joins the job from the environment this process was given."""
+  workdir, argv = _workdir(index, args)
+  command = [sys.executable if word == "python" else word for word in args["command"]]
+  command = [*command, *argv]
+  env = {**os.environ, **args["env"], "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
+  done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
+                        check=False)
+  log = done.stdout + done.stderr
+  with open(os.path.join(workdir, "log.txt"), "w", encoding="utf-8") as f:
+    f.write(log)
+  if done.returncode:
+    raise RuntimeError(f"the container command exited {done.returncode}:\n{log[-5000:]}")
+  return {"videos": sorted(glob.glob(f"{workdir}/*.mp4")),
+          "num_devices": sorted({int(n) for n in re.findall(r"num_devices: (\d+)", log)})}

@@ -13,14 +13,6 @@ from md_required import require_maxdiffusion
 
 require_maxdiffusion()
 
-# Alone (MDSVG_MULTIHOST=1 make test-maxdiffusion MD_PYTEST_ARGS=tests/maxdiffusion/test_multihost_e2e.py)
-# both tests pass in about 3 minutes; after the rest of the MaxDiffusion suite both processes
-# aborted at jax.distributed's shutdown barrier (BarrierError Shutdown), not yet understood.
-if not os.environ.get("MDSVG_MULTIHOST"):
-  pytest.skip("multi-process Wan runs are opt-in: set MDSVG_MULTIHOST=1 and run this module "
-              "alone (they abort at jax.distributed shutdown after the rest of the suite)",
-              allow_module_level=True)
-
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import run_processes
 from maxdiffusion_svg.plugin import e2e, tiny_checkpoint
@@ -43,15 +35,14 @@ def job(tmp_path_factory):
   here = str(pathlib.Path(__file__).parent)
   env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
          "HF_HUB_OFFLINE": "1"}
-  argv = [str(config), f"pretrained_model_name_or_path={checkpoint}", *TINY]
-  return base, argv, env
+  return base, {"argv": [str(config), *TINY], "checkpoint": checkpoint}, env
 
 
 def run(job, processes):
-  base, argv, env = job
+  base, args, env = job
   workdir = base / f"{processes}proc"
   infos = run_processes("multihost_workers:launch", processes, devices_per_process=8 // processes,
-                        args={"workdir": str(workdir), "argv": argv}, env=env, timeout=900,
+                        args={**args, "workdir": str(workdir)}, env=env, timeout=900,
                         initialize=False)
   frames = [np.load(workdir / f"process{i}" / "frames.npy") for i in range(processes)]
   return infos, frames
@@ -81,12 +72,12 @@ def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
   """The upstreamable entry point: plugins load after MaxDiffusion's distributed init, and the
   2-process MP4 matches the 1-process launcher's."""
   import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
-  base, argv, env = job
+  base, args, env = job
   env = {**env, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
                                                env["PYTHONPATH"]])}
   workdir = base / "patched"
   infos = run_processes("multihost_workers:patched_generate", 2, devices_per_process=4,
-                        args={"workdir": str(workdir), "argv": argv}, env=env, timeout=900,
+                        args={**args, "workdir": str(workdir)}, env=env, timeout=900,
                         initialize=False)
   reference = iio.imread(next((base / "1proc" / "process0").glob("wan_output_*.mp4")))
   for info in infos:

@@ -1,0 +1,120 @@
+"""Each GKE manifest's container command, run here as its pods would run it: the manifest's
+command and environment (``$(VAR)`` expanded as Kubernetes does; the JobSet label gives
+JOBSET_NAME), the image's /opt/maxdiffusion_svg being this checkout, the bucket a local folder,
+and the tiny checkpoint with its sizes as overrides. Each runs in 1 process holding the whole
+slice's devices and in 2 processes (hosts) joined by MaxDiffusion's jax.distributed.initialize().
+
+Then the bad jobs: each fails in every process, with the plugin's message, before weights load."""
+
+import os
+import pathlib
+import re
+
+import imageio.v3 as iio
+import pytest
+import yaml
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
+from maxdiffusion_svg.plugin import e2e, tiny_checkpoint
+
+ROOT = pathlib.Path(__file__).parent.parent.parent
+GKE = ROOT / "scripts" / "gke"
+TINY = ["height=128", "width=128", "num_frames=33", "num_inference_steps=3",
+        "max_sequence_length=16", "weights_dtype=float32", "activations_dtype=float32",
+        "svg_block_q=128", "svg_block_kv=128", "svg_min_seq_length=0",
+        "svg_profile_queries=16"]
+IMAGE_PLUGIN = "/opt/maxdiffusion_svg"  # where scripts/gke/Dockerfile puts the stage
+
+
+def container_of(manifest: str):
+  """(command, env, devices of the slice) of a JobSet manifest's container."""
+  jobset = yaml.safe_load((GKE / manifest).read_text())
+  (job,) = jobset["spec"]["replicatedJobs"]
+  spec = job["template"]["spec"]
+  (container,) = spec["template"]["spec"]["containers"]
+  env = {}
+  for var in container.get("env", []):
+    if "value" in var:
+      env[var["name"]] = var["value"]
+    elif var["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['jobset.sigs.k8s.io/jobset-name']"):
+      env[var["name"]] = jobset["metadata"]["name"]  # what the JobSet controller labels
+  words = [*container["command"], *container.get("args", [])]
+  words = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), w) for w in words]
+  devices = spec["parallelism"] * container["resources"]["limits"]["google.com/tpu"]
+  return words, env, devices
+
+
+def localize(words, outputs):
+  """The image's plugin folder -> this checkout; the bucket -> a local folder."""
+  return [re.sub(r"gs://BUCKET/\S*", str(outputs), w.replace(IMAGE_PLUGIN, str(ROOT)))
+          for w in words]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return tiny_checkpoint.write_wan21(str(tmp_path_factory.mktemp("gke") / "wan21"))
+
+
+def run_container(manifest, processes, workdir, checkpoint, extra=(), env=None, **kwargs):
+  words, manifest_env, devices = container_of(manifest)
+  command = localize(words, workdir / "outputs")
+  here = str(pathlib.Path(__file__).parent)
+  child_env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+               "HF_HUB_OFFLINE": "1"}
+  return run_processes("multihost_workers:container", processes,
+                       devices_per_process=devices // processes,
+                       args={"workdir": str(workdir), "command": command,
+                             "env": {**manifest_env, **(env or {})},
+                             "checkpoint": checkpoint, "argv": [*TINY, *extra]},
+                       env=child_env, initialize=False, **kwargs), devices
+
+
+@pytest.mark.parametrize("manifest", ["jobset_v6e8.yaml", "jobset_v6e16.yaml"])
+def test_manifest_command_runs_in_one_and_two_processes(manifest, checkpoint, tmp_path):
+  one, devices = run_container(manifest, 1, tmp_path / "one", checkpoint, timeout=900)
+  two, _ = run_container(manifest, 2, tmp_path / "two", checkpoint, timeout=900)
+  (mp4,) = one[0]["videos"]
+  reference = iio.imread(mp4)
+  assert one[0]["num_devices"] == [devices]
+  for info in two:
+    assert info["num_devices"] == [devices]  # both processes joined one job of the slice's size
+    (video,) = info["videos"]  # generate_wan exports the video in every process
+    assert pathlib.Path(video).name == pathlib.Path(mp4).name
+    assert e2e.psnr(iio.imread(video), reference) > 40
+
+
+def failures(manifest, checkpoint, workdir, extra=(), env=None):
+  """Logs of a job expected to fail in every process (none is killed for another's failure)."""
+  with pytest.raises(ProcessesFailed) as failed:
+    run_container(manifest, 2, workdir, checkpoint, extra, env, timeout=600,
+                  kill_on_failure=False)
+  results = failed.value.results
+  assert [r.returncode for r in results] == [1, 1], [r.returncode for r in results]
+  return [r.log for r in results]
+
+
+def test_context_shards_that_do_not_divide_the_heads_fail_everywhere(checkpoint, tmp_path):
+  # 16 devices all on the context axis: the tiny model's 8 heads do not divide.
+  for log in failures("jobset_v6e16.yaml", checkpoint, tmp_path, ["ici_data_parallelism=1"]):
+    assert "context axis has 16 shards, which do not divide the model's 8 attention heads" in log
+    assert "load_time" not in log  # before the pipeline loads
+
+
+def test_a_job_short_of_the_slice_fails_everywhere(checkpoint, tmp_path):
+  # The launcher declares 4 hosts; only 2 processes start.
+  for log in failures("jobset_v6e8.yaml", checkpoint, tmp_path,
+                      env={"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}):
+    assert "TPU_WORKER_HOSTNAMES declares 4 processes, but jax.distributed joined 2" in log
+    assert "load_time" not in log
+
+
+def test_a_bucket_without_a_run_name_fails_everywhere(checkpoint, tmp_path):
+  for log in failures("jobset_v6e8.yaml", checkpoint, tmp_path,
+                      ["output_dir=gs://bucket/out", "run_name="], env={"JOBSET_NAME": ""}):
+    assert "run_name is not set and JOBSET_NAME is not in the environment" in log

@@ -1,0 +1,64 @@
+"""The job checks every process makes before weights load (maxdiffusion_svg.plugin.preflight)."""
+
+import dataclasses
+
+import pytest
+
+from maxdiffusion_svg.plugin import preflight
+
+# One process of a v6e-16 job as it should be: 4 hosts x 4 chips, 2-way data x 8-way context.
+GOOD = preflight.Job(process_count=4, device_count=16, local_device_count=4, context_shards=8,
+                     heads=40, output_dir="gs://bucket/out", run_name="wan-svg")
+GKE = {"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3", "TPU_WORKER_ID": "2",
+       "TPU_ACCELERATOR_TYPE": "v6e-16"}
+
+
+def test_a_good_job_passes():
+  preflight.check_job(GOOD, GKE)
+  preflight.check_job(dataclasses.replace(GOOD, process_count=1, device_count=8,
+                                          local_device_count=8, output_dir="/tmp/out",
+                                          run_name=""), {})
+
+
+@pytest.mark.parametrize("name, devices", [("v6e-16", 16), ("v6e-8", 8), ("v5litepod-16", 16),
+                                           ("v5p-8", 4), ("v4-32", 16), ("v6e", None),
+                                           ("tpu", None)])
+def test_slice_devices(name, devices):
+  assert preflight.slice_devices(name) == devices
+
+
+def test_declared_hosts():
+  assert preflight.declared_hosts(GKE) == (4, "TPU_WORKER_HOSTNAMES")
+  assert preflight.declared_hosts({"TPU_WORKER_HOSTNAMES": "localhost"}) is None  # one host
+  assert preflight.declared_hosts({"OMPI_COMM_WORLD_SIZE": "2"}) == (2, "OMPI_COMM_WORLD_SIZE")
+  assert preflight.declared_hosts({}) is None
+
+
+def test_a_host_left_alone_is_refused():
+  """MaxDiffusion goes on alone when jax.distributed.initialize() fails: one process, 4 devices."""
+  alone = dataclasses.replace(GOOD, process_count=1, device_count=4)
+  with pytest.raises(ValueError, match=r"TPU_WORKER_HOSTNAMES declares 4 processes, but "
+                     r"jax.distributed joined 1 \(with 4 devices\)"):
+    preflight.check_job(alone, GKE)
+
+
+def test_fewer_hosts_than_the_slice_is_refused():
+  """A JobSet whose parallelism (2) is short of the v6e-16's 4 hosts."""
+  short = dataclasses.replace(GOOD, process_count=2, device_count=8)
+  env = {**GKE, "TPU_WORKER_HOSTNAMES": "h0,h1"}
+  with pytest.raises(ValueError, match=r"TPU_ACCELERATOR_TYPE v6e-16 has 16 devices, but this "
+                     r"job holds 8 \(2 processes x 4\).*4 hosts of 4 devices: JobSet "
+                     r"parallelism and completions = 4"):
+    preflight.check_job(short, env)
+
+
+def test_context_shards_must_divide_the_heads():
+  with pytest.raises(ValueError, match=r"context axis has 16 shards, which do not divide the "
+                     r"model's 40 attention heads.*\(1, 2, 4, 5, 8, 10, 20, 40\).*"
+                     r"ici_data_parallelism"):
+    preflight.check_job(dataclasses.replace(GOOD, context_shards=16), GKE)
+
+
+def test_a_bucket_needs_a_run_name():
+  with pytest.raises(ValueError, match="run_name is not set.*gs://bucket/out"):
+    preflight.check_job(dataclasses.replace(GOOD, run_name=""), GKE)
