@@ -137,20 +137,29 @@ def test_patched_maxdiffusion_runs_the_config_alone(module, config, patched_maxd
     assert iio.imread(mp4).shape[:3] == (33, 128, 128)
 
 
-def test_patched_pyconfig_merges_as_the_launcher_does(patched_maxdiffusion):
+def test_patched_pyconfig_merges_as_the_launcher_does(patched_maxdiffusion, tmp_path):
+  """Both merge as MaxText's base_config does: top-level keys override (a nested mapping is
+  replaced whole); a base is looked up beside the file, then among MaxDiffusion's configs."""
   code = ("import json, sys, yaml\nfrom maxdiffusion import pyconfig\n"
           "path = sys.argv[1]\nwith open(path) as f:\n  raw = yaml.safe_load(f)\n"
           "print(json.dumps(pyconfig._with_base_configs(path, raw)))")
-  for name in ("wan_svg.yml", "wan_svg_1_3b.yml", "wan22_svg.yml"):
-    path = ROOT / "configs" / name
+  configs = patched_maxdiffusion / "src" / "maxdiffusion" / "configs"
+  nested = tmp_path / "nested.yml"
+  nested.write_text(yaml.safe_dump({"base_config": "base_wan_14b.yml", "attention": "svg",
+                                    "flash_block_sizes": {"block_q": 1024}}))
+  for path, links in [(ROOT / "configs" / "wan_svg.yml", 2),
+                      (ROOT / "configs" / "wan_svg_1_3b.yml", 2),
+                      (ROOT / "configs" / "wan22_svg.yml", 2),
+                      (ROOT / "configs" / "wan_svg_v6e16.yml", 3), (nested, 2)]:
     result = subprocess.run(
         [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
         env={**os.environ, "PYTHONPATH": str(patched_maxdiffusion / "src")})
     merged = json.loads(result.stdout.strip().splitlines()[-1])
-    ours, chain = overlay.load_config(path, search_dirs=[
-        patched_maxdiffusion / "src" / "maxdiffusion" / "configs"])
-    assert merged == json.loads(json.dumps(ours)) and len(chain) == 2
+    ours, chain = overlay.load_config(path, search_dirs=[configs])
+    assert merged == json.loads(json.dumps(ours)) and len(chain) == links
     assert merged["attention"] == "svg" and "logical_axis_rules" in merged
+  assert merged["flash_block_sizes"] == {"block_q": 1024}  # not merged into the base's mapping
+  assert len(yaml.safe_load((configs / "base_wan_14b.yml").read_text())["flash_block_sizes"]) > 1
 
 
 def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
