@@ -58,3 +58,12 @@ def sleep(index, seconds):
   del index
   import time  # pylint: disable=import-outside-toplevel
   time.sleep(seconds)
+
+
+def fail_first(index, seconds):
+  """Process 0 fails at once; the others finish after ``seconds``."""
+  if index == 0:
+    raise RuntimeError("process 0 fails")
+  import time  # pylint: disable=import-outside-toplevel
+  time.sleep(seconds)
+  return "done"

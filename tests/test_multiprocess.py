@@ -49,6 +49,16 @@ def test_a_failing_process_is_reported_with_every_log():
     run_processes("multiprocess_workers:no_such_function", 2, env=ENV, timeout=60)
 
 
+def test_the_others_run_on_when_asked():
+  """kill_on_failure=False: a test can see that every process fails (or not) by itself."""
+  with pytest.raises(ProcessesFailed) as failed:
+    run_processes("multiprocess_workers:fail_first", 2, args=2, env=ENV, timeout=60,
+                  initialize=False, kill_on_failure=False)
+  first, second = failed.value.results
+  assert first.returncode == 1 and "process 0 fails" in first.log
+  assert (second.returncode, second.value) == (0, "done")
+
+
 def test_time_is_bounded():
   with pytest.raises(ProcessesFailed, match=r"did not finish in 5 s"):
     run_processes("multiprocess_workers:sleep", 2, args=60, env=ENV, timeout=5)
