@@ -119,17 +119,20 @@ def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -
 
 def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
                   key: jax.Array, scale: float | None = None,
-                  plan: TilePlan | None = None) -> Routing:
+                  plan: TilePlan | None = None, expert: str | None = None) -> Routing:
   """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
-  (e.g. ``SvgConfig``). ``plan`` is the call's tile plan, needed for execution masks. The
-  same key gives the same flags.
+  (e.g. ``SvgConfig``). Execution masks need the call's tile plan: ``plan`` when given, else
+  the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
+  The same key gives the same flags.
   """
   router = getattr(config, "router", config)
   if q.shape[2] != grid.tokens:
     raise ValueError(f"sequence length {q.shape[2]} does not match grid {grid} "
                      f"({grid.tokens} tokens)")
+  if plan is None and router.profile_masks == "execution" and hasattr(config, "plan"):
+    plan = config.plan(grid, expert)
   mask = routing_mask(grid, router, plan)
   rows = sample_rows(key, grid.tokens, router)
   spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale)
@@ -138,7 +141,16 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
 
 def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
                 key: jax.Array, scale: float | None = None,
-                plan: TilePlan | None = None) -> jax.Array:
-  """``bool[B, H]``: True where a head is routed temporal (see :func:`profile_heads`)."""
+                plan: TilePlan | None = None, expert: str | None = None) -> jax.Array:
+  """``bool[B, H]``: True where a head is routed temporal (see :func:`profile_heads`).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from maxdiffusion_svg import SvgConfig, VideoGrid, route_heads
+  >>> grid = VideoGrid(frames=4, height=8, width=16)  # 512 tokens
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 2, grid.tokens, 64))
+  >>> config = SvgConfig(density=0.5, block_q=128, block_kv=128)
+  >>> route_heads(q, k, v, grid=grid, config=config, key=jax.random.key(1)).shape
+  (1, 2)
+  """
   return profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                       plan=plan).temporal
+                       plan=plan, expert=expert).temporal

@@ -200,3 +200,28 @@ def test_execution_masks_need_the_plan_and_a_valid_name():
     route_heads(q, q, q, grid=GRID, config=RouterConfig(), key=jax.random.key(0))  # the default
   with pytest.raises(ValueError, match="svg_profile_masks must be one of probe, execution"):
     RouterConfig(profile_masks="exact")
+
+
+def test_an_svg_config_makes_the_execution_plan_itself():
+  """route_heads(q, k, v, grid=, config=SvgConfig(...), key=) as documented: the config's own
+  plan (with the expert's density), errors against the NumPy oracle; an explicit plan wins."""
+  import doctest  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg import SvgConfig, router  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(2)
+  q, k, v = (rng.standard_normal((1, 3, GRID.tokens, 16)).astype(np.float32) for _ in range(3))
+  config = SvgConfig(density=0.5, low_noise_density=0.2, block_q=128, block_kv=128,
+                     profile_queries=16)
+  key = jax.random.key(7)
+  rows = np.asarray(sample_rows(key, GRID.tokens, config.router))
+  for expert, density in ((None, 0.5), ("low_noise", 0.2)):
+    routing = profile_heads(q, k, v, grid=GRID, config=config, key=key, expert=expert)
+    plan = plan_tiles(GRID, density, 128, 128, "aligned")
+    err_s, err_t = numpy_layout_errors(q, k, v, rows, GRID, plan.dense_mask())
+    np.testing.assert_allclose(np.asarray(routing.spatial_error), err_s, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(routing.temporal_error), err_t, rtol=1e-4, atol=1e-9)
+  other = plan_tiles(GRID, 0.2, 128, 256, "split")
+  explicit = profile_heads(q, k, v, grid=GRID, config=config, key=key, plan=other)
+  err_s, _ = numpy_layout_errors(q, k, v, rows, GRID, other.dense_mask())
+  np.testing.assert_allclose(np.asarray(explicit.spatial_error), err_s, rtol=1e-4, atol=1e-9)
+  result = doctest.testmod(router)
+  assert result.attempted >= 4 and result.failed == 0  # the docstring example runs
