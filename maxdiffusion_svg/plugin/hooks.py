@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import preflight
+from maxdiffusion_svg.plugin import contract, preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -57,6 +57,18 @@ class SvgLayerIndex(nnx.Variable):
 
 class SvgTimesteps(nnx.Variable):
   """The run's timestep schedule, padded with -1 to ``MAX_STEPS`` entries."""
+
+
+class SvgExpertTag(nnx.Variable):
+  """A Wan 2.2 expert's mark in the model's state, by its shape.
+
+  The expert is a static attribute (it picks the density, baked into the tile tables), and
+  MaxDiffusion's AOT cache keys an executable by its inputs' paths, shapes and dtypes only: two
+  experts of one architecture would share the first one's executable. The tag's shape makes
+  their inputs, hence their cache keys, differ."""
+
+
+EXPERT_TAG_SIZE = {"high_noise": 1, "low_noise": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +116,29 @@ def layer_index(op: Any) -> jax.Array | None:
 # ---------------------------------------------------------------- preparing a transformer
 
 
+# The kernel tells self-attention from cross-attention by this name, which WanModel gives
+# its blocks' attn1 ops.
+SELF_ATTENTION_CHECKPOINT_NAME = "self_attn"
+
+
 def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
   """(op, layer) for every self-attention op; layer None for the stacked scanned op."""
-  if model.scan_layers:
-    yield model.blocks.attn1.attention_op, None
-  else:
-    for i, block in enumerate(model.blocks):
-      yield block.attn1.attention_op, i
+  contract.require_attributes(model, type(model).__name__, ("scan_layers", "blocks", "num_layers"),
+                              "the svg kernel tags each block's self-attention with its layer")
+  blocks = [(model.blocks, None)] if model.scan_layers else [
+      (block, i) for i, block in enumerate(model.blocks)]
+  for block, layer in blocks:
+    attn = getattr(block, "attn1", None)
+    op = getattr(attn, "attention_op", None)
+    name = getattr(op, "residual_checkpoint_name", None)
+    if name != SELF_ATTENTION_CHECKPOINT_NAME:
+      raise contract.MaxDiffusionDrift(
+          f"MaxDiffusion drift: {type(model).__name__}'s blocks should hold self-attention as "
+          f"attn1.attention_op with residual_checkpoint_name {SELF_ATTENTION_CHECKPOINT_NAME!r} "
+          f"(how the svg kernel tells it from cross-attention), found "
+          f"{type(op).__name__ if op is not None else 'no attn1.attention_op'} with {name!r}; "
+          f"maxdiffusion_svg is tested with MaxDiffusion {contract.TESTED_COMMIT}.")
+    yield op, layer
 
 
 def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None) -> Any:
@@ -122,13 +150,16 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   if not isinstance(settings, PluginSettings):
     raise ValueError(f"settings must be PluginSettings, got {type(settings).__name__}")
   settings.svg.density_for(expert)  # validates the expert
+  ops = list(_self_attention_ops(model))  # checks the model's layout before changing it
   model.svg_settings = settings
   model.svg_expert = expert
-  for op, layer in _self_attention_ops(model):
+  for op, layer in ops:
     index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
     op.svg_layer = SvgLayerIndex(index)
   model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
   model.svg_schedule_set = False
+  if expert is not None:
+    model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
   return model
 
 
@@ -222,6 +253,8 @@ def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
     state = original(self, *args, **kwargs)
     pipeline = _PIPELINE.get()
     if pipeline is not None:
+      contract.require_attributes(state, f"{type(self).__name__}.set_timesteps()'s state",
+                                  ("timesteps",), "the svg step is counted from the schedule")
       for name in _PIPELINE_TRANSFORMERS:
         model = getattr(pipeline, name, None)
         if model is not None and is_prepared(model):
@@ -310,6 +343,7 @@ def install() -> None:
                                           wan_pipeline_i2v_2p1, wan_pipeline_i2v_2p2)
   from maxdiffusion.schedulers import scheduling_unipc_multistep_flax
   # pylint: enable=import-outside-toplevel
+  contract.check()  # before wrapping anything: a drifted MaxDiffusion fails here, named
   _wrap(transformer_wan.WanModel, "__call__", _model_call)
   _wrap(attention_flax.NNXAttentionOp, "apply_attention", _binding_self(_ATTENTION_OP))
   _wrap(wan_pipeline, "create_sharded_logical_transformer", _create_transformer)

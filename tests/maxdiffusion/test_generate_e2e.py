@@ -174,6 +174,26 @@ def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
   assert video.shape == (33, 128, 128, 3)
 
 
+def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, tmp_path):
+  """MaxDiffusion's AOT cache keys an executable by input paths and shapes; the experts differ
+  only in a static attribute (their density), so without the plugin's tag the low-noise expert
+  ran the high-noise executable. With aot_cache_dir set, a first run (compiling and saving) and a
+  second (loading) equal the run without the cache."""
+  config = tmp_path / "tiny_wan22.yml"
+  config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
+                                    **SVG_KEYS}))
+  argv = [str(config), f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
+          *TINY]
+  cache = tmp_path / "aot"
+  plain, _ = launch(tmp_path, argv)
+  first, _ = launch(tmp_path, [*argv, f"aot_cache_dir={cache}"])
+  saved = sorted(p.name for p in cache.glob("*.aotx"))
+  second, _ = launch(tmp_path, [*argv, f"aot_cache_dir={cache}"])
+  assert len([n for n in saved if n.startswith("transformer_forward_pass-")]) == 2  # one each
+  np.testing.assert_array_equal(first, plain)
+  np.testing.assert_array_equal(second, plain)
+
+
 PLUGIN_ORDER_SCRIPT = """
 import json, sys
 from maxdiffusion import max_utils, pyconfig
