@@ -43,7 +43,7 @@ from flax import nnx
 
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin import contract, preflight
-from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
 MAX_STEPS = 1000
@@ -246,6 +246,25 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
+def _refusing(model_class: str) -> _Wrapper:
+  """Wraps a transformer factory whose model svg does not support: refused before it loads."""
+
+  def make(original: Callable[..., Any]) -> Callable[..., Any]:
+
+    @functools.wraps(original)
+    def wrapper(devices_array, mesh, rngs, config, *args, **kwargs):
+      if getattr(config, "attention", None) == KERNEL_NAME:
+        raise ValueError(f"attention={KERNEL_NAME!r} does not support {model_class} (built by "
+                         f"{original.__module__}.{original.__name__}); it supports "
+                         f"{SUPPORTED_MODELS}. Set attention to another kernel (e.g. flash or "
+                         f"ulysses) for this model.")
+      return original(devices_array, mesh, rngs, config, *args, **kwargs)
+
+    return wrapper
+
+  return make
+
+
 def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
@@ -340,13 +359,17 @@ def install() -> None:
   from maxdiffusion.models import attention_flax
   from maxdiffusion.models.wan.transformers import transformer_wan
   from maxdiffusion.pipelines.wan import (wan_pipeline, wan_pipeline_2_1, wan_pipeline_2_2,  # noqa: F401
-                                          wan_pipeline_i2v_2p1, wan_pipeline_i2v_2p2)
+                                          wan_pipeline_animate, wan_pipeline_i2v_2p1,
+                                          wan_pipeline_i2v_2p2, wan_vace_pipeline_2_1)
   from maxdiffusion.schedulers import scheduling_unipc_multistep_flax
   # pylint: enable=import-outside-toplevel
   contract.check()  # before wrapping anything: a drifted MaxDiffusion fails here, named
   _wrap(transformer_wan.WanModel, "__call__", _model_call)
   _wrap(attention_flax.NNXAttentionOp, "apply_attention", _binding_self(_ATTENTION_OP))
   _wrap(wan_pipeline, "create_sharded_logical_transformer", _create_transformer)
+  _wrap(wan_vace_pipeline_2_1, "create_sharded_logical_transformer", _refusing("WanVACEModel"))
+  _wrap(wan_pipeline_animate, "create_sharded_animate_transformer",
+        _refusing("WanAnimateTransformer3DModel"))
   for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
     if "__call__" in vars(pipeline):
       _wrap(pipeline, "__call__", _binding_self(_PIPELINE))

@@ -16,12 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.plugin import hooks
-from maxdiffusion_svg.plugin.settings import KERNEL_NAME
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS as SUPPORTED
 from maxdiffusion_svg.schedule import Interval
 from maxdiffusion_svg.sharding import sharded_svg_attention
-
-SUPPORTED = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a MaxDiffusion Wan "
-             "pipeline, or prepared with maxdiffusion_svg.plugin.prepare_transformer")
 
 
 _CALL_LOG: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(

@@ -13,6 +13,8 @@ from maxdiffusion_svg.config import DEFAULT_PRESET, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.target import Target
 
+SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a MaxDiffusion Wan "
+                    "pipeline, or prepared with maxdiffusion_svg.plugin.prepare_transformer")
 KERNEL_NAME = "svg"
 # svg_* keys the kernel reads itself (SvgConfig reads the rest).
 PLUGIN_KEYS = ("svg_dense_kernel", "svg_min_seq_length")

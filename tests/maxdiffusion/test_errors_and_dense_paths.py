@@ -132,3 +132,25 @@ def test_aot_cache_keys_on_the_svg_settings(tmp_path):
     fingerprints.append(aot_cache._STATE.fingerprint)  # pylint: disable=protected-access
   aot_cache.install("", meta={}, mesh=None)
   assert fingerprints[0] != fingerprints[1]
+
+
+@pytest.mark.parametrize("module, function, model", [
+    ("wan_vace_pipeline_2_1", "create_sharded_logical_transformer", "WanVACEModel"),
+    ("wan_pipeline_animate", "create_sharded_animate_transformer",
+     "WanAnimateTransformer3DModel")])
+def test_unsupported_transformers_are_refused_before_they_load(tmp_path, module, function,
+                                                               model):
+  """The factory is refused before its body runs (which reads the checkpoint's config first)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  pipelines = importlib.import_module(f"maxdiffusion.pipelines.wan.{module}")
+  config = tiny_wan.init_config(tiny_wan.write_config(tmp_path, attention="svg"))
+  mesh = tiny_wan.make_mesh(config, 1)
+  with pytest.raises(ValueError, match=rf"attention='svg' does not support {model} \(built by "
+                                       rf"maxdiffusion.pipelines.wan.{module}.{function}\); it "
+                                       rf"supports Wan 2.1 / 2.2 WanModel"):
+    getattr(pipelines, function)(mesh[0], mesh[1], tiny_wan.nnx.Rngs(0), config)
+
+
+def test_the_real_maxdiffusion_meets_the_plugins_expectations():
+  from maxdiffusion_svg.plugin import contract  # pylint: disable=import-outside-toplevel
+  contract.check()
