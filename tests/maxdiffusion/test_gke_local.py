@@ -10,7 +10,6 @@ import os
 import pathlib
 import re
 
-import imageio.v3 as iio
 import pytest
 import yaml
 
@@ -80,6 +79,7 @@ def run_container(manifest, processes, workdir, checkpoint, extra=(), env=None, 
 @pytest.mark.parametrize("manifest, tiny_vae", [("jobset_v6e8.yaml", []),
                                                 ("jobset_v6e16.yaml", ["vae_spatial=8"])])
 def test_manifest_command_runs_in_one_and_two_processes(manifest, tiny_vae, checkpoint, tmp_path):
+  import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
   one, devices = run_container(manifest, 1, tmp_path / "one", checkpoint, tiny_vae, timeout=900)
   two, _ = run_container(manifest, 2, tmp_path / "two", checkpoint, tiny_vae, timeout=900)
   (mp4,) = one[0]["videos"]
