@@ -99,12 +99,12 @@ def vmem_estimate(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: i
   bq, bkv = plan.block_q, plan.block_kv
   bkc = block_kv_compute or default_kv_compute(bkv)
   generation = target.generation.name if target and target.generation else "v5e"
-  stored_block = mask_strategy(plan) == "stored"
-  strategy = "function" if mask_strategy(plan) == "function" else "stored"
+  kind = mask_strategy(plan)
+  strategy = "function" if kind == "function" else "stored"
   (a, b, c, d, e), worst = _VMEM_FIT[(_FAMILY.get(generation, "v5e"), strategy)]
   rows = max(1.0, head_dim / 128 * jnp.dtype(dtype).itemsize / 2)
   fitted = a * bq * bkc + b * bq * (bkv // bkc) + c * bq * rows + d + e * bq * bkv
-  widened = 3 * bq * bkv if generation == "v4" and stored_block else 0
+  widened = 3 * bq * bkv if generation == "v4" and kind == "stored" else 0
   scale = (worst + _MARGIN) * _CHIP_SCALE.get(generation, 1.0)
   return {"total": int((fitted + widened) * scale), "widened_mask": widened}
 

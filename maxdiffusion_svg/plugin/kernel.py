@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.plugin import hooks
-from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS as SUPPORTED
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
 from maxdiffusion_svg.schedule import Interval
 from maxdiffusion_svg.sharding import sharded_svg_attention
 
@@ -89,10 +89,10 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   call = hooks.current_model_call()
   if call is None:
     raise ValueError(f"attention={KERNEL_NAME!r} was called outside a Wan transformer; it "
-                     f"supports {SUPPORTED}. Use another attention kernel for this model.")
+                     f"supports {SUPPORTED_MODELS}. Use another attention kernel for this model.")
   if call.settings is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: this {call.model} was not prepared for SVG "
-                     f"(no svg settings); it supports {SUPPORTED}.")
+                     f"(no svg settings); it supports {SUPPORTED_MODELS}.")
   settings = call.settings
   seq_len = q.shape[2] if q.ndim == 4 else q.shape[1]
   if q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn":
@@ -110,7 +110,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if seq_len != call.grid.tokens:
     raise ValueError(f"attention={KERNEL_NAME!r}: self-attention of {seq_len} tokens in "
                      f"{call.model}, but its video grid {call.grid} has {call.grid.tokens}; "
-                     f"it supports {SUPPORTED} whose sequence is the patchified video")
+                     f"it supports {SUPPORTED_MODELS} whose sequence is the patchified video")
   schedule = settings.svg.schedule
   step = call.step
   if step is None:
