@@ -65,7 +65,7 @@ test-maxdiffusion: $(MD_STAMP)
 	@test -n "$(MAXDIFFUSION_SRC)" || { echo "set MAXDIFFUSION_SRC=/path/to/maxdiffusion (a source checkout)"; exit 2; }
 	@test -d "$(MAXDIFFUSION_SRC)/src/maxdiffusion" || { echo "no src/maxdiffusion under $(MAXDIFFUSION_SRC)"; exit 2; }
 	MAXDIFFUSION_SRC="$(abspath $(MAXDIFFUSION_SRC))" PYTHONPATH="$(abspath $(MAXDIFFUSION_SRC))/src" \
-	  $(MD_PY) -m pytest -q $(or $(MD_PYTEST_ARGS),tests/maxdiffusion)
+	  $(MD_PY) -m pytest -q $(or $(MD_PYTEST_ARGS),tests/integration)
 
 clean:
 	rm -rf $(VENV) $(MD_VENV) $(XPK_VENV) .pytest_cache

@@ -133,7 +133,7 @@ def _bench_sharded(args: argparse.Namespace) -> int:
 
 def _bench_collectives(args: argparse.Namespace) -> int:
   simulate_cpu_devices(args.devices)
-  from maxdiffusion_svg.plugin.collectives import format_collectives, measure  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.wan_collectives import format_collectives, measure  # pylint: disable=import-outside-toplevel
   latent = tuple(int(n) for n in args.latent.lower().split("x"))
   if len(latent) != 4:
     raise ValueError(f"--latent must be CxFxHxW, got {args.latent!r}")
@@ -145,7 +145,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
 def _bench_e2e(args: argparse.Namespace) -> int:
   simulate_cpu_devices(args.devices)
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  from maxdiffusion_svg.plugin.e2e import format_e2e_bench, run_e2e_bench  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.wan_e2e import format_e2e_bench, run_e2e_bench  # pylint: disable=import-outside-toplevel
   result = run_e2e_bench(args.steps, args.presets, log=_progress)
   _report(args, format_e2e_bench(result), result)
   return 0
@@ -165,7 +165,7 @@ def _bench_compile(args: argparse.Namespace) -> int:
   result = run_compile_bench(cfg, log=_progress)
   text = format_compile_bench(result) + "\n\n" + format_compile_summary(result)
   if args.maxdiffusion:
-    from maxdiffusion_svg.plugin.aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
+    from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
     result["maxdiffusion"] = compile_wan_forwards(log=_progress)
     text += "\n\n" + format_wan_forwards(result["maxdiffusion"])
   _report(args, text, result)

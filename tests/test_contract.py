@@ -1,6 +1,6 @@
 """The drift guard (maxdiffusion_svg.plugin.contract) against stand-in MaxDiffusion modules: each
 kind of drift fails at once, naming the function, expected vs found and the tested commit. (The
-real MaxDiffusion passes it in tests/maxdiffusion, where install() runs it.)"""
+real MaxDiffusion passes it in tests/integration, where install() runs it.)"""
 
 import inspect
 import types

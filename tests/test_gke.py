@@ -1,7 +1,7 @@
 """The GKE launch files: every JobSet manifest holds what the controller and the TPU webhook need
 and runs the launcher; the XPK script, run against the real ``xpk`` CLI in ``--dry-run``,
 generates a JobSet with our command and run name for each slice. (Each manifest's command runs
-locally in 1 and 2 processes in tests/maxdiffusion/test_gke_local.py.)"""
+locally in 1 and 2 processes in tests/integration/test_gke_local.py.)"""
 
 import math
 import os

@@ -1,6 +1,6 @@
 """MaxDiffusion integration: the ``svg`` attention kernel and the hooks that feed it.
 
-The only package that imports MaxDiffusion, and only when :func:`register` runs, so
+What runs in a user's job. It imports MaxDiffusion only when :func:`register` runs, so
 importing ``maxdiffusion_svg`` (or this package) touches neither MaxDiffusion nor JAX's
 devices (multi-host runs initialise ``jax.distributed`` later, in ``pyconfig``).
 """

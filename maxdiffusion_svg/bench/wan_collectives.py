@@ -20,7 +20,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxdiffusion_svg.bench.hlo import KINDS, collective_stats
-from maxdiffusion_svg.plugin import tiny_wan
+from maxdiffusion_svg.testing import tiny_wan
 
 KERNELS = ("svg", "ulysses", "dot_product")
 # Video tokens per text token as in Wan at 720p (75,600 : 512) would need a large model to

@@ -11,7 +11,7 @@ require_maxdiffusion()
 from maxdiffusion.models import attention_flax
 
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.plugin import tiny_wan
+from maxdiffusion_svg.testing import tiny_wan
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,8 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import run_processes
-from maxdiffusion_svg.plugin import e2e, tiny_checkpoint
+from maxdiffusion_svg.bench import wan_e2e
+from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 TINY = ["height=128", "width=128", "num_frames=33", "num_inference_steps=3",
@@ -64,7 +65,7 @@ def test_two_hosts_write_the_video_of_one(job, one_process):
     # ...and exported the video: generate_wan writes the MP4 in every process's working
     # directory (only its TensorBoard writer is process 0's).
     assert info["videos"] == one_info[0]["videos"] and len(info["videos"]) == 1
-    assert e2e.psnr(video, one) > 50, e2e.psnr(video, one)
+    assert wan_e2e.psnr(video, one) > 50, wan_e2e.psnr(video, one)
 
 
 def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
@@ -83,4 +84,4 @@ def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
   for info in infos:
     assert (info["process_count"], info["devices"]) == (2, 8)
     (mp4,) = info["videos"]
-    assert e2e.psnr(iio.imread(mp4), reference) > 40
+    assert wan_e2e.psnr(iio.imread(mp4), reference) > 40

@@ -5,7 +5,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.plugin.collectives import measure
+from maxdiffusion_svg.bench.wan_collectives import measure
 
 
 def test_svg_moves_no_more_than_ulysses():

@@ -19,7 +19,8 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
-from maxdiffusion_svg.plugin import e2e, tiny_checkpoint
+from maxdiffusion_svg.bench import wan_e2e
+from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 GKE = ROOT / "scripts" / "gke"
@@ -89,7 +90,7 @@ def test_manifest_command_runs_in_one_and_two_processes(manifest, tiny_vae, chec
     assert info["num_devices"] == [devices]  # both processes joined one job of the slice's size
     (video,) = info["videos"]  # generate_wan exports the video in every process
     assert pathlib.Path(video).name == pathlib.Path(mp4).name
-    assert e2e.psnr(iio.imread(video), reference) > 40
+    assert wan_e2e.psnr(iio.imread(video), reference) > 40
 
 
 def failures(manifest, checkpoint, workdir, extra=(), env=None):

@@ -16,7 +16,9 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.plugin import e2e, overlay, tiny_checkpoint
+from maxdiffusion_svg.bench import wan_e2e
+from maxdiffusion_svg.plugin import overlay
+from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 STEPS = 3
@@ -48,7 +50,7 @@ def run_config(tmp_path_factory):
 
 def launch(workdir, argv):
   """The launcher in this process: the frames it exported and the svg kernel's call log."""
-  out = e2e.generate(argv, str(workdir))
+  out = wan_e2e.generate(argv, str(workdir))
   return out["frames"], out["log"]
 
 
@@ -88,7 +90,7 @@ def test_sparse_video_follows_the_schedule(sparse_run, dense_video):
   assert self_calls[-2 * STEPS:] == [(s, l, s >= 1 and l >= 1) for s in range(STEPS)
                                      for l in range(2)]
   assert sum(r["kind"] == "cross" for r in log) == len(self_calls)
-  quality = e2e.psnr(video, dense_video)
+  quality = wan_e2e.psnr(video, dense_video)
   print(f"tiny Wan 2.1, density 0.3, steps [1, {STEPS}) x layer 1 sparse: video PSNR "
         f"{quality:.1f} dB against dense")
   assert 20 < quality < 80  # really sparse, and still the same video

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import yaml
 
-from maxdiffusion_svg.plugin import launcher, tiny_checkpoint
+from maxdiffusion_svg.plugin import launcher
+from maxdiffusion_svg.testing import tiny_checkpoint
 from maxdiffusion_svg.schedule import PRESETS
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"

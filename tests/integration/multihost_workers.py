@@ -26,9 +26,9 @@ def launch(index, args):
   jax.distributed itself (from the job's environment) in pyconfig."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plugin import e2e  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench import wan_e2e  # pylint: disable=import-outside-toplevel
   workdir, argv = _workdir(index, args)
-  out = e2e.generate(argv, workdir)
+  out = wan_e2e.generate(argv, workdir)
   np.save(os.path.join(workdir, "frames.npy"), out["frames"])
   return {"process_count": jax.process_count(), "devices": jax.device_count(),
           "local_devices": jax.local_device_count(),

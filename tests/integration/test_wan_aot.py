@@ -17,7 +17,7 @@ if not libtpu_available():
   pytest.skip("libtpu is not installed (pip install 'jax[tpu]'): nothing can compile for a TPU",
               allow_module_level=True)
 
-from maxdiffusion_svg.plugin.aot import compile_wan_forwards, format_wan_forwards
+from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards, format_wan_forwards
 
 LAYERS = 2
 # Measured at 2 layers (v6e 2x4, context 8): svg temp 2,784 MiB, ulysses 2,980 MiB (0.93x);

@@ -16,7 +16,8 @@ from maxdiffusion.pipelines.wan import wan_pipeline
 
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import hooks, tiny_wan
+from maxdiffusion_svg.plugin import hooks
+from maxdiffusion_svg.testing import tiny_wan
 from maxdiffusion_svg.plugin.settings import PluginSettings
 
 EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}

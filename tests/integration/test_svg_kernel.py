@@ -10,7 +10,7 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.plugin import tiny_wan
+from maxdiffusion_svg.testing import tiny_wan
 
 EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
 
