@@ -84,6 +84,42 @@ def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "contex
   return ex
 
 
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def layout_axes(mesh: Mesh, spec: P) -> tuple[str, tuple[str, ...]]:
+  """``(seq_axis, batch_axes)`` of a ``[B, H, S, D]`` layout given as a partition spec.
+
+  The spec is how the caller's arrays are laid out (MaxDiffusion derives it from its logical
+  axis rules); the exchange then matches it instead of resharding. Heads and head dims must
+  not be split across devices outside the call (the exchange splits heads itself), and the
+  sequence must be sharded over exactly one mesh axis (the one the all-to-all runs over).
+  """
+  entries = (tuple(spec) + (None,) * 4)[:4]
+  if len(tuple(spec)) > 4:
+    raise ValueError(f"qkv_spec {spec} has {len(tuple(spec))} entries; a [B, H, S, D] layout "
+                     f"has 4")
+  batch, heads, seq, dim = (_mesh_axes(e) for e in entries)
+  unknown = [a for a in batch + heads + seq + dim if a not in mesh.shape]
+  if unknown:
+    raise ValueError(f"qkv_spec {spec} names {unknown}, not axes of the mesh "
+                     f"({', '.join(mesh.axis_names)})")
+  for what, axes in (("heads", heads), ("head dims", dim)):
+    split = [a for a in axes if mesh.shape[a] > 1]
+    if split:
+      raise ValueError(f"qkv_spec {spec} splits the {what} over mesh axes {split} outside "
+                       f"attention; SVG exchanges sequence shards for heads itself, so the "
+                       f"{what} must arrive whole (map their logical axis to no mesh axis, as "
+                       f"MaxDiffusion's ulysses rules do)")
+  if len(seq) != 1:
+    raise ValueError(f"qkv_spec {spec} shards the sequence over {len(seq)} mesh axes "
+                     f"{list(seq)}; SVG's head exchange runs over exactly one (e.g. 'context')")
+  return seq[0], batch
+
+
 def _to_local_heads(x: jax.Array, ex: HeadExchange) -> jax.Array:
   """``[b, H, S/n, D]`` sequence shard -> ``[b, H/n, S, D]`` (heads split in order)."""
   if ex.shards == 1:
@@ -143,7 +179,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           expert: str | None = None, seq_axis: str = "context",
                           batch_axes: Sequence[str] = ("data", "fsdp"),
                           return_info: bool = False, fold_batch: bool = True,
-                          target: Target | None = None) -> Any:
+                          target: Target | None = None, qkv_spec: P | None = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
   Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
@@ -158,8 +194,12 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   ``ulysses`` does: every (example, head) is independent, and at batch 2 the TPU compiler
   would otherwise tile the exchanged tensors as T(2,128) instead of T(8,128).
   ``target``: the hardware (default: the mesh's devices), which picks the executor and tiles.
+  ``qkv_spec``: the inputs' layout as a partition spec (e.g. from MaxDiffusion's logical axis
+  rules); when given it decides ``seq_axis`` and ``batch_axes`` (:func:`layout_axes`).
   """
   check_qkv(q, k, v, grid)
+  if qkv_spec is not None:
+    seq_axis, batch_axes = layout_axes(mesh, qkv_spec)
   ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes)
   target = target_of(mesh, config.vmem_limit_kib) if target is None else target
   batch, heads = q.shape[:2]

@@ -16,7 +16,7 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.schedule import Interval, Schedule
-from maxdiffusion_svg.sharding import sharded_svg_attention
+from maxdiffusion_svg.sharding import layout_axes, sharded_svg_attention
 
 AXES = ("data", "fsdp", "context", "tensor")
 SPEC = P(("data", "fsdp"), None, "context", None)
@@ -209,3 +209,43 @@ def test_missing_batch_axes_are_ignored():
                                                       config=cfg, key=KEY))(q, k, v)
   np.testing.assert_allclose(np.asarray(out), np.asarray(
       svg_attention(q, k, v, grid=GRID, config=cfg, key=KEY)), atol=1e-5)
+
+
+def test_a_given_layout_decides_the_axes_and_is_matched_without_resharding():
+  """A layout whose batch is split over ``data`` only (fsdp replicating it), as a custom
+  rule set gives: the exchange takes its axes from the spec, so it runs where the default
+  axes (batch over data x fsdp = 4 shards) refuse a batch of 2, gives the single-device
+  result, and the compiled call moves nothing but the exchange."""
+  mesh = mesh_of((2, 2, 2, 1))
+  spec = P("data", None, "context", None)
+  cfg = config()
+  q, k, v = planted(batch=2, seed=11)
+  want = svg_attention(q, k, v, grid=GRID, config=cfg, key=KEY)
+  with pytest.raises(ValueError, match=r"batch \(2\) must be divisible by the 4 shards"):
+    sharded_svg_attention(q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY)
+  args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+  run = jax.jit(lambda q, k, v: sharded_svg_attention(q, k, v, mesh=mesh, grid=GRID, config=cfg,
+                                                      key=KEY, qkv_spec=spec))
+  out = run(*args)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)
+  assert out.sharding.is_equivalent_to(args[0].sharding, out.ndim)
+  stats = collective_stats(run.lower(*args).compile().as_text())
+  assert set(stats) == {"all-to-all"}, stats
+
+
+def test_layout_axes_read_the_spec_and_refuse_what_the_exchange_cannot_match():
+  mesh = mesh_of((2, 2, 2, 1))
+  assert layout_axes(mesh, P(("data", "fsdp"), None, "context", None)) == (
+      "context", ("data", "fsdp"))
+  assert layout_axes(mesh, P(None, "tensor", ("context",))) == ("context", ())  # size-1 axis
+  with pytest.raises(ValueError, match=r"splits the heads over mesh axes \['context'\]"):
+    layout_axes(mesh, P(("data", "fsdp"), "context", None, None))
+  with pytest.raises(ValueError, match=r"splits the head dims over mesh axes \['fsdp'\]"):
+    layout_axes(mesh, P("data", None, "context", "fsdp"))
+  with pytest.raises(ValueError, match=r"shards the sequence over 2 mesh axes \['context', "
+                                       r"'fsdp'\]"):
+    layout_axes(mesh, P("data", None, ("context", "fsdp"), None))
+  with pytest.raises(ValueError, match=r"shards the sequence over 0 mesh axes"):
+    layout_axes(mesh, P("data", None, None, None))
+  with pytest.raises(ValueError, match=r"names \['sequence'\], not axes of the mesh"):
+    layout_axes(mesh, P("data", None, "sequence", None))

@@ -14,6 +14,9 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import partitioning as nn_partitioning
+from jax.sharding import PartitionSpec as P
 
 from maxdiffusion_svg.plugin import hooks
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
@@ -58,6 +61,17 @@ def _record(kind: str, expert: str | None, sparse: Any = False, step: Any = -1,
 
 def _is_everything(interval: Interval) -> bool:
   return interval.start == 0 and interval.end is None
+
+
+def qkv_layout(axis_names_q: tuple[Any, ...], seq_axis: str = "context") -> P:
+  """The layout of self-attention's ``[B, H, S, D]`` q/k/v, resolved as MaxDiffusion's
+  ``ulysses`` resolves it: by the active logical axis rules (the config's), with the heads on
+  no mesh axis and the sequence on ``context`` in front of them (the rules ``pyconfig`` adds
+  for ``attention=ulysses``). So a custom batch rule is matched, not resharded."""
+  _, heads, seq, _ = axis_names_q
+  ulysses = ((heads, None), (seq, seq_axis))
+  with nn_partitioning.axis_rules((*ulysses, *nn_partitioning.get_axis_rules())):
+    return P(*nn.logical_to_mesh_axes(axis_names_q))
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any],
@@ -128,5 +142,6 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
           settings.svg.density_for(call.expert))
   out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                               config=settings.svg, scale=context["scale"], step=step,
-                              layer=layer, expert=call.expert)
+                              layer=layer, expert=call.expert,
+                              qkv_spec=qkv_layout(context["axis_names_q"]))
   return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

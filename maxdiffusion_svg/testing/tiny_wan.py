@@ -65,6 +65,12 @@ def write_config(directory, base: str = "base_wan_14b.yml", **keys: Any) -> str:
   return path
 
 
+def base_rules(base: str = "base_wan_14b.yml") -> list[tuple[str, Any]]:
+  """The ``logical_axis_rules`` of MaxDiffusion's ``base`` YAML (to derive custom rule sets)."""
+  with open(base_config_path(base), encoding="utf-8") as f:
+    return [tuple(rule) for rule in yaml.safe_load(f)["logical_axis_rules"]]
+
+
 def init_config(path: str, *overrides: str):
   pyconfig.initialize([None, path, *overrides], unittest=True)
   return pyconfig.config

@@ -79,3 +79,21 @@ def test_scan_layers_on_and_off_agree(tmp_path_factory):
   scale = np.abs(scanned).max()
   np.testing.assert_allclose(looped / scale, scanned / scale, atol=1e-5)
   assert sorted(map(str, log_scanned)) == sorted(map(str, log_looped))
+
+
+def test_the_layout_follows_the_configs_logical_axis_rules(tmp_path_factory):
+  """A rule set that splits the batch over ``data`` only, on a data x fsdp x context mesh
+  (2 x 2 x 2): the kernel reads the layout from the rules, as MaxDiffusion's ulysses does.
+  With the layout fixed to batch over data x fsdp it refused the CFG pair (2 over 4 shards);
+  now it gives the 8-way context result."""
+  rules = [[name, axes] for name, axes in tiny_wan.base_rules()
+           if name not in ("batch", "activation_batch")]
+  rules = [["batch", "data"], ["activation_batch", "data"], *rules]
+  keys = {"svg_density": 0.3, **EVERYTHING}
+  want, _ = forward(tmp_path_factory, 8, "svg", **keys)
+  got, log = forward(tmp_path_factory, 8, "svg", logical_axis_rules=rules,
+                     ici_data_parallelism=2, ici_fsdp_parallelism=2,
+                     ici_context_parallelism=2, **keys)
+  assert [r["kind"] for r in log].count("self") == 2
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
