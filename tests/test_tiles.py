@@ -96,6 +96,36 @@ def test_aligned_rounds_whole_tiles_and_masks_only_padding(case, placed):
   assert abs(s.kept_pairs - s.exact_pairs) <= max(bq * bkv, 0.02 * s.exact_pairs)
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "unplaced_temporal"])
+@pytest.mark.parametrize("case", CASES)
+def test_aligned_keeps_the_rounding_prefix_closest_to_the_budget(case, placed):
+  """Enumerated from the dense mask: tiles wholly kept or on the diagonal stay; the other
+  tiles holding kept pairs, most-kept share first, form prefixes; the plan must keep exactly
+  the prefix whose pair count is closest to the exact mask's (a tighter check than a bound of
+  one tile, which is 39-44% of the pairs on these grids)."""
+  grid, plan, exact = _plan(case, "aligned", placed)
+  s, bq, bkv = grid.tokens, plan.block_q, plan.block_kv
+  tiles = []  # (row, col, kept pairs, real pairs, stays)
+  for i, j in np.ndindex(-(-s // bq), -(-s // bkv)):
+    q0, q1, k0, k1 = i * bq, min((i + 1) * bq, s), j * bkv, min((j + 1) * bkv, s)
+    kept = int(exact[q0:q1, k0:k1].sum())
+    if kept:
+      real = (q1 - q0) * (k1 - k0)
+      tiles.append((i, j, kept, real, kept == real or max(q0, k0) < min(q1, k1)))
+  stay = {(i, j) for i, j, _, _, st in tiles if st}
+  free = sorted((t for t in tiles if not t[4]), key=lambda t: (-t[2] / t[3], -t[2], t[0], t[1]))
+  budget = int(exact.sum()) - sum(t[3] for t in tiles if t[4])
+  totals = np.cumsum([0] + [t[3] for t in free])
+  best = int(np.argmin(np.abs(totals - budget)))
+  want = stay | {(t[0], t[1]) for t in free[:best]}
+  got = {tuple(ij) for ij in np.argwhere(plan.tile_map() != EMPTY)}
+  assert got == want
+  assert plan.stats.kept_pairs == sum(t[3] for t in tiles if (t[0], t[1]) in want)
+  # No other prefix is closer to the budget, and the miss is under half the largest free tile.
+  assert abs(totals[best] - budget) == np.abs(totals - budget).min()
+  assert abs(plan.stats.kept_pairs - exact.sum()) <= max([t[3] for t in free], default=0) / 2
+
+
 @pytest.mark.parametrize("resolution", ["480p", "720p", "1080p", "1440p"])
 @pytest.mark.parametrize("density", [0.2, 0.3, 0.35, 0.5])
 def test_aligned_budget_within_two_percent_at_real_sizes(resolution, density):

@@ -30,7 +30,8 @@ def test_splash_lowers_to_the_mosaic_kernel_for_tpu(resolution, mode, batch):
   shape = (batch, HEADS, grid.tokens, HEAD_DIM)
   module = export(fn, shape, "tpu")
   assert module.count("tpu_custom_call") == 1  # the kernel, not its interpreter
-  assert len(module) < 2_000_000  # no S-sized constant embedded in the executable
+  # The tile tables (O(tiles)) are its only size-dependent constants: no S-sized mask.
+  assert len(module) < 100 * 1024, len(module)  # README: under 100 KiB (1440p split: 98)
   if mode == "naive" and batch == 1:  # the same function lowered for CPU interprets instead
     assert "tpu_custom_call" not in export(fn, shape, "cpu")
 
