@@ -34,10 +34,10 @@ def set_denoising_schedule(model, timesteps) -> None:
   hooks.set_denoising_schedule(model, timesteps)
 
 
-def record_calls():
+def record_calls(arrays: bool = False):
   """See :func:`maxdiffusion_svg.plugin.kernel.record_calls`."""
   from maxdiffusion_svg.plugin.kernel import record_calls as record  # pylint: disable=import-outside-toplevel
-  return record()
+  return record(arrays)
 
 
 __all__ = ["KERNEL_NAME", "PluginSettings", "prepare_transformer", "record_calls", "register",

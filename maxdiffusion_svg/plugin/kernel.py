@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
@@ -26,37 +27,46 @@ from maxdiffusion_svg.sharding import sharded_svg_attention
 
 _CALL_LOG: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
     "svg_call_log", default=None)
+_CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("svg_capture", default=False)
 
 
 @contextlib.contextmanager
-def record_calls() -> Iterator[list[dict[str, Any]]]:
+def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
   """Logs every ``svg`` kernel execution of the functions traced inside the block.
 
   A test and benchmark aid: each execution appends ``{"kind", "sparse", "step", "layer",
   "expert", "density"}`` (``kind``: ``self``, or ``cross``/``masked``/``short`` for dense
   calls; ``density``: the sparse branch's)
   through ``jax.debug.callback``, so steps and layers are the traced values of that run.
+  ``arrays``: self-attention entries also get ``"qkv_out"``, the call's global ``[B, H, S, D]``
+  q, k, v and output as NumPy arrays, so a test can recompute the call independently.
   Call ``jax.effects_barrier()`` before reading the list.
   """
   log: list[dict[str, Any]] = []
-  token = _CALL_LOG.set(log)
+  token, capture = _CALL_LOG.set(log), _CAPTURE.set(arrays)
   try:
     yield log
   finally:
     _CALL_LOG.reset(token)
+    _CAPTURE.reset(capture)
 
 
 def _record(kind: str, expert: str | None, sparse: Any = False, step: Any = -1,
-            layer: Any = -1, density: float | None = None) -> None:
+            layer: Any = -1, density: float | None = None,
+            arrays: tuple[jax.Array, ...] = ()) -> None:
   log = _CALL_LOG.get()
   if log is None:
     return
 
-  def append(sparse, step, layer):
-    log.append({"kind": kind, "sparse": bool(sparse), "step": int(step), "layer": int(layer),
-                "expert": expert, "density": density})
+  def append(sparse, step, layer, *values):
+    entry = {"kind": kind, "sparse": bool(sparse), "step": int(step), "layer": int(layer),
+             "expert": expert, "density": density}
+    if values:
+      entry["qkv_out"] = tuple(np.asarray(x) for x in values)
+    log.append(entry)
 
-  jax.debug.callback(append, jnp.asarray(sparse), jnp.asarray(step), jnp.asarray(layer))
+  jax.debug.callback(append, jnp.asarray(sparse), jnp.asarray(step), jnp.asarray(layer),
+                     *(arrays if _CAPTURE.get() else ()))
 
 
 def _is_everything(interval: Interval) -> bool:
@@ -138,10 +148,10 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if layer is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: a self-attention op of {call.model} has no "
                      f"layer index (prepare_transformer tags blocks[*].attn1 only)")
-  _record("self", call.expert, schedule.is_active(step, layer), step, layer,
-          settings.svg.density_for(call.expert))
   out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                               config=settings.svg, scale=context["scale"], step=step,
                               layer=layer, expert=call.expert,
                               qkv_spec=qkv_layout(context["axis_names_q"]))
+  _record("self", call.expert, schedule.is_active(step, layer), step, layer,
+          settings.svg.density_for(call.expert), arrays=(q, k, v, out))
   return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

@@ -1,6 +1,7 @@
 """The svg kernel through MaxDiffusion's own denoising loops: steps, warm-up, Wan 2.2 experts."""
 
 import jax
+import numpy as np
 import pytest
 
 from md_required import require_maxdiffusion
@@ -11,7 +12,11 @@ require_maxdiffusion()
 from maxdiffusion.models import attention_flax
 
 from maxdiffusion_svg import plugin
+from maxdiffusion_svg.attention import dense_tiled_attention, scheduled_svg_attention
+from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_wan
+
+GRID = VideoGrid(9, 8, 8)  # tiny_wan.VIDEO's latent, patchified
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,6 +42,19 @@ def self_calls(log):
   return [(r["step"], r["layer"], r["sparse"]) for r in log if r["kind"] == "self"]
 
 
+def recompute(record, svg, expert=None):
+  """The call recomputed on one device from its captured q, k, v: the schedule's branch
+  for the logged step and layer, as the library computes it."""
+  q, k, v, _ = record["qkv_out"]
+  return np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg, step=record["step"],
+                                            layer=record["layer"], expert=expert))
+
+
+def assert_close(got, want, atol=1e-5):
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got / scale, want / scale, atol=atol)
+
+
 @pytest.mark.parametrize("scan_diffusion_loop", [False, True])
 def test_steps_follow_the_schedule_after_a_shorter_warmup_with_one_compile(
     tmp_path, traced_kernels, scan_diffusion_loop):
@@ -47,16 +65,30 @@ def test_steps_follow_the_schedule_after_a_shorter_warmup_with_one_compile(
   mesh = tiny_wan.make_mesh(config, 8)
   pipeline = tiny_wan.pipeline_2_1(config, mesh, tiny_wan.build_transformer(config, mesh))
   _, text = tiny_wan.inputs(batch=1)
-  with plugin.record_calls() as log:
-    tiny_wan.generate(pipeline, 2, text, guidance_scale=5.0)  # generate_wan's warm-up
+  with plugin.record_calls(arrays=True) as log:
+    warm = tiny_wan.generate(pipeline, 2, text, guidance_scale=5.0)  # generate_wan's warm-up
     jax.effects_barrier()
     warmup = len(log)
-    tiny_wan.generate(pipeline, 5, text, guidance_scale=5.0)
+    latents = tiny_wan.generate(pipeline, 5, text, guidance_scale=5.0)
     jax.effects_barrier()
   assert self_calls(log[:warmup]) == [(s, l, False) for s in range(2) for l in range(2)]
   assert self_calls(log[warmup:]) == [(s, l, s >= 2 and l >= 1)
                                       for s in range(5) for l in range(2)]
   assert sorted(traced_kernels) == ["cross_attn", "self_attn"]  # one compile for both runs
+  # What each call computed, not just what it logged: dense steps give the dense executor's
+  # output exactly, sparse ones the library's SVG for that step and layer.
+  svg = pipeline.transformer.svg_settings.svg
+  for record in (r for r in log if r["kind"] == "self"):
+    q, k, v, out = record["qkv_out"]
+    if record["sparse"]:
+      assert_close(out, recompute(record, svg))
+      assert not np.allclose(out, np.asarray(dense_tiled_attention(q, k, v, grid=GRID, config=svg)),
+                             atol=1e-4)
+    else:
+      np.testing.assert_array_equal(out, np.asarray(dense_tiled_attention(q, k, v, grid=GRID,
+                                                                          config=svg)))
+  assert np.isfinite(np.asarray(latents)).all() and np.isfinite(np.asarray(warm)).all()
+  assert np.asarray(latents).shape == np.asarray(warm).shape
 
 
 def test_wan22_experts_use_their_own_densities(tmp_path, traced_kernels):
@@ -70,9 +102,17 @@ def test_wan22_experts_use_their_own_densities(tmp_path, traced_kernels):
   assert (high.svg_expert, low.svg_expert) == ("high_noise", "low_noise")
   pipeline = tiny_wan.pipeline_2_2(config, mesh, high, low)
   _, text = tiny_wan.inputs(batch=1)
-  with plugin.record_calls() as log:
+  with plugin.record_calls(arrays=True) as log:
     tiny_wan.generate(pipeline, 4, text)
     jax.effects_barrier()
+  # Each expert's calls are its own SVG: recomputed from the captured q, k, v with its
+  # expert they match, with the other expert's density they do not.
+  svg = high.svg_settings.svg
+  other = {"high_noise": "low_noise", "low_noise": "high_noise"}
+  for record in (r for r in log if r["kind"] == "self"):
+    out = record["qkv_out"][3]
+    assert_close(out, recompute(record, svg, record["expert"]))
+    assert not np.allclose(out, recompute(record, svg, other[record["expert"]]), atol=1e-4)
   calls = [(r["step"], r["expert"], r["density"]) for r in log if r["kind"] == "self"]
   experts = {step: expert for step, expert, _ in calls}
   assert set(experts.values()) == {"high_noise", "low_noise"}  # both ran
