@@ -249,3 +249,26 @@ def test_layout_axes_read_the_spec_and_refuse_what_the_exchange_cannot_match():
     layout_axes(mesh, P("data", None, None, None))
   with pytest.raises(ValueError, match=r"names \['sequence'\], not axes of the mesh"):
     layout_axes(mesh, P("data", None, "sequence", None))
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_each_expert_gets_its_own_density_through_the_exchange(scheduled):
+  """Wan 2.2: the expert reaches the local call, so each expert's sharded output is its own
+  single-device SVG (and the two differ: the densities really differ)."""
+  mesh = mesh_of((1, 1, 8, 1))
+  cfg = config(high_noise_density=0.6, low_noise_density=0.2,
+               schedule=Schedule(Interval(2, None), Interval(1, None)))  # step 3, layer 1: sparse
+  q, k, v = planted(batch=1, seed=12)
+  when = {"step": 3, "layer": 1} if scheduled else {}
+  outs = {}
+  for expert in ("high_noise", "low_noise"):
+    if scheduled:
+      want = scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, expert=expert, key=KEY,
+                                     **when)
+    else:
+      want = svg_attention(q, k, v, grid=GRID, config=cfg, expert=expert, key=KEY)
+    outs[expert] = np.asarray(jax.jit(lambda q, k, v, expert=expert: sharded_svg_attention(
+        q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY, expert=expert, **when))(
+            *sharded(mesh, q, k, v)))
+    np.testing.assert_allclose(outs[expert], np.asarray(want), atol=1e-5)
+  assert not np.allclose(outs["high_noise"], outs["low_noise"], atol=1e-3)
