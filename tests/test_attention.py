@@ -99,6 +99,11 @@ def test_routing_flags_steps_and_layers_change_without_recompiling():
   np.testing.assert_allclose(np.asarray(outs[3, 0, id(spatial_first)]), dense, atol=2e-5)  # layer 0
   np.testing.assert_allclose(np.asarray(outs[3, 2, id(spatial_first)]), sparse, atol=2e-5)
   assert np.abs(sparse - dense).max() > 1e-3  # the sparse branch really is sparse
+  # Every other call, the reversed head types included, against its own uncompiled result.
+  for (step, layer, data), out in outs.items():
+    data = spatial_first if data == id(spatial_first) else temporal_first
+    want = scheduled_svg_attention(*data, grid=GRID, config=cfg, step=step, layer=layer)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
 
 
 def test_python_int_schedule_decides_at_trace_time():

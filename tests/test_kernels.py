@@ -120,8 +120,9 @@ def test_one_compilation_per_shape_and_plan():
     return sparse_attention(q, k, v, plan, backend="xla")
 
   q, k, v = qkv(grid)
-  run(q, k, v)
-  run(q + 1, k, v * 2)
+  for args in ((q, k, v), (q + 1, k, v * 2)):  # new values, one executable, right answers
+    np.testing.assert_allclose(np.asarray(run(*args)), np.asarray(plan_reference(*args, plan)),
+                               atol=2e-5)
   assert len(traces) == 1
 
 
