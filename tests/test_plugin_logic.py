@@ -1,10 +1,22 @@
 """The plugin's pure logic, with small stand-ins for MaxDiffusion (which CI cannot install)."""
 
+import pathlib
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin import hooks
 from maxdiffusion_svg.plugin.kernel import qkv_layout
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.target import tpu_target
 
 # The logical names MaxDiffusion gives self-attention's q ([B, H, S, D]), and rules in the
 # shape of its Wan configs': heads on (context, tensor), no rule for the sequence.
@@ -26,3 +38,152 @@ def test_the_qkv_layout_is_the_rules_with_ulysses_heads_and_sequence(rules, want
   ulysses rules); the batch and head dims as the config's rules map them."""
   with nn_partitioning.axis_rules(rules):
     assert qkv_layout(SELF_ATTN_Q) == want
+
+
+# ------------------------------------------------ the WanModel hook: grid and step
+
+
+TIMESTEPS = [999.0, 937.5, 833.3, 666.7, 400.0]  # a 5-step run, decreasing
+
+
+class StandInWan:
+  """What the hooks read of a WanModel: config.patch_size and the blocks' self-attention."""
+
+  def __init__(self, layers=2):
+    self.config = types.SimpleNamespace(patch_size=(1, 2, 2))
+    self.scan_layers, self.num_layers = False, layers
+    self.blocks = [types.SimpleNamespace(attn1=types.SimpleNamespace(
+        attention_op=types.SimpleNamespace(residual_checkpoint_name="self_attn")))
+        for _ in range(layers)]
+
+
+def seen_by_the_kernel(model, latent_shape, timestep):
+  """The ModelCall a kernel inside the wrapped ``WanModel.__call__`` sees."""
+  seen = []
+
+  def call(self, hidden_states, timestep):
+    seen.append(hooks.current_model_call())
+    return hidden_states
+
+  hooks._model_call(call)(model, jnp.zeros(latent_shape), timestep)  # pylint: disable=protected-access
+  return seen[0]
+
+
+def test_the_grid_is_the_latent_over_the_patch():
+  call = seen_by_the_kernel(StandInWan(), (2, 4, 9, 16, 12), jnp.int32(500))
+  assert call.grid == VideoGrid(9, 8, 6) and call.model == "StandInWan"
+  assert call.settings is None and call.step is None  # not prepared: the kernel refuses it
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_the_step_is_the_timesteps_index_scalar_or_per_token(index):
+  """Wan 2.1/2.2 pass one timestep per example; Wan 2.2 TI2V one per token, 0 on the
+  conditioning frame: the step is the largest's."""
+  model = hooks.prepare_transformer(StandInWan(), PluginSettings.from_mapping({}))
+  hooks.set_denoising_schedule(model, TIMESTEPS)
+  t = TIMESTEPS[index]
+  per_token = jnp.full((2, 9 * 8 * 6), t).at[:, :8 * 6].set(0.0)  # first frame: t = 0
+  for timestep in (jnp.full((2,), t), per_token):
+    assert int(seen_by_the_kernel(model, (2, 4, 9, 16, 12), timestep).step) == index
+  # Traced, as in the jitted forward: one function for every step.
+  step = jax.jit(lambda ts: seen_by_the_kernel(model, (2, 4, 9, 16, 12), ts).step)
+  assert int(step(per_token)) == index
+
+
+def test_no_schedule_no_step():
+  model = hooks.prepare_transformer(StandInWan(), PluginSettings.from_mapping({}))
+  assert seen_by_the_kernel(model, (1, 4, 9, 16, 12), jnp.int32(3)).step is None
+  with pytest.raises(ValueError, match="at most 1000 denoising steps"):
+    hooks.set_denoising_schedule(model, np.arange(1001.0)[::-1])
+
+
+# ------------------------------------------------ the transformer factory hook: the expert
+
+
+@pytest.fixture
+def max_logging(monkeypatch):
+  """MaxDiffusion's logger, stood in (the hook logs the settings it applied)."""
+  lines = []
+  package = types.ModuleType("maxdiffusion")
+  package.max_logging = types.SimpleNamespace(log=lines.append)
+  monkeypatch.setitem(sys.modules, "maxdiffusion", package)
+  monkeypatch.setitem(sys.modules, "maxdiffusion.max_logging", package.max_logging)
+  return lines
+
+
+class StandInConfig:
+
+  def __init__(self, model_name="wan2.2", attention="svg", **keys):
+    self.model_name, self.attention = model_name, attention
+    self.keys = {"attention": attention, "model_name": model_name, **keys}
+
+  def get_keys(self):
+    return self.keys
+
+
+def create(config, subfolder, loaded=None):
+  def factory(devices_array, mesh, rngs, config, restored_checkpoint=None, subfolder=""):
+    if loaded is not None:
+      loaded.append(subfolder)
+    return StandInWan()
+  return hooks._create_transformer(factory)(None, None, None, config, subfolder=subfolder)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("model_name, subfolder, expert", [
+    ("wan2.2", "transformer", "high_noise"), ("wan2.2", "transformer_2", "low_noise"),
+    ("wan2.1", "transformer", None), ("wan2.1", "", None)])
+def test_the_expert_comes_from_the_subfolder_of_a_wan22_checkpoint(max_logging, model_name,
+                                                                   subfolder, expert):
+  config = StandInConfig(model_name, svg_high_noise_density=0.5, svg_low_noise_density=0.2)
+  model = create(config, subfolder)
+  assert model.svg_expert == expert
+  assert model.svg_settings.svg.density_for(expert) == {"high_noise": 0.5, "low_noise": 0.2,
+                                                        None: 0.3}[expert]
+  assert len(max_logging) == 1 and (expert or "transformer") in max_logging[0]
+
+
+def test_other_kernels_are_left_alone_and_bad_keys_fail_before_loading(max_logging):
+  assert not hooks.is_prepared(create(StandInConfig(attention="flash"), "transformer"))
+  loaded = []
+  with pytest.raises(ValueError, match="svg_density"):
+    create(StandInConfig(svg_density=1.5), "transformer", loaded)
+  assert loaded == [] and max_logging == []  # refused before the factory ran
+
+
+def test_the_settings_summary_says_what_will_run():
+  settings = PluginSettings.from_mapping({"svg_schedule": "moderate", "svg_low_noise_density": 0.2,
+                                          "num_inference_steps": 50})
+  given = settings.summary()
+  assert "density 0.3 (high-noise 0.3, low-noise 0.2)" in given and "default" in given
+  on_v6e = settings.summary(tpu_target("v6e"))
+  assert "3328x1536" in on_v6e and "splash" in on_v6e and "flash" in on_v6e
+
+
+# ------------------------------------------------ the patch script's refusals
+
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "apply_maxdiffusion_patch.sh"
+
+
+def run_script(*args):
+  return subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                        check=False)
+
+
+def test_the_patch_script_refuses_what_is_not_a_maxdiffusion_tree(tmp_path):
+  done = run_script(tmp_path)
+  assert done.returncode == 2 and "is not a MaxDiffusion source tree (no src/maxdiffusion/" \
+      "pyconfig.py)" in done.stderr
+  done = run_script()
+  assert done.returncode != 0 and "usage:" in done.stderr
+
+
+def test_the_patch_script_names_the_tested_commit_when_the_patch_does_not_apply(tmp_path):
+  source = tmp_path / "src" / "maxdiffusion"
+  source.mkdir(parents=True)
+  (source / "pyconfig.py").write_text("# not MaxDiffusion's pyconfig\n")
+  for args in ((tmp_path,), ("--check", tmp_path)):
+    done = run_script(*args)
+    assert done.returncode == 1, done
+    assert "does not apply" in done.stderr and "7cfb8801d41d" in done.stderr
+  assert (source / "pyconfig.py").read_text() == "# not MaxDiffusion's pyconfig\n"
