@@ -60,17 +60,19 @@ def psnr(video: np.ndarray, reference: np.ndarray) -> float:
   return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def generate(argv: Sequence[str], workdir: str) -> dict[str, Any]:
+def generate(argv: Sequence[str], workdir: str, record: bool = True) -> dict[str, Any]:
   """Runs the launcher in this process on ``argv`` (``[config, key=value ...]``) from
   ``workdir``: the exported ``frames`` (uint8), the pipeline ``trace`` of the last call
-  and the svg kernel's call ``log``."""
+  and the svg kernel's call ``log``. ``record=False`` leaves the log empty and the compiled
+  functions free of its callbacks (which MaxDiffusion's AOT cache cannot serialize)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from maxdiffusion_svg import plugin  # pylint: disable=import-outside-toplevel
   cwd = os.getcwd()
   os.chdir(workdir)  # generate_wan writes its MP4 into the working directory
   try:
-    with _capturing() as captured, plugin.record_calls() as log:
+    recording = plugin.record_calls() if record else contextlib.nullcontext([])
+    with _capturing() as captured, recording as log:
       launcher.run(["maxdiffusion_svg.generate", *argv])
       jax.effects_barrier()
   finally:

@@ -176,28 +176,37 @@ def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
   assert video.shape == (33, 128, 128, 3)
 
 
-def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, tmp_path):
+def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, tmp_path,
+                                                                     capfd):
   """MaxDiffusion's AOT cache keys an executable by input paths and shapes; the experts differ
   only in a static attribute (their density), so without the plugin's tag the low-noise expert
-  ran the high-noise executable. With aot_cache_dir set, a first run (compiling and saving) and a
-  second (loading) equal the run without the cache."""
+  ran the high-noise executable. With aot_cache_dir set, a first run (compiling and saving
+  each expert's forward) and a second (loading them from disk) equal the run without the
+  cache. No call log here: its callbacks would keep the forwards from being serialized."""
   config = tmp_path / "tiny_wan22.yml"
   config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
                                     **SVG_KEYS}))
+  # One guidance scale for both experts: a different one (a static argument) would key their
+  # executables apart by itself and hide the bug.
   argv = [str(config), f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
-          *TINY]
+          "guidance_scale_low=3.5", "guidance_scale_high=3.5", *TINY]
   cache = tmp_path / "aot"
-  plain, _ = launch(tmp_path, argv)
+
+  def run(*extra):
+    return wan_e2e.generate([*argv, *extra], str(tmp_path), record=False)["frames"]
+
+  plain = run()
   try:
-    first, _ = launch(tmp_path, [*argv, f"aot_cache_dir={cache}"])
-    second, _ = launch(tmp_path, [*argv, f"aot_cache_dir={cache}"])
+    first = run(f"aot_cache_dir={cache}")
+    capfd.readouterr()
+    second = run(f"aot_cache_dir={cache}")
+    loaded = capfd.readouterr()
   finally:  # the cache is process-global: later tests must not run from it
     from maxdiffusion import aot_cache  # pylint: disable=import-outside-toplevel
     aot_cache.install("", meta={}, mesh=None)
-  # The call log's debug callbacks keep the transformer executables from being serialized
-  # (MaxDiffusion logs it and stays on jit), so the second run reuses only the VAE's from disk;
-  # within each run the warm-up compiles one executable per signature and reuses it.
-  assert list(cache.glob("*.aotx"))
+  forwards = sorted(p.name for p in cache.glob("*transformer_forward_pass*.aotx"))
+  assert len(forwards) == 2, sorted(p.name for p in cache.glob("*.aotx"))  # one per expert
+  assert sum(f"loaded {name}" in loaded.out + loaded.err for name in forwards) == 2
   np.testing.assert_array_equal(first, plain)
   np.testing.assert_array_equal(second, plain)
 
