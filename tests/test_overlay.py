@@ -73,7 +73,7 @@ def test_shipped_configs_name_maxdiffusion_bases():
   bases = {p.name: yaml.safe_load(p.read_text())["base_config"]
            for p in (pathlib.Path(__file__).parent.parent / "configs").glob("*.yml")}
   assert bases == {"wan_svg.yml": "base_wan_14b.yml", "wan_svg_1_3b.yml": "base_wan_1_3b.yml",
-                   "wan22_svg.yml": "base_wan_27b.yml",
+                   "wan22_svg.yml": "base_wan_27b.yml", "wan_i2v_svg.yml": "base_wan_i2v_14b.yml",
                    "wan_svg_v6e16.yml": "wan_svg.yml"}  # a chain: ours on MaxDiffusion's
 
 

@@ -28,6 +28,11 @@ TRANSFORMER = {
     "freq_dim": 32, "ffn_dim": 64, "num_layers": 2, "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
 }
+IMAGE_DIM = 32  # the CLIP image encoder's hidden size (Wan 2.1 I2V's image_dim)
+# Wan 2.1 I2V: image tokens enter cross-attention through their own key/value projections, and
+# the transformer's input is the noise, the temporal mask (4 channels) and the image's latent.
+TRANSFORMER_I2V = {**TRANSFORMER, "image_dim": IMAGE_DIM, "added_kv_proj_dim": HEADS * HEAD_DIM,
+                   "in_channels": 2 * LATENT_CHANNELS + 4}
 # MaxDiffusion's loader reads the transformer through its shard index, so shard it.
 SHARD_SIZE = "2MB"
 
@@ -65,10 +70,27 @@ def _vae() -> diffusers.AutoencoderKLWan:
                           latents_std=[1.0] * LATENT_CHANNELS)
 
 
-def _write(directory: str, seed: int, experts: tuple[str, ...], **pipeline_config) -> str:
-  """Writes every component, then ``model_index.json`` from a diffusers ``WanPipeline``."""
+def _image_encoder() -> transformers.CLIPVisionModel:
+  """A CLIP vision tower as Wan 2.1 I2V's: 257 tokens (16x16 patches and the class token),
+  of which the pipeline takes the second-to-last hidden state."""
+  from transformers import CLIPVisionConfig, CLIPVisionModel
+  return CLIPVisionModel(CLIPVisionConfig(
+      hidden_size=IMAGE_DIM, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+      image_size=32, patch_size=2, projection_dim=IMAGE_DIM))
+
+
+def _image_processor() -> transformers.CLIPImageProcessor:
+  from transformers import CLIPImageProcessor
+  return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+
+
+def _write(directory: str, seed: int, experts: tuple[str, ...], transformer: dict | None = None,
+           image: bool = False, **pipeline_config) -> str:
+  """Writes every component, then ``model_index.json`` from a diffusers ``WanPipeline`` (or
+  ``WanImageToVideoPipeline`` with ``image``: a CLIP image encoder and its processor too)."""
   import torch
-  from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+  from diffusers import (UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
+                         WanTransformer3DModel)
   os.makedirs(directory, exist_ok=True)
   torch.manual_seed(seed)
   parts = {
@@ -76,16 +98,19 @@ def _write(directory: str, seed: int, experts: tuple[str, ...], **pipeline_confi
       "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                            flow_shift=3.0),
   }
+  if image:
+    parts.update(image_encoder=_image_encoder(), image_processor=_image_processor())
   for i, name in enumerate(experts):
     torch.manual_seed(seed + 1 + i)  # different weights for each expert
-    parts[name] = WanTransformer3DModel(**TRANSFORMER)
+    parts[name] = WanTransformer3DModel(**(transformer or TRANSFORMER))
   for name, part in parts.items():
     path = os.path.join(directory, name)
     if name.startswith("transformer"):
       part.save_pretrained(path, max_shard_size=SHARD_SIZE)
     else:
       part.save_pretrained(path)
-  WanPipeline(**parts, **pipeline_config).save_config(directory)
+  pipeline = WanImageToVideoPipeline if image else WanPipeline
+  pipeline(**parts, **pipeline_config).save_config(directory)
   return directory
 
 
@@ -98,3 +123,17 @@ def write_wan22(directory: str, *, seed: int = 0) -> str:
   """A tiny Wan 2.2 A14B-style T2V checkpoint: ``transformer`` is the high-noise expert,
   ``transformer_2`` the low-noise one, as in diffusers."""
   return _write(directory, seed, ("transformer", "transformer_2"), boundary_ratio=0.875)
+
+
+def write_wan21_i2v(directory: str, *, seed: int = 0) -> str:
+  """A tiny Wan 2.1 I2V checkpoint (CLIP image encoder, image cross-attention); returns it."""
+  return _write(directory, seed, ("transformer",), transformer=TRANSFORMER_I2V, image=True)
+
+
+def write_image(path: str, size: int = 128, seed: int = 0) -> str:
+  """A random RGB PNG to condition I2V on; returns ``path``."""
+  import numpy as np
+  from PIL import Image
+  pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+  Image.fromarray(pixels).save(path)
+  return path

@@ -152,6 +152,7 @@ def test_patched_pyconfig_merges_as_the_launcher_does(patched_maxdiffusion, tmp_
   for path, links in [(ROOT / "configs" / "wan_svg.yml", 2),
                       (ROOT / "configs" / "wan_svg_1_3b.yml", 2),
                       (ROOT / "configs" / "wan22_svg.yml", 2),
+                      (ROOT / "configs" / "wan_i2v_svg.yml", 2),
                       (ROOT / "configs" / "wan_svg_v6e16.yml", 3), (nested, 2)]:
     result = subprocess.run(
         [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
@@ -174,6 +175,41 @@ def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
   densities = {(r["expert"], r["density"]) for r in log if r["kind"] == "self"}
   assert densities == {("high_noise", 0.5), ("low_noise", 0.2)}
   assert video.shape == (33, 128, 128, 3)
+
+
+def test_wan21_i2v_is_sparse_in_self_attention_and_dense_where_the_image_enters(
+    tmp_path_factory, tmp_path):
+  """Wan 2.1 I2V through MaxDiffusion's I2V pipeline, from configs/wan_i2v_svg.yml: a tiny CLIP
+  image encoder, the image's tokens in cross-attention (their own key/value projections and
+  a padding mask), which runs dense; self-attention follows the schedule. At density 1 the
+  video is the dense one; at 0.3 it is sparse and close."""
+  base = tmp_path_factory.mktemp("i2v")
+  checkpoint = tiny_checkpoint.write_wan21_i2v(str(base / "checkpoint"))
+  image = tiny_checkpoint.write_image(str(base / "image.png"))
+  config = tmp_path / "tiny_i2v.yml"
+  config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_i2v_svg.yml"),
+                                    **SVG_KEYS}))
+  common = [str(config), f"pretrained_model_name_or_path={checkpoint}", f"image_url={image}",
+            *TINY]
+  runs = {}
+  for name, extra in (("dense", ["attention=dot_product"]), ("one", ["svg_density=1.0"]),
+                      ("sparse", ["svg_density=0.3"])):
+    (tmp_path / name).mkdir()
+    runs[name] = launch(tmp_path / name, [*common, *extra])
+  dense, _ = runs["dense"]
+  video, log = runs["sparse"]
+  assert video.shape == dense.shape == (33, 128, 128, 3)
+  self_calls = [(r["step"], r["layer"], r["sparse"]) for r in log if r["kind"] == "self"]
+  assert self_calls[-2 * STEPS:] == [(s, l, s >= 1 and l >= 1) for s in range(STEPS)
+                                     for l in range(2)]
+  # Each block's cross-attention is two dense calls: the text's and the image's (masked).
+  assert sum(r["kind"] == "cross" for r in log) == 2 * len(self_calls)
+  assert all(not r["sparse"] for r in log if r["kind"] != "self")
+  diff = np.abs(runs["one"][0].astype(int) - dense.astype(int))
+  assert diff.max() <= 1 and diff.mean() < 1e-3, (diff.max(), diff.mean())
+  quality = wan_e2e.psnr(video, dense)
+  print(f"tiny Wan 2.1 I2V, density 0.3: video PSNR {quality:.1f} dB against dense")
+  assert 20 < quality < 80
 
 
 def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, tmp_path,
