@@ -85,9 +85,10 @@ def _image_processor() -> transformers.CLIPImageProcessor:
 
 
 def _write(directory: str, seed: int, experts: tuple[str, ...], transformer: dict | None = None,
-           image: bool = False, **pipeline_config) -> str:
+           image: bool = False, i2v: bool = False, **pipeline_config) -> str:
   """Writes every component, then ``model_index.json`` from a diffusers ``WanPipeline`` (or
-  ``WanImageToVideoPipeline`` with ``image``: a CLIP image encoder and its processor too)."""
+  ``WanImageToVideoPipeline`` with ``i2v``; ``image`` adds a CLIP image encoder and its
+  processor)."""
   import torch
   from diffusers import (UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
                          WanTransformer3DModel)
@@ -109,7 +110,7 @@ def _write(directory: str, seed: int, experts: tuple[str, ...], transformer: dic
       part.save_pretrained(path, max_shard_size=SHARD_SIZE)
     else:
       part.save_pretrained(path)
-  pipeline = WanImageToVideoPipeline if image else WanPipeline
+  pipeline = WanImageToVideoPipeline if i2v or image else WanPipeline
   pipeline(**parts, **pipeline_config).save_config(directory)
   return directory
 
@@ -128,6 +129,14 @@ def write_wan22(directory: str, *, seed: int = 0) -> str:
 def write_wan21_i2v(directory: str, *, seed: int = 0) -> str:
   """A tiny Wan 2.1 I2V checkpoint (CLIP image encoder, image cross-attention); returns it."""
   return _write(directory, seed, ("transformer",), transformer=TRANSFORMER_I2V, image=True)
+
+
+def write_wan22_i2v(directory: str, *, seed: int = 0) -> str:
+  """A tiny Wan 2.2 A14B-style I2V checkpoint: two experts conditioned on the image's latent
+  (no image encoder, no image cross-attention); returns ``directory``."""
+  transformer = {**TRANSFORMER, "in_channels": 2 * LATENT_CHANNELS + 4}
+  return _write(directory, seed, ("transformer", "transformer_2"), transformer=transformer,
+                i2v=True, boundary_ratio=0.9)
 
 
 def write_image(path: str, size: int = 128, seed: int = 0) -> str:
