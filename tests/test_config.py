@@ -8,6 +8,7 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.schedule import PRESETS, Interval, Schedule
 from maxdiffusion_svg.tiles import TileMode
+from shipped_configs import own_chain
 
 EVERY_KEY = {
     "svg_density": 0.25,
@@ -116,9 +117,7 @@ def test_shipped_yaml_fragments_are_valid():
   files = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yml"))
   assert files
   for path in files:
-    data = yaml.safe_load(path.read_text())
-    while (path.parent / data["base_config"]).is_file():  # our own bases (MaxDiffusion's aside)
-      data = {**yaml.safe_load((path.parent / data.pop("base_config")).read_text()), **data}
+    data = own_chain(path)
     assert data["attention"] == "svg"
     settings = PluginSettings.from_mapping({**data, "num_inference_steps": 40})
     assert settings.svg.tile_mode is TileMode.ALIGNED and settings.dense_kernel is None

@@ -14,6 +14,7 @@ import zipfile
 
 import pytest
 import yaml
+from shipped_configs import own_chain
 
 ROOT = pathlib.Path(__file__).parent.parent
 GKE = ROOT / "scripts" / "gke"
@@ -25,9 +26,7 @@ LABEL = "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
 
 def merged_config(name: str) -> dict:
   """Our chain of configs, over base_wan_14b.yml's mesh keys (context auto, the rest 1)."""
-  data = yaml.safe_load((ROOT / "configs" / name).read_text())
-  while (ROOT / "configs" / data.get("base_config", "")).is_file():
-    data = {**yaml.safe_load((ROOT / "configs" / data.pop("base_config")).read_text()), **data}
+  data = own_chain(ROOT / "configs" / name)
   return {"ici_data_parallelism": 1, "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 1,
           "ici_context_parallelism": -1, **data}
 
