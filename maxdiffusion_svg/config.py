@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import yaml
+
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import BACKENDS, XLA_BLOCKS, resolve_backend
 from maxdiffusion_svg.kernels.tpu_memory import SplashTiles, default_kv_compute, default_splash_tiles
@@ -19,6 +21,12 @@ from maxdiffusion_svg.tiles import TileMode, TilePlan, check_block_size, plan_ti
 DEFAULT_NUM_STEPS = 50
 DEFAULT_PRESET = "moderate"
 EXPERTS = ("high_noise", "low_noise")  # Wan 2.2's two transformers
+# Values that leave a key unset, so that every key can sit in a YAML with a typed value
+# (MaxDiffusion overrides only keys its config holds, and cannot override a null).
+PRESET = "preset"  # svg_density, svg_active_steps/layers: svg_schedule's preset decides
+SHARED = "svg_density"  # svg_high/low_noise_density: the same as svg_density
+UNSET_BY = {"svg_density": PRESET, "svg_active_steps": PRESET, "svg_active_layers": PRESET,
+            "svg_high_noise_density": SHARED, "svg_low_noise_density": SHARED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +138,18 @@ class SvgConfig:
     silently ignored. ``extra_keys`` are ``svg_*`` keys a caller reads itself (the
     MaxDiffusion plugin's); they are allowed and left alone.
     """
-    allowed = set(_KEYS) | {"svg_schedule"} | set(extra_keys)
+    allowed = set(KEYS) | {"svg_schedule"} | set(extra_keys)
     unknown = sorted(k for k in mapping if k.startswith("svg_") and k not in allowed)
     if unknown:
       raise ValueError(f"unknown SVG config key(s) {', '.join(unknown)}; allowed: "
                        f"{', '.join(sorted(allowed))}")
     svg = {k: v for k, v in mapping.items() if k in allowed}
+    for key, unset in UNSET_BY.items():
+      value = _given(svg, key, unset)
+      if value is None:
+        svg.pop(key, None)
+      else:
+        svg[key] = value
     steps = num_steps if num_steps is not None else mapping.get("num_inference_steps",
                                                                  DEFAULT_NUM_STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -143,7 +157,7 @@ class SvgConfig:
     preset = get_preset(svg.get("svg_schedule", DEFAULT_PRESET))
     base = preset.schedule(steps)
     kwargs: dict[str, Any] = {"density": preset.density}
-    for key, field in _KEYS.items():
+    for key, field in KEYS.items():
       if key in svg and field not in ("active_steps", "active_layers"):
         kwargs[field] = svg[key]
     kwargs["schedule"] = Schedule(
@@ -154,8 +168,23 @@ class SvgConfig:
     return cls(**kwargs)
 
 
+def _given(svg: Mapping[str, Any], key: str, unset: str) -> Any:
+  """A key's value, or None where it is absent or says ``unset``. Text is read as YAML: a
+  command line types an override like the config's value, so ``svg_density=0.3`` arrives as
+  the string ``"0.3"`` where the config holds ``preset``."""
+  value = svg.get(key)
+  if not isinstance(value, str):
+    return value
+  if value.strip() == unset:
+    return None
+  try:
+    return yaml.safe_load(value)
+  except yaml.YAMLError as e:
+    raise ValueError(f"{key}: cannot read {value!r} (give a value, or {unset!r})") from e
+
+
 # Flat YAML key -> SvgConfig field (svg_schedule is the preset, handled apart).
-_KEYS = {
+KEYS = {
     "svg_density": "density",
     "svg_high_noise_density": "high_noise_density",
     "svg_low_noise_density": "low_noise_density",

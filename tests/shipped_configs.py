@@ -14,3 +14,15 @@ def own_chain(path: pathlib.Path) -> dict:
   while (CONFIGS / data.get("base_config", "")).is_file():
     data = {**yaml.safe_load((CONFIGS / data.pop("base_config")).read_text()), **data}
   return data
+
+
+# A command-line value for every svg_* key, each different from the key's default.
+OVERRIDES = {
+    "svg_schedule": "aggressive", "svg_density": "0.2", "svg_active_steps": "[3, -1]",
+    "svg_active_layers": "[2, -1]", "svg_high_noise_density": "0.5",
+    "svg_low_noise_density": "0.25", "svg_tile_mode": "split", "svg_block_q": "1024",
+    "svg_block_kv": "1024", "svg_block_kv_compute": "512", "svg_backend": "xla",
+    "svg_vmem_limit_kib": "65536", "svg_include_sink": "false", "svg_profile_queries": "32",
+    "svg_profile_pool": "prefix", "svg_sample_max_row": "5000", "svg_profile_masks": "probe",
+    "svg_profile_seed": "3", "svg_dense_kernel": "dot_product", "svg_min_seq_length": "1024",
+}

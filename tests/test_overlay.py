@@ -7,6 +7,7 @@ import yaml
 
 from maxdiffusion_svg.plugin import overlay
 from maxdiffusion_svg.plugin.launcher import prepare_argv
+from maxdiffusion_svg.plugin.settings import config_defaults
 
 
 def write(path: pathlib.Path, **keys) -> pathlib.Path:
@@ -63,8 +64,10 @@ def test_launcher_argv_points_maxdiffusion_at_the_merged_config(tmp_path):
                              str(out))
   assert chain == [str(top), str(tmp_path / "base.yml")]
   assert argv == ["prog", str(out / "merged_config.yml"), "num_inference_steps=3", "svg_density=0.5"]
-  assert yaml.safe_load((out / "merged_config.yml").read_text()) == {
-      "attention": "svg", "num_inference_steps": 50}
+  merged = yaml.safe_load((out / "merged_config.yml").read_text())
+  # Every svg_* key is there (so each can be overridden), under the config's own keys.
+  assert merged == {**config_defaults(), "attention": "svg", "num_inference_steps": 50}
+  assert merged["svg_density"] == "preset" and merged["svg_block_kv_compute"] == 0
   with pytest.raises(ValueError, match="usage: python -m maxdiffusion_svg.generate CONFIG.yml"):
     prepare_argv(["prog", "attention=svg"], str(out))
 

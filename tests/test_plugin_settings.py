@@ -1,12 +1,15 @@
 """The plugin's settings and import hygiene (no MaxDiffusion needed)."""
 
+import ast
 import subprocess
 import sys
 
 import pytest
+import yaml
 
-from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.config import KEYS, SvgConfig
+from maxdiffusion_svg.plugin.settings import PLUGIN_KEYS, PluginSettings, config_defaults
+from shipped_configs import OVERRIDES
 
 
 def test_reads_svg_and_plugin_keys_and_ignores_the_rest():
@@ -48,3 +51,40 @@ def test_importing_the_package_touches_neither_maxdiffusion_nor_devices():
           "assert not xla_bridge.backends_are_initialized(), 'devices'\n")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
+
+
+def typed_like(default, text):
+  """A command-line value as MaxDiffusion's pyconfig types it: like the config's value."""
+  if isinstance(default, bool):
+    return text.lower() == "true"
+  if isinstance(default, list):
+    return ast.literal_eval(text)
+  return type(default)(text)
+
+
+def test_config_defaults_hold_every_key_with_a_typed_value_meaning_the_default():
+  defaults = config_defaults()
+  assert set(defaults) == set(OVERRIDES) == {*KEYS, "svg_schedule", *PLUGIN_KEYS}
+  assert all(value is not None for value in defaults.values())  # a YAML null cannot be overridden
+  assert PluginSettings.from_mapping(defaults) == PluginSettings.from_mapping({})
+
+
+@pytest.mark.parametrize("key", sorted(OVERRIDES))
+def test_every_key_overrides_the_defaults_as_maxdiffusion_types_it(key):
+  """The config holds the default (e.g. svg_density: preset, a string), so the command line's
+  svg_density=0.2 arrives typed like it; it must still mean 0.2."""
+  defaults = config_defaults()
+  text = OVERRIDES[key]
+  got = PluginSettings.from_mapping({**defaults, key: typed_like(defaults[key], text)})
+  assert got == PluginSettings.from_mapping({key: yaml.safe_load(text)})
+  assert got != PluginSettings.from_mapping({})
+
+
+def test_unset_words_and_unreadable_text_name_the_key():
+  assert PluginSettings.from_mapping({"svg_schedule": "aggressive", "svg_density": "preset"}) \
+      == PluginSettings.from_mapping({"svg_schedule": "aggressive"})
+  with pytest.raises(ValueError, match=r"svg_density must be a number in \(0, 1\], got 'dense'"):
+    PluginSettings.from_mapping({"svg_density": "dense"})
+  with pytest.raises(ValueError, match=r"svg_active_steps: cannot read '\[3, ' \(give a value, "
+                                       r"or 'preset'\)"):
+    PluginSettings.from_mapping({"svg_active_steps": "[3, "})

@@ -2,7 +2,7 @@
 an unmodified MaxDiffusion.
 
 Merges the config's ``base_config`` chain into one complete YAML (in a temporary folder,
-kept for the run), registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
+kept for the run) over every ``svg_*`` key's default, registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
 way its own ``__main__`` does. The SVG summary line is logged when each transformer is built.
 """
 
@@ -14,6 +14,7 @@ import tempfile
 from typing import Any, Mapping, Sequence
 
 from maxdiffusion_svg.plugin import overlay, preflight
+from maxdiffusion_svg.plugin.settings import config_defaults
 
 
 def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
@@ -22,6 +23,7 @@ def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[s
   if len(argv) < 2 or "=" in argv[1]:
     raise ValueError("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
   config, chain = overlay.load_config(argv[1])
+  config = {**config_defaults(), **config}  # every svg_* key, so each can be overridden
   check_run_name(config, argv[2:])
   merged = overlay.write_config(config, f"{directory}/merged_config.yml")
   return [argv[0], merged, *argv[2:]], chain

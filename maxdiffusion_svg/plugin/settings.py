@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from maxdiffusion_svg.config import DEFAULT_PRESET, SvgConfig
+import enum
+
+from maxdiffusion_svg.config import KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.target import Target
 
@@ -85,3 +87,20 @@ class PluginSettings:
     if self.dense_kernel is not None:
       return self.dense_kernel
     return "flash" if platform == "tpu" else "dot_product"
+
+
+def config_defaults() -> dict[str, Any]:
+  """Every ``svg_*`` key with a value that means "the default", for a config to hold.
+
+  MaxDiffusion overrides from the command line only keys its YAML holds (and never a null),
+  so the launcher and the patched ``pyconfig`` (entry point group
+  ``maxdiffusion.config_defaults``) put these under every config: ``svg_density=0.3`` then
+  works whatever the config sets. Values equal the settings of an empty config.
+  """
+  svg = SvgConfig()
+  values: dict[str, Any] = {"svg_schedule": DEFAULT_PRESET, **UNSET_BY}
+  for key, field in KEYS.items():
+    if key not in values:
+      value = getattr(svg, field)
+      values[key] = 0 if value is None else value.value if isinstance(value, enum.Enum) else value
+  return {**values, "svg_dense_kernel": "", "svg_min_seq_length": DEFAULT_MIN_SEQ_LENGTH}

@@ -1,0 +1,74 @@
+"""Every svg_* key set from the command line on every shipped config, through MaxDiffusion's
+own pyconfig: behind the launcher, and in a patched MaxDiffusion (entry-point defaults)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion import pyconfig
+
+from maxdiffusion_svg.plugin import overlay
+from maxdiffusion_svg.plugin.launcher import prepare_argv
+from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
+from shipped_configs import CONFIGS, OVERRIDES
+
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yml"))
+
+
+def expected(config: pathlib.Path, key: str) -> PluginSettings:
+  """The settings the merged config with ``key`` set to its override value should give."""
+  merged, _ = overlay.load_config(config)
+  return PluginSettings.from_mapping(
+      {**config_defaults(), **merged, key: yaml.safe_load(OVERRIDES[key])})
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_launcher_lets_maxdiffusion_override_every_key(name, tmp_path):
+  config = CONFIGS / name
+  unchanged = None
+  for key, text in OVERRIDES.items():
+    argv, _ = prepare_argv(["prog", str(config), f"{key}={text}"], str(tmp_path))
+    pyconfig.initialize(argv, unittest=True)
+    got = PluginSettings.from_mapping(pyconfig.config.get_keys())
+    assert got == expected(config, key), key
+    if name == "wan_svg.yml":  # it leaves every key but the preset's to the defaults
+      if unchanged is None:
+        argv, _ = prepare_argv(["prog", str(config)], str(tmp_path))
+        pyconfig.initialize(argv, unittest=True)
+        unchanged = PluginSettings.from_mapping(pyconfig.config.get_keys())
+      assert got != unchanged, key
+
+
+PATCHED_SCRIPT = """
+import json, sys
+from maxdiffusion import pyconfig
+from maxdiffusion_svg.plugin.settings import PluginSettings
+out = {}
+for key, text in json.loads(sys.argv[2]).items():
+  pyconfig.initialize([None, sys.argv[1], f"{key}={text}"], unittest=True)
+  out[key] = repr(PluginSettings.from_mapping(pyconfig.config.get_keys()))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", ["wan_svg.yml", "wan22_svg.yml"])
+def test_a_patched_maxdiffusion_takes_every_key_from_the_plugins_defaults(
+    name, patched_maxdiffusion):
+  config = CONFIGS / name
+  done = subprocess.run(
+      [sys.executable, "-c", PATCHED_SCRIPT, str(config), json.dumps(OVERRIDES)],
+      capture_output=True, text=True, check=False,
+      env={**os.environ, "PYTHONPATH": f"{patched_maxdiffusion / 'src'}:{CONFIGS.parent}"})
+  assert done.returncode == 0, done.stderr[-3000:]
+  got = json.loads(done.stdout.split("RESULT ", 1)[1])
+  assert got == {key: repr(expected(config, key)) for key in OVERRIDES}
