@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -12,6 +13,64 @@ from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolutio
 from maxdiffusion_svg.tiles import TileMode
 
 _MODES = [m.value for m in TileMode]
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Every default in ``--help``, except the empty ones (no value, an unset switch)."""
+
+  def _get_help_string(self, action):
+    if action.default in (None, False, argparse.SUPPRESS):
+      return action.help
+    return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+  """Shows every default in ``--help``; an unknown flag is answered with the close matches."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("formatter_class", _Help)
+    super().__init__(*args, **kwargs)
+
+  def parse_known_args(self, args=None, namespace=None):
+    parsed, extra = super().parse_known_args(args, namespace)
+    flags = [a for a in extra if a.startswith("-")]
+    if flags and not getattr(parsed, "overrides_allowed", False):
+      options = [o for action in self._all_actions() for o in action.option_strings]
+      hints = []
+      for flag in flags:
+        close = difflib.get_close_matches(flag.split("=", 1)[0], options, n=3)
+        hints.append(f"{flag}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+      self.error(f"unrecognized arguments: {', '.join(hints)}")
+    return parsed, extra
+
+  def _all_actions(self):
+    actions = list(self._actions)
+    for action in self._actions:
+      if isinstance(action, argparse._SubParsersAction):  # pylint: disable=protected-access
+        for sub in action.choices.values():
+          actions += sub._actions  # pylint: disable=protected-access
+    return actions
+
+
+def _density(text: str) -> float:
+  """An argparse type: errors then name the flag the user wrote."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+  if not 0.0 < value <= 1.0:
+    raise argparse.ArgumentTypeError(f"must be in (0, 1] (band density), got {text}")
+  return value
+
+
+def _tile(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, got {text!r}") from None
+  if value <= 0 or value % 128:
+    raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, got {value}")
+  return value
 
 
 def _latent_grid(text: str) -> VideoGrid:
@@ -46,6 +105,10 @@ def _add_grid_args(parser: argparse.ArgumentParser, default: str = "720p") -> No
 
 
 def _tiles(args: argparse.Namespace) -> int:
+  if args.config:
+    return _estimate(args)
+  if args.overrides:
+    raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need --config")
   from maxdiffusion_svg.report import format_report, tile_report  # pylint: disable=import-outside-toplevel
   grid = _grid_from_args(args)
   modes = _MODES if args.mode == "all" else [args.mode]
@@ -55,9 +118,32 @@ def _tiles(args: argparse.Namespace) -> int:
     from maxdiffusion_svg.plot import plot_tiles  # pylint: disable=import-outside-toplevel
     plot_tiles(args.plot, grid, args.density, args.block_q, args.block_kv, modes,
                include_sink=not args.no_sink)
-  print(json.dumps(report, indent=2) if args.json else format_report(report))
-  if args.plot and not args.json:
+  _report(args, format_report(report), report)
+  if args.plot:
     print(f"tile map written to {args.plot}")
+  return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+  """``tiles --config FILE [key=value ...]``: the config's own video, steps and keys."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.estimate import estimate_config, format_estimate
+  from maxdiffusion_svg.plugin.overlay import load_config
+  from maxdiffusion_svg.target import tpu_target
+  # pylint: enable=import-outside-toplevel
+  config, _ = load_config(args.config)
+  for override in args.overrides:
+    if "=" not in override:
+      raise ValueError(f"overrides are key=value, got {override!r}")
+    key, text = override.split("=", 1)
+    if key not in config and not key.startswith("svg_"):
+      close = difflib.get_close_matches(key, list(config), n=3)
+      raise ValueError(f"{key} is not a key of {args.config}"
+                       + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    import yaml  # pylint: disable=import-outside-toplevel
+    config[key] = yaml.safe_load(text)
+  result = estimate_config(config, tpu_target(args.chip), layers=args.layers)
+  _report(args, format_estimate(result), result)
   return 0
 
 
@@ -70,7 +156,7 @@ def _report(args: argparse.Namespace, text: str, result: dict) -> None:
 
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+  parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
 
 def _add_devices_arg(parser: argparse.ArgumentParser, help_text: str = "simulated on CPU") -> None:
@@ -173,18 +259,31 @@ def _bench_compile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m maxdiffusion_svg",
-                                   description="Sparse VideoGen attention for MaxDiffusion: tools.")
-  sub = parser.add_subparsers(dest="command", required=True)
-  tiles = sub.add_parser("tiles", help="tile report: what a density and tile size cost per mode")
+  parser = _Parser(prog="python -m maxdiffusion_svg",
+                   description="Sparse VideoGen attention for MaxDiffusion: tools.")
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  tiles = sub.add_parser(
+      "tiles", help="tile report: what a density and tile size cost per mode; with --config, "
+                    "the estimate for a generation config")
   _add_grid_args(tiles)
-  tiles.add_argument("--density", type=float, default=0.35, help="kept-pair density in (0, 1]")
-  tiles.add_argument("--block-q", type=int, default=3328, help="query tile (multiple of 128)")
-  tiles.add_argument("--block-kv", type=int, default=1536, help="key tile (multiple of 128)")
-  tiles.add_argument("--mode", choices=_MODES + ["all"], default="all")
+  tiles.add_argument("--density", type=_density, default=0.35,
+                     help="band density in (0, 1] (the first-frame sink comes on top)")
+  tiles.add_argument("--block-q", type=_tile, default=3328, help="query tile (multiple of 128)")
+  tiles.add_argument("--block-kv", type=_tile, default=1536, help="key tile (multiple of 128)")
+  tiles.add_argument("--mode", choices=_MODES + ["all"], default="all", help="traversal mode")
   tiles.add_argument("--no-sink", action="store_true", help="drop the first-frame attention sink")
-  tiles.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+  _add_json_arg(tiles)
   tiles.add_argument("--plot", metavar="FILE.png", help="draw tile maps and a token-mask crop")
+  estimate = tiles.add_argument_group(
+      "estimate for a generation config (computed from the tile plan, not measured)")
+  estimate.add_argument("--config", metavar="FILE.yml",
+                        help="a MaxDiffusion Wan config (base_config chains merged): its video, "
+                             "steps and svg_* keys replace the options above")
+  estimate.add_argument("--chip", default="v6e", help="TPU generation whose tiles to use")
+  estimate.add_argument("--layers", type=int,
+                        help="transformer layers (default: 30 for a 1.3B checkpoint, else 40)")
+  estimate.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="with --config: keys to change, as on MaxDiffusion's command line")
   tiles.set_defaults(run=_tiles)
 
   bench = sub.add_parser("bench", help="benchmarks; without a subcommand: the quality benchmark")
@@ -197,15 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
   bench_sub = bench.add_subparsers(dest="bench_command")
   kernel = bench_sub.add_parser("kernel", help="dense vs sparse_attention per mode (timing)")
   _add_grid_args(kernel, default="480p")
-  kernel.add_argument("--batch", type=int, default=1)
-  kernel.add_argument("--heads", type=int, default=1)
-  kernel.add_argument("--head-dim", type=int, default=128)
-  kernel.add_argument("--density", type=float, default=0.35, help="kept-pair density in (0, 1]")
-  kernel.add_argument("--mode", choices=_MODES + ["all"], default="all")
-  kernel.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto")
-  kernel.add_argument("--block-q", type=int, help="query tile (default: 512 xla, 3328 splash)")
-  kernel.add_argument("--block-kv", type=int, help="key tile (default: 512 xla, 1536 splash)")
-  kernel.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  kernel.add_argument("--batch", type=int, default=1, help="examples per call")
+  kernel.add_argument("--heads", type=int, default=1, help="attention heads")
+  kernel.add_argument("--head-dim", type=int, default=128, help="head dimension")
+  kernel.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
+  kernel.add_argument("--mode", choices=_MODES + ["all"], default="all", help="traversal mode")
+  kernel.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
+                      help="executor (auto: splash on TPU, xla elsewhere)")
+  kernel.add_argument("--block-q", type=_tile, help="query tile (default: 512 xla, 3328 splash)")
+  kernel.add_argument("--block-kv", type=_tile, help="key tile (default: 512 xla, 1536 splash)")
+  kernel.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="q, k, v dtype")
   kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
   _add_json_arg(kernel)
   kernel.set_defaults(run=_bench_kernel)
@@ -214,15 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
       "sharded", help="permutation after vs before the Ulysses exchange: collectives and time")
   _add_grid_args(sharded, default="480p")
   _add_devices_arg(sharded, "devices on the context axis (simulated on CPU)")
-  sharded.add_argument("--batch", type=int, default=1)
+  sharded.add_argument("--batch", type=int, default=1, help="examples per call")
   sharded.add_argument("--heads", type=int, default=8, help="a multiple of --devices")
-  sharded.add_argument("--head-dim", type=int, default=128)
-  sharded.add_argument("--density", type=float, default=0.35, help="kept-pair density in (0, 1]")
-  sharded.add_argument("--mode", choices=_MODES, default="aligned")
-  sharded.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto")
-  sharded.add_argument("--block-q", type=int, help="query tile (default: 512 xla, 3328 splash)")
-  sharded.add_argument("--block-kv", type=int, help="key tile (default: 512 xla, 1536 splash)")
-  sharded.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  sharded.add_argument("--head-dim", type=int, default=128, help="head dimension")
+  sharded.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
+  sharded.add_argument("--mode", choices=_MODES, default="aligned", help="traversal mode")
+  sharded.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
+                      help="executor (auto: splash on TPU, xla elsewhere)")
+  sharded.add_argument("--block-q", type=_tile, help="query tile (default: 512 xla, 3328 splash)")
+  sharded.add_argument("--block-kv", type=_tile, help="key tile (default: 512 xla, 1536 splash)")
+  sharded.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="q, k, v dtype")
   sharded.add_argument("--no-timing", action="store_true",
                        help="compile and count collectives only (abstract inputs: any size)")
   sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
@@ -233,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
       "collectives", help="bytes each attention kernel moves in a tiny Wan forward (needs "
                           "MaxDiffusion on PYTHONPATH)")
   _add_devices_arg(collectives)
-  collectives.add_argument("--kernels", nargs="+", default=["svg", "ulysses", "dot_product"])
+  collectives.add_argument("--kernels", nargs="+", default=["svg", "ulysses", "dot_product"],
+                           help="MaxDiffusion attention kernels to compare")
   collectives.add_argument("--latent", default="4x21x30x52", help="latent CxFxHxW")
   collectives.add_argument("--text-len", type=int, default=128, help="a multiple of 128")
   _add_json_arg(collectives)
@@ -242,10 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
   compile_ = bench_sub.add_parser(
       "compile", help="compile for TPU generations with libtpu on this host: what fits, "
                       "per-device memory, compile time (no TPU needed)")
-  compile_.add_argument("--chips", default="v5e,v6e,v5p,v4", help="comma-separated (default: %(default)s)")
+  compile_.add_argument("--chips", default="v5e,v6e,v5p,v4",
+                        help="comma-separated TPU generations (v4, v5e, v5p, v6e)")
   compile_.add_argument("--resolutions", default="720p,1080p,1440p",
-                        help="comma-separated (default: %(default)s)")
-  compile_.add_argument("--density", type=float, default=0.3, help="default: %(default)s")
+                        help="comma-separated resolutions (480p, 720p, 1080p, 1440p)")
+  compile_.add_argument("--density", type=_density, default=0.3, help="band density in (0, 1]")
   compile_.add_argument("--no-sharded", action="store_true", help="skip the v6e 2x4 sharded rows")
   compile_.add_argument("--no-raised", action="store_true", help="skip the 64 MiB VMEM rows")
   compile_.add_argument("--calibrate", action="store_true",
@@ -260,15 +365,19 @@ def build_parser() -> argparse.ArgumentParser:
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "
                   "MaxDiffusion on PYTHONPATH and its runtime deps)")
   _add_devices_arg(e2e)
-  e2e.add_argument("--steps", type=int, default=10)
-  e2e.add_argument("--presets", nargs="+", default=["conservative", "moderate", "aggressive"])
+  e2e.add_argument("--steps", type=int, default=10, help="denoising steps per run")
+  e2e.add_argument("--presets", nargs="+", default=["conservative", "moderate", "aggressive"],
+                   help="SVG presets to run after dense")
   _add_json_arg(e2e)
   e2e.set_defaults(run=_bench_e2e)
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  try:
+    args = build_parser().parse_args(argv)
+  except SystemExit as done:  # --help, or a bad flag that argparse has already explained
+    return done.code if isinstance(done.code, int) else 2
   try:
     return args.run(args)
   except ValueError as err:

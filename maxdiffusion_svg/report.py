@@ -61,6 +61,9 @@ def tile_report(grid: VideoGrid, density: float, block_q: int, block_kv: int,
     report["modes"][mode.value] = {
         head: plan_mask_tiles(kernel_mask(mask, grid, head), block_q, block_kv, mode).stats.as_dict()
         for head in HEADS}
+  # The exact mask's share of pairs: svg_density is the band's, and the sink comes on top.
+  report["kept_pair_fraction"] = next(iter(report["modes"].values()))["spatial"][
+      "exact_pair_fraction"]
   return report
 
 
@@ -68,8 +71,9 @@ def format_report(report: dict[str, Any]) -> str:
   """A fixed-width table of :func:`tile_report`'s output."""
   lines = [
       f"grid {'x'.join(map(str, report['grid']))} = {report['tokens']:,} tokens, "
-      f"density {report['density']}, band half-width {report['band_half_width']:,} tokens, "
-      f"sink {'on' if report['include_sink'] else 'off'}",
+      f"band density {report['density']} ({report['kept_pair_fraction']:.2%} of pairs kept with "
+      f"the sink {'on' if report['include_sink'] else 'off'}), band half-width "
+      f"{report['band_half_width']:,} tokens",
       f"tiles {report['block_q']}x{report['block_kv']}: {report['q_tiles']} q-tiles x "
       f"{report['kv_tiles']} kv-tiles = {report['q_tiles'] * report['kv_tiles']:,}",
       "  ".join(_cell(name, width, "s" if fmt == "s" else "") for name, width, fmt in _COLUMNS),

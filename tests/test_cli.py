@@ -1,6 +1,8 @@
 """The tile report CLI: output agrees with the planner; bad input exits 2 with a clear message."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -10,10 +12,18 @@ from maxdiffusion_svg.cli import main
 from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.tiles import plan_tiles
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 
 def run_json(capsys, *args):
-  assert main(["tiles", *args, "--json"]) == 0
-  return json.loads(capsys.readouterr().out)
+  """The tiles report as the JSON file ``--json FILE`` writes (the table goes to stdout)."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as folder:
+    path = f"{folder}/report.json"
+    assert main(["tiles", *args, "--json", path]) == 0
+    assert "tokens" in capsys.readouterr().out
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
 
 
 def test_json_report_matches_the_planner(capsys):
@@ -50,10 +60,13 @@ def test_table_lists_every_mode_and_head(capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--density", "0"], "density must be in (0, 1]"),
-    (["--density", "1.2"], "density must be in (0, 1]"),
-    (["--block-q", "100"], "block_q must be a positive multiple of 128"),
-    (["--block-kv", "-128"], "block_kv must be a positive multiple of 128"),
+    (["--density", "0"], "argument --density: must be in (0, 1]"),
+    (["--density", "1.2"], "argument --density: must be in (0, 1]"),
+    (["--density", "dense"], "argument --density: must be a number in (0, 1], got 'dense'"),
+    (["--block-q", "100"], "argument --block-q: must be a positive multiple of 128"),
+    (["--block-kv", "-128"], "argument --block-kv: must be a positive multiple of 128"),
+    (["--densty", "0.3"], "unrecognized arguments: --densty (did you mean --density?)"),
+    (["svg_density=0.2"], "key=value overrides (svg_density=0.2) need --config"),
     (["--resolution", "2k"], "resolution must be one of"),
     (["--frames", "80", "--height", "720", "--width", "1280"], "num_frames"),
     (["--frames", "81", "--height", "720"], "--frames, --height and --width"),
@@ -96,9 +109,9 @@ def test_kernel_bench_reports_every_mode(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--density", "0"], "density must be in (0, 1]"),
+    (["--density", "0"], "argument --density: must be in (0, 1]"),
     (["--heads", "0"], "heads must be >= 1"),
-    (["--block-q", "96"], "block_q must be a positive multiple of 128"),
+    (["--block-q", "96"], "argument --block-q: must be a positive multiple of 128"),
 ])
 def test_kernel_bench_bad_input_exits_2(capsys, args, needle):
   assert main(["bench", "kernel", "--latent-grid", "5x6x7", *args]) == 2
@@ -123,3 +136,75 @@ def test_compile_bench_table_and_bad_chip(capsys):
           in text) and "size 20.07M and limit 16.00M" in text
   assert main(["bench", "compile", "--chips", "v9z"]) == 2
   assert "--chips must be among v4, v5e, v5p, v6e, got 'v9z'" in capsys.readouterr().err
+
+
+WAN14B_720P = {"model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,
+               "width": 1280, "num_inference_steps": 50,
+               "pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-14B-Diffusers"}
+
+
+def estimate(tmp_path, capsys, config, *args):
+  path = tmp_path / "config.yml"
+  path.write_text(json.dumps(config))  # JSON is YAML
+  out = tmp_path / "estimate.json"
+  code = main(["tiles", "--config", str(path), *args, "--json", str(out)])
+  captured = capsys.readouterr()
+  assert code == 0, captured.err
+  return json.loads(out.read_text()), captured.out
+
+
+def test_the_estimate_of_a_config_is_its_plan_over_its_schedule(tmp_path, capsys):
+  """moderate at 720p, 50 steps x 40 layers: steps [10, 50) x layers [1, 40) sparse at density
+  0.3 on v6e's 3328x1536 tiles."""
+  result, text = estimate(tmp_path, capsys, WAN14B_720P)
+  (row,) = result["rows"]
+  visited = plan_tiles(grid_for_resolution("720p"), 0.3, 3328, 1536, "aligned").stats
+  assert result["tiles"] == [3328, 1536] and result["kind"] == "computed from the tile plan"
+  assert (row["sparse_steps"], row["sparse_layers"], row["layers"]) == (40, 39, 40)
+  assert row["visited_tile_fraction"] == visited.visited_tile_fraction
+  share = 40 * 39 / (50 * 40)
+  assert row["work_vs_dense"] == pytest.approx(1 - share + share * visited.visited_tile_fraction)
+  assert row["speedup_bound"] == pytest.approx(1 / row["work_vs_dense"])
+  assert "computed from the tile plan (not measured)" in text and "at most" in text
+
+
+def test_overrides_and_wan22_experts_change_the_estimate(tmp_path, capsys):
+  result, _ = estimate(tmp_path, capsys, WAN14B_720P, "svg_density=0.2",
+                       "svg_active_steps=[25, -1]", "--layers", "30")
+  (row,) = result["rows"]
+  assert (row["density"], row["sparse_steps"], row["layers"]) == (0.2, 25, 30)
+  wan22 = {**WAN14B_720P, "model_name": "wan2.2", "svg_high_noise_density": 0.5,
+           "svg_low_noise_density": 0.2}
+  result, text = estimate(tmp_path, capsys, wan22)
+  assert [(r["expert"], r["density"]) for r in result["rows"]] == [("high_noise", 0.5),
+                                                                   ("low_noise", 0.2)]
+  assert result["rows"][0]["speedup_bound"] < result["rows"][1]["speedup_bound"]
+  assert "boundary_ratio" in text
+
+
+def test_estimate_refusals_name_the_key(tmp_path, capsys):
+  path = tmp_path / "config.yml"
+  path.write_text(json.dumps(WAN14B_720P))
+  assert main(["tiles", "--config", str(path), "num_inference_step=30"]) == 2
+  err = capsys.readouterr().err
+  assert "num_inference_step is not a key of" in err and "did you mean num_inference_steps" in err
+  assert main(["tiles", "--config", str(path), "svg_densty=0.2"]) == 2
+  assert "unknown SVG config key(s) svg_densty" in capsys.readouterr().err
+  path.write_text(json.dumps({k: v for k, v in WAN14B_720P.items() if k != "num_frames"}))
+  assert main(["tiles", "--config", str(path)]) == 2
+  assert "the config has no num_frames" in capsys.readouterr().err
+
+
+def test_help_shows_defaults(capsys):
+  assert main(["tiles", "--help"]) == 0
+  out = capsys.readouterr().out
+  assert "(default: 0.35)" in out and "(default: 3328)" in out and "(default: v6e)" in out
+
+
+def test_the_launcher_without_maxdiffusion_says_so_in_one_line(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "maxdiffusion_svg.generate", "configs/wan_svg.yml"],
+                        capture_output=True, text=True, check=False,
+                        env={**os.environ, "PYTHONPATH": ""}, cwd=ROOT)
+  assert done.returncode == 2
+  assert "Traceback" not in done.stderr
+  assert "MaxDiffusion is not importable" in done.stderr and "PYTHONPATH" in done.stderr

@@ -55,10 +55,16 @@ def run(argv: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  # pylint: disable=import-outside-toplevel
-  from absl import app
-  from maxdiffusion.train_utils import transformer_engine_context
-  # pylint: enable=import-outside-toplevel
+  try:
+    # pylint: disable=import-outside-toplevel
+    from absl import app
+    from maxdiffusion.train_utils import transformer_engine_context
+    # pylint: enable=import-outside-toplevel
+  except ImportError as err:
+    print(f"error: MaxDiffusion is not importable ({err}); install its runtime packages and put "
+          f"its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src), then run "
+          f"python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...] again", file=sys.stderr)
+    sys.exit(2)
   argv = list(sys.argv if argv is None else argv)
   with transformer_engine_context():
     app.run(run, argv=argv)

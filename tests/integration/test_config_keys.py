@@ -72,3 +72,23 @@ def test_a_patched_maxdiffusion_takes_every_key_from_the_plugins_defaults(
   assert done.returncode == 0, done.stderr[-3000:]
   got = json.loads(done.stdout.split("RESULT ", 1)[1])
   assert got == {key: repr(expected(config, key)) for key in OVERRIDES}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_estimate_runs_on_every_shipped_config(name):
+  """The estimate (`tiles --config`) on each shipped config, its MaxDiffusion base found among
+  the installed configs: one row per model (two for Wan 2.2), each on the config's schedule."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.estimate import estimate_config
+  from maxdiffusion_svg.target import tpu_target
+  merged, _ = overlay.load_config(CONFIGS / name)
+  svg = PluginSettings.from_mapping({**config_defaults(), **merged}).svg
+  rows = estimate_config(merged, tpu_target("v6e"))["rows"]
+  assert [row["expert"] for row in rows] == (
+      ["high_noise", "low_noise"] if merged["model_name"] == "wan2.2" else [None])
+  steps = merged["num_inference_steps"]
+  for row in rows:
+    assert row["steps"] == steps
+    assert 0 < row["sparse_steps"] < steps
+    assert 0 < row["work_vs_dense"] < 1
+    assert row["density"] == svg.density_for(row["expert"])
