@@ -34,7 +34,7 @@ class RouterConfig:
   profile_pool: str = "stratified"
   sample_max_row: int = 10_000
   include_sink: bool = True
-  profile_masks: str = "execution"  # chosen by measurement: README, "Which masks the router judges by"
+  profile_masks: str = "execution"  # chosen by measurement: docs/benchmarks.md, "Which masks the router judges by"
 
   def __post_init__(self):
     for name in ("profile_queries", "sample_max_row"):

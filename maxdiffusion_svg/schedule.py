@@ -75,7 +75,7 @@ class Preset:
                     Interval(self.dense_layers, None))
 
 
-# Wan 2.1 values; see README ("Schedules") for where they come from.
+# Wan 2.1 values; see docs/reference.md ("Presets") for where they come from.
 PRESETS: Mapping[str, Preset] = {
     "conservative": Preset(density=0.40, dense_step_fraction=0.30, dense_layers=1),
     "moderate": Preset(density=0.30, dense_step_fraction=0.20, dense_layers=1),

@@ -72,6 +72,19 @@ def test_launcher_argv_points_maxdiffusion_at_the_merged_config(tmp_path):
     prepare_argv(["prog", "attention=svg"], str(out))
 
 
+def test_an_override_the_config_does_not_hold_is_named_before_maxdiffusion_starts(tmp_path):
+  write(tmp_path / "base.yml", attention="flash", num_inference_steps=50)
+  top = write(tmp_path / "run.yml", base_config="base.yml", attention="svg")
+  with pytest.raises(ValueError, match=r"svg_dnesity=0.2: svg_dnesity is not a key of the config "
+                                       r"\(.*run\.yml -> .*base\.yml\) nor an svg_\* key; .* "
+                                       r"did you mean svg_density"):
+    prepare_argv(["prog", str(top), "svg_dnesity=0.2"], str(tmp_path))
+  with pytest.raises(ValueError, match="did you mean num_inference_steps"):
+    prepare_argv(["prog", str(top), "svg_density=0.2", "num_inference_stps=3"], str(tmp_path))
+  with pytest.raises(ValueError, match=r"zzz=1: zzz is not a key .*holds$"):  # nothing close
+    prepare_argv(["prog", str(top), "zzz=1"], str(tmp_path))
+
+
 def test_shipped_configs_name_maxdiffusion_bases():
   bases = {p.name: yaml.safe_load(p.read_text())["base_config"]
            for p in (pathlib.Path(__file__).parent.parent / "configs").glob("*.yml")}

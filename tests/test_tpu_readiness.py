@@ -31,7 +31,7 @@ def test_splash_lowers_to_the_mosaic_kernel_for_tpu(resolution, mode, batch):
   module = export(fn, shape, "tpu")
   assert module.count("tpu_custom_call") == 1  # the kernel, not its interpreter
   # The tile tables (O(tiles)) are its only size-dependent constants: no S-sized mask.
-  assert len(module) < 100 * 1024, len(module)  # README: under 100 KiB (1440p split: 98)
+  assert len(module) < 100 * 1024, len(module)  # docs/concepts.md: under 100 KiB (1440p split: 98)
   if mode == "naive" and batch == 1:  # the same function lowered for CPU interprets instead
     assert "tpu_custom_call" not in export(fn, shape, "cpu")
 

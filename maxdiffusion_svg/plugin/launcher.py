@@ -8,6 +8,7 @@ way its own ``__main__`` does. The SVG summary line is logged when each transfor
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import tempfile
@@ -24,9 +25,24 @@ def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[s
     raise ValueError("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
   config, chain = overlay.load_config(argv[1])
   config = {**config_defaults(), **config}  # every svg_* key, so each can be overridden
+  check_overrides(config, argv[2:], chain)
   check_run_name(config, argv[2:])
   merged = overlay.write_config(config, f"{directory}/merged_config.yml")
   return [argv[0], merged, *argv[2:]], chain
+
+
+def check_overrides(config: Mapping[str, Any], overrides: Sequence[str],
+                    chain: Sequence[str]) -> None:
+  """MaxDiffusion overrides only keys its config holds; say so here, naming the key and its
+  closest matches, instead of its stack trace after the plugin has registered."""
+  for item in overrides:
+    key = item.split("=", 1)[0]
+    if "=" in item and key not in config:
+      close = difflib.get_close_matches(key, list(config), n=3)
+      hint = f"; did you mean {' or '.join(close)}?" if close else ""
+      raise ValueError(
+          f"{item}: {key} is not a key of the config ({' -> '.join(chain)}) nor an svg_* key; "
+          f"MaxDiffusion overrides only keys its config holds{hint}")
 
 
 def check_run_name(config: Mapping[str, Any], overrides: Sequence[str],
@@ -66,5 +82,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...] again", file=sys.stderr)
     sys.exit(2)
   argv = list(sys.argv if argv is None else argv)
+  try:  # the config, the overrides and the run name, checked before MaxDiffusion starts
+    with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_") as directory:
+      prepare_argv(argv, directory)
+  except (OSError, ValueError) as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
   with transformer_engine_context():
     app.run(run, argv=argv)

@@ -55,7 +55,7 @@ def test_sparse_density_runs_and_stays_close(tmp_path_factory):
   dense, _ = forward(tmp_path_factory, 8, "dot_product")
   sparse, log = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
   rel = np.linalg.norm(sparse - dense) / np.linalg.norm(dense)
-  assert 1e-3 < rel < 0.05, rel  # really sparse, and close (README: "tiny Wan" figures)
+  assert 1e-3 < rel < 0.05, rel  # really sparse, and close (docs/development.md: "tiny Wan" figures)
   assert [(r["kind"], r["layer"], r["sparse"], r["density"]) for r in log
           if r["kind"] == "self"] == [("self", 0, True, 0.3), ("self", 1, True, 0.3)]
 
