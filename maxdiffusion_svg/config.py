@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Mapping
 
 import yaml
@@ -141,7 +142,10 @@ class SvgConfig:
     allowed = set(KEYS) | {"svg_schedule"} | set(extra_keys)
     unknown = sorted(k for k in mapping if k.startswith("svg_") and k not in allowed)
     if unknown:
-      raise ValueError(f"unknown SVG config key(s) {', '.join(unknown)}; allowed: "
+      close = list(dict.fromkeys(
+          match for key in unknown for match in difflib.get_close_matches(key, allowed, n=2)))
+      hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+      raise ValueError(f"unknown SVG config key(s) {', '.join(unknown)}{hint}; allowed: "
                        f"{', '.join(sorted(allowed))}")
     svg = {k: v for k, v in mapping.items() if k in allowed}
     for key, unset in UNSET_BY.items():

@@ -88,7 +88,7 @@ def test_defaults_are_the_moderate_preset():
     ({"svg_profile_masks": "exact"}, "svg_profile_masks must be one of probe, execution"),
     ({"svg_sample_max_row": 0}, "svg_sample_max_row must be an integer >= 1"),
     ({"svg_profile_seed": 1.5}, "svg_profile_seed must be an integer"),
-    ({"svg_densty": 0.3}, "unknown SVG config key\\(s\\) svg_densty; allowed: "),
+    ({"svg_densty": 0.3}, "unknown SVG config key\\(s\\) svg_densty \\(did you mean svg_density or .*; allowed: "),
     ({"num_inference_steps": 0}, "num_inference_steps must be a positive integer"),
 ])
 def test_bad_values_and_unknown_keys_name_the_key(mapping, needle):

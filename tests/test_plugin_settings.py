@@ -32,7 +32,7 @@ def test_defaults_and_the_dense_kernel_per_platform():
 
 
 @pytest.mark.parametrize("mapping, message", [
-    ({"svg_min_seq_lenght": 5}, r"unknown SVG config key\(s\) svg_min_seq_lenght; allowed: .*"
+    ({"svg_min_seq_lenght": 5}, r"unknown SVG config key\(s\) svg_min_seq_lenght \(did you mean svg_min_seq_length\?\); allowed: .*"
                                 r"svg_dense_kernel.*svg_min_seq_length"),
     ({"svg_min_seq_length": -1}, "svg_min_seq_length must be an integer >= 0"),
     ({"svg_min_seq_length": True}, "svg_min_seq_length must be an integer >= 0"),
