@@ -7,7 +7,7 @@ import difflib
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
 from maxdiffusion_svg.tiles import TileMode
@@ -52,25 +52,23 @@ class _Parser(argparse.ArgumentParser):
     return actions
 
 
-def _density(text: str) -> float:
-  """An argparse type: errors then name the flag the user wrote."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
-  if not 0.0 < value <= 1.0:
-    raise argparse.ArgumentTypeError(f"must be in (0, 1] (band density), got {text}")
-  return value
+def _typed(parse: Callable[[str], Any], ok: Callable[[Any], bool], allowed: str):
+  """An argparse type: its errors name the flag the user wrote, and what it allows."""
+
+  def convert(text: str) -> Any:
+    try:
+      value = parse(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+    if not ok(value):
+      raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+    return value
+
+  return convert
 
 
-def _tile(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, got {text!r}") from None
-  if value <= 0 or value % 128:
-    raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, got {value}")
-  return value
+_density = _typed(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1] (band density)")
+_tile = _typed(int, lambda v: v > 0 and v % 128 == 0, "a positive multiple of 128")
 
 
 def _latent_grid(text: str) -> VideoGrid:
@@ -157,6 +155,22 @@ def _report(args: argparse.Namespace, text: str, result: dict) -> None:
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+
+
+def _add_call_args(parser: argparse.ArgumentParser, heads: int, heads_help: str,
+                   modes: list[str], mode: str) -> None:
+  """The attention call a kernel benchmark times: shapes, density, mode, executor, tiles."""
+  parser.add_argument("--batch", type=int, default=1, help="examples per call")
+  parser.add_argument("--heads", type=int, default=heads, help=heads_help)
+  parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
+  parser.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
+  parser.add_argument("--mode", choices=modes, default=mode, help="traversal mode")
+  parser.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
+                      help="executor (auto: splash on TPU, xla elsewhere)")
+  parser.add_argument("--block-q", type=_tile, help="query tile (default: 512 xla, 3328 splash)")
+  parser.add_argument("--block-kv", type=_tile, help="key tile (default: 512 xla, 1536 splash)")
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="q, k, v dtype")
 
 
 def _add_devices_arg(parser: argparse.ArgumentParser, help_text: str = "simulated on CPU") -> None:
@@ -296,17 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
   bench_sub = bench.add_subparsers(dest="bench_command")
   kernel = bench_sub.add_parser("kernel", help="dense vs sparse_attention per mode (timing)")
   _add_grid_args(kernel, default="480p")
-  kernel.add_argument("--batch", type=int, default=1, help="examples per call")
-  kernel.add_argument("--heads", type=int, default=1, help="attention heads")
-  kernel.add_argument("--head-dim", type=int, default=128, help="head dimension")
-  kernel.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
-  kernel.add_argument("--mode", choices=_MODES + ["all"], default="all", help="traversal mode")
-  kernel.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
-                      help="executor (auto: splash on TPU, xla elsewhere)")
-  kernel.add_argument("--block-q", type=_tile, help="query tile (default: 512 xla, 3328 splash)")
-  kernel.add_argument("--block-kv", type=_tile, help="key tile (default: 512 xla, 1536 splash)")
-  kernel.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                      help="q, k, v dtype")
+  _add_call_args(kernel, heads=1, heads_help="attention heads", modes=_MODES + ["all"],
+                 mode="all")
   kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
   _add_json_arg(kernel)
   kernel.set_defaults(run=_bench_kernel)
@@ -315,17 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
       "sharded", help="permutation after vs before the Ulysses exchange: collectives and time")
   _add_grid_args(sharded, default="480p")
   _add_devices_arg(sharded, "devices on the context axis (simulated on CPU)")
-  sharded.add_argument("--batch", type=int, default=1, help="examples per call")
-  sharded.add_argument("--heads", type=int, default=8, help="a multiple of --devices")
-  sharded.add_argument("--head-dim", type=int, default=128, help="head dimension")
-  sharded.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
-  sharded.add_argument("--mode", choices=_MODES, default="aligned", help="traversal mode")
-  sharded.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
-                      help="executor (auto: splash on TPU, xla elsewhere)")
-  sharded.add_argument("--block-q", type=_tile, help="query tile (default: 512 xla, 3328 splash)")
-  sharded.add_argument("--block-kv", type=_tile, help="key tile (default: 512 xla, 1536 splash)")
-  sharded.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                      help="q, k, v dtype")
+  _add_call_args(sharded, heads=8, heads_help="a multiple of --devices", modes=_MODES,
+                 mode="aligned")
   sharded.add_argument("--no-timing", action="store_true",
                        help="compile and count collectives only (abstract inputs: any size)")
   sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")

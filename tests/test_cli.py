@@ -60,9 +60,9 @@ def test_table_lists_every_mode_and_head(capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--density", "0"], "argument --density: must be in (0, 1]"),
-    (["--density", "1.2"], "argument --density: must be in (0, 1]"),
-    (["--density", "dense"], "argument --density: must be a number in (0, 1], got 'dense'"),
+    (["--density", "0"], "argument --density: must be a number in (0, 1]"),
+    (["--density", "1.2"], "argument --density: must be a number in (0, 1]"),
+    (["--density", "dense"], "argument --density: must be a number in (0, 1] (band density), got 'dense'"),
     (["--block-q", "100"], "argument --block-q: must be a positive multiple of 128"),
     (["--block-kv", "-128"], "argument --block-kv: must be a positive multiple of 128"),
     (["--densty", "0.3"], "unrecognized arguments: --densty (did you mean --density?)"),
@@ -109,7 +109,7 @@ def test_kernel_bench_reports_every_mode(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--density", "0"], "argument --density: must be in (0, 1]"),
+    (["--density", "0"], "argument --density: must be a number in (0, 1]"),
     (["--heads", "0"], "heads must be >= 1"),
     (["--block-q", "96"], "argument --block-q: must be a positive multiple of 128"),
 ])
