@@ -272,6 +272,20 @@ def _bench_compile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_schedule(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.schedule import (default_tiles, format_schedule_bench,  # pylint: disable=import-outside-toplevel
+                                               run_schedule_bench)
+  given = (args.block_q, args.block_kv, args.block_kv_compute)
+  tiles = None
+  if any(given):
+    defaults = default_tiles(args.chip, args.vmem_limit_kib)
+    tiles = tuple(g or d for g, d in zip(given, defaults))
+  result = run_schedule_bench(args.chip, args.resolution, args.density, tiles,
+                              args.vmem_limit_kib, log=_progress)
+  _report(args, format_schedule_bench(result), result)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="python -m maxdiffusion_svg",
                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -356,6 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "svg, flash and ulysses (needs MaxDiffusion on PYTHONPATH)")
   _add_json_arg(compile_)
   compile_.set_defaults(run=_bench_compile)
+
+  schedule = bench_sub.add_parser(
+      "schedule", help="libtpu's static schedule of the Splash kernel per mode and dense: "
+                       "bundles per tile body, static cycles per call (no TPU needed)")
+  schedule.add_argument("--chip", choices=["v4", "v5e", "v5p", "v6e"], default="v6e",
+                        help="TPU generation to compile for")
+  schedule.add_argument("--resolution", choices=list(RESOLUTIONS), default="720p",
+                        help="Wan preset video, 81 frames")
+  schedule.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
+  schedule.add_argument("--block-q", type=_tile, help="query tile (default: the chip's)")
+  schedule.add_argument("--block-kv", type=_tile, help="key tile (default: the chip's)")
+  schedule.add_argument("--block-kv-compute", type=_tile,
+                        help="Splash's inner kv step (default: the chip's)")
+  schedule.add_argument("--vmem-limit-kib", type=int,
+                        help="scoped-VMEM limit to compile under (default: the chip's)")
+  _add_json_arg(schedule)
+  schedule.set_defaults(run=_bench_schedule)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "

@@ -1,0 +1,217 @@
+"""The compiler's own schedule as the Splash kernel's cost model (no TPU needed).
+
+Each case (a mode, or the dense baseline: density 1 on the same tiles) is compiled for one
+chip in a child process whose ``LIBTPU_INIT_ARGS`` dumps the final schedule (libtpu reads the
+flag once, when it loads); :mod:`maxdiffusion_svg.tpu_schedule` reads it back. A call's static
+cycles are the plan's tiles priced by their body's bundles, plus each row's initialisation and
+finalisation and each grid step's loop overhead, for every head. Figures are issue slots as
+scheduled (one bundle per cycle): no DMA or memory stalls, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable, Sequence
+
+from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
+from maxdiffusion_svg.tiles import TileMode, TilePlan, plan_tiles
+from maxdiffusion_svg.tpu_schedule import KernelSchedule, ScheduleFormatError, dump_flags, read_dump
+
+MODES = tuple(m.value for m in TileMode)
+# The seed design's 720p latencies on a TPU v6e, ms (quoted): dense Splash, then B1/B2/B3.
+DESIGN_MS = {"dense": 78.70, "naive": 96.37, "split": 54.12, "aligned": 32.76}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleCase:
+  """One kernel to compile: a chip, a video grid, a plan's parameters, the VMEM limit."""
+
+  chip: str
+  grid: tuple[int, int, int]
+  density: float
+  mode: str
+  block_q: int
+  block_kv: int
+  block_kv_compute: int
+  vmem_limit_kib: int | None = None
+  head_dim: int = 128
+
+  def plan(self) -> TilePlan:
+    include_sink = self.density < 1.0
+    return plan_tiles(VideoGrid(*self.grid), self.density, self.block_q, self.block_kv,
+                      self.mode, include_sink=include_sink)
+
+
+def compile_case(case: ScheduleCase, directory: str) -> dict[str, Any]:
+  """Compiles ``case`` in a child process dumping into ``directory``: ``{ok, error, seconds}``."""
+  flags = [os.environ.get("LIBTPU_INIT_ARGS", ""), dump_flags(directory)]
+  if case.vmem_limit_kib:
+    flags.append(f"--xla_tpu_scoped_vmem_limit_kib={case.vmem_limit_kib}")
+  env = {**os.environ, "LIBTPU_INIT_ARGS": " ".join(f for f in flags if f),
+         "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run([sys.executable, "-m", __name__, json.dumps(dataclasses.asdict(case))],
+                        env=env, capture_output=True, text=True, check=False)
+  for line in done.stdout.splitlines():
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+  return {"ok": False, "error": f"compile process exited {done.returncode}: {tail}",
+          "seconds": 0.0}
+
+
+def _compile_here(case: ScheduleCase) -> dict[str, Any]:
+  """The child's side: lower ``sparse_attention`` for one chip, compile it."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+
+  from maxdiffusion_svg.kernels import sparse_attention
+  from maxdiffusion_svg.target import target_for_devices
+  from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, compile_lowered
+  # pylint: enable=import-outside-toplevel
+  mesh = chip_mesh(case.chip)
+  target = target_for_devices(mesh.devices.flat, case.vmem_limit_kib)
+  plan = case.plan()
+  spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
+  try:
+    lowered = jax.jit(lambda q, k, v: sparse_attention(
+        q, k, v, plan, block_kv_compute=case.block_kv_compute, target=target)).lower(
+            spec, spec, spec)
+  except ValueError as err:  # our VMEM/SMEM refusal, before the compiler
+    return {"ok": False, "error": str(err).splitlines()[0], "seconds": 0.0}
+  result = compile_lowered(lowered)
+  return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
+
+
+def static_cycles(kernel: KernelSchedule, plan: TilePlan, heads: int = 1) -> int:
+  """Bundles one call issues: every visited tile's body and loop step, every row's init and
+  finalisation, for each head."""
+  stats = plan.stats
+  rows = plan.num_q_tiles
+  per_head = stats.visited_tiles * kernel.step_overhead + stats.full_tiles * kernel.full.bundles
+  if stats.masked_tiles:
+    per_head += stats.masked_tiles * kernel.tile_bundles("masked")
+  per_head += rows * sum(r.bundles for r in (kernel.row_init, kernel.row_final) if r is not None)
+  return heads * per_head
+
+
+def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Compiles one case with its schedule dumped to a temporary folder (removed after)."""
+  plan = case.plan()
+  row: dict[str, Any] = {"case": dataclasses.asdict(case),
+                         "tiles_full": plan.stats.full_tiles,
+                         "tiles_masked": plan.stats.masked_tiles,
+                         "tiles_visited": plan.stats.visited_tiles, "rows": plan.num_q_tiles}
+  with tempfile.TemporaryDirectory(prefix="svg_schedule_") as directory:
+    row.update(compile_case(case, directory))
+    if row["ok"]:
+      try:
+        kernels = read_dump(directory)
+      except ScheduleFormatError as err:
+        row.update(ok=False, error=f"schedule not recognised: {err}")
+      else:
+        kernel = kernels[-1]
+        row["kernel"] = kernel.as_dict()
+        row["static_cycles"] = static_cycles(kernel, plan)
+        row["masking"] = mask_strategy(plan)
+  log(f"{case.chip} {case.mode} density {case.density} tiles {case.block_q}x{case.block_kv}/"
+      f"{case.block_kv_compute}: " + (f"{row['static_cycles']:,} static cycles ({row['seconds']} s)"
+                                      if row["ok"] else row["error"]))
+  return row
+
+
+def default_tiles(chip: str, vmem_limit_kib: int | None) -> tuple[int, int, int]:
+  from maxdiffusion_svg.config import SvgConfig  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
+  tiles = SvgConfig(vmem_limit_kib=vmem_limit_kib).tiles(tpu_target(chip, vmem_limit_kib),
+                                                         "splash")
+  return tiles.block_q, tiles.block_kv, tiles.block_kv_compute
+
+
+def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: float = 0.35,
+                       tiles: tuple[int, int, int] | None = None,
+                       vmem_limit_kib: int | None = None,
+                       log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Each mode and the dense baseline on one chip: bundles per tile kind, static cycles."""
+  grid = grid_for_resolution(resolution)
+  block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib)
+  modes = {}
+  for mode, dens in [(m, density) for m in MODES] + [("dense", 1.0)]:
+    case = ScheduleCase(chip, grid.shape, dens, "aligned" if mode == "dense" else mode, block_q,
+                        block_kv, kv_compute, vmem_limit_kib)
+    modes[mode] = run_case(case, log)
+  return {"kind": "compiler-static schedule", "libtpu": _libtpu_version(), "chip": chip,
+          "resolution": resolution, "grid": list(grid.shape), "tokens": grid.tokens,
+          "density": density, "tiles": [block_q, block_kv, kv_compute],
+          "vmem_limit_kib": vmem_limit_kib, "modes": modes}
+
+
+def _libtpu_version() -> str:
+  from importlib.metadata import version  # pylint: disable=import-outside-toplevel
+  return version("libtpu")
+
+
+def _pct(share: float) -> str:
+  return f"{share:.0%}"
+
+
+def format_schedule_bench(result: dict[str, Any]) -> str:
+  block_q, block_kv, kv_compute = result["tiles"]
+  lines = [f"compiler-static schedule (libtpu {result['libtpu']}, TPU {result['chip']}): "
+           f"{result['resolution']} grid {'x'.join(map(str, result['grid']))} = "
+           f"{result['tokens']:,} tokens, band density {result['density']}, tiles "
+           f"{block_q}x{block_kv}, kv step {kv_compute}, 1 head, bf16",
+           "issue slots as scheduled, one bundle per cycle; no DMA or memory stalls, no clock",
+           "", f"{'tile body':<28}{'bundles':>9}{'vs full':>9}{'matmuls':>9}{'exp':>7}   busiest units"]
+  modes = result["modes"]
+  full = next((m["kernel"]["full"] for m in modes.values() if m.get("ok")), None)
+  bodies = [("full (mask-free)", "aligned", "full"), ("masked, mask function", "split", "masked"),
+            ("masked, stored block", "aligned", "masked")]
+  for label, mode, body in bodies:
+    row = modes.get(mode, {})
+    region = row.get("kernel", {}).get(body) if row.get("ok") else None
+    if region is None or full is None:
+      continue
+    units = dict(zip(row["kernel"]["units"], row["kernel"]["body_use"][body]))
+    busiest = ", ".join(f"{u} {_pct(s)}" for u, s in sorted(units.items(), key=lambda x: -x[1])[:4])
+    lines.append(f"{label:<28}{region['bundles']:>9,}{region['bundles'] / full['bundles']:>8.2f}x"
+                 f"{region['matmuls']:>9,}{region['exps']:>7,}   {busiest}")
+  ok = {m: r for m, r in modes.items() if r.get("ok")}
+  if ok:
+    kernel = next(iter(ok.values()))["kernel"]
+    init = (kernel["row_init"] or {}).get("bundles", 0)
+    final = (kernel["row_final"] or {}).get("bundles", 0)
+    lines.append(f"{'row init / finalisation':<28}{init:>9,} / {final:,}; loop overhead per "
+                 f"grid step {kernel['step_overhead']:,}")
+  dense = modes.get("dense", {}).get("static_cycles")
+  lines += ["", f"{'mode':<9}{'tiles full/masked':>19}{'static Mcycles':>16}{'vs dense':>10}"
+                f"{'design (v6e, measured)':>24}{'difference':>12}"]
+  for mode, row in modes.items():
+    if not row.get("ok"):
+      lines.append(f"{mode:<9}  {row.get('error', '')}")
+      continue
+    ratio = row["static_cycles"] / dense if dense else None
+    design = DESIGN_MS[mode] / DESIGN_MS["dense"]
+    lines.append(f"{mode:<9}{row['tiles_full']:>9,}/{row['tiles_masked']:<9,}"
+                 f"{row['static_cycles'] / 1e6:>16.2f}"
+                 f"{'' if ratio is None else f'{ratio:.2f}':>10}{design:>24.2f}"
+                 f"{'' if ratio is None else f'{ratio - design:+.2f}':>12}")
+  lines.append("design: the seed design's 720p latencies over its dense Splash (quoted; "
+               "78.70 ms dense)")
+  return "\n".join(lines)
+
+
+def _main(argv: Sequence[str]) -> None:
+  case = ScheduleCase(**{**json.loads(argv[1]),
+                         "grid": tuple(json.loads(argv[1])["grid"])})
+  print("RESULT " + json.dumps(_compile_here(case)), flush=True)
+
+
+if __name__ == "__main__":
+  _main(sys.argv)
