@@ -281,7 +281,7 @@ def _bench_schedule(args: argparse.Namespace) -> int:
     defaults = default_tiles(args.chip, args.vmem_limit_kib)
     tiles = tuple(g or d for g, d in zip(given, defaults))
   result = run_schedule_bench(args.chip, args.resolution, args.density, tiles,
-                              args.vmem_limit_kib, log=_progress)
+                              args.vmem_limit_kib, args.maxdiffusion, log=_progress)
   _report(args, format_schedule_bench(result), result)
   return 0
 
@@ -385,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Splash's inner kv step (default: the chip's)")
   schedule.add_argument("--vmem-limit-kib", type=int,
                         help="scoped-VMEM limit to compile under (default: the chip's)")
+  schedule.add_argument("--maxdiffusion", action="store_true",
+                        help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "
+                             "(needs MaxDiffusion on PYTHONPATH)")
   _add_json_arg(schedule)
   schedule.set_defaults(run=_bench_schedule)
 

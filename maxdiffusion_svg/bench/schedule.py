@@ -24,6 +24,10 @@ from maxdiffusion_svg.tiles import TileMode, TilePlan, plan_tiles
 from maxdiffusion_svg.tpu_schedule import KernelSchedule, ScheduleFormatError, dump_flags, read_dump
 
 MODES = tuple(m.value for m in TileMode)
+# MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
+# base_wan_14b.yml gives for v6e, under the scoped-VMEM limit its README's LIBTPU_INIT_ARGS set.
+MAXDIFFUSION_V6E_BLOCKS = (3024, 2048, 1024)
+MAXDIFFUSION_VMEM_KIB = 65536
 # The seed design's 720p latencies on a TPU v6e, ms (quoted): dense Splash, then B1/B2/B3.
 DESIGN_MS = {"dense": 78.70, "naive": 96.37, "split": 54.12, "aligned": 32.76}
 
@@ -41,6 +45,7 @@ class ScheduleCase:
   block_kv_compute: int
   vmem_limit_kib: int | None = None
   head_dim: int = 128
+  kernel: str = "svg"  # or "maxdiffusion_flash": MaxDiffusion's own dense attention
 
   def plan(self) -> TilePlan:
     include_sink = self.density < 1.0
@@ -65,8 +70,42 @@ def compile_case(case: ScheduleCase, directory: str) -> dict[str, Any]:
           "seconds": 0.0}
 
 
+def _lower_maxdiffusion_flash(case: ScheduleCase, mesh_devices: Any, tokens: int) -> Any:
+  """MaxDiffusion's ``flash`` self-attention of one head, as its Wan attention op calls it."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax.linen import partitioning as nn_partitioning
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+  from jax.sharding import Mesh
+  from maxdiffusion import common_types
+  from maxdiffusion.models import attention_flax
+
+  from maxdiffusion_svg.tpu_aot import abstract
+  # pylint: enable=import-outside-toplevel
+  mesh = Mesh(np.array(mesh_devices[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "context", "tensor"))
+  rules = ((common_types.BATCH, ("data", "fsdp")), (common_types.SELF_ATTN_HEAD, None),
+           (common_types.SELF_ATTN_Q_LENGTH, "context"),
+           (common_types.SELF_ATTN_KV_LENGTH, None), (common_types.D_KV, None))
+  bq, bkv, bkvc = case.block_q, case.block_kv, case.block_kv_compute
+  blocks = splash_attention_kernel.BlockSizes(
+      block_q=bq, block_kv_compute=bkvc, block_kv=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+      block_kv_dkv_compute=bkvc, block_q_dq=bq, block_kv_dq=bkv, use_fused_bwd_kernel=False)
+  names_q = (common_types.BATCH, common_types.SELF_ATTN_HEAD, common_types.SELF_ATTN_Q_LENGTH,
+             common_types.D_KV)
+  names_kv = (common_types.BATCH, common_types.SELF_ATTN_HEAD, common_types.SELF_ATTN_KV_LENGTH,
+              common_types.D_KV)
+  spec = abstract((1, tokens, case.head_dim), jnp.bfloat16, mesh)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(rules):
+    return jax.jit(lambda q, k, v: attention_flax._tpu_flash_attention(  # pylint: disable=protected-access
+        q, k, v, 1, mesh, names_q, names_kv, blocks, dtype=jnp.bfloat16,
+        attention_kernel="flash", use_base2_exp=True)).lower(spec, spec, spec)
+
+
 def _compile_here(case: ScheduleCase) -> dict[str, Any]:
-  """The child's side: lower ``sparse_attention`` for one chip, compile it."""
+  """The child's side: lower ``sparse_attention`` (or MaxDiffusion's flash) for one chip and
+  compile it."""
   # pylint: disable=import-outside-toplevel
   import jax
   import jax.numpy as jnp
@@ -76,6 +115,10 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, compile_lowered
   # pylint: enable=import-outside-toplevel
   mesh = chip_mesh(case.chip)
+  if case.kernel == "maxdiffusion_flash":
+    lowered = _lower_maxdiffusion_flash(case, list(mesh.devices.flat), VideoGrid(*case.grid).tokens)
+    result = compile_lowered(lowered)
+    return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
   target = target_for_devices(mesh.devices.flat, case.vmem_limit_kib)
   plan = case.plan()
   spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
@@ -89,25 +132,33 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
 
 
-def static_cycles(kernel: KernelSchedule, plan: TilePlan, heads: int = 1) -> int:
+def static_cycles(kernel: KernelSchedule, full: int, masked: int, rows: int,
+                  heads: int = 1) -> int:
   """Bundles one call issues: every visited tile's body and loop step, every row's init and
   finalisation, for each head."""
-  stats = plan.stats
-  rows = plan.num_q_tiles
-  per_head = stats.visited_tiles * kernel.step_overhead + stats.full_tiles * kernel.full.bundles
-  if stats.masked_tiles:
-    per_head += stats.masked_tiles * kernel.tile_bundles("masked")
+  per_head = (full + masked) * kernel.step_overhead + full * kernel.full.bundles
+  if masked:
+    per_head += masked * kernel.tile_bundles("masked")
   per_head += rows * sum(r.bundles for r in (kernel.row_init, kernel.row_final) if r is not None)
   return heads * per_head
 
 
+def _tiles(case: ScheduleCase) -> tuple[int, int, int]:
+  """(full, masked, rows) the case's kernel runs. MaxDiffusion's flash visits every tile of
+  the padded sequence with one body (its padding mask is evaluated in every tile)."""
+  if case.kernel == "maxdiffusion_flash":
+    tokens = VideoGrid(*case.grid).tokens
+    rows = -(-tokens // case.block_q)
+    return rows * -(-tokens // case.block_kv), 0, rows
+  stats = case.plan().stats
+  return stats.full_tiles, stats.masked_tiles, case.plan().num_q_tiles
+
+
 def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Compiles one case with its schedule dumped to a temporary folder (removed after)."""
-  plan = case.plan()
-  row: dict[str, Any] = {"case": dataclasses.asdict(case),
-                         "tiles_full": plan.stats.full_tiles,
-                         "tiles_masked": plan.stats.masked_tiles,
-                         "tiles_visited": plan.stats.visited_tiles, "rows": plan.num_q_tiles}
+  full, masked, rows = _tiles(case)
+  row: dict[str, Any] = {"case": dataclasses.asdict(case), "tiles_full": full,
+                         "tiles_masked": masked, "tiles_visited": full + masked, "rows": rows}
   with tempfile.TemporaryDirectory(prefix="svg_schedule_") as directory:
     row.update(compile_case(case, directory))
     if row["ok"]:
@@ -118,8 +169,9 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str
       else:
         kernel = kernels[-1]
         row["kernel"] = kernel.as_dict()
-        row["static_cycles"] = static_cycles(kernel, plan)
-        row["masking"] = mask_strategy(plan)
+        row["static_cycles"] = static_cycles(kernel, full, masked, rows)
+        if case.kernel == "svg":
+          row["masking"] = mask_strategy(case.plan())
   log(f"{case.chip} {case.mode} density {case.density} tiles {case.block_q}x{case.block_kv}/"
       f"{case.block_kv_compute}: " + (f"{row['static_cycles']:,} static cycles ({row['seconds']} s)"
                                       if row["ok"] else row["error"]))
@@ -136,9 +188,10 @@ def default_tiles(chip: str, vmem_limit_kib: int | None) -> tuple[int, int, int]
 
 def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: float = 0.35,
                        tiles: tuple[int, int, int] | None = None,
-                       vmem_limit_kib: int | None = None,
+                       vmem_limit_kib: int | None = None, maxdiffusion: bool = False,
                        log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Each mode and the dense baseline on one chip: bundles per tile kind, static cycles."""
+  """Each mode and the dense baseline on one chip: bundles per tile kind, static cycles;
+  with ``maxdiffusion``, also MaxDiffusion's own flash attention as its Wan users run it."""
   grid = grid_for_resolution(resolution)
   block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib)
   modes = {}
@@ -146,6 +199,10 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
     case = ScheduleCase(chip, grid.shape, dens, "aligned" if mode == "dense" else mode, block_q,
                         block_kv, kv_compute, vmem_limit_kib)
     modes[mode] = run_case(case, log)
+  if maxdiffusion:
+    modes["maxdiffusion_flash"] = run_case(ScheduleCase(
+        chip, grid.shape, 1.0, "aligned", *MAXDIFFUSION_V6E_BLOCKS, MAXDIFFUSION_VMEM_KIB,
+        kernel="maxdiffusion_flash"), log)
   return {"kind": "compiler-static schedule", "libtpu": _libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "tokens": grid.tokens,
           "density": density, "tiles": [block_q, block_kv, kv_compute],
@@ -197,13 +254,23 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
       lines.append(f"{mode:<9}  {row.get('error', '')}")
       continue
     ratio = row["static_cycles"] / dense if dense else None
-    design = DESIGN_MS[mode] / DESIGN_MS["dense"]
-    lines.append(f"{mode:<9}{row['tiles_full']:>9,}/{row['tiles_masked']:<9,}"
+    design = DESIGN_MS[mode] / DESIGN_MS["dense"] if mode in DESIGN_MS else None
+    label = "MaxDiffusion flash" if mode == "maxdiffusion_flash" else mode
+    lines.append(f"{label:<9}{row['tiles_full']:>9,}/{row['tiles_masked']:<9,}"
                  f"{row['static_cycles'] / 1e6:>16.2f}"
-                 f"{'' if ratio is None else f'{ratio:.2f}':>10}{design:>24.2f}"
-                 f"{'' if ratio is None else f'{ratio - design:+.2f}':>12}")
+                 f"{'' if ratio is None else f'{ratio:.2f}':>10}"
+                 f"{'' if design is None else f'{design:.2f}':>24}"
+                 f"{'' if None in (ratio, design) else f'{ratio - design:+.2f}':>12}")
   lines.append("design: the seed design's 720p latencies over its dense Splash (quoted; "
                "78.70 ms dense)")
+  flash = modes.get("maxdiffusion_flash", {})
+  if flash.get("ok"):
+    blocks = flash["case"]
+    lines.append(f"MaxDiffusion flash: its dense Splash at its v6e Wan blocks {blocks['block_q']}x"
+                 f"{blocks['block_kv']}, kv step {blocks['block_kv_compute']}, scoped VMEM "
+                 f"{blocks['vmem_limit_kib'] // 1024} MiB; sparse modes against it: " + ", ".join(
+                     f"{m} {modes[m]['static_cycles'] / flash['static_cycles']:.2f}"
+                     for m in MODES if modes.get(m, {}).get("ok")))
   return "\n".join(lines)
 
 
