@@ -274,7 +274,12 @@ def _bench_compile(args: argparse.Namespace) -> int:
 
 def _bench_schedule(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.schedule import (default_tiles, format_schedule_bench,  # pylint: disable=import-outside-toplevel
-                                               run_schedule_bench)
+                                               format_tile_sweep, run_schedule_bench,
+                                               run_tile_sweep)
+  if args.sweep:
+    result = run_tile_sweep(args.chip, args.resolution, args.density, log=_progress)
+    _report(args, format_tile_sweep(result), result)
+    return 0
   given = (args.block_q, args.block_kv, args.block_kv_compute)
   tiles = None
   if any(given):
@@ -385,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Splash's inner kv step (default: the chip's)")
   schedule.add_argument("--vmem-limit-kib", type=int,
                         help="scoped-VMEM limit to compile under (default: the chip's)")
+  schedule.add_argument("--sweep", action="store_true",
+                        help="instead: the aligned call per tile choice, at the chip's default "
+                             "and a 64 MiB scoped-VMEM limit (what decides the defaults)")
   schedule.add_argument("--maxdiffusion", action="store_true",
                         help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "
                              "(needs MaxDiffusion on PYTHONPATH)")

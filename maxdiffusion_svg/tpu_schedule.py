@@ -27,6 +27,7 @@ _BUNDLE = re.compile(r"^\s*0x([0-9a-f]+)\s+(LH|LB|LE|PB|PF)?\s*:")
 _BRANCH = re.compile(r"sbr\.rel\s*(?:\([^)]*\))?\s*target = \$region(\d+)")
 _FALLTHROUGH = re.compile(r"Start/End empty region (\d+)")
 _MATMUL = re.compile(r"\bvmatmul[\w.]*")
+_MATMUL_TYPE = re.compile(r"\bvmatmul[\w.]*?\.(bf16|f32|s8|f8\w*)\b")
 _EXP = re.compile(r"\bv(?:exp2|pow2)[\w.]*")
 
 
@@ -47,6 +48,7 @@ class Region:
   end: int
   matmuls: int
   exps: int
+  matmul_types: tuple[tuple[str, int], ...] = ()  # operand type of the MXU pushes: bf16, f32
 
   @property
   def bundles(self) -> int:
@@ -83,7 +85,8 @@ class KernelSchedule:
 
   def as_dict(self) -> dict[str, Any]:
     def region(r: Region | None) -> dict[str, int] | None:
-      return None if r is None else {"bundles": r.bundles, "matmuls": r.matmuls, "exps": r.exps}
+      return None if r is None else {"bundles": r.bundles, "matmuls": r.matmuls, "exps": r.exps,
+                                     "matmul_types": dict(r.matmul_types)}
     return {"name": self.name, "total_bundles": self.total_bundles, "full": region(self.full),
             "masked": region(self.masked), "row_init": region(self.row_init),
             "row_final": region(self.row_final), "step_overhead": self.step_overhead,
@@ -120,9 +123,20 @@ def _regions(bundles: Sequence[tuple[int, str, str]]) -> list[Region]:
       if end is None or end <= address:
         continue
       body = bundles[index[address] + 1:index.get(end, len(bundles))]
+      types: dict[str, int] = {}
+      for _, _, text in body:
+        for kind in _MATMUL_TYPE.findall(text):
+          types[kind] = types.get(kind, 0) + 1
       regions.append(Region(address + 1, end, sum(len(_MATMUL.findall(b[2])) for b in body),
-                            sum(len(_EXP.findall(b[2])) for b in body)))
+                            sum(len(_EXP.findall(b[2])) for b in body),
+                            tuple(sorted(types.items()))))
   return sorted(set(regions), key=lambda r: (r.start, -r.end))
+
+
+def unit_bounds(bundles: int, units: Sequence[str], shares: Sequence[float]) -> list[tuple[str, float, int]]:
+  """Per unit: its share of the body's slots and the fewest bundles its work alone needs
+  (share x bundles: no schedule of the same instructions can be shorter)."""
+  return sorted(((u, s, round(s * bundles)) for u, s in zip(units, shares)), key=lambda x: -x[1])
 
 
 def _utilisation(text: str, path: str) -> tuple[tuple[str, ...], tuple[int, ...], list[list[int]]]:

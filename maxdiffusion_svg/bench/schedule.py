@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import TileMode, TilePlan, plan_tiles
-from maxdiffusion_svg.tpu_schedule import KernelSchedule, ScheduleFormatError, dump_flags, read_dump
+from maxdiffusion_svg.tpu_schedule import (KernelSchedule, ScheduleFormatError, dump_flags, read_dump,
+                                           unit_bounds)
 
 MODES = tuple(m.value for m in TileMode)
 # MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
@@ -209,6 +210,52 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
           "vmem_limit_kib": vmem_limit_kib, "modes": modes}
 
 
+# Tiles tried by the sweep: the defaults per VMEM limit, and their neighbours in each direction.
+SWEEP_TILES = ((2048, 1536, 256), (3328, 1536, 256), (3328, 1536, 512), (3328, 2816, 256),
+               (3328, 2816, 512), (4096, 1536, 256))
+
+
+def run_tile_sweep(chip: str = "v6e", resolution: str = "720p", density: float = 0.35,
+                   limits: Sequence[int | None] = (None, 65536),
+                   candidates: Sequence[tuple[int, int, int]] = SWEEP_TILES,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The aligned call (the default mode) per tile choice and VMEM limit, by static cycles:
+  what decides the defaults. Choices our VMEM/SMEM checks refuse are listed as refused."""
+  grid = grid_for_resolution(resolution)
+  rows = []
+  for limit in limits:
+    for block_q, block_kv, kv_compute in candidates:
+      case = ScheduleCase(chip, grid.shape, density, "aligned", block_q, block_kv, kv_compute,
+                          limit)
+      rows.append(run_case(case, log))
+  return {"kind": "compiler-static schedule", "libtpu": _libtpu_version(), "chip": chip,
+          "resolution": resolution, "grid": list(grid.shape), "density": density,
+          "defaults": {str(limit): list(default_tiles(chip, limit)) for limit in limits},
+          "rows": rows}
+
+
+def format_tile_sweep(result: dict[str, Any]) -> str:
+  lines = [f"tile sweep, aligned, compiler-static schedule (libtpu {result['libtpu']}, TPU "
+           f"{result['chip']}), {result['resolution']}, band density {result['density']}, 1 head",
+           f"{'scoped VMEM':<14}{'tiles':<16}{'static Mcycles':>15}{'full body':>11}"
+           f"{'masked body':>13}   note"]
+  for row in result["rows"]:
+    case = row["case"]
+    limit = f"{case['vmem_limit_kib'] // 1024} MiB" if case["vmem_limit_kib"] else "default"
+    tiles = f"{case['block_q']}x{case['block_kv']}/{case['block_kv_compute']}"
+    default = result["defaults"][str(case["vmem_limit_kib"])] == [
+        case["block_q"], case["block_kv"], case["block_kv_compute"]]
+    if not row.get("ok"):
+      lines.append(f"{limit:<14}{tiles:<16}{'-':>15}{'':>11}{'':>13}   {row['error'][:90]}")
+      continue
+    kernel = row["kernel"]
+    masked = (kernel["masked"] or {}).get("bundles")
+    lines.append(f"{limit:<14}{tiles:<16}{row['static_cycles'] / 1e6:>15.2f}"
+                 f"{kernel['full']['bundles']:>11,}{'' if masked is None else f'{masked:,}':>13}"
+                 f"   {'default' if default else ''}")
+  return "\n".join(lines)
+
+
 def _libtpu_version() -> str:
   from importlib.metadata import version  # pylint: disable=import-outside-toplevel
   return version("libtpu")
@@ -246,17 +293,29 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
     final = (kernel["row_final"] or {}).get("bundles", 0)
     lines.append(f"{'row init / finalisation':<28}{init:>9,} / {final:,}; loop overhead per "
                  f"grid step {kernel['step_overhead']:,}")
+  aligned = modes.get("aligned", {})
+  if aligned.get("ok"):
+    kernel = aligned["kernel"]
+    body = kernel["full"]
+    lines += ["", f"full-tile body by unit ({body['bundles']:,} bundles; MXU pushes by operand type: "
+                  + ", ".join(f"{t} {n:,}" for t, n in body.get("matmul_types", {}).items()) + ")",
+              f"{'unit':<12}{'slots used':>11}{'fewest bundles its work needs':>31}"]
+    for unit, share, least in unit_bounds(body["bundles"], kernel["units"],
+                                          kernel["body_use"]["full"]):
+      if share == 0:
+        continue
+      lines.append(f"{unit:<12}{share:>11.0%}{least:>31,}")
   dense = modes.get("dense", {}).get("static_cycles")
-  lines += ["", f"{'mode':<9}{'tiles full/masked':>19}{'static Mcycles':>16}{'vs dense':>10}"
+  lines += ["", f"{'mode':<20}{'tiles full/masked':>19}{'static Mcycles':>16}{'vs dense':>10}"
                 f"{'design (v6e, measured)':>24}{'difference':>12}"]
   for mode, row in modes.items():
     if not row.get("ok"):
-      lines.append(f"{mode:<9}  {row.get('error', '')}")
+      lines.append(f"{mode:<20}  {row.get('error', '')}")
       continue
     ratio = row["static_cycles"] / dense if dense else None
     design = DESIGN_MS[mode] / DESIGN_MS["dense"] if mode in DESIGN_MS else None
     label = "MaxDiffusion flash" if mode == "maxdiffusion_flash" else mode
-    lines.append(f"{label:<9}{row['tiles_full']:>9,}/{row['tiles_masked']:<9,}"
+    lines.append(f"{label:<20}{row['tiles_full']:>9,}/{row['tiles_masked']:<9,}"
                  f"{row['static_cycles'] / 1e6:>16.2f}"
                  f"{'' if ratio is None else f'{ratio:.2f}':>10}"
                  f"{'' if design is None else f'{design:.2f}':>24}"
