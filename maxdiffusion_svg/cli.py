@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
   def parse_known_args(self, args=None, namespace=None):
     parsed, extra = super().parse_known_args(args, namespace)
     flags = [a for a in extra if a.startswith("-")]
-    if flags and not getattr(parsed, "overrides_allowed", False):
+    if flags:
       options = [o for action in self._all_actions() for o in action.option_strings]
       hints = []
       for flag in flags:
@@ -126,19 +126,19 @@ def _estimate(args: argparse.Namespace) -> int:
   """``tiles --config FILE [key=value ...]``: the config's own video, steps and keys."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.estimate import estimate_config, format_estimate
+  import yaml
+  from maxdiffusion_svg.plugin.launcher import check_overrides
   from maxdiffusion_svg.plugin.overlay import load_config
   from maxdiffusion_svg.target import tpu_target
   # pylint: enable=import-outside-toplevel
-  config, _ = load_config(args.config)
+  config, chain = load_config(args.config)
+  malformed = [o for o in args.overrides if "=" not in o]
+  if malformed:
+    raise ValueError(f"overrides are key=value, got {malformed[0]!r}")
+  # svg_* keys are left to SvgConfig, which names an unknown one with its own close matches.
+  check_overrides(config, [o for o in args.overrides if not o.startswith("svg_")], chain)
   for override in args.overrides:
-    if "=" not in override:
-      raise ValueError(f"overrides are key=value, got {override!r}")
     key, text = override.split("=", 1)
-    if key not in config and not key.startswith("svg_"):
-      close = difflib.get_close_matches(key, list(config), n=3)
-      raise ValueError(f"{key} is not a key of {args.config}"
-                       + (f" (did you mean {' or '.join(close)}?)" if close else ""))
-    import yaml  # pylint: disable=import-outside-toplevel
     config[key] = yaml.safe_load(text)
   result = estimate_config(config, tpu_target(args.chip), layers=args.layers)
   _report(args, format_estimate(result), result)

@@ -29,6 +29,11 @@ def libtpu_available() -> bool:
   return True
 
 
+def libtpu_version() -> str:
+  from importlib.metadata import version  # pylint: disable=import-outside-toplevel
+  return version("libtpu")
+
+
 @functools.lru_cache(maxsize=None)
 def topology_devices(topology: str) -> tuple[Any, ...]:
   """Abstract devices of a TPU topology, e.g. ``v5e:1x1``, ``v6e:2x4``, ``v5p:2x2x1``."""

@@ -79,10 +79,6 @@ class KernelSchedule:
       raise ValueError(f"{self.name} has no {kind} tile body")
     return body.bundles
 
-  def busiest(self, body: str, count: int = 3) -> list[tuple[str, float]]:
-    shares = sorted(zip(self.units, self.body_use[body]), key=lambda u: -u[1])
-    return [(unit, share) for unit, share in shares[:count]]
-
   def as_dict(self) -> dict[str, Any]:
     def region(r: Region | None) -> dict[str, int] | None:
       return None if r is None else {"bundles": r.bundles, "matmuls": r.matmuls, "exps": r.exps,

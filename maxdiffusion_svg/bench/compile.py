@@ -27,7 +27,8 @@ from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.target import GENERATIONS, MIB, target_for_devices
 from maxdiffusion_svg.tiles import plan_tiles
 from maxdiffusion_svg.tpu_aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
-                                      scoped_vmem_need, topology_devices, vmem_options)
+                                      libtpu_version, scoped_vmem_need, topology_devices,
+                                      vmem_options)
 
 MODES = ("naive", "split", "aligned")
 RAISED_KIB = 65536
@@ -126,13 +127,8 @@ def run_compile_bench(cfg: CompileBenchConfig,
   if cfg.sharded:
     for resolution in cfg.resolutions:
       rows += _sharded_rows(cfg, resolution, log)
-  return {"config": dataclasses.asdict(cfg), "jax": jax.__version__, "libtpu": _libtpu_version(),
+  return {"config": dataclasses.asdict(cfg), "jax": jax.__version__, "libtpu": libtpu_version(),
           "rows": rows}
-
-
-def _libtpu_version() -> str:
-  from importlib.metadata import version  # pylint: disable=import-outside-toplevel
-  return version("libtpu")
 
 
 def _mib(value: Any) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import TileMode, TilePlan, plan_tiles
+from maxdiffusion_svg.tpu_aot import libtpu_version
 from maxdiffusion_svg.tpu_schedule import (KernelSchedule, ScheduleFormatError, dump_flags, read_dump,
                                            unit_bounds)
 
@@ -118,17 +119,16 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   mesh = chip_mesh(case.chip)
   if case.kernel == "maxdiffusion_flash":
     lowered = _lower_maxdiffusion_flash(case, list(mesh.devices.flat), VideoGrid(*case.grid).tokens)
-    result = compile_lowered(lowered)
-    return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
-  target = target_for_devices(mesh.devices.flat, case.vmem_limit_kib)
-  plan = case.plan()
-  spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
-  try:
-    lowered = jax.jit(lambda q, k, v: sparse_attention(
-        q, k, v, plan, block_kv_compute=case.block_kv_compute, target=target)).lower(
-            spec, spec, spec)
-  except ValueError as err:  # our VMEM/SMEM refusal, before the compiler
-    return {"ok": False, "error": str(err).splitlines()[0], "seconds": 0.0}
+  else:
+    target = target_for_devices(mesh.devices.flat, case.vmem_limit_kib)
+    plan = case.plan()
+    spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
+    try:
+      lowered = jax.jit(lambda q, k, v: sparse_attention(
+          q, k, v, plan, block_kv_compute=case.block_kv_compute, target=target)).lower(
+              spec, spec, spec)
+    except ValueError as err:  # our VMEM/SMEM refusal, before the compiler
+      return {"ok": False, "error": str(err).splitlines()[0], "seconds": 0.0}
   result = compile_lowered(lowered)
   return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
 
@@ -151,8 +151,8 @@ def _tiles(case: ScheduleCase) -> tuple[int, int, int]:
     tokens = VideoGrid(*case.grid).tokens
     rows = -(-tokens // case.block_q)
     return rows * -(-tokens // case.block_kv), 0, rows
-  stats = case.plan().stats
-  return stats.full_tiles, stats.masked_tiles, case.plan().num_q_tiles
+  plan = case.plan()
+  return plan.stats.full_tiles, plan.stats.masked_tiles, plan.num_q_tiles
 
 
 def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -204,7 +204,7 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
     modes["maxdiffusion_flash"] = run_case(ScheduleCase(
         chip, grid.shape, 1.0, "aligned", *MAXDIFFUSION_V6E_BLOCKS, MAXDIFFUSION_VMEM_KIB,
         kernel="maxdiffusion_flash"), log)
-  return {"kind": "compiler-static schedule", "libtpu": _libtpu_version(), "chip": chip,
+  return {"kind": "compiler-static schedule", "libtpu": libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "tokens": grid.tokens,
           "density": density, "tiles": [block_q, block_kv, kv_compute],
           "vmem_limit_kib": vmem_limit_kib, "modes": modes}
@@ -228,7 +228,7 @@ def run_tile_sweep(chip: str = "v6e", resolution: str = "720p", density: float =
       case = ScheduleCase(chip, grid.shape, density, "aligned", block_q, block_kv, kv_compute,
                           limit)
       rows.append(run_case(case, log))
-  return {"kind": "compiler-static schedule", "libtpu": _libtpu_version(), "chip": chip,
+  return {"kind": "compiler-static schedule", "libtpu": libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "density": density,
           "defaults": {str(limit): list(default_tiles(chip, limit)) for limit in limits},
           "rows": rows}
@@ -254,11 +254,6 @@ def format_tile_sweep(result: dict[str, Any]) -> str:
                  f"{kernel['full']['bundles']:>11,}{'' if masked is None else f'{masked:,}':>13}"
                  f"   {'default' if default else ''}")
   return "\n".join(lines)
-
-
-def _libtpu_version() -> str:
-  from importlib.metadata import version  # pylint: disable=import-outside-toplevel
-  return version("libtpu")
 
 
 def _pct(share: float) -> str:
@@ -334,8 +329,8 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
 
 
 def _main(argv: Sequence[str]) -> None:
-  case = ScheduleCase(**{**json.loads(argv[1]),
-                         "grid": tuple(json.loads(argv[1])["grid"])})
+  fields = json.loads(argv[1])
+  case = ScheduleCase(**{**fields, "grid": tuple(fields["grid"])})
   print("RESULT " + json.dumps(_compile_here(case)), flush=True)
 
 

@@ -18,15 +18,22 @@ from maxdiffusion_svg.plugin import overlay, preflight
 from maxdiffusion_svg.plugin.settings import config_defaults
 
 
-def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
-  """``[prog, merged.yml, *overrides]`` for MaxDiffusion from ``[prog, config.yml, *overrides]``,
-  and the chain of config files merged."""
+def checked_config(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+  """The merged config of ``[prog, config.yml, *overrides]`` over every ``svg_*`` default, and
+  its chain of files, after checking the overrides and the run name against it."""
   if len(argv) < 2 or "=" in argv[1]:
     raise ValueError("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
   config, chain = overlay.load_config(argv[1])
   config = {**config_defaults(), **config}  # every svg_* key, so each can be overridden
   check_overrides(config, argv[2:], chain)
   check_run_name(config, argv[2:])
+  return config, chain
+
+
+def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
+  """``[prog, merged.yml, *overrides]`` for MaxDiffusion from ``[prog, config.yml, *overrides]``,
+  and the chain of config files merged."""
+  config, chain = checked_config(argv)
   merged = overlay.write_config(config, f"{directory}/merged_config.yml")
   return [argv[0], merged, *argv[2:]], chain
 
@@ -83,8 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(2)
   argv = list(sys.argv if argv is None else argv)
   try:  # the config, the overrides and the run name, checked before MaxDiffusion starts
-    with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_") as directory:
-      prepare_argv(argv, directory)
+    checked_config(argv)
   except (OSError, ValueError) as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
