@@ -11,7 +11,7 @@ MD_VENV ?= .venv-maxdiffusion
 MD_PY := $(MD_VENV)/bin/python
 MD_STAMP := $(MD_VENV)/.installed-stamp
 
-.PHONY: test bench tiles venv clean test-maxdiffusion venv-maxdiffusion compile-tpu xpk
+.PHONY: test bench tiles venv clean test-maxdiffusion test-maxdiffusion-ci venv-maxdiffusion compile-tpu xpk
 
 # The xpk CLI for tests/test_gke.py's dry runs, in its own venv (it pins protobuf and packaging).
 XPK_VENV ?= .venv-xpk
@@ -49,9 +49,12 @@ tiles: venv
 compile-tpu: venv
 	$(PY) -m maxdiffusion_svg bench compile $(ARGS)
 
-# The MaxDiffusion integration tests, against a MaxDiffusion source tree used in place:
-#   make test-maxdiffusion MAXDIFFUSION_SRC=/path/to/maxdiffusion
-# The venv holds MaxDiffusion's runtime deps from PyPI (~8 GB: PyPI's torch is the CUDA build).
+# The MaxDiffusion integration tests (tests/integration) against a MaxDiffusion source tree used
+# in place: MAXDIFFUSION_SRC=/path/to/maxdiffusion, or the archive of the tested commit in
+# MAXDIFFUSION_ARCHIVE (default ../shared/maxdiffusion, where CI has it), unpacked and removed.
+#   make test-maxdiffusion-ci   the CI tier (what .ci/run runs after make test)
+#   make test-maxdiffusion      the full tier
+# The venv holds MaxDiffusion's runtime deps from PyPI (~9 GB: PyPI's torch is the CUDA build).
 venv-maxdiffusion: $(MD_STAMP)
 
 $(MD_STAMP): pyproject.toml requirements-maxdiffusion.txt
@@ -61,11 +64,12 @@ $(MD_STAMP): pyproject.toml requirements-maxdiffusion.txt
 	$(MD_PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+MD_PYTEST_ARGS ?= -n auto
+test-maxdiffusion-ci: $(MD_STAMP)
+	MD_PY=$(MD_PY) scripts/test_maxdiffusion.sh ci $(MD_PYTEST_ARGS)
+
 test-maxdiffusion: $(MD_STAMP)
-	@test -n "$(MAXDIFFUSION_SRC)" || { echo "set MAXDIFFUSION_SRC=/path/to/maxdiffusion (a source checkout)"; exit 2; }
-	@test -d "$(MAXDIFFUSION_SRC)/src/maxdiffusion" || { echo "no src/maxdiffusion under $(MAXDIFFUSION_SRC)"; exit 2; }
-	MAXDIFFUSION_SRC="$(abspath $(MAXDIFFUSION_SRC))" PYTHONPATH="$(abspath $(MAXDIFFUSION_SRC))/src" \
-	  $(MD_PY) -m pytest -q $(or $(MD_PYTEST_ARGS),tests/integration)
+	MD_PY=$(MD_PY) scripts/test_maxdiffusion.sh full $(MD_PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(MD_VENV) $(XPK_VENV) .pytest_cache

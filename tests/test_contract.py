@@ -1,8 +1,14 @@
 """The drift guard (maxdiffusion_svg.plugin.contract) against stand-in MaxDiffusion modules: each
-kind of drift fails at once, naming the function, expected vs found and the tested commit. (The
-real MaxDiffusion passes it in tests/integration, where install() runs it.)"""
+kind of drift fails at once, naming the function, expected vs found and the tested commit.
 
+The stand-ins are built from ``contract.EXPECTED``, so they only show that the check tells a
+drifted module from a conforming one. Whether ``EXPECTED`` is what the real MaxDiffusion has is
+checked against its signatures in tests/integration/test_contract_maxdiffusion.py; whether it is
+what the plugin calls, here, read from the plugin's own source."""
+
+import ast
 import inspect
+import pathlib
 import types
 
 import pytest
@@ -40,9 +46,35 @@ def stand_ins():
   return modules
 
 
-def test_maxdiffusion_as_expected_passes():
+def test_stand_ins_shaped_as_expected_pass():
+  """The baseline the drift cases below change one thing of."""
   modules = stand_ins()
   contract.check(modules.__getitem__)
+
+
+def _keywords_of_calls(path: pathlib.Path, function: str, callee: str) -> list[list[str]]:
+  """The keyword names of every call of ``callee`` inside ``function`` in ``path``'s source."""
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+  return [[k.arg for k in node.keywords] for node in ast.walk(fn)
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr == callee]
+
+
+def test_the_dispatcher_keywords_are_exactly_what_the_kernel_passes():
+  """APPLY_ATTENTION_KEYWORDS is what the guard checks MaxDiffusion's dispatcher for; read the
+  keywords off the kernel's call itself, so adding or dropping one there cannot go unchecked."""
+  source = pathlib.Path(inspect.getfile(contract)).with_name("kernel.py")
+  (passed,) = _keywords_of_calls(source, "dense_attention", "_apply_attention")
+  assert None not in passed  # no **kwargs: every keyword is named
+  assert len(passed) == len(set(passed))
+  assert sorted(passed) == sorted(contract.APPLY_ATTENTION_KEYWORDS)
+  # The reader itself: it sees a keyword added to a call.
+  assert _keywords_of_calls(pathlib.Path(__file__), "_probe", "_apply_attention") == [["a", "b"]]
+
+
+def _probe(module):
+  return module._apply_attention(a=1, b=2)  # pylint: disable=protected-access
 
 
 def test_a_missing_function_is_named():

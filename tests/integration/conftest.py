@@ -1,4 +1,9 @@
-"""Fixtures shared by the MaxDiffusion tests."""
+"""Fixtures shared by the MaxDiffusion tests, and the tier rules.
+
+Tiers: the CI tier is every test not marked ``full`` (``make test-maxdiffusion-ci``, run by
+``.ci/run``); ``make test-maxdiffusion`` runs them all. Under ``MDSVG_NO_SKIPS=1`` (set by both
+targets) a skipped test is a failure: a skip in CI would hide what the tier is for.
+"""
 
 import os
 import pathlib
@@ -8,6 +13,34 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "full: left out of the CI tier (make test-maxdiffusion "
+                                     "runs it)")
+
+
+def _fail_skips() -> bool:
+  return os.environ.get("MDSVG_NO_SKIPS") == "1"
+
+
+def _as_failure(report):
+  if report.skipped and _fail_skips() and not hasattr(report, "wasxfail"):
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"skipped, which the integration tier does not allow: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # pylint: disable=unused-argument
+  outcome = yield
+  _as_failure(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):  # pylint: disable=unused-argument
+  outcome = yield
+  _as_failure(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

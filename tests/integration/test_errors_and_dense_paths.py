@@ -150,8 +150,3 @@ def test_unsupported_transformers_are_refused_before_they_load(tmp_path, module,
                                        rf"maxdiffusion.pipelines.wan.{module}.{function}\); it "
                                        rf"supports Wan 2.1 / 2.2 WanModel"):
     getattr(pipelines, function)(mesh[0], mesh[1], tiny_wan.nnx.Rngs(0), config)
-
-
-def test_the_real_maxdiffusion_meets_the_plugins_expectations():
-  from maxdiffusion_svg.plugin import contract  # pylint: disable=import-outside-toplevel
-  contract.check()
