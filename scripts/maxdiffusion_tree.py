@@ -7,6 +7,8 @@ passes a checkout. Either way the tree must be the tested commit: a tree without
 identified by a digest of its ``src/maxdiffusion`` files, recorded here for that commit.
 
   maxdiffusion_tree.py unpack ARCHIVE DEST   # extract, check; prints the tree's path
+                                            # (ARCHIVE: a .tar.gz, or a folder holding
+                                            # maxdiffusion-<tested commit>.tar.gz)
   maxdiffusion_tree.py check TREE            # exit 1, one line, if TREE is another commit
   maxdiffusion_tree.py digest TREE           # print the digest (to record a new commit)
 
@@ -72,7 +74,14 @@ def check_tree(tree: pathlib.Path) -> None:
 
 
 def unpack(archive: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
-  """Extracts ``archive`` into ``dest`` and returns the checked tree inside it."""
+  """Extracts ``archive`` (or the tested commit's archive in that folder) into ``dest`` and
+  returns the checked tree inside it."""
+  if archive.is_dir():
+    folder, archive = archive, archive / f"maxdiffusion-{TESTED_COMMIT}.tar.gz"
+    if not archive.is_file():
+      found = sorted(p.name for p in folder.glob("*.tar.gz"))
+      raise TreeError(f"MaxDiffusion archive missing: no {archive.name} in {folder} (found: "
+                      f"{', '.join(found) or 'no archive'})")
   if not archive.is_file():
     raise TreeError(f"MaxDiffusion archive missing: {archive} does not exist")
   try:
