@@ -171,10 +171,12 @@ def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
   after = [r for r in siblings if r.start >= bodies[-1].end and not r.matmuls]
   row_init = before[-1] if before else None
   row_final = after[0] if after else None
-  # The loop: from its first bundle to the end of the smallest region holding it and the bodies.
+  # The loop: from its first bundle to the end of the smallest region holding it and the bodies,
+  # else through its back edge's delay slots (the kernel's exit bundle runs once, not per step).
+  last = bundles[-1][0] + (0 if "exit bundle" in bundles[-1][2] else 1)
   loop_end = min((r.end for r in regions if r.start <= loop and all(r.contains(b) or r == b
                                                                      for b in bodies)),
-                 default=bundles[-1][0] + 1)
+                 default=last)
   children = [r for r in (row_init, *bodies, row_final) if r is not None]
   overhead = loop_end - loop - sum(r.bundles for r in children)
   units, capacity, rows = _utilisation(utilisation_text, paths[1])
