@@ -64,7 +64,7 @@ $(MD_STAMP): pyproject.toml requirements-maxdiffusion.txt
 	$(MD_PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-MD_PYTEST_ARGS ?= -n auto
+MD_PYTEST_ARGS ?= -n auto --dist loadscope
 test-maxdiffusion-ci: $(MD_STAMP)
 	MD_PY=$(MD_PY) scripts/test_maxdiffusion.sh ci $(MD_PYTEST_ARGS)
 

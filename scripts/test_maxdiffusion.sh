@@ -24,7 +24,7 @@ if [ -n "${MAXDIFFUSION_SRC:-}" ]; then
   tree="$(cd "$MAXDIFFUSION_SRC" && pwd)"
 elif [ -e "$archive" ]; then
   tmp="$(mktemp -d "${TMPDIR:-/tmp}/maxdiffusion-src.XXXXXX")"
-  trap 'rm -rf "$tmp"' EXIT
+  trap 'rm -rf "$tmp"' EXIT  # replaced below by one that also removes the cache
   tree="$("$MD_PY" scripts/maxdiffusion_tree.py unpack "$archive" "$tmp")"
   echo "MaxDiffusion: $archive unpacked to $tree (removed afterwards)"
 else
@@ -37,6 +37,11 @@ else
   exit 0
 fi
 
+# One JAX compilation cache for the run, shared by the pytest workers and the processes they
+# start (the same VAE, text encoder and transformer programs compile in many tests), removed after.
+cache="$(mktemp -d "${TMPDIR:-/tmp}/maxdiffusion-svg-jax-cache.XXXXXX")"
+trap 'rm -rf "$cache" ${tmp:+"$tmp"}' EXIT
 # MDSVG_NO_SKIPS: a skipped test fails the tier (tests/integration/conftest.py).
+JAX_COMPILATION_CACHE_DIR="$cache" \
 MAXDIFFUSION_SRC="$tree" PYTHONPATH="$tree/src" MDSVG_NO_SKIPS=1 \
   "$MD_PY" -m pytest -q -p no:cacheprovider tests/integration "${selection[@]}" "$@"

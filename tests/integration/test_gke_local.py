@@ -19,7 +19,6 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
-from maxdiffusion_svg.bench import wan_e2e
 from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
@@ -75,25 +74,28 @@ def run_container(manifest, processes, workdir, checkpoint, extra=(), env=None, 
                        env=child_env, initialize=False, **kwargs), devices
 
 
-# The tiny VAE (8 channels) cannot be split 16 ways as MaxDiffusion's default vae_spatial=-1
-# would on 16 devices; Wan's own VAE (96 channels and up) can.
-@pytest.mark.parametrize("manifest, tiny_vae", [("jobset_v6e8.yaml", []),
-                                                ("jobset_v6e16.yaml", ["vae_spatial=8"])])
-def test_manifest_command_runs_in_one_and_two_processes(manifest, tiny_vae, checkpoint, tmp_path):
-  import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
-  one, devices = run_container(manifest, 1, tmp_path / "one", checkpoint, tiny_vae, timeout=900)
-  two, _ = run_container(manifest, 2, tmp_path / "two", checkpoint, tiny_vae, timeout=900)
+# Where 1 and 2 processes differ, and why these runs decode on every device: the denoising loop
+# (the svg kernel, its routing, the Ulysses exchange) is bit-exact across process counts, but
+# MaxDiffusion's spatially sharded VAE decode is not (this machine: 1 vs 2 processes 40.4 dB
+# with the video split 8 ways, 34.2 dB with 2 ways; identical with vae_spatial=1). So the VAE
+# runs unsplit (vae_spatial=1) and the videos must be identical, byte for byte.
+@pytest.mark.parametrize("manifest", [
+    "jobset_v6e16.yaml",  # the multi-host JobSet: 4 pods of 4 chips
+    pytest.param("jobset_v6e8.yaml", marks=pytest.mark.full),  # one 8-chip host
+])
+def test_manifest_command_runs_in_one_and_two_processes(manifest, checkpoint, tmp_path):
+  one, devices = run_container(manifest, 1, tmp_path / "one", checkpoint, ["vae_spatial=1"],
+                               timeout=1200)
+  two, _ = run_container(manifest, 2, tmp_path / "two", checkpoint, ["vae_spatial=1"],
+                         timeout=1200)
   (mp4,) = one[0]["videos"]
-  reference = iio.imread(mp4)
+  reference = pathlib.Path(mp4).read_bytes()
   assert one[0]["num_devices"] == [devices]
   for info in two:
     assert info["num_devices"] == [devices]  # both processes joined one job of the slice's size
     (video,) = info["videos"]  # generate_wan exports the video in every process
     assert pathlib.Path(video).name == pathlib.Path(mp4).name
-    # Not bit-exact: 1 and 2 processes reduce in different orders, in MaxDiffusion's own ops
-    # too (dot_product, v6e16 layout: 46.5 dB), and sparse attention amplifies it (density 0.3:
-    # 38.9 dB on one CPU machine, above 40 on another).
-    assert wan_e2e.psnr(iio.imread(video), reference) > 35
+    assert pathlib.Path(video).read_bytes() == reference
 
 
 def failures(manifest, checkpoint, workdir, extra=(), env=None):

@@ -1,6 +1,9 @@
 """The tiny Wan through the launcher in 2 JAX processes of 4 CPU devices, as 2 hosts of a slice:
 MaxDiffusion initializes jax.distributed itself, the plugin's sharded SVG spans both, and the
-video equals one process of 8 devices."""
+video equals one process of 8 devices, exactly: the VAE decodes unsplit (vae_spatial=1), since
+MaxDiffusion's spatially sharded decode differs with the process count (test_gke_local.py).
+
+In the full tier: the CI tier's multi-process run is test_gke_local.py's v6e-16 JobSet."""
 
 import os
 import pathlib
@@ -15,14 +18,14 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import run_processes
-from maxdiffusion_svg.bench import wan_e2e
 from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 TINY = ["height=128", "width=128", "num_frames=33", "num_inference_steps=3",
         "max_sequence_length=16", "weights_dtype=float32", "activations_dtype=float32",
         "skip_jax_distributed_system=False", "run_name=multihost", "svg_block_q=128",
-        "svg_block_kv=128", "svg_min_seq_length=0"]
+        "svg_block_kv=128", "svg_min_seq_length=0", "vae_spatial=1"]
+pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +68,13 @@ def test_two_hosts_write_the_video_of_one(job, one_process):
     # ...and exported the video: generate_wan writes the MP4 in every process's working
     # directory (only its TensorBoard writer is process 0's).
     assert info["videos"] == one_info[0]["videos"] and len(info["videos"]) == 1
-    assert wan_e2e.psnr(video, one) > 50, wan_e2e.psnr(video, one)
+    np.testing.assert_array_equal(video, one)
 
 
 def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
                                                                patched_maxdiffusion):
   """The upstreamable entry point: plugins load after MaxDiffusion's distributed init, and the
   2-process MP4 matches the 1-process launcher's."""
-  import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
   base, args, env = job
   env = {**env, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
                                                env["PYTHONPATH"]])}
@@ -80,8 +82,8 @@ def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
   infos = run_processes("multihost_workers:patched_generate", 2, devices_per_process=4,
                         args={**args, "workdir": str(workdir)}, env=env, timeout=900,
                         initialize=False)
-  reference = iio.imread(next((base / "1proc" / "process0").glob("wan_output_*.mp4")))
+  reference = next((base / "1proc" / "process0").glob("wan_output_*.mp4")).read_bytes()
   for info in infos:
     assert (info["process_count"], info["devices"]) == (2, 8)
     (mp4,) = info["videos"]
-    assert wan_e2e.psnr(iio.imread(mp4), reference) > 40
+    assert pathlib.Path(mp4).read_bytes() == reference
