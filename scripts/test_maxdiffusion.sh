@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a tier of the MaxDiffusion integration tests (tests/integration) against a MaxDiffusion
 # source tree used in place, with $MD_PY (the venv holding MaxDiffusion's deps from PyPI).
-#   scripts/test_maxdiffusion.sh ci|full [pytest args...]
+#   scripts/test_maxdiffusion.sh ci|full [pytest args, test paths...]
 # The tree: $MAXDIFFUSION_SRC (a checkout), else the archive $MAXDIFFUSION_ARCHIVE (a file, or a
 # folder holding maxdiffusion-<tested commit>.tar.gz; default ../shared/maxdiffusion), unpacked to
 # a temporary folder that is removed afterwards. Either must be the tested commit.
@@ -37,6 +37,12 @@ else
   exit 0
 fi
 
+# Test paths among the arguments narrow the run; by default all of tests/integration.
+paths=(tests/integration)
+for arg in "$@"; do
+  case "$arg" in tests/*) paths=() ;; esac
+done
+
 # One JAX compilation cache for the run, shared by the pytest workers and the processes they
 # start (the same VAE, text encoder and transformer programs compile in many tests), removed after.
 cache="$(mktemp -d "${TMPDIR:-/tmp}/maxdiffusion-svg-jax-cache.XXXXXX")"
@@ -44,4 +50,4 @@ trap 'rm -rf "$cache" ${tmp:+"$tmp"}' EXIT
 # MDSVG_NO_SKIPS: a skipped test fails the tier (tests/integration/conftest.py).
 JAX_COMPILATION_CACHE_DIR="$cache" \
 MAXDIFFUSION_SRC="$tree" PYTHONPATH="$tree/src" MDSVG_NO_SKIPS=1 \
-  "$MD_PY" -m pytest -q -p no:cacheprovider tests/integration "${selection[@]}" "$@"
+  "$MD_PY" -m pytest -q -p no:cacheprovider "${paths[@]}" "${selection[@]}" "$@"
