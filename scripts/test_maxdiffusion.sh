@@ -12,6 +12,8 @@ tier="${1:?usage: $0 ci|full [pytest args...]}"
 shift
 MD_PY="${MD_PY:-.venv-maxdiffusion/bin/python}"
 archive="${MAXDIFFUSION_ARCHIVE:-../shared/maxdiffusion}"
+tmp="" cache=""  # temporary folders: the unpacked tree, the compilation cache
+trap 'rm -rf ${tmp:+"$tmp"} ${cache:+"$cache"}' EXIT
 
 case "$tier" in
   ci) selection=(-m "not full") ;;
@@ -24,7 +26,6 @@ if [ -n "${MAXDIFFUSION_SRC:-}" ]; then
   tree="$(cd "$MAXDIFFUSION_SRC" && pwd)"
 elif [ -e "$archive" ]; then
   tmp="$(mktemp -d "${TMPDIR:-/tmp}/maxdiffusion-src.XXXXXX")"
-  trap 'rm -rf "$tmp"' EXIT  # replaced below by one that also removes the cache
   tree="$("$MD_PY" scripts/maxdiffusion_tree.py unpack "$archive" "$tmp")"
   echo "MaxDiffusion: $archive unpacked to $tree (removed afterwards)"
 else
@@ -46,7 +47,6 @@ done
 # One JAX compilation cache for the run, shared by the pytest workers and the processes they
 # start (the same VAE, text encoder and transformer programs compile in many tests), removed after.
 cache="$(mktemp -d "${TMPDIR:-/tmp}/maxdiffusion-svg-jax-cache.XXXXXX")"
-trap 'rm -rf "$cache" ${tmp:+"$tmp"}' EXIT
 # MDSVG_NO_SKIPS: a skipped test fails the tier (tests/integration/conftest.py).
 JAX_COMPILATION_CACHE_DIR="$cache" \
 MAXDIFFUSION_SRC="$tree" PYTHONPATH="$tree/src" MDSVG_NO_SKIPS=1 \

@@ -39,6 +39,12 @@ def one_error_line(stderr):
   return lines[0]
 
 
+def test_the_tested_commit_is_the_drift_guards():
+  """The script stands alone (no package import); its commit must be the plugin's."""
+  from maxdiffusion_svg.plugin import contract  # pylint: disable=import-outside-toplevel
+  assert f'TESTED_COMMIT = "{contract.TESTED_COMMIT}"' in TREE.read_text(encoding="utf-8")
+
+
 def test_a_missing_archive_is_named(tmp_path):
   code, _, err = tree_cli("unpack", tmp_path / "none.tar.gz", tmp_path / "out")
   assert code == 1 and "archive missing" in one_error_line(err) and "none.tar.gz" in err
@@ -90,9 +96,11 @@ def test_the_tier_fails_on_a_corrupt_or_foreign_archive(tmp_path):
   code, _, err = run_tier(tmp_path, MAXDIFFUSION_ARCHIVE=str(tmp_path / "bad.tar.gz"), CI="true")
   assert code == 1 and "is corrupt" in err
   archive = fake_archive(tmp_path / "other.tar.gz")
-  code, _, err = run_tier(tmp_path, MAXDIFFUSION_ARCHIVE=str(archive))
+  temporary = tmp_path / "tmp"
+  temporary.mkdir()
+  code, _, err = run_tier(tmp_path, MAXDIFFUSION_ARCHIVE=str(archive), TMPDIR=str(temporary))
   assert code == 1 and "is not MaxDiffusion 7cfb8801d41d" in err
-  assert not list(pathlib.Path("/tmp").glob("maxdiffusion-src.*/maxdiffusion-abc"))  # removed
+  assert list(temporary.iterdir()) == []  # the unpacked tree is removed
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="no ../shared/maxdiffusion beside the checkout")

@@ -119,17 +119,22 @@ _BUNDLE = re.compile(r"^\s*0x([0-9a-f]+)\s+(LH|LB|LE|PB|PF)?\s*:")
 _BRANCH = re.compile(r"sbr\.rel\s*(?:\([^)]*\))?\s*target = \$region(\d+)")
 
 
+def _bundle_lines(listing: str) -> list[str]:
+  """One string per bundle: an instruction continued on the next line joins its bundle."""
+  out = []
+  for line in listing.splitlines():
+    if _BUNDLE.match(line):
+      out.append(line)
+    elif out:
+      out[-1] += line
+  return out
+
+
 def walk_listing(listing: str, steps) -> tuple[int, list[tuple[int, int]]]:
   """Bundles the loop issues over ``steps``, walked bundle by bundle through the raw listing:
   a forward branch skips to its region's fallthrough on a step that does not run its role; a
   step ends with the back edge and its delay slots. Nothing of maxdiffusion_svg's parser."""
-  bundles = []
-  for line in listing.splitlines():
-    match = _BUNDLE.match(line)
-    if match:
-      bundles.append([match.group(2) or "", line])
-    elif bundles:
-      bundles[-1][1] += line
+  bundles = [(_BUNDLE.match(line).group(2) or "", line) for line in _bundle_lines(listing)]
   start = next(i for i, (label, _) in enumerate(bundles) if label == "LB")
   fallthrough = {region: i for i, (label, text) in enumerate(bundles) if label == "PF"
                  for region in re.findall(r"Start/End empty region (\d+)", text)}
@@ -178,16 +183,6 @@ def test_the_static_total_equals_the_listing_walked_over_the_hand_counted_steps(
   pushes = [sum("vmatmul" in line or "vmatpush" in line
                 for line in _bundle_lines(listing)[b + 1:f]) for b, f in branches]
   assert pushes[2] == pushes[3] > 0 and pushes[1] == pushes[4] == 0, pushes
-
-
-def _bundle_lines(listing: str) -> list[str]:
-  out = []
-  for line in listing.splitlines():
-    if _BUNDLE.match(line):
-      out.append(line)
-    elif out:
-      out[-1] += line
-  return out
 
 
 def test_the_walk_tells_the_tile_kinds_apart(hand_case):

@@ -19,33 +19,36 @@ def checkpoints(tmp_path_factory):
   return {"wan22": tiny_checkpoint.write_wan22(str(tmp_path_factory.mktemp("wan22") / "wan22"))}
 
 
-@pytest.mark.full  # the AOT test below runs the pair through generate_wan; test_pipeline.py
-# checks each expert's density through WanPipeline2_2
-def test_wan22_pair_uses_its_two_densities(checkpoints, tmp_path):
-  config = tmp_path / "tiny_wan22.yml"
+@pytest.fixture(scope="module")
+def wan22_config(tmp_path_factory):
+  """A config chained onto configs/wan22_svg.yml, with the keys the command line sets."""
+  config = tmp_path_factory.mktemp("config") / "tiny_wan22.yml"
   config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
                                     **SVG_KEYS}))
+  return str(config)
+
+
+@pytest.mark.full  # the AOT test below runs the pair through generate_wan; test_pipeline.py
+# checks each expert's density through WanPipeline2_2
+def test_wan22_pair_uses_its_two_densities(checkpoints, wan22_config, tmp_path):
   video, log = launch(tmp_path, [
-      str(config), f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
+      wan22_config, f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
       *TINY])
   densities = {(r["expert"], r["density"]) for r in log if r["kind"] == "self"}
   assert densities == {("high_noise", 0.5), ("low_noise", 0.2)}
   assert video.shape == (33, 128, 128, 3)
 
 
-def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, tmp_path,
-                                                                     capfd):
+def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, wan22_config,
+                                                                     tmp_path, capfd):
   """MaxDiffusion's AOT cache keys an executable by input paths and shapes; the experts differ
   only in a static attribute (their density), so without the plugin's tag the low-noise expert
   ran the high-noise executable. With aot_cache_dir set, a first run (compiling and saving
   each expert's forward) and a second (loading them from disk) equal the run without the
   cache. No call log here: its callbacks would keep the forwards from being serialized."""
-  config = tmp_path / "tiny_wan22.yml"
-  config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
-                                    **SVG_KEYS}))
   # One guidance scale for both experts: a different one (a static argument) would key their
   # executables apart by itself and hide the bug.
-  argv = [str(config), f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
+  argv = [wan22_config, f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
           "guidance_scale_low=3.5", "guidance_scale_high=3.5", *TINY]
   cache = tmp_path / "aot"
 
