@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
-from maxdiffusion_svg.kernels.api import follows_lowering_platform, lowering_tpu_target
+from maxdiffusion_svg.kernels.api import lowering_tpu_target
 from maxdiffusion_svg.router import profile_heads
-from maxdiffusion_svg.target import Target
+from maxdiffusion_svg.target import Target, follows_lowering_platform
 from maxdiffusion_svg.tiles import TilePlan, plan_tiles
 
 
@@ -49,7 +49,7 @@ def per_platform(config: SvgConfig, target: Target,
   host that is not a TPU, both: Splash (tiles for a TPU of unknown generation) where the call
   is lowered for a TPU, the XLA path elsewhere; the plans differ, so the whole path is built
   twice and the lowering keeps one."""
-  if follows_lowering_platform(config.backend, target):
+  if config.backend == "auto" and follows_lowering_platform(target):
     tpu, default = build("splash", lowering_tpu_target(target)), build("xla", target)
     return lambda *xs: jax.lax.platform_dependent(*xs, tpu=tpu, default=default)
   return build(resolve_backend(config.backend, target), target)
@@ -86,11 +86,13 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   statistics (the target's plan).
   """
   check_qkv(q, k, v, grid)
-  target = target or config.target()
+  target = config.target(q, k, v, target=target)
   key = profile_key(config) if key is None else key
 
+  plans = {}
+
   def build(backend: str, target: Target) -> Callable[..., Any]:
-    plan = config.plan(grid, expert, target, backend)
+    plan = plans[backend] = config.plan(grid, expert, target, backend)
     compute = config.tiles(target, backend).block_kv_compute
 
     def run(q, k, v, key):
@@ -106,7 +108,8 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
     return out
   return out, {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
                "temporal_error": routing.temporal_error,
-               "plan": config.plan(grid, expert, target).stats.as_dict()}
+               # the plan the host's executor lowers (with auto off TPU, the XLA path's)
+               "plan": plans[resolve_backend(config.backend, target)].stats.as_dict()}
 
 
 def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
@@ -120,7 +123,7 @@ def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Vid
                                             block_kv_compute=tiles.block_kv_compute,
                                             target=target)
 
-  return per_platform(config, target or config.target(), build)(q, k, v)
+  return per_platform(config, config.target(q, k, v, target=target), build)(q, k, v)
 
 
 def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
@@ -137,7 +140,7 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
   check_qkv(q, k, v, grid)
   active = config.schedule.is_active(step, layer)
   key = profile_key(config, step, layer, key)
-  target = target or config.target()
+  target = config.target(q, k, v, target=target)
 
   def sparse(q, k, v):
     return svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale, expert=expert,

@@ -10,9 +10,11 @@ import sys
 from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
-from maxdiffusion_svg.tiles import TileMode
+from maxdiffusion_svg.target import GENERATIONS, Target, generation_named, tpu_target
+from maxdiffusion_svg.tiles import MODES
+from maxdiffusion_svg.tiling import choose_tiles, tiles_help
 
-_MODES = [m.value for m in TileMode]
+_MODES = list(MODES)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -110,6 +112,8 @@ def _tiles(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.report import format_report, tile_report  # pylint: disable=import-outside-toplevel
   grid = _grid_from_args(args)
   modes = _MODES if args.mode == "all" else [args.mode]
+  tiles = choose_tiles(_chip_target(args), "splash", args.block_q, args.block_kv)
+  args.block_q, args.block_kv = tiles.block_q, tiles.block_kv
   report = tile_report(grid, args.density, args.block_q, args.block_kv, modes,
                        include_sink=not args.no_sink)
   if args.plot:
@@ -122,14 +126,19 @@ def _tiles(args: argparse.Namespace) -> int:
   return 0
 
 
+def _chip_target(args: argparse.Namespace) -> Target:
+  """The chip a ``tiles`` answer is for, under the job's LIBTPU_INIT_ARGS as given (never this
+  host's); ``svg_vmem_limit_kib`` in the config or overrides comes on top."""
+  return tpu_target(generation_named(args.chip, "--chip"), flags=args.libtpu_init_args or "")
+
+
 def _estimate(args: argparse.Namespace) -> int:
   """``tiles --config FILE [key=value ...]``: the config's own video, steps and keys."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.estimate import estimate_config, format_estimate
+  from maxdiffusion_svg.plugin.estimate import estimate_config, format_estimate
   import yaml
   from maxdiffusion_svg.plugin.launcher import check_overrides
   from maxdiffusion_svg.plugin.overlay import load_config
-  from maxdiffusion_svg.target import tpu_target
   # pylint: enable=import-outside-toplevel
   config, chain = load_config(args.config)
   malformed = [o for o in args.overrides if "=" not in o]
@@ -140,7 +149,7 @@ def _estimate(args: argparse.Namespace) -> int:
   for override in args.overrides:
     key, text = override.split("=", 1)
     config[key] = yaml.safe_load(text)
-  result = estimate_config(config, tpu_target(args.chip), layers=args.layers)
+  result = estimate_config(config, _chip_target(args), layers=args.layers)
   _report(args, format_estimate(result), result)
   return 0
 
@@ -167,8 +176,8 @@ def _add_call_args(parser: argparse.ArgumentParser, heads: int, heads_help: str,
   parser.add_argument("--mode", choices=modes, default=mode, help="traversal mode")
   parser.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
                       help="executor (auto: splash on TPU, xla elsewhere)")
-  parser.add_argument("--block-q", type=_tile, help="query tile (default: 512 xla, 3328 splash)")
-  parser.add_argument("--block-kv", type=_tile, help="key tile (default: 512 xla, 1536 splash)")
+  parser.add_argument("--block-q", type=_tile, help=f"query tile (default: {tiles_help()})")
+  parser.add_argument("--block-kv", type=_tile, help="key tile (default: the executor's)")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                       help="q, k, v dtype")
 
@@ -272,6 +281,28 @@ def _bench_compile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_vmem(args: argparse.Namespace) -> int:
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
+  from maxdiffusion_svg.kernels.vmem_model import fit
+  from maxdiffusion_svg.tpu_aot import libtpu_available
+  # pylint: enable=import-outside-toplevel
+  if args.fit:
+    with open(args.fit, encoding="utf-8") as f:
+      print(json.dumps(fit(json.load(f)["rows"]), indent=1))
+    return 0
+  if not libtpu_available():
+    raise ValueError("bench vmem needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
+  chips = [generation_named(c, "--chips").name for c in args.chips.split(",")]
+  result = run_vmem_calibration(chips, workers=args.workers, log=_progress)
+  out = args.json or str(DEFAULT_OUT)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
+  print(f"{len(result['rows'])} compiler figures (libtpu {result['libtpu']}) written to {out}; "
+        f"fit them: python -m maxdiffusion_svg bench vmem --fit {out}")
+  return 0
+
+
 def _bench_schedule(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.schedule import (default_tiles, format_schedule_bench,  # pylint: disable=import-outside-toplevel
                                                format_tile_sweep, run_schedule_bench,
@@ -301,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
   _add_grid_args(tiles)
   tiles.add_argument("--density", type=_density, default=0.35,
                      help="band density in (0, 1] (the first-frame sink comes on top)")
-  tiles.add_argument("--block-q", type=_tile, default=3328, help="query tile (multiple of 128)")
-  tiles.add_argument("--block-kv", type=_tile, default=1536, help="key tile (multiple of 128)")
+  tiles.add_argument("--block-q", type=_tile,
+                     help=f"query tile, a multiple of 128 (default: --chip's; {tiles_help()})")
+  tiles.add_argument("--block-kv", type=_tile, help="key tile (default: --chip's)")
   tiles.add_argument("--mode", choices=_MODES + ["all"], default="all", help="traversal mode")
   tiles.add_argument("--no-sink", action="store_true", help="drop the first-frame attention sink")
   _add_json_arg(tiles)
@@ -312,7 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
   estimate.add_argument("--config", metavar="FILE.yml",
                         help="a MaxDiffusion Wan config (base_config chains merged): its video, "
                              "steps and svg_* keys replace the options above")
-  estimate.add_argument("--chip", default="v6e", help="TPU generation whose tiles to use")
+  tiles.add_argument("--chip", default="v6e",
+                     help=f"TPU generation whose tiles to use ({', '.join(GENERATIONS)})")
+  tiles.add_argument("--libtpu-init-args", metavar="FLAGS",
+                     help="the job's LIBTPU_INIT_ARGS (its scoped-VMEM limit sets the tiles; "
+                          "default: the chip's own limit)")
   estimate.add_argument("--layers", type=int,
                         help="transformer layers (default: 30 for a 1.3B checkpoint, else 40)")
   estimate.add_argument("overrides", nargs="*", metavar="key=value",
@@ -361,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
   compile_ = bench_sub.add_parser(
       "compile", help="compile for TPU generations with libtpu on this host: what fits, "
                       "per-device memory, compile time (no TPU needed)")
-  compile_.add_argument("--chips", default="v5e,v6e,v5p,v4",
-                        help="comma-separated TPU generations (v4, v5e, v5p, v6e)")
+  compile_.add_argument("--chips", default=",".join(GENERATIONS),
+                        help=f"comma-separated TPU generations ({', '.join(GENERATIONS)})")
   compile_.add_argument("--resolutions", default="720p,1080p,1440p",
                         help="comma-separated resolutions (480p, 720p, 1080p, 1440p)")
   compile_.add_argument("--density", type=_density, default=0.3, help="band density in (0, 1]")
@@ -376,10 +412,23 @@ def build_parser() -> argparse.ArgumentParser:
   _add_json_arg(compile_)
   compile_.set_defaults(run=_bench_compile)
 
+  vmem = bench_sub.add_parser(
+      "vmem", help="the scoped VMEM libtpu allocates per Splash kernel and generation: the "
+                   "VMEM model's calibration points (no TPU needed)")
+  vmem.add_argument("--chips", default=",".join(GENERATIONS),
+                    help=f"comma-separated TPU generations ({', '.join(GENERATIONS)})")
+  vmem.add_argument("--workers", type=int, default=2, help="compiles at a time")
+  vmem.add_argument("--json", metavar="FILE",
+                    help="where to write the points (default: docs/measurements/"
+                         "vmem_calibration.json)")
+  vmem.add_argument("--fit", metavar="FILE",
+                    help="instead: fit the model to FILE's points and print it")
+  vmem.set_defaults(run=_bench_vmem)
+
   schedule = bench_sub.add_parser(
       "schedule", help="libtpu's static schedule of the Splash kernel per mode and dense: "
                        "bundles per tile body, static cycles per call (no TPU needed)")
-  schedule.add_argument("--chip", choices=["v4", "v5e", "v5p", "v6e"], default="v6e",
+  schedule.add_argument("--chip", choices=list(GENERATIONS), default="v6e",
                         help="TPU generation to compile for")
   schedule.add_argument("--resolution", choices=list(RESOLUTIONS), default="720p",
                         help="Wan preset video, 81 frames")

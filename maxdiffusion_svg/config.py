@@ -9,13 +9,13 @@ from typing import Any, Mapping
 import yaml
 
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.kernels.api import BACKENDS, XLA_BLOCKS, resolve_backend
-from maxdiffusion_svg.kernels.tpu_memory import SplashTiles, default_kv_compute, default_splash_tiles
+from maxdiffusion_svg.kernels.api import BACKENDS
 from maxdiffusion_svg.masks import check_density
 from maxdiffusion_svg.router import RouterConfig
 from maxdiffusion_svg.schedule import Interval, PRESETS, Schedule, get_preset
-from maxdiffusion_svg.target import VMEM_FLAG, Target, target_of
+from maxdiffusion_svg.target import VMEM_FLAG, Target, target_for_call
 from maxdiffusion_svg.tiles import TileMode, TilePlan, check_block_size, plan_tiles
+from maxdiffusion_svg.tiling import SplashTiles, choose_tiles
 
 # MaxDiffusion's Wan 2.1 14B default; used to place a preset's dense warm-up when the
 # config does not say how many steps the run has (``num_inference_steps``).
@@ -96,30 +96,19 @@ class SvgConfig:
     own = getattr(self, f"{expert}_density")
     return self.density if own is None else own
 
-  def target(self, mesh: Any = None) -> Target:
-    """The hardware of ``mesh`` (default: the default device), under this config's VMEM limit."""
-    return target_of(mesh, self.vmem_limit_kib or None)
+  def target(self, *arrays: Any, mesh: Any = None, target: Target | None = None) -> Target:
+    """The one target of a call under this config's ``svg_vmem_limit_kib``: ``target``, else
+    ``mesh``'s, else what the inputs or the mesh in context name, else the default device
+    (:func:`maxdiffusion_svg.target.target_for_call`)."""
+    return target_for_call(*arrays, target=target, mesh=mesh,
+                           vmem_limit_kib=self.vmem_limit_kib)
 
   def tiles(self, target: Target | None = None, backend: str | None = None) -> SplashTiles:
-    """Tile and inner kv step for ``target`` (default: the default device): the keys given,
-    the rest from the executor's defaults for that target. ``block_kv_compute`` is Splash's
-    (the XLA path ignores it)."""
-    target = target or self.target()
-    if resolve_backend(backend or self.backend, target) == "xla":
-      default = SplashTiles(*XLA_BLOCKS, default_kv_compute(XLA_BLOCKS[1]))
-    else:
-      default = default_splash_tiles(target)
-    block_q, block_kv = self.block_q or default.block_q, self.block_kv or default.block_kv
-    compute = self.block_kv_compute or (default.block_kv_compute if block_kv == default.block_kv
-                                        else default_kv_compute(block_kv))
-    if block_kv % compute:
-      raise ValueError(f"svg_block_kv_compute ({compute}) must divide svg_block_kv ({block_kv}, "
-                       f"the default for {target.describe()})")
-    return SplashTiles(block_q, block_kv, compute)
-
-  def blocks(self, target: Target | None = None) -> tuple[int, int]:
-    tiles = self.tiles(target)
-    return tiles.block_q, tiles.block_kv
+    """Tile and inner kv step on ``target`` (default: the default device), under this
+    config's VMEM limit: the keys given, the rest the executor's defaults there
+    (:func:`maxdiffusion_svg.tiling.choose_tiles`, the one place tiles are decided)."""
+    return choose_tiles(self.target(target=target), backend or self.backend, self.block_q,
+                        self.block_kv, self.block_kv_compute)
 
   def plan(self, grid: VideoGrid, expert: str | None = None, target: Target | None = None,
            backend: str | None = None) -> TilePlan:

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.target import Target, target_of
+from maxdiffusion_svg.target import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if qkv_spec is not None:
     seq_axis, batch_axes = layout_axes(mesh, qkv_spec)
   ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes)
-  target = target_of(mesh, config.vmem_limit_kib) if target is None else target
+  target = config.target(mesh=mesh, target=target)
   batch, heads = q.shape[:2]
   if fold_batch and batch > 1 and ex.batch_shards == 1:
     folded = sharded_svg_attention(

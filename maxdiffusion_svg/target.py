@@ -1,11 +1,12 @@
 """The hardware a call is compiled for: platform, TPU generation and its on-chip memory limits.
 
-Everything chosen by platform (the executor behind ``svg_backend: auto``, Splash tile defaults,
-the VMEM and SMEM checks, the plugin's dense kernel) follows the devices the call is compiled
-for, not the process's default backend: a Wan forward compiled ahead of time for a v6e slice
-from a CPU host must pick the TPU kernel and fit a v6e's memory. Those devices are the mesh's
-when there is one (``target_of``); without one, the default device's, and a TPU generation
-only when that device is a TPU (``svg_attention`` adds the lowering platform on top).
+Everything chosen by platform (the executor behind ``svg_backend: auto``, Splash tiles, the
+VMEM and SMEM checks, the plugin's dense kernel) follows what the call is compiled for, not
+the host: a Wan forward compiled ahead of time for a v6e slice from a CPU host must pick the
+TPU kernel and fit a v6e's memory. :func:`target_for_call` is the one resolution: an explicit
+target, else the mesh, else what the inputs' sharding or the mesh in context names, else the
+default device. Only when nothing names a TPU generation is it unknown, and an unknown TPU is
+held to the strictest limits of the known ones.
 """
 
 from __future__ import annotations
@@ -19,30 +20,45 @@ MIB = 2**20
 # libtpu's flag for the scoped-VMEM limit every kernel compiles under (MaxDiffusion's Wan
 # runs set --xla_tpu_scoped_vmem_limit_kib=65536 in LIBTPU_INIT_ARGS).
 VMEM_FLAG = "xla_tpu_scoped_vmem_limit_kib"
+VMEM_KEY = "svg_vmem_limit_kib"
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
-  """One TPU generation's limits as its compiler applies them (per TensorCore)."""
+  """One TPU generation's limits as its compiler applies them (per TensorCore: one JAX device,
+  except v4 and v5p, whose two TensorCores form one megacore device)."""
 
   name: str
   device_kinds: tuple[str, ...]  # jax Device.device_kind values
   default_scoped_vmem: int  # bytes, the limit without --xla_tpu_scoped_vmem_limit_kib
   vmem: int  # physical VMEM: the most a raised limit can give
   smem: int  # scalar memory, where Splash keeps its tile tables
+  devices_per_chip: int = 1
 
 
-# Default scoped-VMEM limits are the compiler's own (its CompileTimeScopedVmemOom message
-# names them; tests/test_tpu_compile.py checks them against libtpu).
+# Limits are the compiler's own: its CompileTimeScopedVmemOom and SMEM messages name them
+# (tests/test_tpu_compile.py checks them against libtpu; docs/reference.md lists them).
 GENERATIONS: dict[str, TpuGeneration] = {g.name: g for g in (
     TpuGeneration("v4", ("TPU v4",), 16 * MIB, 16 * MIB, 1 * MIB),
     TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 16 * MIB, 128 * MIB, 1 * MIB),
     TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 16 * MIB, 96 * MIB, 1 * MIB),
     TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 32 * MIB, 128 * MIB, 1 * MIB),
+    TpuGeneration("tpu7x", ("TPU7x",), 32 * MIB, 64 * MIB, 1 * MIB, devices_per_chip=2),
 )}
-# A TPU whose generation is unknown (a newer chip, or only the lowering platform is known)
-# gets the smallest limits of the known ones, so what is chosen for it compiles on all.
-GENERIC_TPU = TpuGeneration("tpu", (), 16 * MIB, 16 * MIB, 1 * MIB)
+# A TPU whose generation nothing names (only the lowering platform says TPU), or a newer one:
+# held to the smallest limits of the known ones, so what passes for it compiles on all.
+GENERIC_TPU = TpuGeneration(
+    "unknown", (), min(g.default_scoped_vmem for g in GENERATIONS.values()),
+    min(g.vmem for g in GENERATIONS.values()), min(g.smem for g in GENERATIONS.values()))
+CHIP_ALIASES = {"v7x": "tpu7x", "7x": "tpu7x", "v6": "v6e", "v5": "v5p"}
+
+
+def generation_named(name: str, key: str = "chip") -> TpuGeneration:
+  """A generation by name (``v6e``, ``tpu7x``, alias ``v7x``); an error names ``key``."""
+  name = CHIP_ALIASES.get(name, name)
+  if name not in GENERATIONS:
+    raise ValueError(f"{key} must be one of {', '.join(GENERATIONS)} (or v7x), got {name!r}")
+  return GENERATIONS[name]
 
 
 def generation_for_kind(device_kind: str) -> TpuGeneration:
@@ -55,55 +71,83 @@ def generation_for_kind(device_kind: str) -> TpuGeneration:
 def vmem_limit_from_flags(flags: str | None = None) -> int | None:
   """The scoped-VMEM limit (bytes) ``LIBTPU_INIT_ARGS`` (or ``flags``) raises, if any."""
   flags = os.environ.get("LIBTPU_INIT_ARGS", "") if flags is None else flags
-  found = re.findall(rf"--{VMEM_FLAG}=(\d+)", flags)
-  return int(found[-1]) * 1024 if found else None
+  found = re.findall(rf"--{VMEM_FLAG}=(\S*)", flags)
+  if not found:
+    return None
+  if not found[-1].isdigit():
+    raise ValueError(f"LIBTPU_INIT_ARGS: --{VMEM_FLAG} must be a whole number of KiB, got "
+                     f"{found[-1]!r}")
+  return int(found[-1]) * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """Where a call runs: ``platform`` (``tpu``, ``cpu``, ``gpu``), the TPU generation, and the
-  scoped-VMEM limit its kernels compile under (the generation's default unless raised)."""
+  """Where a call runs: ``platform`` (``tpu``, ``cpu``, ``gpu``), the TPU generation, the
+  scoped-VMEM limit its kernels compile under, and where that limit came from."""
 
   platform: str
   generation: TpuGeneration | None = None
   vmem_limit: int | None = None  # bytes; None off TPU
+  vmem_source: str = ""  # svg_vmem_limit_kib, LIBTPU_INIT_ARGS, or the generation's default
+  # The inputs or a mesh named this platform: the call is lowered for it and nothing else. A
+  # non-TPU target nothing named (the host's) may still be lowered for a TPU (an export).
+  pinned: bool = False
 
   @property
   def is_tpu(self) -> bool:
     return self.platform == "tpu"
 
   @property
+  def known(self) -> bool:
+    """A TPU whose generation is named (not held to the strictest limits)."""
+    return self.is_tpu and self.generation is not GENERIC_TPU
+
+  @property
   def smem(self) -> int | None:
     return self.generation.smem if self.generation else None
+
+  @property
+  def chip(self) -> str:
+    return f"TPU {self.generation.name}" if self.known else "a TPU of unknown generation"
 
   def describe(self) -> str:
     if not self.is_tpu:
       return self.platform
-    return f"TPU {self.generation.name}, scoped VMEM {self.vmem_limit / MIB:g} MiB"
+    strictest = "" if self.known else " (held to the strictest known limits)"
+    return (f"{self.chip}{strictest}, scoped VMEM {self.vmem_limit / MIB:g} MiB "
+            f"({self.vmem_source})")
+
+  def with_vmem_limit(self, vmem_limit_kib: int | None) -> "Target":
+    """This target under ``svg_vmem_limit_kib`` (None: unchanged)."""
+    if not vmem_limit_kib or not self.is_tpu:
+      return self
+    return dataclasses.replace(tpu_target(self.generation, vmem_limit_kib), pinned=self.pinned)
 
 
-def tpu_target(generation: TpuGeneration | str = GENERIC_TPU,
-               vmem_limit_kib: int | None = None) -> Target:
-  """A TPU target; the VMEM limit is ``vmem_limit_kib``, else ``LIBTPU_INIT_ARGS``'s (capped at
-  the chip's VMEM, as the compiler caps it), else the generation's default."""
+def tpu_target(generation: TpuGeneration | str = GENERIC_TPU, vmem_limit_kib: int | None = None,
+               flags: str | None = None) -> Target:
+  """A TPU target; the VMEM limit is ``vmem_limit_kib``, else the job's ``LIBTPU_INIT_ARGS``
+  (``flags``; None: this process's environment), capped at the chip's VMEM as the compiler
+  caps it, else the generation's default."""
   if isinstance(generation, str):
-    if generation not in GENERATIONS:
-      raise ValueError(f"TPU generation must be one of {', '.join(GENERATIONS)}, "
-                       f"got {generation!r}")
-    generation = GENERATIONS[generation]
+    generation = generation_named(generation)
   if vmem_limit_kib:
     limit = vmem_limit_kib * 1024
     if limit > generation.vmem:
-      raise ValueError(f"svg_vmem_limit_kib asks for {vmem_limit_kib} KiB of scoped VMEM, more "
-                       f"than TPU {generation.name}'s {generation.vmem // 1024} KiB")
-  else:
-    flags = vmem_limit_from_flags()
-    limit = min(flags, generation.vmem) if flags else generation.default_scoped_vmem
-  return Target("tpu", generation, limit)
+      chip = f"TPU {generation.name}" if generation is not GENERIC_TPU else (
+          "a TPU of unknown generation (the smallest known VMEM)")
+      raise ValueError(f"{VMEM_KEY} asks for {vmem_limit_kib} KiB of scoped VMEM, more than "
+                       f"{chip}'s {generation.vmem // 1024} KiB")
+    return Target("tpu", generation, limit, VMEM_KEY)
+  raised = vmem_limit_from_flags(flags)
+  if raised:
+    return Target("tpu", generation, min(raised, generation.vmem), "LIBTPU_INIT_ARGS")
+  return Target("tpu", generation, generation.default_scoped_vmem, "the chip's default")
 
 
 def target_for_devices(devices: Iterable[Any], vmem_limit_kib: int | None = None) -> Target:
-  """The target of a set of devices (concrete, or a topology's abstract TPU devices)."""
+  """The target of a set of devices (concrete, a topology's abstract TPU devices, or a mesh's
+  ``AbstractDevice``)."""
   device = next(iter(devices))
   if device.platform != "tpu":
     return Target(device.platform)
@@ -112,7 +156,69 @@ def target_for_devices(devices: Iterable[Any], vmem_limit_kib: int | None = None
 
 def target_of(mesh: Any = None, vmem_limit_kib: int | None = None) -> Target:
   """The target of ``mesh``'s devices; without a mesh, of the default device."""
-  if mesh is not None and getattr(mesh, "devices", None) is not None:
-    return target_for_devices(mesh.devices.flat, vmem_limit_kib)
+  named = _mesh_device(mesh)
+  if named is not None:
+    return target_for_devices([named], vmem_limit_kib)
   import jax  # pylint: disable=import-outside-toplevel
   return target_for_devices(jax.devices()[:1], vmem_limit_kib)
+
+
+def _mesh_device(mesh: Any) -> Any:
+  """A device (or AbstractDevice) a concrete or abstract mesh names, if any."""
+  if mesh is None:
+    return None
+  from jax.sharding import AbstractMesh  # pylint: disable=import-outside-toplevel
+  if isinstance(mesh, AbstractMesh):
+    return mesh.abstract_device
+  devices = getattr(mesh, "devices", None)
+  return devices.flat[0] if devices is not None and devices.size else None
+
+
+def _array_device(x: Any) -> Any:
+  """The device an input names: a traced value's mesh (``jax.typeof``), a concrete array's."""
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    sharding = jax.typeof(x).sharding
+  except (TypeError, AttributeError):
+    sharding = None
+  named = _mesh_device(getattr(sharding, "mesh", None))
+  if named is not None:
+    return named
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return next(iter(x.sharding.device_set), None)
+  return None
+
+
+def target_for_call(*arrays: Any, target: Target | None = None, mesh: Any = None,
+                    vmem_limit_kib: int | None = None) -> Target:
+  """The one target of a call: ``target``, else ``mesh``'s, else the TPU the inputs' sharding
+  or the mesh in context names (what Pallas itself compiles for), else the default device's.
+  ``vmem_limit_kib`` (``svg_vmem_limit_kib``) sets the scoped-VMEM limit on any of them."""
+  if target is not None:
+    return target.with_vmem_limit(vmem_limit_kib)
+  import jax  # pylint: disable=import-outside-toplevel
+  candidates = [_mesh_device(mesh)] + [_array_device(x) for x in arrays]
+  candidates.append(_mesh_device(jax.sharding.get_abstract_mesh()))
+  for device in candidates:
+    if device is not None:
+      return dataclasses.replace(target_for_devices([device], vmem_limit_kib), pinned=True)
+  return target_for_devices(jax.devices()[:1], vmem_limit_kib)
+
+
+BACKENDS = ("auto", "splash", "xla")
+
+
+def resolve_backend(backend: str, target: Target | None = None) -> str:
+  """``auto`` is Splash on a TPU target and the XLA path elsewhere (target: default device)."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+  if backend == "auto":
+    return "splash" if (target or target_of()).is_tpu else "xla"
+  return backend
+
+
+def follows_lowering_platform(target: Target) -> bool:
+  """A target nothing pinned on a host that is not a TPU: the call may still be lowered for a
+  TPU (an ahead-of-time export from a CPU host), so both executors are traced and
+  ``lax.platform_dependent`` keeps the one the lowering platform runs."""
+  return not target.is_tpu and not target.pinned

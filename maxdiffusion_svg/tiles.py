@@ -48,6 +48,9 @@ class TileMode(enum.Enum):
       raise ValueError(f"{name} must be one of {allowed}, got {mode!r}") from None
 
 
+MODES: tuple[str, ...] = tuple(m.value for m in TileMode)  # naive, split, aligned
+
+
 def check_block_size(value: Any, name: str) -> int:
   """Tile sides must be positive multiples of 128 (the TPU lane width)."""
   if (isinstance(value, bool) or not isinstance(value, (int, np.integer))

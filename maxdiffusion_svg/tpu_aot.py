@@ -8,12 +8,13 @@ benchmark ask it. Nothing here runs anything on a device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 # libtpu looks for TPU hosts when it loads and takes a process lockfile; a compile-only user
 # wants neither. Must be set before libtpu loads (the first topology request).
@@ -34,14 +35,30 @@ def libtpu_version() -> str:
   return version("libtpu")
 
 
+@contextlib.contextmanager
+def _libtpu_env() -> Iterator[None]:
+  """libtpu's compile-only settings while it loads, then the environment as it was: compiling
+  for a topology must not tell the rest of the process (``preflight`` reads the job's TPU
+  variables) that it runs on one."""
+  saved = {name: os.environ.get(name) for name in _LIBTPU_ENV}
+  os.environ.update({name: value for name, value in _LIBTPU_ENV.items() if saved[name] is None})
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      if value is None:
+        os.environ.pop(name, None)
+
+
 @functools.lru_cache(maxsize=None)
 def topology_devices(topology: str) -> tuple[Any, ...]:
-  """Abstract devices of a TPU topology, e.g. ``v5e:1x1``, ``v6e:2x4``, ``v5p:2x2x1``."""
-  for name, value in _LIBTPU_ENV.items():
-    os.environ.setdefault(name, value)
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.split(':')[0]}-8")
+  """Abstract devices of a TPU topology, e.g. ``v5e:1x1``, ``v6e:2x4``, ``tpu7x:2x2x1``.
+
+  libtpu warns that it cannot tell the accelerator type (none is set: this host is not a TPU)
+  and compiles for the topology named all the same."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+  with _libtpu_env():
+    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
 
 
 def vmem_options(limit_kib: int | None) -> dict[str, str]:
@@ -102,18 +119,36 @@ def aot_compile(fn: Callable[..., Any], args: Sequence[Any],
 _SCOPED = re.compile(r"Scoped allocation with size ([\d.]+)([KMG])")
 
 
-def scoped_vmem_need(lowered: Any, start_kib: int = 1024, max_kib: int = 131072) -> int | None:
-  """The scoped VMEM (bytes, to the compiler's 0.01M rounding) the program needs.
+@dataclasses.dataclass(frozen=True)
+class VmemNeed:
+  """What the compiler allocated: ``bytes`` of scoped VMEM (to its 0.01M rounding; an upper
+  bound of ``bytes`` when even the smallest limit tried fit), and the compiles it took."""
+
+  bytes: int
+  compiles: int
+  exact: bool = True
+
+
+def scoped_vmem_need(lowered: Any, start_kib: int = 1024, max_kib: int = 131072) -> VmemNeed | None:
+  """The scoped VMEM the program needs, by the compiler's word.
 
   The compiler names the allocation that overflowed a limit; raising the limit to it and
-  compiling again walks up the allocations until the program fits (usually 3-4 compiles).
-  Returns None when the program fails for another reason.
+  compiling again walks up the allocations until the program fits. A ``start_kib`` near the
+  need (just below it) takes two compiles. When the first limit already fits, the walk
+  starts again an eighth as high, down to 1 KiB. None when the program fails otherwise, or
+  needs more than ``max_kib``.
   """
-  limit, need = start_kib, 0
+  limit, need, compiles = start_kib, 0, 0
   while limit <= max_kib:
     result = compile_lowered(lowered, vmem_options(limit))
+    compiles += 1
     if result.ok:
-      return max(need, 1)
+      if need:
+        return VmemNeed(need, compiles)
+      if limit <= 1:
+        return VmemNeed(1024, compiles, exact=False)
+      limit = max(1, limit // 8)
+      continue
     found = _SCOPED.search(result.error)
     if not found:
       return None
@@ -122,15 +157,17 @@ def scoped_vmem_need(lowered: Any, start_kib: int = 1024, max_kib: int = 131072)
   return None
 
 
-# One chip of each generation libtpu knows (v4's smallest topology holds two devices).
-SINGLE_CHIP = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
+# One chip of each generation libtpu knows (v4's smallest topology holds two devices; a TPU7x
+# chip is two devices, one per TensorCore, each with its own VMEM).
+SINGLE_CHIP = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1",
+               "tpu7x": "tpu7x:1x1"}
 
 
 def chip_mesh(chip: str, axis: str = "x") -> Any:
-  """A one-device mesh of one ``chip`` (``v4``, ``v5e``, ``v5p``, ``v6e``)."""
+  """A one-device mesh of one ``chip`` (``v4``, ``v5e``, ``v5p``, ``v6e``, ``tpu7x``)."""
   from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
-  if chip not in SINGLE_CHIP:
-    raise ValueError(f"chip must be one of {', '.join(SINGLE_CHIP)}, got {chip!r}")
+  from maxdiffusion_svg.target import generation_named  # pylint: disable=import-outside-toplevel
+  chip = generation_named(chip).name
   return Mesh(list(topology_devices(SINGLE_CHIP[chip])[:1]), (axis,))
 
 

@@ -135,7 +135,7 @@ def test_compile_bench_table_and_bad_chip(capsys):
   assert ("| default | v5e | 720p | split | 3328x1536/256 | **no** | 22.0 / 16.0 | 20.1 | 8 |"
           in text) and "size 20.07M and limit 16.00M" in text
   assert main(["bench", "compile", "--chips", "v9z"]) == 2
-  assert "--chips must be among v4, v5e, v5p, v6e, got 'v9z'" in capsys.readouterr().err
+  assert "--chips must be among v4, v5e, v5p, v6e, tpu7x, got 'v9z'" in capsys.readouterr().err
 
 
 WAN14B_720P = {"model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,

@@ -29,6 +29,23 @@ def test_the_plugin_imports_neither_fixtures_nor_benchmarks():
   assert not {name: found for name, found in offending.items() if found}
 
 
+# The tools a user runs (they may drive the plugin, or draw benchmark figures); the rest of
+# the package is core.
+TOOLS = ("cli.py", "generate.py", "__main__.py", "plot.py")
+
+
+def test_core_modules_import_neither_the_plugin_nor_benchmarks_nor_fixtures():
+  """The data path (and kernels) stand alone; plugin/ builds on them, never the reverse."""
+  package = ROOT / "maxdiffusion_svg"
+  core = [p for p in list(package.glob("*.py")) + list((package / "kernels").glob("*.py"))
+          if p.name not in TOOLS]
+  assert len(core) >= 15, sorted(p.name for p in core)
+  offending = {path.name: sorted(m for m in _imported_modules(path) if m.startswith(
+      ("maxdiffusion_svg.plugin", "maxdiffusion_svg.bench", "maxdiffusion_svg.testing")))
+               for path in core}
+  assert not {name: found for name, found in offending.items() if found}
+
+
 def test_nothing_under_tests_shadows_the_maxdiffusion_package():
   """pytest puts test folders on sys.path; a folder named maxdiffusion there would be imported
   as MaxDiffusion (a namespace package) instead of the real one."""

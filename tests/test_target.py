@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import pytest
 
 from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles
-from maxdiffusion_svg.kernels.tpu_memory import (SPLASH_TILES, check_fits, default_splash_tiles,
-                                                 smem_estimate, vmem_estimate)
+from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_estimate
+from maxdiffusion_svg.tiling import SPLASH_TILES, UNKNOWN_TPU_TILES, default_tiles
 from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, Target, generation_for_kind,
                                      target_for_devices, target_of, tpu_target,
                                      vmem_limit_from_flags)
@@ -39,7 +39,8 @@ def test_device_kinds_name_their_generation_and_unknown_tpus_get_the_smallest_li
   assert generation_for_kind("TPU v6 lite").name == "v6e"
   assert generation_for_kind("TPU v5").name == "v5p"
   assert generation_for_kind("TPU v4").name == "v4"
-  assert generation_for_kind("TPU7x") is GENERIC_TPU
+  assert generation_for_kind("TPU7x").name == "tpu7x"
+  assert generation_for_kind("TPU9z") is GENERIC_TPU
   assert GENERIC_TPU.default_scoped_vmem == min(g.default_scoped_vmem for g in GENERATIONS.values())
   assert target_for_devices([device("cpu", "cpu")]) == Target("cpu")
   assert target_of().platform == "cpu"  # this host
@@ -65,7 +66,10 @@ def test_default_tiles_follow_the_limit_and_user_keys_win(monkeypatch):
   tiles = lambda config, gen, limit=None: config.tiles(tpu_target(gen, limit))
   assert tiles(SvgConfig(), "v5e") == SPLASH_TILES[-1][1]
   assert (tiles(SvgConfig(), "v6e").block_q, tiles(SvgConfig(), "v6e").block_kv) == (3328, 1536)
-  assert tiles(SvgConfig(), "v6e", 65536) == default_splash_tiles(tpu_target("v6e", 65536))
+  assert tiles(SvgConfig(), "v6e", 65536) == default_tiles(tpu_target("v6e", 65536))
+  # The config's own limit reaches the tiles, whatever target it is given.
+  assert SvgConfig(vmem_limit_kib=65536).tiles(tpu_target("v6e")) == SPLASH_TILES[0][1]
+  assert SvgConfig().tiles(tpu_target()) == UNKNOWN_TPU_TILES
   assert tiles(SvgConfig(block_q=1024), "v6e").block_q == 1024
   assert tiles(SvgConfig(block_kv=1024), "v6e").block_kv_compute == 256
   assert tiles(SvgConfig(block_kv=1152), "v6e").block_kv_compute == 128

@@ -25,12 +25,11 @@ from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import smem_estimate, vmem_estimate
 from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.target import GENERATIONS, MIB, target_for_devices
-from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.tiles import MODES, plan_tiles
 from maxdiffusion_svg.tpu_aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
                                       libtpu_version, scoped_vmem_need, topology_devices,
                                       vmem_options)
 
-MODES = ("naive", "split", "aligned")
 RAISED_KIB = 65536
 
 
@@ -85,7 +84,8 @@ def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bo
     extra = {"vmem_estimate": estimate["total"], "vmem_limit": target.vmem_limit,
              "smem_estimate": smem_estimate(plan), "smem_limit": target.smem}
     if cfg.calibrate and result.ok:
-      extra["vmem_compiler"] = scoped_vmem_need(lowered)
+      need = scoped_vmem_need(lowered)
+      extra["vmem_compiler"] = need.bytes if need else None
     label = f"{tiles.block_q}x{tiles.block_kv}/{tiles.block_kv_compute}"
     rows.append(_row("raised" if raised else "default", chip, resolution, mode, label, result,
                      extra))

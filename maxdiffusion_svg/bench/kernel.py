@@ -18,9 +18,8 @@ import numpy as np
 from maxdiffusion_svg.bench.timing import time_call
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention, resolve_backend, sparse_attention
-from maxdiffusion_svg.kernels.api import XLA_BLOCKS
-from maxdiffusion_svg.kernels.tpu_memory import default_splash_tiles
 from maxdiffusion_svg.target import target_of
+from maxdiffusion_svg.tiling import choose_tiles
 from maxdiffusion_svg.masks import check_density
 from maxdiffusion_svg.tiles import TileMode, check_block_size, plan_tiles
 
@@ -54,13 +53,11 @@ class KernelBenchConfig:
       raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
   def blocks(self, backend: str) -> tuple[int, int]:
-    if backend == "xla":
-      default_q, default_kv = XLA_BLOCKS
-    else:
-      tiles = default_splash_tiles(target_of())
-      default_q, default_kv = tiles.block_q, tiles.block_kv
-    return (check_block_size(self.block_q or default_q, "block_q"),
-            check_block_size(self.block_kv or default_kv, "block_kv"))
+    for name in ("block_q", "block_kv"):
+      if getattr(self, name):
+        check_block_size(getattr(self, name), name)
+    tiles = choose_tiles(target_of(), backend, self.block_q, self.block_kv)
+    return tiles.block_q, tiles.block_kv
 
 
 def run_kernel_bench(cfg: KernelBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -20,12 +20,11 @@ from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
-from maxdiffusion_svg.tiles import TileMode, TilePlan, plan_tiles
+from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.tpu_aot import libtpu_version
 from maxdiffusion_svg.tpu_schedule import (KernelSchedule, ScheduleFormatError, dump_flags, read_dump,
                                            unit_bounds)
 
-MODES = tuple(m.value for m in TileMode)
 # MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
 # base_wan_14b.yml gives for v6e, under the scoped-VMEM limit its README's LIBTPU_INIT_ARGS set.
 MAXDIFFUSION_V6E_BLOCKS = (3024, 2048, 1024)

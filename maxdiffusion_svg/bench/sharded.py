@@ -120,11 +120,13 @@ def run_sharded_bench(cfg: ShardedBenchConfig,
     q, k, v = (jax.device_put(x, sharding) for x in host)
   else:
     q = k = v = jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=sharding)
-  block_q, block_kv = svg.blocks(svg.target(mesh))
+  tiles = svg.tiles(svg.target(mesh=mesh))
+  block_q, block_kv = tiles.block_q, tiles.block_kv
   result: dict[str, Any] = {
       "grid": list(grid.shape), "tokens": grid.tokens, "batch": cfg.batch, "heads": cfg.heads,
       "head_dim": cfg.head_dim, "dtype": cfg.dtype, "density": cfg.density,
-      "mode": svg.tile_mode.value, "backend": resolve_backend(svg.backend, svg.target(mesh)), "block_q": block_q,
+      "mode": svg.tile_mode.value, "backend": resolve_backend(svg.backend, svg.target(mesh=mesh)),
+      "block_q": block_q,
       "block_kv": block_kv, "devices": cfg.devices, "platform": jax.devices()[0].platform,
       "mesh": dict(mesh.shape), "inputs_sequence_sharded": even, "timing": cfg.timing,
       "repeats": cfg.repeats, "placements": {}}

@@ -30,11 +30,12 @@ import time
 from typing import Any, Callable, Sequence
 from unittest import mock
 
+from maxdiffusion_svg.target import MIB
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "wan_svg.yml"
 KERNELS = ("svg", "flash", "ulysses")
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
-MIB = 2**20
 
 # Wan 2.1 T2V 14B's transformer, as its published Hugging Face config gives it.
 WAN_14B = {
@@ -225,7 +226,7 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
     if not hooks.is_prepared(model):
       raise RuntimeError("the svg transformer was not prepared by the create-transformer hook")
     settings = model.svg_settings
-    row["svg"] = settings.summary(settings.svg.target(mesh))
+    row["svg"] = settings.summary(settings.svg.target(mesh=mesh))
     # A decreasing schedule makes the kernel's step a traced function of the timestep input.
     hooks.set_denoising_schedule(model, jnp.linspace(999.0, 0.0, NUM_STEPS))
   graphdef, state, rest = nnx.split(model, nnx.Param, ...)

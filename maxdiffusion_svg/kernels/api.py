@@ -7,34 +7,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from maxdiffusion_svg.kernels import refusal
+# Imported with the package, not on the first call: tokamax registers JAX config values when
+# it loads, and a first trace that loaded it would leave later calls tracing in a different
+# context, so everything would compile twice.
+from maxdiffusion_svg.kernels.splash import splash_sparse_attention
+from maxdiffusion_svg.kernels.tpu_memory import check_fits
+from maxdiffusion_svg.kernels.xla import xla_sparse_attention
+from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, Target, follows_lowering_platform,
+                                     resolve_backend, target_for_call, tpu_target)
 from maxdiffusion_svg.tiles import TilePlan
 
-from maxdiffusion_svg.target import GENERIC_TPU, Target, target_of, tpu_target
-
-BACKENDS = ("auto", "splash", "xla")
-# The XLA path's tile when a caller gives none: 512 was fastest on CPU. Splash's depend on
-# the TPU's VMEM (kernels.tpu_memory.default_splash_tiles).
-XLA_BLOCKS = (512, 512)
-
-
-def resolve_backend(backend: str, target: Target | None = None) -> str:
-  """``auto`` is Splash on a TPU target and the XLA path elsewhere (target: default device)."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-  if backend == "auto":
-    return "splash" if (target or target_of()).is_tpu else "xla"
-  return backend
-
-
-def follows_lowering_platform(backend: str, target: Target) -> bool:
-  """``auto`` on a host that is not a TPU still picks Splash where the call is lowered for
-  one (an ahead-of-time compile from a CPU host), through ``lax.platform_dependent``."""
-  return backend == "auto" and not target.is_tpu
+__all__ = ["BACKENDS", "resolve_backend", "sparse_attention", "lowering_tpu_target"]
 
 
 def lowering_tpu_target(target: Target) -> Target:
-  """The TPU assumed when only the lowering platform says TPU: generation unknown."""
-  return target if target.is_tpu else tpu_target(GENERIC_TPU)
+  """The TPU a call is held to: ``target``, or where only a later lowering can say TPU, one of
+  unknown generation (the strictest known limits) under ``target``'s VMEM key, if any."""
+  if target.is_tpu:
+    return target
+  return tpu_target(GENERIC_TPU, target.vmem_limit // 1024 if target.vmem_limit else None)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
@@ -84,27 +76,36 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   where the call is lowered for a TPU.
   """
   _check_inputs(q, k, v, plan)
-  target = target or target_of()
+  target = target_for_call(q, k, v, target=target)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  tpu = lowering_tpu_target(target)
+  head_dim = q.shape[-1]
 
-  def splash_impl(q, k, v):
-    from maxdiffusion_svg.kernels.splash import splash_sparse_attention  # pylint: disable=import-outside-toplevel
+  def mosaic(q, k, v):
+    return splash_sparse_attention(q, k, v, plan, scale, interpret=False,
+                                   block_kv_compute=block_kv_compute, target=tpu)
 
-    def run(interpret):
-      return lambda q, k, v: splash_sparse_attention(q, k, v, plan, scale, interpret=interpret,
-                                                     block_kv_compute=block_kv_compute,
-                                                     target=lowering_tpu_target(target))
+  def interpreted(q, k, v):
+    return splash_sparse_attention(q, k, v, plan, scale, interpret=True,
+                                   block_kv_compute=block_kv_compute, target=tpu)
 
-    # The Mosaic kernel where the function is lowered for TPU, its interpreter elsewhere:
-    # decided per lowering platform, so one jitted function runs on CPU and exports for TPU.
-    return jax.lax.platform_dependent(q, k, v, tpu=run(False), default=run(True))
+  def xla(q, k, v):
+    return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step)
 
-  def xla_impl(q, k, v):
-    from maxdiffusion_svg.kernels.xla import xla_sparse_attention  # pylint: disable=import-outside-toplevel
-    return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step)
-
-  if follows_lowering_platform(backend, target):
-    impl = lambda q, k, v: jax.lax.platform_dependent(q, k, v, tpu=splash_impl, default=xla_impl)
+  given, backend = backend, resolve_backend(backend, target)
+  if target.is_tpu:  # compiled for a TPU, nothing else: refuse what it cannot hold, now
+    check_fits(plan, head_dim, q.dtype, block_kv_compute, tpu)
+    impl = mosaic if backend == "splash" else xla
+  elif given == "xla" or not follows_lowering_platform(target):  # the host's executor only
+    impl = interpreted if backend == "splash" else xla
   else:
-    impl = splash_impl if resolve_backend(backend, target) == "splash" else xla_impl
+    # Nothing names the platform: the TPU branch is held to the strictest known limits; a
+    # refusal there surfaces only if the call is lowered for a TPU (runs here are unaffected).
+    try:
+      check_fits(plan, head_dim, q.dtype, block_kv_compute, tpu)
+      on_tpu = mosaic
+    except ValueError as err:
+      on_tpu = refusal.refused_on_tpu(str(err))
+    impl = lambda q, k, v: jax.lax.platform_dependent(
+        q, k, v, tpu=on_tpu, default=interpreted if backend == "splash" else xla)
   return _inference_only(impl)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))

@@ -23,9 +23,10 @@ from tokamax._src.ops.experimental.tpu.splash_attention import base as splash_ba
 from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
 from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
-from maxdiffusion_svg.kernels.tpu_memory import LANES, check_fits, default_kv_compute, mask_strategy
+from maxdiffusion_svg.kernels.tpu_memory import LANES, check_fits, mask_strategy
 from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import MASKED, TilePlan
+from maxdiffusion_svg.tiling import default_kv_compute
 
 
 def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:

@@ -12,55 +12,16 @@ both claims: what is accepted compiles, and what is refused would not have.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.target import GENERIC_TPU, MIB, Target, VMEM_FLAG
+from maxdiffusion_svg.target import GENERATIONS, MIB, Target, VMEM_FLAG, VMEM_KEY
 from maxdiffusion_svg.tiles import MASKED, TilePlan
+from maxdiffusion_svg.tiling import default_kv_compute
 
 LANES = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class SplashTiles:
-  """Splash's tile: ``block_q x block_kv``, walked in ``block_kv_compute``-wide inner steps."""
-
-  block_q: int
-  block_kv: int
-  block_kv_compute: int
-
-
-# Default tiles by the scoped-VMEM limit in force, largest first: each compiles for every
-# mode and the dense branch under that limit (docs: "Compiles for"). 32 MiB is the seed
-# design's v6e tile; 64 MiB (MaxDiffusion's Wan runs raise the limit to it) is the upstream
-# port's tuned sparse tile.
-SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
-    (64 * MIB, SplashTiles(3328, 2816, 256)),
-    (32 * MIB, SplashTiles(3328, 1536, 256)),
-    (16 * MIB, SplashTiles(2048, 1536, 256)),
-)
-# v4 has 16 MiB of VMEM in all and widens int8 mask blocks to 32 bits: a narrower kv tile.
-V4_TILES = SplashTiles(2048, 1024, 256)
-# The inner kv step when block_kv is the user's: the widest of these dividing it.
-KV_COMPUTE_CHOICES = (256, 128)
-
-
-def default_splash_tiles(target: Target) -> SplashTiles:
-  """The tiles for ``target``'s generation and VMEM limit (the smallest entry below all)."""
-  if target.generation is not None and target.generation.name == "v4":
-    return V4_TILES
-  limit = target.vmem_limit or GENERIC_TPU.default_scoped_vmem
-  for floor, tiles in SPLASH_TILES:
-    if limit >= floor:
-      return tiles
-  return SPLASH_TILES[-1][1]
-
-
-def default_kv_compute(block_kv: int) -> int:
-  return next(c for c in KV_COMPUTE_CHOICES if block_kv % c == 0)
 
 
 def mask_strategy(plan: TilePlan) -> str | None:
@@ -121,32 +82,44 @@ def smem_estimate(plan: TilePlan) -> int:
   return entries * per_entry + 4
 
 
+def vmem_need(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
+              target: Target) -> int:
+  """The scoped VMEM ``target`` is held to: its generation's estimate, or for a TPU of unknown
+  generation the largest of the known generations' (what must fit wherever it runs)."""
+  if target.known:
+    return vmem_estimate(plan, head_dim, dtype, block_kv_compute, target)["total"]
+  return max(vmem_estimate(plan, head_dim, dtype, block_kv_compute,
+                           Target("tpu", generation))["total"]
+             for generation in GENERATIONS.values())
+
+
 def _keys_to_change(plan: TilePlan) -> str:
   return (f"lower svg_block_q ({plan.block_q}), svg_block_kv ({plan.block_kv}) or "
-          f"svg_block_kv_compute, or raise the limit (svg_vmem_limit_kib / {VMEM_FLAG})")
+          f"svg_block_kv_compute, or raise the limit: {VMEM_KEY} (our check) and "
+          f"--{VMEM_FLAG} in LIBTPU_INIT_ARGS (the compiler's), to the same KiB")
 
 
 def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
                target: Target) -> None:
   """Raises before compiling when ``plan`` cannot fit ``target``'s VMEM or SMEM.
 
-  Only for a known TPU generation: elsewhere there is no limit to hold (interpreted Splash
-  on CPU), or none known (a newer TPU; its default tiles are the smallest entry).
+  Any TPU target is checked: a known generation against its own limits, an unknown one
+  against the strictest known. Off TPU there is no limit (interpreted Splash on CPU).
   """
-  if not target.is_tpu or target.generation is GENERIC_TPU:
+  if not target.is_tpu:
     return
-  name = f"TPU {target.generation.name}"
-  need = vmem_estimate(plan, head_dim, dtype, block_kv_compute, target)["total"]
+  need = vmem_need(plan, head_dim, dtype, block_kv_compute, target)
   if need > target.vmem_limit:
     raise ValueError(
         f"Splash tiles {plan.block_q}x{plan.block_kv} with block_kv_compute "
         f"{block_kv_compute or default_kv_compute(plan.block_kv)} need about "
-        f"{need / MIB:.1f} MiB of VMEM on {name} (estimate fitted to libtpu), over its "
-        f"{target.vmem_limit / MIB:g} MiB scoped-VMEM limit: {_keys_to_change(plan)}")
+        f"{need / MIB:.1f} MiB of VMEM on {target.chip} (estimate fitted to libtpu), over its "
+        f"{target.vmem_limit / MIB:g} MiB scoped-VMEM limit ({target.vmem_source}): "
+        f"{_keys_to_change(plan)}")
   smem = smem_estimate(plan)
   if smem > target.smem:
     raise ValueError(
         f"Splash's tile tables for {plan.num_q_tiles}x{plan.num_kv_tiles} tiles of "
         f"{plan.block_q}x{plan.block_kv} need about {smem / 1024:.0f} KiB of SMEM, over "
-        f"{name}'s {target.smem // 1024} KiB: raise svg_block_q or svg_block_kv (fewer, "
+        f"{target.chip}'s {target.smem // 1024} KiB: raise svg_block_q or svg_block_kv (fewer, "
         f"larger tiles)")

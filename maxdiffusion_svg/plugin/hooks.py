@@ -240,7 +240,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
                       f"{f' ({expert} expert)' if expert else ''}: "
-                      f"{settings.summary(settings.svg.target(mesh))}")
+                      f"{settings.summary(settings.svg.target(mesh=mesh))}")
     return model
 
   return wrapper

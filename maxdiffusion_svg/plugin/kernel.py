@@ -130,7 +130,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if dense_reason is not None:
     _record(dense_reason, call.expert)
     return dense_attention(q, k, v, context,
-                           settings.resolved_dense_kernel(settings.svg.target(context["mesh"]).platform))
+                           settings.resolved_dense_kernel(settings.svg.target(mesh=context["mesh"]).platform))
   if seq_len != call.grid.tokens:
     raise ValueError(f"attention={KERNEL_NAME!r}: self-attention of {seq_len} tokens in "
                      f"{call.model}, but its video grid {call.grid} has {call.grid.tokens}; "

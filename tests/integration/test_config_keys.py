@@ -79,7 +79,7 @@ def test_the_estimate_runs_on_every_shipped_config(name):
   """The estimate (`tiles --config`) on each shipped config, its MaxDiffusion base found among
   the installed configs: one row per model (two for Wan 2.2), each on the config's schedule."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.estimate import estimate_config
+  from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.target import tpu_target
   merged, _ = overlay.load_config(CONFIGS / name)
   svg = PluginSettings.from_mapping({**config_defaults(), **merged}).svg

@@ -14,10 +14,9 @@ from typing import Any, Mapping
 
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.schedule import Interval
-from maxdiffusion_svg.target import Target
+from maxdiffusion_svg.target import Target, resolve_backend
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.
@@ -79,6 +78,7 @@ def estimate_config(config: Mapping[str, Any], target: Target,
   svg = settings.svg
   grid = VideoGrid.for_video(keys["num_frames"], keys["height"], keys["width"])
   layers = layers_of(keys) if layers is None else layers
+  target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
   experts = EXPERTS if keys.get("model_name") == "wan2.2" else (None,)

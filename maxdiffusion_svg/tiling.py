@@ -1,0 +1,91 @@
+"""The one place a target becomes tiles: every tile decision (kernel, sharded path, plugin, CLI,
+benchmarks) is :func:`choose_tiles`.
+
+Splash's default tile is the largest that compiles for every mode and the dense branch under
+the target's scoped-VMEM limit (docs/reference.md, "Default tiles"; ``make compile-tpu``
+checks each by compiling); the XLA path's is fixed. Keys a user gives win, and the inner kv
+step defaults to the widest of 256/128 dividing the kv tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxdiffusion_svg.target import MIB, Target, resolve_backend
+from maxdiffusion_svg.tiles import check_block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashTiles:
+  """A ``block_q x block_kv`` tile, walked in ``block_kv_compute``-wide inner steps (Splash's;
+  the XLA path ignores the step)."""
+
+  block_q: int
+  block_kv: int
+  block_kv_compute: int
+
+  def label(self) -> str:
+    return f"{self.block_q}x{self.block_kv}/{self.block_kv_compute}"
+
+
+# The XLA path's tile (CPU, GPU): 512 was fastest on CPU.
+XLA_TILES = SplashTiles(512, 512, 256)
+# Splash by the scoped-VMEM limit in force, largest first. 32 MiB is the seed design's v6e
+# tile; 64 MiB (MaxDiffusion's Wan runs raise the limit to it) the upstream port's tuned one.
+SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
+    (64 * MIB, SplashTiles(3328, 2816, 256)),
+    (32 * MIB, SplashTiles(3328, 1536, 256)),
+    (16 * MIB, SplashTiles(2048, 1536, 256)),
+)
+# v4 has 16 MiB of VMEM in all and widens int8 mask blocks to 32 bits: a narrower kv tile.
+# A TPU of unknown generation gets it too: it compiles on every known generation.
+V4_TILES = SplashTiles(2048, 1024, 256)
+UNKNOWN_TPU_TILES = V4_TILES
+# The inner kv step when block_kv is the user's: the widest of these dividing it.
+KV_COMPUTE_CHOICES = (256, 128)
+
+
+def default_kv_compute(block_kv: int) -> int:
+  return next(c for c in KV_COMPUTE_CHOICES if block_kv % c == 0)
+
+
+def default_tiles(target: Target, backend: str = "auto") -> SplashTiles:
+  """The executor's default tile on ``target`` (Splash's by generation and VMEM limit)."""
+  if resolve_backend(backend, target) == "xla":
+    return XLA_TILES
+  if not target.known:
+    return UNKNOWN_TPU_TILES
+  if target.generation.name == "v4":
+    return V4_TILES
+  for floor, tiles in SPLASH_TILES:
+    if target.vmem_limit >= floor:
+      return tiles
+  return SPLASH_TILES[-1][1]
+
+
+def choose_tiles(target: Target, backend: str = "auto", block_q: int | None = None,
+                 block_kv: int | None = None, block_kv_compute: int | None = None) -> SplashTiles:
+  """The tile a call on ``target`` runs: the ``svg_block_*`` keys given, the rest the
+  executor's defaults there. Errors name the key."""
+  default = default_tiles(target, backend)
+  for name, value in (("svg_block_q", block_q), ("svg_block_kv", block_kv),
+                      ("svg_block_kv_compute", block_kv_compute)):
+    if value:
+      check_block_size(value, name)
+  block_q, block_kv = block_q or default.block_q, block_kv or default.block_kv
+  compute = block_kv_compute or (default.block_kv_compute if block_kv == default.block_kv
+                                 else default_kv_compute(block_kv))
+  if block_kv % compute:
+    raise ValueError(f"svg_block_kv_compute ({compute}) must divide svg_block_kv ({block_kv}, "
+                     f"{'given' if block_kv != default.block_kv else 'the default'} for "
+                     f"{target.describe()})")
+  return SplashTiles(block_q, block_kv, compute)
+
+
+def tiles_help(backend: str = "splash") -> str:
+  """The defaults per generation, for CLI help (computed, so it cannot drift)."""
+  from maxdiffusion_svg.target import GENERATIONS  # pylint: disable=import-outside-toplevel
+  parts = [f"{name} {default_tiles(Target('tpu', g, g.default_scoped_vmem), backend).label()}"
+           for name, g in GENERATIONS.items()]
+  return f"xla {XLA_TILES.block_q}x{XLA_TILES.block_kv}; splash at the default VMEM limit: " + \
+      ", ".join(parts)
