@@ -22,7 +22,7 @@ def test_a_good_job_passes():
 
 @pytest.mark.parametrize("name, devices", [("v6e-16", 16), ("v6e-8", 8), ("v5litepod-16", 16),
                                            ("v5p-8", 4), ("v4-32", 16), ("v6e", None),
-                                           ("tpu", None)])
+                                           ("tpu", None), ("tpu7x-8", 8), ("tpu7x-128", 128)])
 def test_slice_devices(name, devices):
   assert preflight.slice_devices(name) == devices
 

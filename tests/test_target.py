@@ -2,15 +2,19 @@
 
 import types
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles
-from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_estimate
+from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention
+from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_estimate, vmem_need
 from maxdiffusion_svg.tiling import SPLASH_TILES, UNKNOWN_TPU_TILES, default_tiles
 from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, Target, generation_for_kind,
                                      target_for_devices, target_of, tpu_target,
                                      vmem_limit_from_flags)
+from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, libtpu_available
+
+needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
 
 # libtpu 0.0.50.1's own scoped-VMEM allocation (KiB) for Splash kernels at 720p, 5 heads,
 # head_dim 128, bf16, density 0.3 (maxdiffusion_svg.tpu_aot.scoped_vmem_need; v4 aligned: the
@@ -107,3 +111,76 @@ def test_smem_estimate_matches_the_compiler_report():
   # libtpu: "Used 1.17M of 1.00M smem" for this plan's tables (tests/test_tpu_compile.py).
   plan = plan_tiles(grid_for_resolution("1440p"), 1.0, 1024, 1024, "aligned", include_sink=False)
   assert abs(smem_estimate(plan) / MIB - 1.17) < 0.01
+
+
+# --- One target per call: what the call is lowered for decides, never the host -------------
+
+REPRO_TILES = (3328, 1536, 256)  # the seed's v6e tile, split: ~20 MiB on a v5e
+
+
+def _repro(target=None):
+  grid = grid_for_resolution("720p")
+  plan = plan_tiles(grid, 0.3, *REPRO_TILES[:2], "split")
+  return grid, plan, lambda q, k, v: sparse_attention(
+      q, k, v, plan, backend="splash", block_kv_compute=REPRO_TILES[2], target=target)
+
+
+def _needs(plan, chip):
+  return vmem_need(plan, 128, jnp.bfloat16, REPRO_TILES[2], tpu_target(chip)) > \
+      tpu_target(chip).vmem_limit
+
+
+@needs_libtpu
+@pytest.mark.parametrize("chip", list(GENERATIONS))
+def test_the_inputs_sharding_names_the_tpu_a_call_is_checked_for(chip, monkeypatch):
+  """The wrong accept: lowered for a chip's topology from this CPU host, no ``target=``."""
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  grid, plan, fn = _repro()
+  mesh = chip_mesh(chip)
+  spec = abstract((1, 1, grid.tokens, 128), jnp.bfloat16, mesh)
+  bare = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+  for lower in (lambda: jax.jit(fn).lower(spec, spec, spec),  # the inputs' sharding names it
+                lambda: _lower_in_context(fn, mesh, bare)):  # the mesh in context names it
+    if _needs(plan, chip):
+      with pytest.raises(ValueError, match=rf"on TPU {chip} .*over its \d+ MiB scoped-VMEM limit "
+                                           rf"\(the chip's default\): .*svg_vmem_limit_kib .*"
+                                           rf"--xla_tpu_scoped_vmem_limit_kib in LIBTPU_INIT_ARGS"):
+        lower()
+    else:
+      assert "tpu_custom_call" in lower().as_text()
+  assert {chip: _needs(plan, chip) for chip in ("v5e", "v6e")} == {"v5e": True, "v6e": False}
+
+
+def _lower_in_context(fn, mesh, bare):
+  with jax.set_mesh(mesh):
+    return jax.jit(fn).lower(bare, bare, bare)
+
+
+def test_with_nothing_naming_the_tpu_the_strictest_known_limits_hold_when_lowered_for_one():
+  grid, plan, fn = _repro()
+  bare = jax.ShapeDtypeStruct((1, 1, grid.tokens, 128), jnp.bfloat16)
+  # This host runs it (interpreted): nothing to refuse here...
+  assert "tpu_custom_call" not in jax.jit(fn).lower(bare, bare, bare).as_text()
+  # ...but an export for a TPU of unknown generation is refused, before anything compiles.
+  with pytest.raises(ValueError, match=r"on a TPU of unknown generation .*over its 16 MiB"):
+    jax.export.export(jax.jit(fn), platforms=["tpu"])(bare, bare, bare)
+  assert vmem_need(plan, 128, jnp.bfloat16, 256, tpu_target()) == max(
+      vmem_need(plan, 128, jnp.bfloat16, 256, tpu_target(g)) for g in GENERATIONS)
+  # The unknown generation's default tiles pass that check (and compile on every known
+  # generation: tests/test_tpu_compile.py).
+  for mode in ("naive", "split", "aligned"):
+    config = SvgConfig(tile_mode=mode, density=0.3)
+    t = config.tiles(tpu_target())
+    check_fits(config.plan(grid, target=tpu_target()), 128, jnp.bfloat16, t.block_kv_compute,
+               tpu_target())
+
+
+def test_bad_limits_name_the_key_the_chip_and_the_bytes(monkeypatch):
+  with pytest.raises(ValueError, match=r"svg_vmem_limit_kib asks for 131072 KiB of scoped VMEM, "
+                                       r"more than TPU tpu7x's 65536 KiB"):
+    SvgConfig(vmem_limit_kib=131072).tiles(tpu_target("tpu7x"))
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536.5")
+  with pytest.raises(ValueError, match=r"must be a whole number of KiB, got '65536.5'"):
+    tpu_target("v6e")
+  with pytest.raises(ValueError, match=r"svg_vmem_limit_kib must be an integer >= 0"):
+    SvgConfig(vmem_limit_kib=65536.5)

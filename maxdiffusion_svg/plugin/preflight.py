@@ -13,8 +13,9 @@ import dataclasses
 import re
 from typing import Mapping
 
-# TPU types whose number counts TensorCores (two per chip, one JAX device per chip).
+# TPU types whose number counts TensorCores (two per chip, one JAX device per chip: megacore).
 _CORE_COUNTED = ("v2", "v3", "v4", "v5p")
+# TPU7x counts TensorCores too, and each is its own JAX device (libtpu: two per chip).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,9 @@ def declared_hosts(env: Mapping[str, str]) -> tuple[int, str] | None:
 
 def slice_devices(accelerator_type: str) -> int | None:
   """JAX devices of a TPU slice type (``v6e-16`` -> 16, ``v5p-8`` -> 4: v4 and v5p count
-  TensorCores); None for a name that is not ``<generation>-<count>``."""
-  match = re.fullmatch(r"(v\d+[a-z]*?)(?:litepod)?-(\d+)", accelerator_type.strip())
+  TensorCores; ``tpu7x-8`` -> 8: one device per TensorCore); None for a name that is not
+  ``<generation>-<count>``."""
+  match = re.fullmatch(r"(v\d+[a-z]*?|tpu7x|v7x)(?:litepod)?-(\d+)", accelerator_type.strip())
   if match is None:
     return None
   count = int(match.group(2))
