@@ -285,17 +285,25 @@ def _bench_vmem(args: argparse.Namespace) -> int:
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
   from maxdiffusion_svg.kernels.vmem_model import fit
-  from maxdiffusion_svg.tpu_aot import libtpu_available
+  from maxdiffusion_svg.tpu_aot import libtpu_available, libtpu_version
   # pylint: enable=import-outside-toplevel
   if args.fit:
     with open(args.fit, encoding="utf-8") as f:
-      print(json.dumps(fit(json.load(f)["rows"]), indent=1))
+      print(json.dumps(fit(json.load(f)), indent=1))
     return 0
   if not libtpu_available():
     raise ValueError("bench vmem needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
   chips = [generation_named(c, "--chips").name for c in args.chips.split(",")]
-  result = run_vmem_calibration(chips, workers=args.workers, log=_progress)
   out = args.json or str(DEFAULT_OUT)
+  done = []
+  if args.resume:
+    with open(out, encoding="utf-8") as f:
+      earlier = json.load(f)
+    if earlier["libtpu"] != libtpu_version():
+      raise ValueError(f"--resume: {out} was measured with libtpu {earlier['libtpu']}, this "
+                       f"host has {libtpu_version()}: measure again without --resume")
+    done = earlier["rows"]
+  result = run_vmem_calibration(chips, workers=args.workers, log=_progress, done=done)
   with open(out, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
   print(f"{len(result['rows'])} compiler figures (libtpu {result['libtpu']}) written to {out}; "
@@ -421,13 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
   vmem.add_argument("--json", metavar="FILE",
                     help="where to write the points (default: docs/measurements/"
                          "vmem_calibration.json)")
+  vmem.add_argument("--resume", action="store_true",
+                    help="keep the cases already in the output file (same libtpu); compile the rest")
   vmem.add_argument("--fit", metavar="FILE",
                     help="instead: fit the model to FILE's points and print it")
   vmem.set_defaults(run=_bench_vmem)
 
   schedule = bench_sub.add_parser(
       "schedule", help="libtpu's static schedule of the Splash kernel per mode and dense: "
-                       "bundles per tile body, static cycles per call (no TPU needed)")
+                       "bundles per tile body, static bundles per call (no TPU needed)")
   schedule.add_argument("--chip", choices=list(GENERATIONS), default="v6e",
                         help="TPU generation to compile for")
   schedule.add_argument("--resolution", choices=list(RESOLUTIONS), default="720p",

@@ -198,7 +198,9 @@ def test_estimate_refusals_name_the_key(tmp_path, capsys):
 def test_help_shows_defaults(capsys):
   assert main(["tiles", "--help"]) == 0
   out = capsys.readouterr().out
-  assert "(default: 0.35)" in out and "(default: 3328)" in out and "(default: v6e)" in out
+  assert "(default: 0.35)" in out and "(default: v6e)" in out
+  # The tile defaults in the help are computed by the one tile policy, per generation.
+  assert "v6e 3328x1536/256" in " ".join(out.split()) and "v4 1536x1024/256" in " ".join(out.split())
 
 
 def test_the_launcher_without_maxdiffusion_says_so_in_one_line(tmp_path):

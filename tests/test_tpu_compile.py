@@ -92,7 +92,7 @@ def test_v5e_refuses_the_seed_tiles_before_compiling_and_the_compiler_agrees():
   args = qkv(mesh, grid)
   v5e = target_for_devices(mesh.devices.flat)
   with pytest.raises(ValueError, match=r"need about [\d.]+ MiB of VMEM on TPU v5e .*, over its 16 "
-                                       r"MiB scoped-VMEM limit: lower svg_block_q \(3328\)"):
+                                       r"MiB scoped-VMEM limit \(the chip's default\): lower svg_block_q \(3328\)"):
     aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v5e), args)
   # Lowered past our check (the kernel itself, told it is not on a TPU), libtpu refuses it too.
   result = aot_compile(lambda q, k, v: splash_sparse_attention(

@@ -54,8 +54,14 @@ def test_an_oversized_inner_kv_step_is_refused_with_the_numbers():
   v6e = tpu_target("v6e")
   export(lambda q, k, v: sparse_attention(q, k, v, plan, backend="splash", target=v6e),
          q.shape, "tpu")  # 256-wide inner steps fit
+  wide = plan_tiles(grid, 0.3, 4096, 2816, "split")  # 512-wide steps of a 4096-row tile
   with pytest.raises(ValueError, match=r"need about \d+\.\d MiB of VMEM on TPU v6e .*, over "
-                                       r"its 32 MiB scoped-VMEM limit: lower svg_block_q"):
+                                       r"its 32 MiB scoped-VMEM limit \(the chip's default\): lower svg_block_q"):
+    export(lambda q, k, v: sparse_attention(q, k, v, wide, backend="splash",
+                                            block_kv_compute=512, target=v6e), q.shape, "tpu")
+  # A step the VMEM model was not fitted for is refused too, naming the key and the range.
+  with pytest.raises(ValueError, match=r"on TPU v6e the Splash VMEM model was not fitted for "
+                                       r"svg_block_kv_compute 1536 \(fitted 128-512\)"):
     export(lambda q, k, v: sparse_attention(q, k, v, plan, backend="splash",
                                             block_kv_compute=1536, target=v6e), q.shape, "tpu")
   # Interpreted on this CPU host nothing is checked: there is no VMEM to overflow.

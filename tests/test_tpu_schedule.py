@@ -1,4 +1,4 @@
-"""libtpu's final schedule of small Splash kernels, read back: regions, bundles, static cycles."""
+"""libtpu's final schedule of small Splash kernels, read back: regions, bundles, static bundles."""
 
 import glob
 import os
@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from maxdiffusion_svg.bench.schedule import (DESIGN_MS, ScheduleCase, compile_case,
-                                             format_schedule_bench, run_case, static_cycles)
+                                             format_schedule_bench, run_case, static_bundles)
 from maxdiffusion_svg.tpu_aot import libtpu_available
 from maxdiffusion_svg.tpu_schedule import (ScheduleFormatError, parse_kernel,
                                            read_dump)
@@ -73,12 +73,12 @@ def test_a_plan_without_masked_tiles_prices_only_full_bodies(runs):
   assert runs["dense"]["tiles_masked"] == 0
   # Splash still emits its masked branch; with nothing to mask it is the full body again.
   assert kernel["masked"] is None or kernel["masked"]["bundles"] == kernel["full"]["bundles"]
-  assert runs["dense"]["static_cycles"] == 5 * kernel["row_init"]["bundles"] + \
+  assert runs["dense"]["static_bundles"] == 5 * kernel["row_init"]["bundles"] + \
       5 * kernel["row_final"]["bundles"] + 25 * (kernel["full"]["bundles"] +
                                                  kernel["step_overhead"])
 
 
-def test_static_cycles_price_the_plan(runs):
+def test_static_bundles_price_the_plan(runs):
   row = runs["aligned"]
   kernel = kernel_of(row)
   plan = small("aligned").plan()
@@ -86,7 +86,7 @@ def test_static_cycles_price_the_plan(runs):
               plan.stats.masked_tiles * kernel["masked"]["bundles"] +
               plan.stats.visited_tiles * kernel["step_overhead"] +
               plan.num_q_tiles * (kernel["row_init"]["bundles"] + kernel["row_final"]["bundles"]))
-  assert row["static_cycles"] == expected
+  assert row["static_bundles"] == expected
   assert (row["tiles_full"], row["tiles_masked"]) == (plan.stats.full_tiles,
                                                       plan.stats.masked_tiles)
 
@@ -97,7 +97,7 @@ def test_the_table_shows_bodies_and_ratios(runs):
             "modes": {"split": runs["split"], "aligned": runs["aligned"], "dense": runs["dense"]}}
   text = format_schedule_bench(result)
   assert "masked, mask function" in text and "masked, stored block" in text
-  ratio = runs["aligned"]["static_cycles"] / runs["dense"]["static_cycles"]
+  ratio = runs["aligned"]["static_bundles"] / runs["dense"]["static_bundles"]
   (line,) = [l for l in text.splitlines() if l.split() and l.split()[0] == "aligned"]
   # Ours, and the design's aligned ratio from its quoted latencies, on the aligned row.
   assert f"{ratio:.2f}" in line
@@ -178,7 +178,7 @@ def test_the_static_total_equals_the_listing_walked_over_the_hand_counted_steps(
   assert (plan.stats.full_tiles, plan.stats.masked_tiles, plan.num_q_tiles) == (20, 5, 5)
   walked, branches = walk_listing(listing, HAND_STEPS)
   kernel = read_dump(directory)[-1]
-  assert static_cycles(kernel, 20, 5, 5) == walked
+  assert static_bundles(kernel, 20, 5, 5) == walked
   # The roles by content: the bodies push to the MXU, the row's start and end do not.
   pushes = [sum("vmatmul" in line or "vmatpush" in line
                 for line in _bundle_lines(listing)[b + 1:f]) for b, f in branches]

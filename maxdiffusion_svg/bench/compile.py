@@ -2,7 +2,8 @@
 
 For each TPU generation libtpu knows and each resolution: the Splash kernel of every mode and
 the schedule's dense branch with the generation's default tiles, under its default scoped-VMEM
-limit; the raised-limit tiles under 64 MiB; the sharded path on a v6e 2x4 slice (40 heads,
+limit; the raised-limit tiles under 64 MiB; the tiles a TPU of unknown generation gets, on
+each known one (they must compile on all); the sharded path on a v6e 2x4 slice (40 heads,
 batch 1 and the CFG pair). Each row: compiles or not, the compiler's error line, our VMEM and
 SMEM estimates against the limits, per-device memory from ``memory_analysis()``, compile time.
 ``--calibrate`` adds the scoped VMEM the compiler actually allocates for each kernel.
@@ -22,9 +23,10 @@ from maxdiffusion_svg.attention import dense_tiled_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels import sparse_attention
-from maxdiffusion_svg.kernels.tpu_memory import smem_estimate, vmem_estimate
+from maxdiffusion_svg.kernels.tpu_memory import smem_estimate, vmem_need
 from maxdiffusion_svg.sharding import sharded_svg_attention
-from maxdiffusion_svg.target import GENERATIONS, MIB, target_for_devices
+from maxdiffusion_svg.target import GENERATIONS, GENERIC_TPU, MIB, target_for_devices, tpu_target
+from maxdiffusion_svg.tiling import choose_tiles
 from maxdiffusion_svg.tiles import MODES, plan_tiles
 from maxdiffusion_svg.tpu_aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
                                       libtpu_version, scoped_vmem_need, topology_devices,
@@ -35,7 +37,7 @@ RAISED_KIB = 65536
 
 @dataclasses.dataclass(frozen=True)
 class CompileBenchConfig:
-  chips: tuple[str, ...] = ("v5e", "v6e", "v5p", "v4")
+  chips: tuple[str, ...] = tuple(GENERATIONS)
   resolutions: tuple[str, ...] = ("720p", "1080p", "1440p")
   density: float = 0.3
   local_heads: int = 5  # Wan 14B's 40 heads over an 8-way exchange
@@ -43,6 +45,7 @@ class CompileBenchConfig:
   sharded: bool = True
   raised: bool = True
   calibrate: bool = False
+  unknown: bool = True  # also the unknown generation's tiles on each chip
 
   def __post_init__(self):
     for chip in self.chips:
@@ -80,8 +83,8 @@ def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bo
           q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target)
     lowered = jax.jit(fn).lower(spec, spec, spec)
     result = compile_lowered(lowered, vmem_options(limit))
-    estimate = vmem_estimate(plan, cfg.head_dim, jnp.bfloat16, tiles.block_kv_compute)
-    extra = {"vmem_estimate": estimate["total"], "vmem_limit": target.vmem_limit,
+    estimate = vmem_need(plan, cfg.head_dim, jnp.bfloat16, tiles.block_kv_compute, target)
+    extra = {"vmem_estimate": estimate, "vmem_limit": target.vmem_limit,
              "smem_estimate": smem_estimate(plan), "smem_limit": target.smem}
     if cfg.calibrate and result.ok:
       need = scoped_vmem_need(lowered)
@@ -90,6 +93,30 @@ def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bo
     rows.append(_row("raised" if raised else "default", chip, resolution, mode, label, result,
                      extra))
     log(f"{chip} {resolution} {mode} {'64 MiB' if raised else 'default'}: "
+        f"{'compiles' if result.ok else result.error} ({result.seconds:.0f} s)")
+  return rows
+
+
+def _unknown_rows(cfg: CompileBenchConfig, chip: str,
+                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+  """The tiles a TPU of unknown generation gets, compiled on this known one (they must compile
+  on every one), under its default limit."""
+  mesh = chip_mesh(chip)
+  target = target_for_devices(mesh.devices.flat)
+  tiles = choose_tiles(tpu_target(GENERIC_TPU), "splash")
+  grid = grid_for_resolution(cfg.resolutions[0])
+  spec = abstract((1, cfg.local_heads, grid.tokens, cfg.head_dim), jnp.bfloat16, mesh)
+  rows = []
+  for mode in MODES:
+    plan = plan_tiles(grid, cfg.density, tiles.block_q, tiles.block_kv, mode)
+    fn = lambda q, k, v, plan=plan: sparse_attention(
+        q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target)
+    result = compile_lowered(jax.jit(fn).lower(spec, spec, spec))
+    rows.append(_row("unknown-generation tiles", chip, cfg.resolutions[0], mode, tiles.label(),
+                     result, {"vmem_estimate": vmem_need(plan, cfg.head_dim, jnp.bfloat16,
+                                                         tiles.block_kv_compute, target),
+                              "vmem_limit": target.vmem_limit}))
+    log(f"{chip} {cfg.resolutions[0]} {mode} unknown-generation tiles: "
         f"{'compiles' if result.ok else result.error} ({result.seconds:.0f} s)")
   return rows
 
@@ -124,6 +151,8 @@ def run_compile_bench(cfg: CompileBenchConfig,
       rows += _kernel_rows(cfg, chip, resolution, False, log)
     if cfg.raised and GENERATIONS[chip].vmem >= RAISED_KIB * 1024:  # v4 has 16 MiB in all
       rows += _kernel_rows(cfg, chip, cfg.resolutions[0], True, log)
+    if cfg.unknown:
+      rows += _unknown_rows(cfg, chip, log)
   if cfg.sharded:
     for resolution in cfg.resolutions:
       rows += _sharded_rows(cfg, resolution, log)
@@ -176,6 +205,12 @@ def format_compile_summary(result: dict[str, Any]) -> str:
         f"{mark(modes['dense'])} | {estimates} | "
         f"{_mib(modes['aligned'].get('memory', {}).get('temp'))} | "
         f"{min(seconds):.0f}-{max(seconds):.0f} |")
+  unknown = [r for r in result["rows"] if r["case"] == "unknown-generation tiles"]
+  if unknown:
+    lines += ["", "| unknown-generation tiles on | video | tiles | mode | compiles | VMEM estimate / "
+              "limit, MiB |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['chip']} | {r['resolution']} | {r['tiles']} | {r['mode']} | {mark(r)} | "
+              f"{_mib(r['vmem_estimate'])} / {_mib(r['vmem_limit'])} |" for r in unknown]
   sharded = [r for r in result["rows"] if r["case"] == "sharded"]
   if sharded:
     lines += ["", "| sharded_svg_attention, v6e 2x4, 40 heads | video | compiles | args MiB | temp MiB "

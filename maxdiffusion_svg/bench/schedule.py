@@ -3,9 +3,9 @@
 Each case (a mode, or the dense baseline: density 1 on the same tiles) is compiled for one
 chip in a child process whose ``LIBTPU_INIT_ARGS`` dumps the final schedule (libtpu reads the
 flag once, when it loads); :mod:`maxdiffusion_svg.tpu_schedule` reads it back. A call's static
-cycles are the plan's tiles priced by their body's bundles, plus each row's initialisation and
-finalisation and each grid step's loop overhead, for every head. Figures are issue slots as
-scheduled (one bundle per cycle): no DMA or memory stalls, no clock.
+bundles are the plan's tiles priced by their body's bundles, plus each row's initialisation and
+finalisation and each grid step's loop overhead, for every head: instruction bundles as
+scheduled, a count, not time (no DMA or memory stalls, no clock).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
+import yaml
+
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
@@ -26,9 +28,37 @@ from maxdiffusion_svg.tpu_schedule import (KernelSchedule, ScheduleFormatError, 
                                            unit_bounds)
 
 # MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
-# base_wan_14b.yml gives for v6e, under the scoped-VMEM limit its README's LIBTPU_INIT_ARGS set.
+# base_wan_14b.yml gives for v6e (a commented block, read by maxdiffusion_v6e_blocks where
+# MaxDiffusion is importable; this copy otherwise), under the scoped-VMEM limit its README's
+# LIBTPU_INIT_ARGS set.
 MAXDIFFUSION_V6E_BLOCKS = (3024, 2048, 1024)
 MAXDIFFUSION_VMEM_KIB = 65536
+
+
+def maxdiffusion_v6e_blocks() -> tuple[int, int, int]:
+  """(block_q, block_kv, block_kv_compute) of base_wan_14b.yml's "Use on v6e" block, read from
+  the importable MaxDiffusion's configs; the copy above where MaxDiffusion is absent."""
+  from maxdiffusion_svg.plugin.overlay import maxdiffusion_config_dirs  # pylint: disable=import-outside-toplevel
+  for folder in maxdiffusion_config_dirs():
+    path = folder / "base_wan_14b.yml"
+    if path.is_file():
+      return _v6e_blocks(path.read_text(encoding="utf-8"), str(path))
+  return MAXDIFFUSION_V6E_BLOCKS
+
+
+def _v6e_blocks(text: str, where: str) -> tuple[int, int, int]:
+  lines = text.splitlines()
+  try:
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# Use on v6e")
+  except StopIteration:
+    raise ValueError(f"{where}: no '# Use on v6e' flash_block_sizes block") from None
+  body = []
+  for line in lines[start + 1:]:
+    body.append(line.lstrip("#"))
+    if line.strip() == "# }":
+      break
+  blocks = yaml.safe_load("\n".join(body))["flash_block_sizes"]
+  return blocks["block_q"], blocks["block_kv"], blocks["block_kv_compute"]
 # The seed design's 720p latencies on a TPU v6e, ms (quoted): dense Splash, then B1/B2/B3.
 DESIGN_MS = {"dense": 78.70, "naive": 96.37, "split": 54.12, "aligned": 32.76}
 
@@ -132,7 +162,7 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
 
 
-def static_cycles(kernel: KernelSchedule, full: int, masked: int, rows: int,
+def static_bundles(kernel: KernelSchedule, full: int, masked: int, rows: int,
                   heads: int = 1) -> int:
   """Bundles one call issues: every visited tile's body and loop step, every row's init and
   finalisation, for each head."""
@@ -169,11 +199,11 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str
       else:
         kernel = kernels[-1]
         row["kernel"] = kernel.as_dict()
-        row["static_cycles"] = static_cycles(kernel, full, masked, rows)
+        row["static_bundles"] = static_bundles(kernel, full, masked, rows)
         if case.kernel == "svg":
           row["masking"] = mask_strategy(case.plan())
   log(f"{case.chip} {case.mode} density {case.density} tiles {case.block_q}x{case.block_kv}/"
-      f"{case.block_kv_compute}: " + (f"{row['static_cycles']:,} static cycles ({row['seconds']} s)"
+      f"{case.block_kv_compute}: " + (f"{row['static_bundles']:,} static bundles ({row['seconds']} s)"
                                       if row["ok"] else row["error"]))
   return row
 
@@ -190,7 +220,7 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
                        tiles: tuple[int, int, int] | None = None,
                        vmem_limit_kib: int | None = None, maxdiffusion: bool = False,
                        log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Each mode and the dense baseline on one chip: bundles per tile kind, static cycles;
+  """Each mode and the dense baseline on one chip: bundles per tile kind, static bundles;
   with ``maxdiffusion``, also MaxDiffusion's own flash attention as its Wan users run it."""
   grid = grid_for_resolution(resolution)
   block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib)
@@ -201,7 +231,7 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
     modes[mode] = run_case(case, log)
   if maxdiffusion:
     modes["maxdiffusion_flash"] = run_case(ScheduleCase(
-        chip, grid.shape, 1.0, "aligned", *MAXDIFFUSION_V6E_BLOCKS, MAXDIFFUSION_VMEM_KIB,
+        chip, grid.shape, 1.0, "aligned", *maxdiffusion_v6e_blocks(), MAXDIFFUSION_VMEM_KIB,
         kernel="maxdiffusion_flash"), log)
   return {"kind": "compiler-static schedule", "libtpu": libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "tokens": grid.tokens,
@@ -218,7 +248,7 @@ def run_tile_sweep(chip: str = "v6e", resolution: str = "720p", density: float =
                    limits: Sequence[int | None] = (None, 65536),
                    candidates: Sequence[tuple[int, int, int]] = SWEEP_TILES,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The aligned call (the default mode) per tile choice and VMEM limit, by static cycles:
+  """The aligned call (the default mode) per tile choice and VMEM limit, by static bundles:
   what decides the defaults. Choices our VMEM/SMEM checks refuse are listed as refused."""
   grid = grid_for_resolution(resolution)
   rows = []
@@ -236,7 +266,7 @@ def run_tile_sweep(chip: str = "v6e", resolution: str = "720p", density: float =
 def format_tile_sweep(result: dict[str, Any]) -> str:
   lines = [f"tile sweep, aligned, compiler-static schedule (libtpu {result['libtpu']}, TPU "
            f"{result['chip']}), {result['resolution']}, band density {result['density']}, 1 head",
-           f"{'scoped VMEM':<14}{'tiles':<16}{'static Mcycles':>15}{'full body':>11}"
+           f"{'scoped VMEM':<14}{'tiles':<16}{'static Mbundles':>15}{'full body':>11}"
            f"{'masked body':>13}   note"]
   for row in result["rows"]:
     case = row["case"]
@@ -249,7 +279,7 @@ def format_tile_sweep(result: dict[str, Any]) -> str:
       continue
     kernel = row["kernel"]
     masked = (kernel["masked"] or {}).get("bundles")
-    lines.append(f"{limit:<14}{tiles:<16}{row['static_cycles'] / 1e6:>15.2f}"
+    lines.append(f"{limit:<14}{tiles:<16}{row['static_bundles'] / 1e6:>15.2f}"
                  f"{kernel['full']['bundles']:>11,}{'' if masked is None else f'{masked:,}':>13}"
                  f"   {'default' if default else ''}")
   return "\n".join(lines)
@@ -299,18 +329,18 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
       if share == 0:
         continue
       lines.append(f"{unit:<12}{share:>11.0%}{least:>31,}")
-  dense = modes.get("dense", {}).get("static_cycles")
-  lines += ["", f"{'mode':<20}{'tiles full/masked':>19}{'static Mcycles':>16}{'vs dense':>10}"
+  dense = modes.get("dense", {}).get("static_bundles")
+  lines += ["", f"{'mode':<20}{'tiles full/masked':>19}{'static Mbundles':>16}{'vs dense':>10}"
                 f"{'design (v6e, measured)':>24}{'difference':>12}"]
   for mode, row in modes.items():
     if not row.get("ok"):
       lines.append(f"{mode:<20}  {row.get('error', '')}")
       continue
-    ratio = row["static_cycles"] / dense if dense else None
+    ratio = row["static_bundles"] / dense if dense else None
     design = DESIGN_MS[mode] / DESIGN_MS["dense"] if mode in DESIGN_MS else None
     label = "MaxDiffusion flash" if mode == "maxdiffusion_flash" else mode
     lines.append(f"{label:<20}{row['tiles_full']:>9,}/{row['tiles_masked']:<9,}"
-                 f"{row['static_cycles'] / 1e6:>16.2f}"
+                 f"{row['static_bundles'] / 1e6:>16.2f}"
                  f"{'' if ratio is None else f'{ratio:.2f}':>10}"
                  f"{'' if design is None else f'{design:.2f}':>24}"
                  f"{'' if None in (ratio, design) else f'{ratio - design:+.2f}':>12}")
@@ -322,7 +352,7 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
     lines.append(f"MaxDiffusion flash: its dense Splash at its v6e Wan blocks {blocks['block_q']}x"
                  f"{blocks['block_kv']}, kv step {blocks['block_kv_compute']}, scoped VMEM "
                  f"{blocks['vmem_limit_kib'] // 1024} MiB; sparse modes against it: " + ", ".join(
-                     f"{m} {modes[m]['static_cycles'] / flash['static_cycles']:.2f}"
+                     f"{m} {modes[m]['static_bundles'] / flash['static_bundles']:.2f}"
                      for m in MODES if modes.get(m, {}).get("ok")))
   return "\n".join(lines)
 

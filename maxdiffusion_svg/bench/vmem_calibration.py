@@ -23,16 +23,21 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measuremen
 # Tiles (block_q, block_kv, block_kv_compute) at bf16 / head_dim 128, both strategies; the
 # first three also at f32 and at head_dim 64.
 TILES = ((3328, 1536, 256), (2048, 1024, 256), (3328, 2816, 256), (1024, 1024, 256),
-         (2048, 1536, 256), (3328, 1536, 128), (4096, 1536, 512))
+         (3328, 1536, 128), (2048, 1536, 256), (4096, 1536, 512))
 VARIANTS = (("float32", 128), ("bfloat16", 64))
 # Generations whose every case is compiled; the others get the first SHORT tiles.
 FULL = ("v5e", "v6e")
 SHORT = {"tpu7x": 4, "v5p": 3, "v4": 3}
+# v4 holds 16 MiB in all (and stored masks as 32-bit): tiles it can hold, its default first.
+CHIP_TILES = {"v4": ((1536, 1024, 256), (2048, 1024, 256), (1024, 1024, 256), (2048, 1536, 256))}
 STRATEGY_MODE = {"stored": "aligned", "function": "split"}
-# Heads per kernel call: the allocation grows with them up to 10 and no further (v5e, aligned
-# 3328x1536/256: 1 head 12.80 MiB, 2: 16.25, 5: 16.80, 10 and 40: 17.55), so points at 10
-# bound any count; held-out points at other counts check it.
+# Heads per kernel call change the allocation, not monotonically (v5e 3328x1536/256: stored
+# 1 head 12.80 MiB, 2: 16.25, 5: 16.80, 10 and 40: 17.55; mask function 5 heads 20.07, 10
+# heads 17.57): the points are at 10 heads, the first tiles also at 5 (Wan 14B's heads per
+# device under an 8-way exchange), and each chip's scale covers both; held-out points at 1, 5
+# and 40 check the rest.
 RESOLUTION, DENSITY, HEADS = "720p", 0.3, 10
+ALSO_HEADS = 5
 OTHER_HEADS = (1, 5, 40)
 
 
@@ -54,12 +59,14 @@ def calibration_cases(chips: Sequence[str]) -> list[VmemCase]:
   variants; every third case of a chip and strategy is held out of the fit."""
   cases = []
   for chip in chips:
-    tiles = TILES if chip in FULL else TILES[:SHORT.get(chip, 4)]
+    tiles = CHIP_TILES.get(chip, TILES if chip in FULL else TILES[:SHORT.get(chip, 4)])
     for strategy in STRATEGY_MODE:
       chosen = [(t, "bfloat16", 128) for t in tiles]
       chosen += [(t, dtype, dim) for dtype, dim in VARIANTS for t in tiles[:3 if chip in FULL else 1]]
       for i, ((bq, bkv, bkc), dtype, dim) in enumerate(chosen):
         cases.append(VmemCase(chip, strategy, bq, bkv, bkc, dtype, dim, held_out=i % 3 == 2))
+    for strategy in STRATEGY_MODE:
+      cases += [VmemCase(chip, strategy, *t, heads=ALSO_HEADS) for t in tiles[:2]]
     if chip in FULL:
       cases += [VmemCase(chip, strategy, *TILES[0], heads=h, held_out=True)
                 for h, strategy in zip(OTHER_HEADS, ("stored", "function", "stored"))]
@@ -90,9 +97,9 @@ def measure(case: VmemCase) -> dict[str, Any]:
   physical = generation_named(case.chip).vmem // 1024
   try:  # start just below the model's guess: two compiles when it is close
     guess = vmem_estimate(plan, case.head_dim, jnp.dtype(case.dtype), case.block_kv_compute,
-                          tpu_target(case.chip, physical))["total"]
-    start_kib = max(256, min(physical, int(guess * 0.8) // 1024))
-  except ValueError:
+                          tpu_target(case.chip, physical))
+    start_kib = max(256, min(physical, int(guess * 0.7) // 1024))
+  except ValueError:  # no model yet, or a case outside its range
     start_kib = 1024
   need = scoped_vmem_need(lowered, start_kib=start_kib, max_kib=physical)
   return {**dataclasses.asdict(case), "mode": STRATEGY_MODE[case.strategy],
@@ -102,12 +109,19 @@ def measure(case: VmemCase) -> dict[str, Any]:
 
 
 def run_vmem_calibration(chips: Sequence[str], workers: int = 2,
-                         log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Every case of ``chips``, ``workers`` compiles at a time (one process each)."""
+                         log: Callable[[str], None] = print,
+                         done: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+  """Every case of ``chips``, ``workers`` compiles at a time (one process each); cases in
+  ``done`` (rows of an earlier run with the same libtpu) are kept, not compiled again."""
   import jax  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.tpu_aot import libtpu_version  # pylint: disable=import-outside-toplevel
-  cases = calibration_cases(chips)
-  rows = []
+  fields = [f.name for f in dataclasses.fields(VmemCase)]
+  # A compile does not depend on whether its point is held out: match without the mark.
+  key = lambda case: dataclasses.replace(case, held_out=False)
+  kept = {key(VmemCase(**{k: r[k] for k in fields})): r for r in done}
+  cases = [c for c in calibration_cases(chips) if key(c) not in kept]
+  rows = [{**kept[key(c)], "held_out": c.held_out} for c in calibration_cases(chips)
+          if key(c) in kept]
   with concurrent.futures.ProcessPoolExecutor(workers) as pool:
     for case, row in zip(cases, pool.map(measure, cases)):
       rows.append(row)
@@ -116,8 +130,9 @@ def run_vmem_calibration(chips: Sequence[str], workers: int = 2,
       log(f"{case.chip} {case.strategy} {case.block_q}x{case.block_kv}/{case.block_kv_compute} "
           f"{case.dtype} d{case.head_dim} h{case.heads}: {figure} ({row['compiles']} compiles, "
           f"{row['seconds']} s)")
+  order = calibration_cases(chips)
   return {"kind": "measured: libtpu's scoped-VMEM allocation, compiled on this host",
           "libtpu": libtpu_version(), "jax": jax.__version__, "resolution": RESOLUTION,
           "density": DENSITY,
           "command": f"python -m maxdiffusion_svg bench vmem --chips {','.join(chips)}",
-          "rows": rows}
+          "rows": sorted(rows, key=lambda r: order.index(VmemCase(**{k: r[k] for k in fields})))}

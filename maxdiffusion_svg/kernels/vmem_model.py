@@ -1,7 +1,8 @@
 """The scoped-VMEM model of one Splash kernel, fitted to what libtpu allocates.
 
 One term per thing the need scales with, each a buffer or temporary the kernel keeps:
-score temporaries (``bq x bkc``), the unrolled inner kv loop (``bq x bkv/bkc``), q/output
+score temporaries (``bq x bkc``, f32), probabilities cast to the input type for the second
+matmul (``bq x bkc x itemsize``), the unrolled inner kv loop (``bq x bkv/bkc``), q/output
 blocks (``bq x d x itemsize``), k/v blocks (``bkv x d x itemsize``), the f32 output scratch
 (``bq x d``), the stored mask block (``bq x bkv``), per-row softmax state (``bq``) and a
 constant. Coefficients are non-negative least squares on the calibration points
@@ -13,18 +14,22 @@ tests hold it to the points left out. Outside the fitted ranges it refuses, nami
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-TERMS = ("bq*bkc", "bq*bkv/bkc", "bq*d*itemsize", "bkv*d*itemsize", "bq*d", "bq*bkv", "bq", "1")
-MARGIN = 0.02
+TERMS = ("bq*bkc", "bq*bkc*itemsize", "bq*bkv/bkc", "bq*d*itemsize", "bkv*d*itemsize", "bq*d",
+         "bq*bkv", "bq", "1")
+MARGIN = 0.05
 # The generations every case is compiled for: each is a family the others scale.
 FAMILIES = ("v5e", "v6e")
 
 
 def features(bq: int, bkv: int, bkc: int, head_dim: int, itemsize: int) -> np.ndarray:
-  return np.array([bq * bkc, bq * (bkv // bkc), bq * head_dim * itemsize,
+  """The terms' values; head_dim padded to whole 128-lane vregs, as the kernel's blocks are
+  (head_dim 64 allocates as 128 does)."""
+  head_dim = -(-head_dim // 128) * 128
+  return np.array([bq * bkc, bq * bkc * itemsize, bq * (bkv // bkc), bq * head_dim * itemsize,
                    bkv * head_dim * itemsize, bq * head_dim, bq * bkv, bq, 1.0], np.float64)
 
 
@@ -33,46 +38,132 @@ def _row_features(row: Mapping[str, Any]) -> np.ndarray:
                   np.dtype(row["dtype"]).itemsize)
 
 
+def scale_group(strategy: str, head_dim: int, itemsize: int) -> str:
+  """Scales are kept per mask strategy, lane fill and input width: a head_dim under 128 pads
+  to full lanes, yet some chips (v5p) then allocate more, not less. Every group's scale is at
+  least its strategy's bf16 full-lane one."""
+  return f"{strategy}/{'narrow' if head_dim < 128 else 'full'}/{itemsize}"
+
+
 def _unscaled(chip: str, strategy: str, x: np.ndarray, coefficients: Any) -> float:
   """The family's bytes, plus v4's widening of int8 mask blocks to 32 bits (stored)."""
   widened = 3 * x[TERMS.index("bq*bkv")] if chip == "v4" and strategy == "stored" else 0.0
   return float(x @ np.asarray(coefficients)) + widened
 
 
-def fit(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-  """The model from calibration rows (those not held out, that fit the chip)."""
+def fit(calibration: Mapping[str, Any]) -> dict[str, Any]:
+  """The model from a calibration file's points (those not held out, that fit the chip)."""
   from scipy.optimize import nnls  # pylint: disable=import-outside-toplevel
-  rows = [r for r in rows if not r["held_out"] and r["compiler_bytes"]]
+  rows = [r for r in calibration["rows"] if not r["held_out"] and r["compiler_bytes"]]
   coefficients = {}
   for family in FAMILIES:
     for strategy in ("stored", "function"):
       own = [r for r in rows if r["chip"] == family and r["strategy"] == strategy]
       a = np.stack([_row_features(r) for r in own])
       b = np.array([r["compiler_bytes"] for r in own], np.float64)
-      scale = a.max(axis=0)  # columns on one scale, so NNLS weighs them alike
-      x, _ = nnls(a / scale, b)
+      # Relative error: each row divided by its own bytes (the scale bounds the worst ratio, so
+      # a small kernel's miss counts as much as a large one's); columns on one scale.
+      weighted = a / b[:, None]
+      scale = weighted.max(axis=0)
+      scale[scale == 0] = 1.0
+      x, _ = nnls(weighted / scale, np.ones_like(b))
       coefficients[f"{family}/{strategy}"] = [round(float(v), 6) for v in x / scale]
   chips = {}
-  for chip in sorted({r["chip"] for r in rows}):
+  # Families first: a chip scaled from a family keeps at least the family's own scales (its
+  # few points cannot show every tile the family's did).
+  for chip in sorted({r["chip"] for r in rows}, key=lambda c: (c not in FAMILIES, c)):
+    own = [r for r in rows if r["chip"] == chip]
     best = None
-    for family in FAMILIES:
-      ratios = []
-      for r in (r for r in rows if r["chip"] == chip):
+    for family in ((chip,) if chip in FAMILIES else FAMILIES):
+      scales, ratios = {}, []
+      for r in own:
         base = _unscaled(chip, r["strategy"], _row_features(r),
                          coefficients[f"{family}/{r['strategy']}"])
-        ratios.append(r["compiler_bytes"] / base)
-      candidate = (max(ratios) / min(ratios), family, max(ratios))
-      best = candidate if best is None or candidate < best else best
-    chips[chip] = {"family": best[1], "scale": round(best[2] + MARGIN, 4)}
+        group = scale_group(r["strategy"], r["head_dim"], np.dtype(r["dtype"]).itemsize)
+        scales[group] = max(scales.get(group, 0.0), r["compiler_bytes"] / base)
+        ratios.append((group, r["compiler_bytes"] / base))
+      for group in scales:
+        base = scale_group(group.split("/")[0], 128, 2)
+        floor = chips[family]["scale"].get(group, 0.0) - MARGIN if family != chip else 0.0
+        scales[group] = max(scales[group], scales.get(base, 0.0), floor)
+      # The family whose shape this chip's bf16 full-lane points follow most closely (the
+      # other points only raise scales): fitting the family to few points would overfit them.
+      shape = [ratio for group, ratio in ratios if group.endswith("/full/2")]
+      candidate = (max(shape) / min(shape), family, scales)
+      best = candidate if best is None or candidate[0] < best[0] else best
+    chips[chip] = {"family": best[1],
+                   "scale": {g: round(v + MARGIN, 4) for g, v in sorted(best[2].items())}}
   ranges = {}
   for name in ("block_q", "block_kv", "block_kv_compute", "head_dim"):
     ranges[name] = [min(r[name] for r in rows), max(r[name] for r in rows)]
   ranges["itemsize"] = sorted({int(np.dtype(r["dtype"]).itemsize) for r in rows})
-  return {"coefficients": coefficients, "chips": chips, "ranges": ranges}
+  return {"libtpu": calibration["libtpu"], "coefficients": coefficients, "chips": chips,
+          "ranges": ranges}
 
 
 # Fitted by ``fit`` to docs/measurements/vmem_calibration.json (tests refit and compare).
-MODEL: dict[str, Any] | None = None
+MODEL: dict[str, Any] | None = {'libtpu': '0.0.50.1',
+ 'coefficients': {'v5e/stored': [5.648425, 2.258708, 44.498555, 0.0, 3.417829, 0.0, 1.447905,
+                                 0.0, 0.0],
+                  'v5e/function': [7.824314, 1.913538, 48.852578, 0.0, 3.202813, 0.0, 1.364763,
+                                   0.0, 0.0],
+                  'v6e/stored': [4.0018, 2.744944, 126.696243, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                 1755666.656972],
+                  'v6e/function': [6.008515, 2.296324, 111.293622, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                   1771263.69772]},
+ 'chips': {'v5e': {'family': 'v5e',
+                   'scale': {'function/full/2': 1.1496,
+                             'function/full/4': 1.1496,
+                             'function/narrow/2': 1.1496,
+                             'stored/full/2': 1.1297,
+                             'stored/full/4': 1.1297,
+                             'stored/narrow/2': 1.1297}},
+           'v6e': {'family': 'v6e',
+                   'scale': {'function/full/2': 1.3527,
+                             'function/full/4': 1.3527,
+                             'function/narrow/2': 1.3527,
+                             'stored/full/2': 1.4636,
+                             'stored/full/4': 1.4636,
+                             'stored/narrow/2': 1.4636}},
+           'tpu7x': {'family': 'v6e',
+                     'scale': {'function/full/2': 1.3527,
+                               'function/full/4': 1.3527,
+                               'stored/full/2': 1.4636,
+                               'stored/full/4': 1.4636}},
+           'v4': {'family': 'v6e',
+                  'scale': {'function/full/2': 1.3527,
+                            'function/full/4': 1.3527,
+                            'stored/full/2': 1.4636,
+                            'stored/full/4': 1.4636}},
+           'v5p': {'family': 'v5e',
+                   'scale': {'function/full/2': 1.1496,
+                             'function/full/4': 1.1496,
+                             'function/narrow/2': 1.1907,
+                             'stored/full/2': 1.1297,
+                             'stored/full/4': 1.1297,
+                             'stored/narrow/2': 1.6141}}},
+ 'ranges': {'block_q': [1024, 4096],
+            'block_kv': [1024, 2816],
+            'block_kv_compute': [128, 512],
+            'head_dim': [64, 128],
+            'itemsize': [2, 4]}}
+
+
+def libtpu_note(model: Mapping[str, Any] | None = None) -> str:
+  """A note when the installed libtpu is not the one the model was fitted on ("" when it is,
+  or when none is installed: nothing compiles here to differ)."""
+  from importlib.metadata import PackageNotFoundError, version  # pylint: disable=import-outside-toplevel
+  model = model or MODEL
+  try:
+    installed = version("libtpu")
+  except PackageNotFoundError:
+    return ""
+  if model is None:
+    return ""
+  if installed == model["libtpu"]:
+    return ""
+  return (f"the VMEM model was fitted on libtpu {model['libtpu']}, this host has {installed}: "
+          f"its allocations may differ (python -m maxdiffusion_svg bench vmem refits)")
 
 
 def check_range(bq: int, bkv: int, bkc: int, head_dim: int, itemsize: int,
@@ -80,7 +171,8 @@ def check_range(bq: int, bkv: int, bkc: int, head_dim: int, itemsize: int,
   model = model or MODEL
   ranges = model["ranges"]
   given = {"block_q": bq, "block_kv": bkv, "block_kv_compute": bkc, "head_dim": head_dim}
-  outside = [f"{name} {value} (fitted {ranges[name][0]}-{ranges[name][1]})"
+  outside = [f"{'svg_' if name != 'head_dim' else ''}{name} {value} "
+             f"(fitted {ranges[name][0]}-{ranges[name][1]})"
              for name, value in given.items()
              if not ranges[name][0] <= value <= ranges[name][1]]
   if itemsize not in ranges["itemsize"]:
@@ -105,5 +197,7 @@ def fitted_bytes(chip: str, strategy: str, bq: int, bkv: int, bkc: int, head_dim
     raise ValueError(f"no VMEM calibration for TPU {chip}: run python -m maxdiffusion_svg "
                      f"bench vmem --chips {chip}")
   own = model["chips"][chip]
-  return own["scale"] * _unscaled(chip, strategy, features(bq, bkv, bkc, head_dim, itemsize),
+  scale = own["scale"].get(scale_group(strategy, head_dim, itemsize),
+                          max(own["scale"].values()))
+  return scale * _unscaled(chip, strategy, features(bq, bkv, bkc, head_dim, itemsize),
                                   model["coefficients"][f"{own['family']}/{strategy}"])

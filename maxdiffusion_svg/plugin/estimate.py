@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.schedule import Interval
 from maxdiffusion_svg.target import Target, resolve_backend
@@ -93,6 +94,7 @@ def estimate_config(config: Mapping[str, Any], target: Target,
         sparse_steps=_count(svg.schedule.active_steps, steps),
         sparse_layers=_count(svg.schedule.active_layers, layers), steps=steps, layers=layers))
   return {"kind": "computed from the tile plan", "target": target.describe(),
+          "libtpu_note": libtpu_note() if backend == "splash" else "",
           "backend": backend, "tiles": [tiles.block_q, tiles.block_kv],
           "tile_mode": svg.tile_mode.value, "video": [keys["num_frames"], keys["height"],
                                                        keys["width"]],
@@ -121,6 +123,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"most {row['speedup_bound']:.2f}x (tiles only: the router, the permutation and "
         f"masked-tile cost are not counted)",
     ]
+  if result.get("libtpu_note"):
+    lines.append(f"note: {result['libtpu_note']}")
   if len(result["rows"]) > 1:
     lines.append("(Wan 2.2: each expert's line is as if it ran every step; the run splits the "
                  "steps between them at boundary_ratio)")

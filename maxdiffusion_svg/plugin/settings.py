@@ -13,6 +13,7 @@ import enum
 
 from maxdiffusion_svg.config import KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
+from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.target import Target
 
 SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a MaxDiffusion Wan "
@@ -76,6 +77,8 @@ class PluginSettings:
       if backend == "splash":
         tiles += f" (kv step {t.block_kv_compute})"
       dense, where = self.resolved_dense_kernel(target.platform), f" on {target.describe()}"
+      if backend == "splash" and (note := libtpu_note()):
+        where += f" ({note})"
     return (f"SVG attention: preset {self.preset}, {densities}, sparse steps "
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
