@@ -92,6 +92,9 @@ class Target:
   # The inputs or a mesh named this platform: the call is lowered for it and nothing else. A
   # non-TPU target nothing named (the host's) may still be lowered for a TPU (an export).
   pinned: bool = False
+  # A TPU assumed for the TPU branch of a call whose platform nothing named: its refusals wait
+  # until a lowering for a TPU (kernels/refusal.py), so runs on this host are unaffected.
+  speculative: bool = False
 
   @property
   def is_tpu(self) -> bool:
@@ -142,7 +145,8 @@ def tpu_target(generation: TpuGeneration | str = GENERIC_TPU, vmem_limit_kib: in
   raised = vmem_limit_from_flags(flags)
   if raised:
     return Target("tpu", generation, min(raised, generation.vmem), "LIBTPU_INIT_ARGS")
-  return Target("tpu", generation, generation.default_scoped_vmem, "the chip's default")
+  source = "the chip's default" if generation is not GENERIC_TPU else "the strictest known default"
+  return Target("tpu", generation, generation.default_scoped_vmem, source)
 
 
 def target_for_devices(devices: Iterable[Any], vmem_limit_kib: int | None = None) -> Target:

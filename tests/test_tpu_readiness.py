@@ -60,7 +60,7 @@ def test_an_oversized_inner_kv_step_is_refused_with_the_numbers():
     export(lambda q, k, v: sparse_attention(q, k, v, wide, backend="splash",
                                             block_kv_compute=512, target=v6e), q.shape, "tpu")
   # A step the VMEM model was not fitted for is refused too, naming the key and the range.
-  with pytest.raises(ValueError, match=r"on TPU v6e the Splash VMEM model was not fitted for "
+  with pytest.raises(ValueError, match=r"on TPU v6e: the Splash VMEM model was not fitted for "
                                        r"svg_block_kv_compute 1536 \(fitted 128-512\)"):
     export(lambda q, k, v: sparse_attention(q, k, v, plan, backend="splash",
                                             block_kv_compute=1536, target=v6e), q.shape, "tpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -26,7 +27,8 @@ def lowering_tpu_target(target: Target) -> Target:
   unknown generation (the strictest known limits) under ``target``'s VMEM key, if any."""
   if target.is_tpu:
     return target
-  return tpu_target(GENERIC_TPU, target.vmem_limit // 1024 if target.vmem_limit else None)
+  assumed = tpu_target(GENERIC_TPU, target.vmem_limit // 1024 if target.vmem_limit else None)
+  return dataclasses.replace(assumed, speculative=True)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
@@ -92,20 +94,23 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   def xla(q, k, v):
     return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step)
 
-  given, backend = backend, resolve_backend(backend, target)
-  if target.is_tpu:  # compiled for a TPU, nothing else: refuse what it cannot hold, now
-    check_fits(plan, head_dim, q.dtype, block_kv_compute, tpu)
-    impl = mosaic if backend == "splash" else xla
-  elif given == "xla" or not follows_lowering_platform(target):  # the host's executor only
-    impl = interpreted if backend == "splash" else xla
-  else:
-    # Nothing names the platform: the TPU branch is held to the strictest known limits; a
-    # refusal there surfaces only if the call is lowered for a TPU (runs here are unaffected).
+  def on_tpu():
+    """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
+    surfaces only if the call is lowered for one (runs on this host are unaffected)."""
     try:
       check_fits(plan, head_dim, q.dtype, block_kv_compute, tpu)
-      on_tpu = mosaic
     except ValueError as err:
-      on_tpu = refusal.refused_on_tpu(str(err))
+      if not tpu.speculative:
+        raise
+      return refusal.refused_on_tpu(str(err))
+    return mosaic
+
+  given, backend = backend, resolve_backend(backend, target)
+  if target.is_tpu:  # compiled for a TPU (or the TPU branch of a call that may be)
+    impl = on_tpu() if backend == "splash" else xla
+  elif given == "xla" or not follows_lowering_platform(target):  # the host's executor only
+    impl = interpreted if backend == "splash" else xla
+  else:  # nothing names the platform: held to the strictest known TPU where lowered for one
     impl = lambda q, k, v: jax.lax.platform_dependent(
-        q, k, v, tpu=on_tpu, default=interpreted if backend == "splash" else xla)
+        q, k, v, tpu=on_tpu(), default=interpreted if backend == "splash" else xla)
   return _inference_only(impl)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))

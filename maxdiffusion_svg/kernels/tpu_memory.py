@@ -85,7 +85,7 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
   try:
     need = vmem_need(plan, head_dim, dtype, block_kv_compute, target)
   except ValueError as err:  # outside the model's range: name the chip and the tile
-    raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip} {err}") from None
+    raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
   if need > target.vmem_limit:
     raise ValueError(
         f"Splash tiles {plan.block_q}x{plan.block_kv} with block_kv_compute "
