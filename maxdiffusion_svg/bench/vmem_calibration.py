@@ -23,7 +23,8 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measuremen
 # Tiles (block_q, block_kv, block_kv_compute) at bf16 / head_dim 128, both strategies; the
 # first three also at f32 and at head_dim 64.
 TILES = ((3328, 1536, 256), (2048, 1024, 256), (3328, 2816, 256), (1024, 1024, 256),
-         (3328, 1536, 128), (2048, 1536, 256), (4096, 1536, 512))
+         (3328, 1536, 128), (2048, 1536, 256), (4096, 1536, 512), (512, 512, 256),
+         (256, 256, 256), (128, 128, 128))
 VARIANTS = (("float32", 128), ("bfloat16", 64))
 # Generations whose every case is compiled; the others get the first SHORT tiles.
 FULL = ("v5e", "v6e")
@@ -37,6 +38,8 @@ STRATEGY_MODE = {"stored": "aligned", "function": "split"}
 # device under an 8-way exchange), and each chip's scale covers both; held-out points at 1, 5
 # and 40 check the rest.
 RESOLUTION, DENSITY, HEADS = "720p", 0.3, 10
+# Tiles under 1024 at 720p would overflow SMEM with their tables: they compile at 480p.
+SMALL_TILE_RESOLUTION = "480p"
 ALSO_HEADS = 5
 OTHER_HEADS = (1, 5, 40)
 
@@ -86,7 +89,8 @@ def measure(case: VmemCase) -> dict[str, Any]:
   from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, scoped_vmem_need
   # pylint: enable=import-outside-toplevel
   start = time.perf_counter()
-  grid = grid_for_resolution(RESOLUTION)
+  resolution = RESOLUTION if case.block_q >= 1024 else SMALL_TILE_RESOLUTION
+  grid = grid_for_resolution(resolution)
   plan = plan_tiles(grid, DENSITY, case.block_q, case.block_kv, STRATEGY_MODE[case.strategy])
   mesh = chip_mesh(case.chip)
   spec = abstract((1, case.heads, grid.tokens, case.head_dim), jnp.dtype(case.dtype), mesh)
@@ -103,6 +107,7 @@ def measure(case: VmemCase) -> dict[str, Any]:
     start_kib = 1024
   need = scoped_vmem_need(lowered, start_kib=start_kib, max_kib=physical)
   return {**dataclasses.asdict(case), "mode": STRATEGY_MODE[case.strategy],
+          "resolution": resolution,
           "compiler_bytes": need.bytes if need else None,
           "exact": need.exact if need else None, "compiles": need.compiles if need else None,
           "fits_physical": need is not None, "seconds": round(time.perf_counter() - start, 1)}
