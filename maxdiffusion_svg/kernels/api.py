@@ -24,11 +24,10 @@ __all__ = ["BACKENDS", "resolve_backend", "sparse_attention", "lowering_tpu_targ
 
 def lowering_tpu_target(target: Target) -> Target:
   """The TPU a call is held to: ``target``, or where only a later lowering can say TPU, one of
-  unknown generation (the strictest known limits) under ``target``'s VMEM key, if any."""
+  unknown generation (the strictest known limits), whose refusals wait for that lowering."""
   if target.is_tpu:
     return target
-  assumed = tpu_target(GENERIC_TPU, target.vmem_limit // 1024 if target.vmem_limit else None)
-  return dataclasses.replace(assumed, speculative=True)
+  return dataclasses.replace(tpu_target(GENERIC_TPU), speculative=True)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
@@ -72,10 +71,11 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
   Output is ``[B, H, S, Dv]`` in q's dtype, accumulated in float32. A row with no kept
   key yields zeros. ``block_kv_compute`` (Splash) and ``tiles_per_step`` (XLA) tune the
-  backends without changing results. ``target`` (default: the default device) is the
-  hardware the call is compiled for: on a TPU, Splash's VMEM and SMEM needs are checked
-  against its limits before anything compiles; with ``auto`` off TPU, Splash still runs
-  where the call is lowered for a TPU.
+  backends without changing results. ``target`` is the hardware the call is compiled for
+  (default: what the inputs' sharding or the mesh in context names, else the default device;
+  :func:`maxdiffusion_svg.target.target_for_call`): on a TPU, Splash's VMEM and SMEM needs are
+  checked against its limits before anything compiles; where nothing names the platform,
+  Splash still runs (held to the strictest known TPU) if the call is lowered for a TPU.
   """
   _check_inputs(q, k, v, plan)
   target = target_for_call(q, k, v, target=target)
