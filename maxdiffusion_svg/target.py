@@ -33,7 +33,6 @@ class TpuGeneration:
   default_scoped_vmem: int  # bytes, the limit without --xla_tpu_scoped_vmem_limit_kib
   vmem: int  # physical VMEM: the most a raised limit can give
   smem: int  # scalar memory, where Splash keeps its tile tables
-  devices_per_chip: int = 1
 
 
 # Limits are the compiler's own: its CompileTimeScopedVmemOom and SMEM messages name them
@@ -43,14 +42,15 @@ GENERATIONS: dict[str, TpuGeneration] = {g.name: g for g in (
     TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 16 * MIB, 128 * MIB, 1 * MIB),
     TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 16 * MIB, 96 * MIB, 1 * MIB),
     TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 32 * MIB, 128 * MIB, 1 * MIB),
-    TpuGeneration("tpu7x", ("TPU7x",), 32 * MIB, 64 * MIB, 1 * MIB, devices_per_chip=2),
+    # Two TensorCores per chip, each its own JAX device with its own VMEM.
+    TpuGeneration("tpu7x", ("TPU7x",), 32 * MIB, 64 * MIB, 1 * MIB),
 )}
 # A TPU whose generation nothing names (only the lowering platform says TPU), or a newer one:
 # held to the smallest limits of the known ones, so what passes for it compiles on all.
 GENERIC_TPU = TpuGeneration(
     "unknown", (), min(g.default_scoped_vmem for g in GENERATIONS.values()),
     min(g.vmem for g in GENERATIONS.values()), min(g.smem for g in GENERATIONS.values()))
-CHIP_ALIASES = {"v7x": "tpu7x", "7x": "tpu7x", "v6": "v6e", "v5": "v5p"}
+CHIP_ALIASES = {"v7x": "tpu7x"}
 
 
 def generation_named(name: str, key: str = "chip") -> TpuGeneration:

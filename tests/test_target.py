@@ -10,6 +10,7 @@ from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_
 from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_need
 from maxdiffusion_svg.tiling import SPLASH_TILES, UNKNOWN_TPU_TILES, default_tiles
 from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, Target, generation_for_kind,
+                                     generation_named,
                                      target_for_devices, target_of, tpu_target,
                                      vmem_limit_from_flags)
 from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, libtpu_available
@@ -26,6 +27,7 @@ def test_device_kinds_name_their_generation_and_unknown_tpus_get_the_smallest_li
   assert generation_for_kind("TPU v5").name == "v5p"
   assert generation_for_kind("TPU v4").name == "v4"
   assert generation_for_kind("TPU7x").name == "tpu7x"
+  assert generation_named("v7x").name == "tpu7x"  # the name Google's docs also use
   assert generation_for_kind("TPU9z") is GENERIC_TPU
   assert GENERIC_TPU.default_scoped_vmem == min(g.default_scoped_vmem for g in GENERATIONS.values())
   assert target_for_devices([device("cpu", "cpu")]) == Target("cpu")

@@ -18,7 +18,7 @@ from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_
 from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
-from maxdiffusion_svg.target import GENERIC_TPU, Target, target_for_devices, tpu_target
+from maxdiffusion_svg.target import GENERIC_TPU, target_for_devices, tpu_target
 from maxdiffusion_svg.tpu_aot import (abstract, aot_compile, chip_mesh, libtpu_available,
                                       topology_devices, vmem_options)
 
@@ -94,9 +94,9 @@ def test_v5e_refuses_the_seed_tiles_before_compiling_and_the_compiler_agrees():
   with pytest.raises(ValueError, match=r"need about [\d.]+ MiB of VMEM on TPU v5e .*, over its 16 "
                                        r"MiB scoped-VMEM limit \(the chip's default\): lower svg_block_q \(3328\)"):
     aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v5e), args)
-  # Lowered past our check (the kernel itself, told it is not on a TPU), libtpu refuses it too.
+  # The kernel itself, past our check (sparse_attention holds it), libtpu refuses it too.
   result = aot_compile(lambda q, k, v: splash_sparse_attention(
-      q, k, v, plan, 0.1, interpret=False, target=Target("cpu")), args)
+      q, k, v, plan, 0.1, interpret=False), args)
   assert not result.ok and "CompileTimeScopedVmemOom" in result.error, result.error
   assert re.search(r"Scoped allocation with size [\d.]+M and limit 16.00M", result.error)
 
@@ -112,7 +112,7 @@ def test_tile_tables_over_smem_are_refused_and_the_compiler_agrees():
                                        r"\d+ KiB of SMEM, over TPU v6e's 1024 KiB"):
     aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e), args)
   result = aot_compile(lambda q, k, v: splash_sparse_attention(
-      q, k, v, plan, 0.1, interpret=False, target=Target("cpu")), args)
+      q, k, v, plan, 0.1, interpret=False), args)
   assert not result.ok and "smem" in result.error, result.error
   # Fewer, larger tiles fit, and compile.
   plan = plan_tiles(grid, 1.0, 1280, 1280, "aligned", include_sink=False)
@@ -178,7 +178,7 @@ def test_the_compilers_own_vmem_need_is_the_calibrated_one():
   grid = grid_for_resolution(data["resolution"])
   plan = plan_tiles(grid, 0.3, row["block_q"], row["block_kv"], "aligned")
   lowered = jax.jit(lambda q, k, v: splash_sparse_attention(
-      q, k, v, plan, 0.1, interpret=False, target=Target("cpu"),
+      q, k, v, plan, 0.1, interpret=False,
       block_kv_compute=row["block_kv_compute"])).lower(*qkv(mesh, grid, heads=row["heads"]))
   below = scoped_vmem_need(lowered, start_kib=4096)
   assert abs(below.bytes - row["compiler_bytes"]) <= 16 * 1024 and below.exact

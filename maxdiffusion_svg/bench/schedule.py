@@ -209,10 +209,9 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str
 
 
 def default_tiles(chip: str, vmem_limit_kib: int | None) -> tuple[int, int, int]:
-  from maxdiffusion_svg.config import SvgConfig  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
-  tiles = SvgConfig(vmem_limit_kib=vmem_limit_kib).tiles(tpu_target(chip, vmem_limit_kib),
-                                                         "splash")
+  from maxdiffusion_svg.tiling import choose_tiles  # pylint: disable=import-outside-toplevel
+  tiles = choose_tiles(tpu_target(chip, vmem_limit_kib), "splash")
   return tiles.block_q, tiles.block_kv, tiles.block_kv_compute
 
 

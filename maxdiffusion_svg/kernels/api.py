@@ -85,11 +85,11 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
 
   def mosaic(q, k, v):
     return splash_sparse_attention(q, k, v, plan, scale, interpret=False,
-                                   block_kv_compute=block_kv_compute, target=tpu)
+                                   block_kv_compute=block_kv_compute)
 
   def interpreted(q, k, v):
     return splash_sparse_attention(q, k, v, plan, scale, interpret=True,
-                                   block_kv_compute=block_kv_compute, target=tpu)
+                                   block_kv_compute=block_kv_compute)
 
   def xla(q, k, v):
     return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step)

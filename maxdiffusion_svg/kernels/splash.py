@@ -23,8 +23,7 @@ from tokamax._src.ops.experimental.tpu.splash_attention import base as splash_ba
 from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
 from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
-from maxdiffusion_svg.kernels.tpu_memory import LANES, check_fits, mask_strategy
-from maxdiffusion_svg.target import Target
+from maxdiffusion_svg.kernels.tpu_memory import LANES, mask_strategy
 from maxdiffusion_svg.tiles import MASKED, TilePlan
 from maxdiffusion_svg.tiling import default_kv_compute
 
@@ -107,13 +106,12 @@ def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]
 
 
 def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
-                            scale: float, *, interpret: bool, target: Target,
+                            scale: float, *, interpret: bool,
                             block_kv_compute: int | None = None) -> jax.Array:
-  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles;
-  the compiled kernel (``interpret=False``) must fit ``target``'s VMEM and SMEM."""
-  _, _, s, head_dim = q.shape
-  if not interpret:
-    check_fits(plan, head_dim, q.dtype, block_kv_compute, target)
+  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles.
+  Unchecked: :func:`maxdiffusion_svg.kernels.sparse_attention` holds the compiled kernel to
+  its target's VMEM and SMEM before calling this."""
+  s = q.shape[2]
   info, mask_fn = plan_mask_info(plan)
   # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale
   # here rounds a bfloat16 q once instead of twice.
