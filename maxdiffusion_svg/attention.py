@@ -18,7 +18,7 @@ from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_maj
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import lowering_tpu_target
 from maxdiffusion_svg.router import profile_heads
-from maxdiffusion_svg.target import Target, follows_lowering_platform
+from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
 from maxdiffusion_svg.tiles import TilePlan, plan_tiles
 
 
@@ -46,11 +46,11 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
 def per_platform(config: SvgConfig, target: Target,
                  build: Callable[[str, Target], Callable[..., Any]]) -> Callable[..., Any]:
   """``build(backend, target)`` for the executor the call will run on. With ``auto`` on a
-  host that is not a TPU, both: Splash (tiles for a TPU of unknown generation) where the call
+  host that is not a TPU, both: our Pallas kernel (tiles for a TPU of unknown generation) where the call
   is lowered for a TPU, the XLA path elsewhere; the plans differ, so the whole path is built
   twice and the lowering keeps one."""
   if config.backend == "auto" and follows_lowering_platform(target):
-    tpu, default = build("splash", lowering_tpu_target(target)), build("xla", target)
+    tpu, default = build(TPU_BACKENDS[0], lowering_tpu_target(target)), build("xla", target)
     return lambda *xs: jax.lax.platform_dependent(*xs, tpu=tpu, default=default)
   return build(resolve_backend(config.backend, target), target)
 

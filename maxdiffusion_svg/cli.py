@@ -112,7 +112,7 @@ def _tiles(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.report import format_report, tile_report  # pylint: disable=import-outside-toplevel
   grid = _grid_from_args(args)
   modes = _MODES if args.mode == "all" else [args.mode]
-  tiles = choose_tiles(_chip_target(args), "splash", args.block_q, args.block_kv)
+  tiles = choose_tiles(_chip_target(args), "auto", args.block_q, args.block_kv)
   args.block_q, args.block_kv = tiles.block_q, tiles.block_kv
   report = tile_report(grid, args.density, args.block_q, args.block_kv, modes,
                        include_sink=not args.no_sink)
@@ -174,8 +174,8 @@ def _add_call_args(parser: argparse.ArgumentParser, heads: int, heads_help: str,
   parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
   parser.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
   parser.add_argument("--mode", choices=modes, default=mode, help="traversal mode")
-  parser.add_argument("--backend", choices=["auto", "xla", "splash"], default="auto",
-                      help="executor (auto: splash on TPU, xla elsewhere)")
+  parser.add_argument("--backend", choices=["auto", "pallas", "splash", "xla"], default="auto",
+                      help="executor (auto: pallas on TPU, xla elsewhere)")
   parser.add_argument("--block-q", type=_tile, help=f"query tile (default: {tiles_help()})")
   parser.add_argument("--block-kv", type=_tile, help="key tile (default: the executor's)")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",

@@ -209,15 +209,18 @@ def target_for_call(*arrays: Any, target: Target | None = None, mesh: Any = None
   return target_for_devices(jax.devices()[:1], vmem_limit_kib)
 
 
-BACKENDS = ("auto", "splash", "xla")
+BACKENDS = ("auto", "pallas", "splash", "xla")
+# Kernels that compile only for a TPU (interpreted elsewhere); ``auto`` picks the first there.
+TPU_BACKENDS = ("pallas", "splash")
 
 
 def resolve_backend(backend: str, target: Target | None = None) -> str:
-  """``auto`` is Splash on a TPU target and the XLA path elsewhere (target: default device)."""
+  """``auto`` is our Pallas kernel on a TPU target and the XLA path elsewhere (target: default
+  device)."""
   if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
   if backend == "auto":
-    return "splash" if (target or target_of()).is_tpu else "xla"
+    return TPU_BACKENDS[0] if (target or target_of()).is_tpu else "xla"
   return backend
 
 

@@ -1,7 +1,7 @@
 """The one place a target becomes tiles: every tile decision (kernel, sharded path, plugin, CLI,
 benchmarks) is :func:`choose_tiles`.
 
-Splash's default tile is the largest that compiles for every mode and the dense branch under
+Our Pallas kernel (the TPU default) takes one tile everywhere. Splash's default tile is the largest that compiles for every mode and the dense branch under
 the target's scoped-VMEM limit (docs/reference.md, "Default tiles"; ``make compile-tpu``
 checks each by compiling); the XLA path's is fixed. Keys a user gives win, and the inner kv
 step defaults to the widest of 256/128 dividing the kv tile.
@@ -42,18 +42,27 @@ SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
 # generation gets it too: it compiles on every known generation.
 V4_TILES = SplashTiles(1536, 1024, 256)
 UNKNOWN_TPU_TILES = V4_TILES
-# The inner kv step when block_kv is the user's: the widest of these dividing it.
-KV_COMPUTE_CHOICES = (256, 128)
+# Our Pallas kernel (the TPU default): its VMEM need is a few MiB (kernels/tpu_memory.py), so
+# one tile serves every generation and limit; chosen by libtpu's static schedule of the aligned
+# call at 720p (docs/benchmarks.md, "Our kernel's tiles").
+PALLAS_TILES = SplashTiles(3328, 1536, 512)
+# The inner kv step when block_kv is the user's: the widest of these dividing it (ours takes
+# wider steps: its per-step accumulator update is amortised over more keys).
+KV_COMPUTE_CHOICES = {"splash": (256, 128), "pallas": (512, 256, 128)}
 
 
-def default_kv_compute(block_kv: int) -> int:
-  return next(c for c in KV_COMPUTE_CHOICES if block_kv % c == 0)
+def default_kv_compute(block_kv: int, backend: str = "splash") -> int:
+  choices = KV_COMPUTE_CHOICES["pallas" if backend == "pallas" else "splash"]
+  return next(c for c in choices if block_kv % c == 0)
 
 
 def default_tiles(target: Target, backend: str = "auto") -> SplashTiles:
   """The executor's default tile on ``target`` (Splash's by generation and VMEM limit)."""
-  if resolve_backend(backend, target) == "xla":
+  backend = resolve_backend(backend, target)
+  if backend == "xla":
     return XLA_TILES
+  if backend == "pallas":
+    return PALLAS_TILES
   if not target.known:
     return UNKNOWN_TPU_TILES
   if target.generation.name == "v4":
@@ -75,7 +84,7 @@ def choose_tiles(target: Target, backend: str = "auto", block_q: int | None = No
       check_block_size(value, name)
   block_q, block_kv = block_q or default.block_q, block_kv or default.block_kv
   compute = block_kv_compute or (default.block_kv_compute if block_kv == default.block_kv
-                                 else default_kv_compute(block_kv))
+                                 else default_kv_compute(block_kv, resolve_backend(backend, target)))
   if block_kv % compute:
     raise ValueError(f"svg_block_kv_compute ({compute}) must divide svg_block_kv ({block_kv}, "
                      f"{'given' if block_kv != default.block_kv else 'the default'} for "
@@ -88,5 +97,6 @@ def tiles_help(backend: str = "splash") -> str:
   from maxdiffusion_svg.target import GENERATIONS  # pylint: disable=import-outside-toplevel
   parts = [f"{name} {default_tiles(Target('tpu', g, g.default_scoped_vmem), backend).label()}"
            for name, g in GENERATIONS.items()]
-  return f"xla {XLA_TILES.block_q}x{XLA_TILES.block_kv}; splash at the default VMEM limit: " + \
-      ", ".join(parts)
+  return (f"xla {XLA_TILES.block_q}x{XLA_TILES.block_kv}; pallas (the TPU default) "
+          f"{PALLAS_TILES.label()} on every generation; splash at the default VMEM limit: "
+          + ", ".join(parts))

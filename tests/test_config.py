@@ -81,7 +81,7 @@ def test_defaults_are_the_moderate_preset():
     ({"svg_block_q": 100}, "svg_block_q must be a positive multiple of 128"),
     ({"svg_block_kv_compute": -128}, "svg_block_kv_compute must be a positive multiple of 128"),
     ({"svg_vmem_limit_kib": -1}, "svg_vmem_limit_kib must be an integer >= 0"),
-    ({"svg_backend": "cuda"}, "svg_backend must be one of auto, splash, xla"),
+    ({"svg_backend": "cuda"}, "svg_backend must be one of auto, pallas, splash, xla"),
     ({"svg_include_sink": "yes"}, "svg_include_sink must be true or false"),
     ({"svg_profile_queries": 0}, "svg_profile_queries must be an integer >= 1"),
     ({"svg_profile_pool": "all"}, "svg_profile_pool must be one of prefix, stratified"),

@@ -24,14 +24,19 @@ def qkv(grid, dtype=jnp.float32, batch=2, heads=3, dim=64, seed=0):
   return [jnp.asarray(rng.standard_normal((batch, heads, grid.tokens, dim)), dtype) for _ in range(3)]
 
 
-@pytest.mark.parametrize("backend", ["xla", "splash"])
+def dim_for(backend):
+  """Our Pallas kernel takes head_dim in whole lanes (128); the others any."""
+  return 128 if backend == "pallas" else 64
+
+
+@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
 @pytest.mark.parametrize("mode", ["naive", "split", "aligned"])
 @pytest.mark.parametrize("grid_name", list(GRIDS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_matches_dense_reference_of_the_plans_mask(backend, mode, grid_name, dtype):
   grid = GRIDS[grid_name]
   plan = plan_tiles(grid, 0.3, 128, 128, mode)
-  q, k, v = qkv(grid, dtype)
+  q, k, v = qkv(grid, dtype, dim=dim_for(backend))
   out = sparse_attention(q, k, v, plan, backend=backend)
   assert out.shape == q.shape and out.dtype == dtype
   want = plan_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), plan)
@@ -54,23 +59,23 @@ def test_backends_agree_with_rectangular_tiles_and_scale(mode):
                              atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "splash"])
+@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
 def test_density_one_equals_full_dense_attention(backend):
   grid = GRIDS["s210"]
-  q, k, v = qkv(grid)
+  q, k, v = qkv(grid, dim=dim_for(backend))
   for mode in ("split", "aligned"):
     out = sparse_attention(q, k, v, plan_tiles(grid, 1.0, 128, 128, mode), backend=backend)
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense_attention(q, k, v)), atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "splash"])
+@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
 def test_rows_with_no_kept_key_give_zeros_not_nan(backend):
   grid = GRIDS["s210"]
   plan = plan_tiles(grid, 0.3, 128, 128, "split")
   kind = np.array(plan.kind)
   kind[0] = EMPTY  # drop every tile of q-tile row 0
   stripped = dataclasses.replace(plan, kind=kind)
-  q, k, v = qkv(grid)
+  q, k, v = qkv(grid, dim=dim_for(backend))
   out = np.asarray(sparse_attention(q, k, v, stripped, backend=backend))
   assert np.isfinite(out).all()
   np.testing.assert_array_equal(out[:, :, :128], 0)
@@ -147,7 +152,7 @@ def test_bad_input_names_expected_and_actual():
     sparse_attention(q, k[..., :32], v, plan)
   with pytest.raises(ValueError, match="seq_len 1000, but inputs have S = 210"):
     sparse_attention(q, k, v, plan_tiles(GRIDS["s1000"], 0.3, 128, 128, "split"))
-  with pytest.raises(ValueError, match="backend must be one of auto, splash, xla"):
+  with pytest.raises(ValueError, match="backend must be one of auto, pallas, splash, xla"):
     sparse_attention(q, k, v, plan, backend="cuda")
   with pytest.raises(ValueError, match="must be \\[B, H, S, D\\]"):
     sparse_attention(q[0], k[0], v[0], plan)

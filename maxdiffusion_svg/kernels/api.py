@@ -9,15 +9,17 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels import refusal
+from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
 # Imported with the package, not on the first call: tokamax registers JAX config values when
 # it loads, and a first trace that loaded it would leave later calls tracing in a different
 # context, so everything would compile twice.
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
-from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, Target, follows_lowering_platform,
+from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, TPU_BACKENDS, Target, follows_lowering_platform,
                                      resolve_backend, target_for_call, tpu_target)
 from maxdiffusion_svg.tiles import TilePlan
+from maxdiffusion_svg.tiling import default_kv_compute
 
 __all__ = ["BACKENDS", "resolve_backend", "sparse_attention", "lowering_tpu_target"]
 
@@ -70,26 +72,33 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
 
   Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
   Output is ``[B, H, S, Dv]`` in q's dtype, accumulated in float32. A row with no kept
-  key yields zeros. ``block_kv_compute`` (Splash) and ``tiles_per_step`` (XLA) tune the
-  backends without changing results. ``target`` is the hardware the call is compiled for
-  (default: what the inputs' sharding or the mesh in context names, else the default device;
-  :func:`maxdiffusion_svg.target.target_for_call`): on a TPU, Splash's VMEM and SMEM needs are
-  checked against its limits before anything compiles; where nothing names the platform,
-  Splash still runs (held to the strictest known TPU) if the call is lowered for a TPU.
+  key yields zeros. ``backend``: ``pallas`` (our kernel, the TPU default), ``splash``
+  (tokamax's), ``xla`` (portable); the TPU kernels run interpreted off TPU.
+  ``block_kv_compute`` (the TPU kernels' inner kv step) and ``tiles_per_step`` (XLA) tune
+  the backends without changing results. ``target`` is the hardware the call is compiled
+  for (default: what the inputs' sharding or the mesh in context names, else the default
+  device; :func:`maxdiffusion_svg.target.target_for_call`): on a TPU, the kernel's VMEM and
+  SMEM needs are checked against its limits before anything compiles; where nothing names
+  the platform, the TPU kernel still runs (held to the strictest known TPU) if the call is
+  lowered for a TPU.
   """
   _check_inputs(q, k, v, plan)
   target = target_for_call(q, k, v, target=target)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   tpu = lowering_tpu_target(target)
   head_dim = q.shape[-1]
+  given, backend = backend, resolve_backend(backend, target)
+  # The kernel a TPU lowering runs: the one asked for, or with ``auto``, the TPU default.
+  tpu_backend = backend if backend in TPU_BACKENDS else TPU_BACKENDS[0]
+  kv_compute = block_kv_compute or default_kv_compute(plan.block_kv, tpu_backend)
 
-  def mosaic(q, k, v):
-    return splash_sparse_attention(q, k, v, plan, scale, interpret=False,
-                                   block_kv_compute=block_kv_compute)
-
-  def interpreted(q, k, v):
-    return splash_sparse_attention(q, k, v, plan, scale, interpret=True,
-                                   block_kv_compute=block_kv_compute)
+  def kernel(interpret: bool):
+    if tpu_backend == "pallas":
+      check_shapes(head_dim, q.dtype, plan, kv_compute)
+      return lambda q, k, v: pallas_sparse_attention(
+          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute)
+    return lambda q, k, v: splash_sparse_attention(
+        q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute)
 
   def xla(q, k, v):
     return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step)
@@ -98,19 +107,18 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
     """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
     surfaces only if the call is lowered for one (runs on this host are unaffected)."""
     try:
-      check_fits(plan, head_dim, q.dtype, block_kv_compute, tpu)
+      check_fits(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend)
+      return kernel(interpret=False)
     except ValueError as err:
       if not tpu.speculative:
         raise
       return refusal.refused_on_tpu(str(err))
-    return mosaic
 
-  given, backend = backend, resolve_backend(backend, target)
   if target.is_tpu:  # compiled for a TPU (or the TPU branch of a call that may be)
-    impl = on_tpu() if backend == "splash" else xla
+    impl = on_tpu() if backend != "xla" else xla
   elif given == "xla" or not follows_lowering_platform(target):  # the host's executor only
-    impl = interpreted if backend == "splash" else xla
+    impl = kernel(interpret=True) if backend != "xla" else xla
   else:  # nothing names the platform: held to the strictest known TPU where lowered for one
     impl = lambda q, k, v: jax.lax.platform_dependent(
-        q, k, v, tpu=on_tpu(), default=interpreted if backend == "splash" else xla)
+        q, k, v, tpu=on_tpu(), default=kernel(interpret=True) if backend != "xla" else xla)
   return _inference_only(impl)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))

@@ -1,4 +1,4 @@
-"""Will a Splash plan fit a TPU's on-chip memories? VMEM and SMEM needs, limits and defaults.
+"""Will a plan's TPU kernel fit the chip's on-chip memories? VMEM and SMEM needs and limits.
 
 Splash keeps its pipelined blocks, online-softmax scratch and per-step temporaries in
 scoped VMEM, under a per-kernel limit the compiler enforces (the generation's default
@@ -67,6 +67,27 @@ def vmem_need(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int |
              for generation in GENERATIONS.values())
 
 
+# Our Pallas kernel (kernels/pallas.py): libtpu's scoped-VMEM need grows with the score chunk
+# (block_q x block_kv_compute, float32, plus its exponent and bfloat16 copy) and barely with
+# block_kv. Measured (bench vmem's walk, libtpu 0.0.50.1, head_dim 128): v6e bf16 3328x1536/512
+# 9.0 MiB, 3328x1536/256 4.1, 4608x1536/512 12.1, 1536x1024/256 2.6; v5e f32 2048x1536/256 4.1,
+# v5e bf16 3328x3072/512 9.4. This bound sits above every one of them.
+PALLAS_VMEM_BASE = 2 * MIB
+PALLAS_VMEM_PER_SCORE = 6.5
+
+
+def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int) -> int:
+  """Scoped-VMEM bytes our kernel needs at most for ``plan``'s tiles (see the figures above)."""
+  wide = max(1.0, jnp.dtype(dtype).itemsize / 2) * max(1.0, head_dim / 128)
+  return int(PALLAS_VMEM_BASE + PALLAS_VMEM_PER_SCORE * wide * plan.block_q * block_kv_compute)
+
+
+def pallas_smem_bytes(plan: TilePlan) -> int:
+  """Our work list: one int32 per grid step (visited tiles, plus one per empty row)."""
+  rows, _, _ = plan.visited_tiles()
+  return 4 * (rows.size + np.setdiff1d(np.arange(plan.num_q_tiles), rows).size) + 1024
+
+
 def _keys_to_change(plan: TilePlan) -> str:
   return (f"lower svg_block_q ({plan.block_q}), svg_block_kv ({plan.block_kv}) or "
           f"svg_block_kv_compute, or raise the limit: {VMEM_KEY} (our check) and "
@@ -74,29 +95,35 @@ def _keys_to_change(plan: TilePlan) -> str:
 
 
 def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
-               target: Target) -> None:
+               target: Target, backend: str = "splash") -> None:
   """Raises before compiling when ``plan`` cannot fit ``target``'s VMEM or SMEM.
 
   Any TPU target is checked: a known generation against its own limits, an unknown one
-  against the strictest known. Off TPU there is no limit (interpreted Splash on CPU).
+  against the strictest known. Off TPU there is no limit (interpreted kernels on CPU).
+  ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``.
   """
   if not target.is_tpu:
     return
-  try:
-    need = vmem_need(plan, head_dim, dtype, block_kv_compute, target)
-  except ValueError as err:  # outside the model's range: name the chip and the tile
-    raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
+  name = "Pallas" if backend == "pallas" else "Splash"
+  bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
+  if backend == "pallas":
+    need, smem = pallas_vmem_bound(plan, head_dim, dtype, bkc), pallas_smem_bytes(plan)
+    how = "bound from libtpu's allocations"
+  else:
+    try:
+      need = vmem_need(plan, head_dim, dtype, bkc, target)
+    except ValueError as err:  # outside the model's range: name the chip and the tile
+      raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
+    smem, how = smem_estimate(plan), "estimate fitted to libtpu"
   if need > target.vmem_limit:
     raise ValueError(
-        f"Splash tiles {plan.block_q}x{plan.block_kv} with block_kv_compute "
-        f"{block_kv_compute or default_kv_compute(plan.block_kv)} need about "
-        f"{need / MIB:.1f} MiB of VMEM on {target.chip} (estimate fitted to libtpu), over its "
+        f"{name} tiles {plan.block_q}x{plan.block_kv} with block_kv_compute {bkc} need about "
+        f"{need / MIB:.1f} MiB of VMEM on {target.chip} ({how}), over its "
         f"{target.vmem_limit / MIB:g} MiB scoped-VMEM limit ({target.vmem_source}): "
         f"{_keys_to_change(plan)}")
-  smem = smem_estimate(plan)
   if smem > target.smem:
     raise ValueError(
-        f"Splash's tile tables for {plan.num_q_tiles}x{plan.num_kv_tiles} tiles of "
+        f"{name}'s tile tables for {plan.num_q_tiles}x{plan.num_kv_tiles} tiles of "
         f"{plan.block_q}x{plan.block_kv} need about {smem / 1024:.0f} KiB of SMEM, over "
         f"{target.chip}'s {target.smem // 1024} KiB: raise svg_block_q or svg_block_kv (fewer, "
         f"larger tiles)")

@@ -14,7 +14,7 @@ import enum
 from maxdiffusion_svg.config import KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
-from maxdiffusion_svg.target import Target
+from maxdiffusion_svg.target import TPU_BACKENDS, Target
 
 SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a MaxDiffusion Wan "
                     "pipeline, or prepared with maxdiffusion_svg.plugin.prepare_transformer")
@@ -74,7 +74,7 @@ class PluginSettings:
       t = svg.tiles(target)
       tiles = f"{t.block_q}x{t.block_kv}"
       backend = resolve_backend(svg.backend, target)
-      if backend == "splash":
+      if backend in TPU_BACKENDS:
         tiles += f" (kv step {t.block_kv_compute})"
       dense, where = self.resolved_dense_kernel(target.platform), f" on {target.describe()}"
       if backend == "splash" and (note := libtpu_note()):

@@ -1,0 +1,176 @@
+"""Our own Pallas TPU kernel: a TilePlan's work list, queries on lanes, a fixed softmax offset.
+
+Why not Splash: on a v6e its mask-free tile body costs 2.43 bundles per 1,000 query-key pairs,
+MaxDiffusion's fixed-m dense kernel 1.55 (docs/benchmarks.md). Three choices close the gap:
+
+- **Queries on lanes.** Scores are ``K·Qᵀ`` (kv chunk x block_q): each query's softmax
+  statistics are one lane of a ``(1, block_q)`` row, reduced over sublanes, and the rescale
+  factor is one exponent per query, not per (query, lane).
+- **Base 2.** ``log2(e)`` and the softmax scale are folded into q once, in XLA.
+- **A fixed offset per query** (:mod:`maxdiffusion_svg.kernels.fixed_offset`) where the head
+  passes a gate computed on the fly; other heads run online softmax. Full tiles therefore have
+  two bodies (fixed, online), chosen by a per-head flag; masked tiles have one online body,
+  exact for both kinds of head (online softmax is exact from any starting offset).
+
+The grid is ``(batch x heads, steps)``: every head walks the plan's packed work list
+(:mod:`maxdiffusion_svg.kernels.worklist`); consecutive steps of a row accumulate into the
+same output block, written once when the row's last step closes it. A row that keeps no key
+gives zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
+from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
+from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
+
+# Start of an online row: finite, so exp2(m_prev - m_next) is never inf - inf.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_NT = (((1,), (1,)), ((), ()))  # k (kv, d) x q (q, d) -> (kv, q)
+_TN = (((0,), (0,)), ((), ()))  # v (kv, dv) x p (kv, q) -> (dv, q)
+
+
+def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int) -> None:
+  """Refuses what the kernel cannot take, naming the constraint and the key to change."""
+  if head_dim % 128:
+    raise ValueError(f"svg_backend pallas needs head_dim a multiple of 128 (lanes), got "
+                     f"{head_dim}: use svg_backend: splash or xla")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"svg_backend pallas needs floating-point q, k, v, got {dtype}")
+  if block_kv_compute % 128 or plan.block_kv % block_kv_compute:
+    raise ValueError(f"svg_block_kv_compute must be a multiple of 128 dividing svg_block_kv "
+                     f"({plan.block_kv}), got {block_kv_compute}")
+
+
+def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, m_ref, l_ref, acc_ref, *,
+            plan: TilePlan, bkc: int):
+  bq, bkv = plan.block_q, plan.block_kv
+  chunks = bkv // bkc
+  row, col, kind, first, last = unpack_work(work_ref[pl.program_id(1)])
+  fixed = fixed_ref[pl.program_id(0)] > 0
+
+  @pl.when(first == 1)
+  def _open_row():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    m_ref[...] = jnp.where(fixed, mfix_ref[...], _MASK_VALUE)
+
+  def scores(c):
+    k = k_ref[pl.ds(c * bkc, bkc), :]
+    return lax.dot_general(k, q_ref[...], _NT, preferred_element_type=jnp.float32)
+
+  def accumulate(c, p, alpha=None):
+    pv = lax.dot_general(v_ref[pl.ds(c * bkc, bkc), :], p.astype(v_ref.dtype), _TN,
+                         preferred_element_type=jnp.float32)
+    if alpha is None:
+      l_ref[...] += p.sum(axis=0, keepdims=True)
+      acc_ref[...] += pv
+    else:
+      l_ref[...] = alpha * l_ref[...] + p.sum(axis=0, keepdims=True)
+      acc_ref[...] = alpha * acc_ref[...] + pv
+
+  def fixed_chunk(c, carry):
+    accumulate(c, jnp.exp2(scores(c) - m_ref[...]))
+    return carry
+
+  def online_chunk(c, carry, keep=None):
+    s = scores(c)
+    if keep is not None:
+      s = jnp.where(keep, s, _MASK_VALUE)
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, s.max(axis=0, keepdims=True))
+    p = jnp.exp2(s - m_next)
+    if keep is not None:  # a row whose keys are all masked so far keeps l = 0
+      p = jnp.where(keep, p, 0.0)
+    m_ref[...] = m_next
+    accumulate(c, p, jnp.exp2(m_prev - m_next))
+    return carry
+
+  def masked_chunk(c, carry):
+    q_pos = row * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
+    k_pos = col * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, (bkc, 1), 0)
+    return online_chunk(c, carry, plan.masked_tile_rule(q_pos, k_pos))
+
+  @pl.when((kind == FULL) & fixed)
+  def _full_fixed():
+    lax.fori_loop(0, chunks, fixed_chunk, None, unroll=True)
+
+  @pl.when((kind == FULL) & jnp.logical_not(fixed))
+  def _full_online():
+    lax.fori_loop(0, chunks, online_chunk, None, unroll=True)
+
+  @pl.when(kind == MASKED)
+  def _masked():
+    if plan.masks_exact:
+      lax.fori_loop(0, chunks, masked_chunk, None, unroll=True)
+      return
+    # Aligned plans mask only the padding keys of the last kv column: whole chunks of real
+    # keys run unmasked, the chunk the sequence ends in is masked, padding chunks are skipped.
+    real = plan.seq_len - (plan.num_kv_tiles - 1) * bkv
+    lax.fori_loop(0, real // bkc, online_chunk, None, unroll=True)
+    if real % bkc:
+      masked_chunk(real // bkc, None)
+
+  @pl.when(last == 1)
+  def _close_row():
+    l = l_ref[...]
+    out = acc_ref[...] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    o_ref[...] = out.T.astype(o_ref.dtype)
+
+
+def _pad(x: jax.Array, length: int) -> jax.Array:
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0)))
+
+
+def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
+                            scale: float, *, interpret: bool, block_kv_compute: int,
+                            vmem_limit_bytes: int | None = None) -> jax.Array:
+  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel."""
+  b, h, s, d = q.shape
+  dv = v.shape[-1]
+  check_shapes(d, q.dtype, plan, block_kv_compute)
+  bq, bkv = plan.block_q, plan.block_kv
+  fold = lambda x: x.reshape(b * h, s, x.shape[-1])
+  offsets: FixedOffsets = fixed_offsets(fold(q), fold(k), fold(v), scale * math.log2(math.e),
+                                        every_key_visited=plan.stats.kept_pairs == s * s)
+  q_pad = _pad(offsets.q, plan.num_q_tiles * bq)
+  k_pad = _pad(fold(k), plan.num_kv_tiles * bkv)
+  v_pad = _pad(fold(v), plan.num_kv_tiles * bkv)
+  m_pad = jnp.pad(offsets.m, ((0, 0), (0, 0), (0, plan.num_q_tiles * bq - s)))
+  work = jnp.asarray(pack_work(plan))
+
+  def at_row(bh, t, work_ref, _):
+    return bh, unpack_work(work_ref[t])[0], 0
+
+  def at_col(bh, t, work_ref, _):
+    return bh, unpack_work(work_ref[t])[1], 0
+
+  def at_row_lanes(bh, t, work_ref, _):
+    return bh, 0, unpack_work(work_ref[t])[0]
+
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=(b * h, work.size),
+      in_specs=[pl.BlockSpec((None, bq, d), at_row), pl.BlockSpec((None, bkv, d), at_col),
+                pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes)],
+      out_specs=pl.BlockSpec((None, bq, dv), at_row),
+      scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((1, bq), jnp.float32),
+                      pltpu.VMEM((dv, bq), jnp.float32)])
+  out = pl.pallas_call(
+      functools.partial(_kernel, plan=plan, bkc=block_kv_compute),
+      grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct((b * h, plan.num_q_tiles * bq, dv), q.dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                           vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret,
+      name="svg_pallas_sparse",
+  )(work, offsets.fixed, q_pad, k_pad, v_pad, m_pad)
+  return out[:, :s].reshape(b, h, s, dv)

@@ -1,0 +1,162 @@
+"""Our Pallas kernel (interpreted on CPU): work list, fixed offset and gate, both softmax paths."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels import plan_reference, sparse_attention
+from maxdiffusion_svg.kernels.fixed_offset import OFFSET, fixed_offsets, gate
+from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
+from maxdiffusion_svg.tiles import EMPTY, plan_tiles
+
+GRID = VideoGrid(5, 6, 7)  # 210 tokens: padding with 128-token tiles
+LOG2E = math.log2(math.e)
+
+
+def normal(shape, seed, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def flags(q, k, v, plan, scale=128 ** -0.5):
+  b, h, s, d = q.shape
+  fold = lambda x: x.reshape(b * h, s, d)
+  return np.asarray(fixed_offsets(fold(q), fold(k), fold(v), scale * LOG2E,
+                                  every_key_visited=plan.stats.kept_pairs == s * s).fixed)
+
+
+def test_work_list_is_the_plans_tiles_plus_one_step_per_empty_row():
+  plan = plan_tiles(VideoGrid(10, 10, 10), 0.3, 128, 128, "split")
+  kind = np.array(plan.kind)
+  kind[2] = EMPTY
+  import dataclasses
+  plan = dataclasses.replace(plan, kind=kind)
+  row, col, kinds, first, last = unpack_work(pack_work(plan))
+  rows, cols, visited = plan.visited_tiles()
+  real = kinds != EMPTY
+  np.testing.assert_array_equal(row[real], rows)
+  np.testing.assert_array_equal(col[real], cols)
+  np.testing.assert_array_equal(kinds[real], visited)
+  assert row[~real].tolist() == [2]  # the empty row still gets its one (do-nothing) step
+  i = int(np.flatnonzero(~real)[0])
+  assert first[i] == last[i] == 1 and col[i] == col[i - 1]  # reuses the kv block before it
+  assert (np.diff(row) >= 0).all() and first.sum() == last.sum() == plan.num_q_tiles
+
+
+def test_gate_is_the_derived_bound():
+  s = 75_600
+  assert gate(s, True) == pytest.approx(OFFSET - 1 + 126 - 10 - math.log2(s))
+  assert gate(s, False) == pytest.approx(gate(s, True) / 2)
+  assert 93 < gate(s, False) < 94 and 186 < gate(s, True) < 187
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mode", ["naive", "aligned"])
+def test_heads_take_fixed_or_online_at_run_time_and_both_are_exact(dtype, mode):
+  plan = plan_tiles(GRID, 0.3, 128, 128, mode)
+  q, k, v = (normal((2, 2, GRID.tokens, 128), seed, dtype) for seed in range(3))
+  q = q * jnp.asarray([[1.0, 40.0], [40.0, 1.0]], dtype)[:, :, None, None]  # sharp heads: online
+  assert flags(q, k, v, plan).tolist() == [1, 0, 0, 1]
+  calls = []
+
+  @jax.jit
+  def run(q, k, v):
+    calls.append(1)
+    return sparse_attention(q, k, v, plan, backend="pallas")
+
+  f32 = lambda x: np.asarray(x, np.float32)
+  for qq in (q, q[:, ::-1]):  # the flags flip, the executable stays
+    want = plan_reference(*(x.astype(jnp.float32) for x in (qq, k, v)), plan)
+    ref_dtype = f32(plan_reference(qq, k, v, plan))  # the same inputs, rounded like ours
+    got = f32(run(qq, k, v))
+    # Sharp heads (logits in the hundreds) amplify q's rounding once scaled into base 2.
+    np.testing.assert_allclose(got, f32(want), atol=2e-4 if dtype == jnp.float32 else 0.4)
+    assert np.abs(got - ref_dtype).mean() < (1e-5 if dtype == jnp.float32 else 1e-2)
+  assert len(calls) == 1
+
+
+def _at_the_bound(scale_to, plan, sign_split=False, seed=0):
+  """q, k, v whose largest |q||k - mean k| (base-2 logits) is ``scale_to``. With
+  ``sign_split``, keys of the first half point one way and the rest the other, so a sparse row
+  that visits only first-half keys sees every logit near ``-|q||k|``."""
+  s, d = GRID.tokens, 128
+  u = np.zeros(d)
+  u[0] = 1.0
+  noise = np.random.default_rng(seed).standard_normal((s, d)) * 0.01
+  if sign_split:
+    keys = np.where(np.arange(s)[:, None] < s // 2, -u, u) + noise
+  else:
+    keys = np.random.default_rng(seed + 1).standard_normal((s, d))
+  keys = keys - keys.mean(axis=0)
+  k_norm = np.linalg.norm(keys, axis=1).max()
+  q = np.tile(u, (s, 1)) + noise
+  q_norm = np.linalg.norm(q, axis=1).max()
+  scale = 128 ** -0.5
+  q = q * scale_to / (q_norm * k_norm * scale * LOG2E)
+  v = np.random.default_rng(seed + 2).standard_normal((s, d))
+  return [jnp.asarray(x[None, None], jnp.float32) for x in (q, keys, v)]
+
+
+@pytest.mark.parametrize("where", ["below", "above"])
+def test_sparse_rows_far_below_their_bound_at_the_gate(where):
+  """Rows that visit only keys scoring about -G (the sparse gate's worst case) stay exact."""
+  plan = plan_tiles(GRID, 0.3, 128, 128, "naive")
+  bound = gate(GRID.tokens, False) * (0.999 if where == "below" else 1.01)
+  q, k, v = _at_the_bound(bound, plan, sign_split=True)
+  assert flags(q, k, v, plan).tolist() == [1 if where == "below" else 0]
+  out = np.asarray(sparse_attention(q, k, v, plan, backend="pallas"))
+  want = np.asarray(plan_reference(q, k, v, plan))
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, want, atol=1e-4)
+
+
+def test_dense_plan_uses_the_dense_gate():
+  plan = plan_tiles(GRID, 1.0, 128, 128, "aligned", include_sink=False)
+  assert plan.stats.kept_pairs == GRID.tokens ** 2
+  q, k, v = _at_the_bound(gate(GRID.tokens, True) * 0.999, plan)
+  assert flags(q, k, v, plan).tolist() == [1]
+  out = np.asarray(sparse_attention(q, k, v, plan, backend="pallas"))
+  np.testing.assert_allclose(out, np.asarray(plan_reference(q, k, v, plan)), atol=1e-4)
+  sparse = plan_tiles(GRID, 0.3, 128, 128, "naive")
+  assert flags(q, k, v, sparse).tolist() == [0]  # over the sparse gate: online there
+
+
+def test_values_too_large_for_the_offset_run_online():
+  plan = plan_tiles(GRID, 0.3, 128, 128, "split")
+  q, k, v = (normal((1, 1, GRID.tokens, 128), seed) for seed in range(3))
+  big = v * 2.0 ** 30
+  assert flags(q, k, v, plan).tolist() == [1] and flags(q, k, big, plan).tolist() == [0]
+  out = np.asarray(sparse_attention(q, k, big, plan, backend="pallas"))
+  np.testing.assert_allclose(out / 2.0 ** 30, np.asarray(plan_reference(q, k, v, plan)), atol=2e-5)
+
+
+def test_inner_kv_step_does_not_change_results():
+  plan = plan_tiles(VideoGrid(10, 10, 10), 0.3, 128, 512, "split")
+  q, k, v = (normal((1, 2, 1000, 128), seed) for seed in range(3))
+  want = np.asarray(plan_reference(q, k, v, plan))
+  for step in (128, 256, 512):
+    out = sparse_attention(q, k, v, plan, backend="pallas", block_kv_compute=step)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+
+
+def test_shapes_it_cannot_take_are_refused_naming_the_key():
+  plan = plan_tiles(GRID, 0.3, 128, 256, "split")
+  q = normal((1, 1, GRID.tokens, 64), 0)
+  with pytest.raises(ValueError, match="head_dim a multiple of 128.*svg_backend: splash"):
+    sparse_attention(q, q, q, plan, backend="pallas")
+  q = normal((1, 1, GRID.tokens, 128), 0)
+  with pytest.raises(ValueError, match="svg_block_kv_compute must be a multiple of 128 dividing"):
+    sparse_attention(q, q, q, plan, backend="pallas", block_kv_compute=384)
+  ints = jnp.ones((1, 1, GRID.tokens, 128), jnp.int32)
+  with pytest.raises(ValueError, match="floating-point"):
+    sparse_attention(ints, ints, ints, plan, backend="pallas")
+
+
+def test_differentiating_raises():
+  plan = plan_tiles(GRID, 0.3, 128, 128, "split")
+  q, k, v = (normal((1, 1, GRID.tokens, 128), seed) for seed in range(3))
+  with pytest.raises(NotImplementedError, match="inference-only"):
+    jax.grad(lambda q: sparse_attention(q, k, v, plan, backend="pallas").sum())(q)
