@@ -322,10 +322,10 @@ def _bench_schedule(args: argparse.Namespace) -> int:
   given = (args.block_q, args.block_kv, args.block_kv_compute)
   tiles = None
   if any(given):
-    defaults = default_tiles(args.chip, args.vmem_limit_kib)
+    defaults = default_tiles(args.chip, args.vmem_limit_kib, args.backend)
     tiles = tuple(g or d for g, d in zip(given, defaults))
   result = run_schedule_bench(args.chip, args.resolution, args.density, tiles,
-                              args.vmem_limit_kib, args.maxdiffusion, log=_progress)
+                              args.vmem_limit_kib, args.maxdiffusion, args.backend, log=_progress)
   _report(args, format_schedule_bench(result), result)
   return 0
 
@@ -452,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
   schedule.add_argument("--sweep", action="store_true",
                         help="instead: the aligned call per tile choice, at the chip's default "
                              "and a 64 MiB scoped-VMEM limit (what decides the defaults)")
+  schedule.add_argument("--backend", choices=["pallas", "splash"], default="pallas",
+                        help="our TPU kernel to price (pallas: ours, the default; splash: tokamax's)")
   schedule.add_argument("--maxdiffusion", action="store_true",
                         help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "
                              "(needs MaxDiffusion on PYTHONPATH)")

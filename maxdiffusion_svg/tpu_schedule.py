@@ -72,9 +72,10 @@ class KernelSchedule:
   units: tuple[str, ...]
   capacity: tuple[int, ...]
   body_use: dict[str, tuple[float, ...]]  # per body: each unit's share of its slots
+  online: Region | None = None  # a fixed-offset kernel's online-softmax full-tile body
 
   def tile_bundles(self, kind: str) -> int:
-    body = self.full if kind == "full" else self.masked
+    body = {"full": self.full, "masked": self.masked, "online": self.online}[kind]
     if body is None:
       raise ValueError(f"{self.name} has no {kind} tile body")
     return body.bundles
@@ -84,7 +85,7 @@ class KernelSchedule:
       return None if r is None else {"bundles": r.bundles, "matmuls": r.matmuls, "exps": r.exps,
                                      "matmul_types": dict(r.matmul_types)}
     return {"name": self.name, "total_bundles": self.total_bundles, "full": region(self.full),
-            "masked": region(self.masked), "row_init": region(self.row_init),
+            "masked": region(self.masked), "online": region(self.online), "row_init": region(self.row_init),
             "row_final": region(self.row_final), "step_overhead": self.step_overhead,
             "units": list(self.units), "capacity": list(self.capacity),
             "body_use": {k: [round(x, 4) for x in v] for k, v in self.body_use.items()}}
@@ -150,19 +151,32 @@ def _utilisation(text: str, path: str) -> tuple[tuple[str, ...], tuple[int, ...]
   return units, capacity, rows
 
 
+# Tile bodies in code order: Splash's (mask-free, then masked, equal matmul counts); a
+# fixed-offset kernel's (ours, MaxDiffusion's fixed-m: fixed full, online full, then masked or
+# ragged-last); MaxDiffusion's online kernel (full, then ragged-last, priced as masked).
+SPLASH_LAYOUT = ("full", "masked")
+FIXED_OFFSET_LAYOUT = ("full", "online", "masked")
+ONLINE_LAST_LAYOUT = ("full", "last")
+
+
 def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
-                 paths: tuple[str, str] = ("final_bundles", "utilisation")) -> KernelSchedule:
-  """A Splash kernel's schedule from its two dump files' text."""
+                 paths: tuple[str, str] = ("final_bundles", "utilisation"),
+                 layout: tuple[str, ...] = SPLASH_LAYOUT) -> KernelSchedule:
+  """A tile kernel's schedule from its two dump files' text; ``layout`` names its bodies."""
   bundles, loop = _bundles(bundles_text)
   if not bundles or loop is None:
     raise ScheduleFormatError(f"{paths[0]}: no bundles or no loop body (LB) found")
   regions = _regions(bundles)
   with_matmuls = [r for r in regions if r.matmuls]
   bodies = [r for r in with_matmuls if not any(r.contains(o) for o in with_matmuls)]
-  if not 1 <= len(bodies) <= 2 or len({b.matmuls for b in bodies}) != 1:
-    raise ScheduleFormatError(
-        f"{paths[0]}: expected one or two tile bodies with equal matmul counts, found "
-        f"{[(b.bundles, b.matmuls) for b in bodies]}")
+  if layout == SPLASH_LAYOUT:
+    if not 1 <= len(bodies) <= 2 or len({b.matmuls for b in bodies}) != 1:
+      raise ScheduleFormatError(
+          f"{paths[0]}: expected one or two tile bodies with equal matmul counts, found "
+          f"{[(b.bundles, b.matmuls) for b in bodies]}")
+  elif len(bodies) != len(layout):
+    raise ScheduleFormatError(f"{paths[0]}: expected {len(layout)} tile bodies {layout}, found "
+                              f"{[(b.bundles, b.matmuls) for b in bodies]}")
   parents = [r for r in regions if all(r.contains(b) for b in bodies)]
   parent = min(parents, key=lambda r: r.bundles) if parents else None
   siblings = [r for r in regions if parent is not None and parent.contains(r)
@@ -187,15 +201,17 @@ def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
     sums = [sum(rows[i][u] for i in range(region.start, region.end)) for u in range(len(units))]
     return tuple(s / (c * region.bundles) if c else 0.0 for s, c in zip(sums, capacity))
 
-  masked = bodies[1] if len(bodies) == 2 else None
-  body_use = {"full": use(bodies[0])}
-  if masked is not None:
-    body_use["masked"] = use(masked)
-  return KernelSchedule(name, bundles[-1][0] + 1, bodies[0], masked, row_init, row_final,
-                        overhead, units, capacity, body_use)
+  named = dict(zip(layout, bodies))
+  body_use = {k: use(r) for k, r in named.items()}
+  if "last" in named:  # a ragged last kv block: one per row, priced as the masked body
+    named["masked"] = named.pop("last")
+    body_use["masked"] = body_use.pop("last")
+  return KernelSchedule(name, bundles[-1][0] + 1, named["full"], named.get("masked"), row_init,
+                        row_final, overhead, units, capacity, body_use, named.get("online"))
 
 
-def read_dump(directory: str, kernel: str = "splash") -> list[KernelSchedule]:
+def read_dump(directory: str, kernel: str = "splash",
+              layout: tuple[str, ...] = SPLASH_LAYOUT) -> list[KernelSchedule]:
   """Every dumped kernel whose name contains ``kernel``, in file order."""
   found = []
   for path in sorted(glob.glob(os.path.join(directory, f"*{kernel}*-final_bundles.txt"))):
@@ -206,7 +222,8 @@ def read_dump(directory: str, kernel: str = "splash") -> list[KernelSchedule]:
     if len(util) != 1:
       raise ScheduleFormatError(f"{path}: no matching per-bundle utilisation file")
     with open(path, encoding="utf-8") as f, open(util[0], encoding="utf-8") as g:
-      found.append(parse_kernel(f.read(), g.read(), os.path.basename(prefix), (path, util[0])))
+      found.append(parse_kernel(f.read(), g.read(), os.path.basename(prefix), (path, util[0]),
+                                layout))
   if not found:
     raise ScheduleFormatError(f"{directory}: no *{kernel}*-final_bundles.txt (was the "
                               f"kernel compiled with {dump_flags(directory)!r}?)")

@@ -24,8 +24,9 @@ from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.tpu_aot import libtpu_version
-from maxdiffusion_svg.tpu_schedule import (KernelSchedule, ScheduleFormatError, dump_flags, read_dump,
-                                           unit_bounds)
+from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, SPLASH_LAYOUT,
+                                           KernelSchedule, ScheduleFormatError, dump_flags,
+                                           read_dump, unit_bounds)
 
 # MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
 # base_wan_14b.yml gives for v6e (a commented block, read by maxdiffusion_v6e_blocks where
@@ -76,7 +77,11 @@ class ScheduleCase:
   block_kv_compute: int
   vmem_limit_kib: int | None = None
   head_dim: int = 128
-  kernel: str = "svg"  # or "maxdiffusion_flash": MaxDiffusion's own dense attention
+  # "svg" (ours, by backend), "maxdiffusion_flash" (MaxDiffusion's Splash flash attention),
+  # "maxdiffusion_custom_fixed_m" / "maxdiffusion_custom" (its own dense kernel, fixed-m or online)
+  kernel: str = "svg"
+  backend: str = "splash"  # svg only: "pallas" (ours, the TPU default) or "splash"
+  block_kv_compute_in: int | None = None  # MaxDiffusion's custom kernel only
 
   def plan(self) -> TilePlan:
     include_sink = self.density < 1.0
@@ -134,6 +139,42 @@ def _lower_maxdiffusion_flash(case: ScheduleCase, mesh_devices: Any, tokens: int
         attention_kernel="flash", use_base2_exp=True)).lower(spec, spec, spec)
 
 
+def _lower_maxdiffusion_custom(case: ScheduleCase, mesh: Any, tokens: int) -> Any:
+  """MaxDiffusion's own dense flash kernel for one head, as its ``ulysses_custom`` (online) or
+  ``ulysses_custom_fixed_m`` attention calls it on a device's local heads (inputs padded to
+  its blocks, base-2 q, smoothed keys and the per-head gate computed in XLA)."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  from maxdiffusion.kernels import custom_splash_attention as custom
+
+  from maxdiffusion_svg.tpu_aot import abstract
+  # pylint: enable=import-outside-toplevel
+  fixed = case.kernel == "maxdiffusion_custom_fixed_m"
+  blocks = custom._BlockSizes(case.block_q, case.block_kv, case.block_kv_compute,  # pylint: disable=protected-access
+                              case.block_kv_compute_in or case.block_kv_compute)
+  kernel = custom.make_splash_mha(blocks, orig_q_seq_len=tokens, orig_kv_seq_len=tokens,
+                                  use_fixed_m=fixed,
+                                  vmem_limit_bytes=(case.vmem_limit_kib or 0) * 1024 or None)
+  pad_q = -(-tokens // case.block_q) * case.block_q
+  pad_kv = -(-tokens // case.block_kv) * case.block_kv
+  q = abstract((1, pad_q, case.head_dim), jnp.bfloat16, mesh)
+  kv = abstract((1, pad_kv, case.head_dim), jnp.bfloat16, mesh)
+  args = (q, kv, kv) + ((abstract((2, 1), jnp.float32, mesh),) if fixed else ())
+  with jax.set_mesh(mesh):  # the kernel asks the mesh in context which TPU it compiles for
+    return jax.jit(kernel).lower(*args)
+
+
+def dump_name(case: ScheduleCase) -> tuple[str, tuple[str, ...]]:
+  """The dumped kernel's name and its bodies' layout (:func:`tpu_schedule.parse_kernel`)."""
+  if case.kernel.startswith("maxdiffusion_custom"):
+    fixed = case.kernel.endswith("fixed_m")
+    return "_splash_attention", FIXED_OFFSET_LAYOUT if fixed else ONLINE_LAST_LAYOUT
+  if case.kernel == "svg" and case.backend == "pallas":
+    return "svg_pallas", FIXED_OFFSET_LAYOUT
+  return "splash", SPLASH_LAYOUT
+
+
 def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   """The child's side: lower ``sparse_attention`` (or MaxDiffusion's flash) for one chip and
   compile it."""
@@ -148,14 +189,16 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   mesh = chip_mesh(case.chip)
   if case.kernel == "maxdiffusion_flash":
     lowered = _lower_maxdiffusion_flash(case, list(mesh.devices.flat), VideoGrid(*case.grid).tokens)
+  elif case.kernel != "svg":
+    lowered = _lower_maxdiffusion_custom(case, mesh, VideoGrid(*case.grid).tokens)
   else:
     target = target_for_devices(mesh.devices.flat, case.vmem_limit_kib)
     plan = case.plan()
     spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
     try:
       lowered = jax.jit(lambda q, k, v: sparse_attention(
-          q, k, v, plan, block_kv_compute=case.block_kv_compute, target=target)).lower(
-              spec, spec, spec)
+          q, k, v, plan, block_kv_compute=case.block_kv_compute, target=target,
+          backend=case.backend)).lower(spec, spec, spec)
     except ValueError as err:  # our VMEM/SMEM refusal, before the compiler
       return {"ok": False, "error": str(err).splitlines()[0], "seconds": 0.0}
   result = compile_lowered(lowered)
@@ -163,10 +206,11 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
 
 
 def static_bundles(kernel: KernelSchedule, full: int, masked: int, rows: int,
-                  heads: int = 1) -> int:
+                  heads: int = 1, body: str = "full") -> int:
   """Bundles one call issues: every visited tile's body and loop step, every row's init and
-  finalisation, for each head."""
-  per_head = (full + masked) * kernel.step_overhead + full * kernel.full.bundles
+  finalisation, for each head. ``body``: the full tiles' body (``online`` prices a
+  fixed-offset kernel's heads that fail its gate)."""
+  per_head = (full + masked) * kernel.step_overhead + full * kernel.tile_bundles(body)
   if masked:
     per_head += masked * kernel.tile_bundles("masked")
   per_head += rows * sum(r.bundles for r in (kernel.row_init, kernel.row_final) if r is not None)
@@ -175,7 +219,12 @@ def static_bundles(kernel: KernelSchedule, full: int, masked: int, rows: int,
 
 def _tiles(case: ScheduleCase) -> tuple[int, int, int]:
   """(full, masked, rows) the case's kernel runs. MaxDiffusion's flash visits every tile of
-  the padded sequence with one body (its padding mask is evaluated in every tile)."""
+  the padded sequence with one body (its padding mask is evaluated in every tile); its custom
+  kernel runs a row's last kv block (ragged, sliced) with a body of its own."""
+  if case.kernel.startswith("maxdiffusion_custom"):
+    tokens = VideoGrid(*case.grid).tokens
+    rows, cols = -(-tokens // case.block_q), -(-tokens // case.block_kv)
+    return rows * (cols - 1), rows, rows
   if case.kernel == "maxdiffusion_flash":
     tokens = VideoGrid(*case.grid).tokens
     rows = -(-tokens // case.block_q)
@@ -193,13 +242,15 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str
     row.update(compile_case(case, directory))
     if row["ok"]:
       try:
-        kernels = read_dump(directory)
+        kernels = read_dump(directory, *dump_name(case))
       except ScheduleFormatError as err:
         row.update(ok=False, error=f"schedule not recognised: {err}")
       else:
         kernel = kernels[-1]
         row["kernel"] = kernel.as_dict()
         row["static_bundles"] = static_bundles(kernel, full, masked, rows)
+        if kernel.online is not None:
+          row["static_bundles_online"] = static_bundles(kernel, full, masked, rows, body="online")
         if case.kernel == "svg":
           row["masking"] = mask_strategy(case.plan())
   log(f"{case.chip} {case.mode} density {case.density} tiles {case.block_q}x{case.block_kv}/"
@@ -208,33 +259,55 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str
   return row
 
 
-def default_tiles(chip: str, vmem_limit_kib: int | None) -> tuple[int, int, int]:
+# MaxDiffusion's own dense kernel as a Wan user runs it (block_q, block_kv, block_kv_compute,
+# block_kv_compute_in): its fast Wan recipe (run_wan_fast_inference.sh, 64 MiB scoped VMEM) and
+# the defaults its code takes for keys a config leaves out.
+MAXDIFFUSION_CUSTOM_BLOCKS = {"fast recipe": (6400, 2048, 2048, 1024),
+                              "defaults": (4864, 1024, 1024, 1024)}
+
+
+def maxdiffusion_cases(chip: str, grid: tuple[int, int, int]) -> dict[str, ScheduleCase]:
+  """MaxDiffusion's dense kernels a Wan user could pick instead of ours, by name."""
+  cases = {"maxdiffusion_flash": ScheduleCase(
+      chip, grid, 1.0, "aligned", *maxdiffusion_v6e_blocks(), MAXDIFFUSION_VMEM_KIB,
+      kernel="maxdiffusion_flash")}
+  for kernel in ("maxdiffusion_custom_fixed_m", "maxdiffusion_custom"):
+    for label, (bq, bkv, bkc, bkc_in) in MAXDIFFUSION_CUSTOM_BLOCKS.items():
+      cases[f"{kernel} {label}"] = ScheduleCase(chip, grid, 1.0, "aligned", bq, bkv, bkc,
+                                                MAXDIFFUSION_VMEM_KIB, kernel=kernel,
+                                                block_kv_compute_in=bkc_in)
+  return cases
+
+
+def default_tiles(chip: str, vmem_limit_kib: int | None,
+                  backend: str = "splash") -> tuple[int, int, int]:
   from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.tiling import choose_tiles  # pylint: disable=import-outside-toplevel
-  tiles = choose_tiles(tpu_target(chip, vmem_limit_kib), "splash")
+  tiles = choose_tiles(tpu_target(chip, vmem_limit_kib), backend)
   return tiles.block_q, tiles.block_kv, tiles.block_kv_compute
 
 
 def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: float = 0.35,
                        tiles: tuple[int, int, int] | None = None,
                        vmem_limit_kib: int | None = None, maxdiffusion: bool = False,
+                       backend: str = "pallas",
                        log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Each mode and the dense baseline on one chip: bundles per tile kind, static bundles;
-  with ``maxdiffusion``, also MaxDiffusion's own flash attention as its Wan users run it."""
+  """Each mode and the dense baseline on one chip, by ``backend`` (ours: ``pallas``, or
+  ``splash``): bundles per tile kind, static bundles; with ``maxdiffusion``, also MaxDiffusion's
+  dense kernels as its Wan users run them (its Splash flash, its own fixed-m and online kernel)."""
   grid = grid_for_resolution(resolution)
-  block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib)
+  block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib, backend)
   modes = {}
   for mode, dens in [(m, density) for m in MODES] + [("dense", 1.0)]:
     case = ScheduleCase(chip, grid.shape, dens, "aligned" if mode == "dense" else mode, block_q,
-                        block_kv, kv_compute, vmem_limit_kib)
+                        block_kv, kv_compute, vmem_limit_kib, backend=backend)
     modes[mode] = run_case(case, log)
   if maxdiffusion:
-    modes["maxdiffusion_flash"] = run_case(ScheduleCase(
-        chip, grid.shape, 1.0, "aligned", *maxdiffusion_v6e_blocks(), MAXDIFFUSION_VMEM_KIB,
-        kernel="maxdiffusion_flash"), log)
+    for name, case in maxdiffusion_cases(chip, grid.shape).items():
+      modes[name] = run_case(case, log)
   return {"kind": "compiler-static schedule", "libtpu": libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "tokens": grid.tokens,
-          "density": density, "tiles": [block_q, block_kv, kv_compute],
+          "density": density, "tiles": [block_q, block_kv, kv_compute], "backend": backend,
           "vmem_limit_kib": vmem_limit_kib, "modes": modes}
 
 
@@ -345,6 +418,7 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
                  f"{'' if None in (ratio, design) else f'{ratio - design:+.2f}':>12}")
   lines.append("design: the seed design's 720p latencies over its dense Splash (quoted; "
                "78.70 ms dense)")
+  lines += _against_maxdiffusion_custom(result)
   flash = modes.get("maxdiffusion_flash", {})
   if flash.get("ok"):
     blocks = flash["case"]
@@ -354,6 +428,45 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
                      f"{m} {modes[m]['static_bundles'] / flash['static_bundles']:.2f}"
                      for m in MODES if modes.get(m, {}).get("ok")))
   return "\n".join(lines)
+
+
+def _per_kpairs(row: dict[str, Any], body: str) -> float | None:
+  region = (row.get("kernel") or {}).get(body)
+  case = row["case"]
+  return None if not region else region["bundles"] / (case["block_q"] * case["block_kv"] / 1000)
+
+
+def _against_maxdiffusion_custom(result: dict[str, Any]) -> list[str]:
+  """Bodies per 1,000 query-key pairs, and our calls against MaxDiffusion's fixed-m kernel."""
+  modes = result["modes"]
+  base_name = "maxdiffusion_custom_fixed_m fast recipe"
+  base = modes.get(base_name, {})
+  if not base.get("ok"):
+    return []
+  lines = ["", "full-tile bodies, bundles per 1,000 query-key pairs (and the body's other paths):"]
+  for name, row in modes.items():
+    if not row.get("ok") or (name not in MODES and name != "dense" and
+                             not name.startswith("maxdiffusion_custom")):
+      continue
+    if name in MODES and name != "aligned":
+      continue
+    case = row["case"]
+    label = "ours" if name == "aligned" else name.replace("maxdiffusion_custom", "MaxDiffusion custom")
+    parts = [f"full {_per_kpairs(row, 'full'):.2f}"]
+    if (row["kernel"].get("online") or None) is not None:
+      parts.append(f"online {_per_kpairs(row, 'online'):.2f}")
+    lines.append(f"  {label} ({case['block_q']}x{case['block_kv']}/{case['block_kv_compute']}): "
+                 + ", ".join(parts))
+  lines.append(f"per call against MaxDiffusion's fixed-m kernel at its fast recipe "
+               f"({base['static_bundles'] / 1e6:.2f} M bundles; every head on its fixed path):")
+  for name in [*MODES, "dense"]:
+    row = modes.get(name, {})
+    if row.get("ok"):
+      online = row.get("static_bundles_online")
+      lines.append(f"  {name:<9}{row['static_bundles'] / base['static_bundles']:>6.2f}" + (
+          "" if online is None else
+          f"   (heads on online softmax: {online / base['static_bundles']:.2f})"))
+  return lines
 
 
 def _main(argv: Sequence[str]) -> None:
