@@ -270,7 +270,8 @@ def _bench_compile(args: argparse.Namespace) -> int:
     raise ValueError("bench compile needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
   cfg = CompileBenchConfig(chips=parse_list(args.chips), resolutions=parse_list(args.resolutions),
                            density=args.density, sharded=not args.no_sharded,
-                           raised=not args.no_raised, calibrate=args.calibrate)
+                           raised=not args.no_raised, calibrate=args.calibrate,
+                           backends=parse_list(args.backends))
   result = run_compile_bench(cfg, log=_progress)
   text = format_compile_bench(result) + "\n\n" + format_compile_summary(result)
   if args.maxdiffusion:
@@ -410,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
   compile_.add_argument("--resolutions", default="720p,1080p,1440p",
                         help="comma-separated resolutions (480p, 720p, 1080p, 1440p)")
   compile_.add_argument("--density", type=_density, default=0.3, help="band density in (0, 1]")
+  compile_.add_argument("--backends", default="pallas,splash",
+                        help="comma-separated TPU kernels: pallas (ours, the default), splash")
   compile_.add_argument("--no-sharded", action="store_true", help="skip the v6e 2x4 sharded rows")
   compile_.add_argument("--no-raised", action="store_true", help="skip the 64 MiB VMEM rows")
   compile_.add_argument("--calibrate", action="store_true",

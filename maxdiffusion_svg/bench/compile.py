@@ -23,7 +23,7 @@ from maxdiffusion_svg.attention import dense_tiled_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels import sparse_attention
-from maxdiffusion_svg.kernels.tpu_memory import smem_estimate, vmem_need
+from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
 from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.target import GENERATIONS, GENERIC_TPU, MIB, target_for_devices, tpu_target
 from maxdiffusion_svg.tiling import choose_tiles
@@ -46,6 +46,7 @@ class CompileBenchConfig:
   raised: bool = True
   calibrate: bool = False
   unknown: bool = True  # also the unknown generation's tiles on each chip
+  backends: tuple[str, ...] = ("pallas", "splash")  # ours (the TPU default), tokamax's
 
   def __post_init__(self):
     for chip in self.chips:
@@ -53,6 +54,9 @@ class CompileBenchConfig:
         raise ValueError(f"--chips must be among {', '.join(SINGLE_CHIP)}, got {chip!r}")
     for resolution in self.resolutions:
       grid_for_resolution(resolution)
+    for backend in self.backends:
+      if backend not in ("pallas", "splash"):
+        raise ValueError(f"--backends must be among pallas, splash, got {backend!r}")
 
 
 def _row(case: str, chip: str, resolution: str, mode: str, tiles: str, result: Any,
@@ -62,7 +66,7 @@ def _row(case: str, chip: str, resolution: str, mode: str, tiles: str, result: A
 
 
 def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bool,
-                 log: Callable[[str], None]) -> list[dict[str, Any]]:
+                 log: Callable[[str], None], backend: str) -> list[dict[str, Any]]:
   mesh = chip_mesh(chip)
   limit = RAISED_KIB if raised else None
   target = target_for_devices(mesh.devices.flat, limit)
@@ -71,7 +75,7 @@ def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bo
   rows = []
   for mode in MODES + ("dense",):
     config = SvgConfig(tile_mode="aligned" if mode == "dense" else mode, density=cfg.density,
-                       vmem_limit_kib=limit)
+                       vmem_limit_kib=limit, backend=backend)
     tiles = config.tiles(target)
     if mode == "dense":
       plan = plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, "aligned", include_sink=False)
@@ -80,43 +84,45 @@ def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bo
     else:
       plan = config.plan(grid, target=target)
       fn = lambda q, k, v, plan=plan, tiles=tiles: sparse_attention(
-          q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target)
+          q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target, backend=backend)
     lowered = jax.jit(fn).lower(spec, spec, spec)
     result = compile_lowered(lowered, vmem_options(limit))
-    estimate = vmem_need(plan, cfg.head_dim, jnp.bfloat16, tiles.block_kv_compute, target)
-    extra = {"vmem_estimate": estimate, "vmem_limit": target.vmem_limit,
-             "smem_estimate": smem_estimate(plan), "smem_limit": target.smem}
+    estimate = kernel_vmem(plan, cfg.head_dim, jnp.bfloat16, tiles.block_kv_compute, target,
+                           backend)
+    extra = {"backend": backend, "vmem_estimate": estimate, "vmem_limit": target.vmem_limit,
+             "smem_estimate": kernel_smem(plan, backend), "smem_limit": target.smem}
     if cfg.calibrate and result.ok:
       need = scoped_vmem_need(lowered)
       extra["vmem_compiler"] = need.bytes if need else None
     label = f"{tiles.block_q}x{tiles.block_kv}/{tiles.block_kv_compute}"
     rows.append(_row("raised" if raised else "default", chip, resolution, mode, label, result,
                      extra))
-    log(f"{chip} {resolution} {mode} {'64 MiB' if raised else 'default'}: "
+    log(f"{backend} {chip} {resolution} {mode} {'64 MiB' if raised else 'default'}: "
         f"{'compiles' if result.ok else result.error} ({result.seconds:.0f} s)")
   return rows
 
 
-def _unknown_rows(cfg: CompileBenchConfig, chip: str,
-                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+def _unknown_rows(cfg: CompileBenchConfig, chip: str, log: Callable[[str], None],
+                  backend: str) -> list[dict[str, Any]]:
   """The tiles a TPU of unknown generation gets, compiled on this known one (they must compile
   on every one), under its default limit."""
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat)
-  tiles = choose_tiles(tpu_target(GENERIC_TPU), "splash")
+  tiles = choose_tiles(tpu_target(GENERIC_TPU), backend)
   grid = grid_for_resolution(cfg.resolutions[0])
   spec = abstract((1, cfg.local_heads, grid.tokens, cfg.head_dim), jnp.bfloat16, mesh)
   rows = []
   for mode in MODES:
     plan = plan_tiles(grid, cfg.density, tiles.block_q, tiles.block_kv, mode)
     fn = lambda q, k, v, plan=plan: sparse_attention(
-        q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target)
+        q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target, backend=backend)
     result = compile_lowered(jax.jit(fn).lower(spec, spec, spec))
     rows.append(_row("unknown-generation tiles", chip, cfg.resolutions[0], mode, tiles.label(),
-                     result, {"vmem_estimate": vmem_need(plan, cfg.head_dim, jnp.bfloat16,
-                                                         tiles.block_kv_compute, target),
+                     result, {"backend": backend,
+                              "vmem_estimate": kernel_vmem(plan, cfg.head_dim, jnp.bfloat16,
+                                                           tiles.block_kv_compute, target, backend),
                               "vmem_limit": target.vmem_limit}))
-    log(f"{chip} {cfg.resolutions[0]} {mode} unknown-generation tiles: "
+    log(f"{backend} {chip} {cfg.resolutions[0]} {mode} unknown-generation tiles: "
         f"{'compiles' if result.ok else result.error} ({result.seconds:.0f} s)")
   return rows
 
@@ -146,13 +152,15 @@ def _sharded_rows(cfg: CompileBenchConfig, resolution: str,
 def run_compile_bench(cfg: CompileBenchConfig,
                       log: Callable[[str], None] = print) -> dict[str, Any]:
   rows: list[dict[str, Any]] = []
-  for chip in cfg.chips:
-    for resolution in cfg.resolutions:
-      rows += _kernel_rows(cfg, chip, resolution, False, log)
-    if cfg.raised and GENERATIONS[chip].vmem >= RAISED_KIB * 1024:  # v4 has 16 MiB in all
-      rows += _kernel_rows(cfg, chip, cfg.resolutions[0], True, log)
-    if cfg.unknown:
-      rows += _unknown_rows(cfg, chip, log)
+  for backend in cfg.backends:
+    for chip in cfg.chips:
+      for resolution in cfg.resolutions:
+        rows += _kernel_rows(cfg, chip, resolution, False, log, backend)
+      # v4 has 16 MiB in all; our kernel's tiles do not change with the limit
+      if cfg.raised and backend == "splash" and GENERATIONS[chip].vmem >= RAISED_KIB * 1024:
+        rows += _kernel_rows(cfg, chip, cfg.resolutions[0], True, log, backend)
+      if cfg.unknown:
+        rows += _unknown_rows(cfg, chip, log, backend)
   if cfg.sharded:
     for resolution in cfg.resolutions:
       rows += _sharded_rows(cfg, resolution, log)
@@ -186,20 +194,21 @@ def format_compile_bench(result: dict[str, Any]) -> str:
 
 def format_compile_summary(result: dict[str, Any]) -> str:
   """One row per chip, limit and resolution: does each mode compile, and what it needs."""
-  groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+  groups: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
   for r in result["rows"]:
     if r["case"] in ("default", "raised"):
-      groups.setdefault((r["chip"], r["case"], r["resolution"]), {})[r["mode"]] = r
-  lines = ["| chip | scoped VMEM | video | tiles | naive | split | aligned | dense branch | "
+      key = (r.get("backend", "splash"), r["chip"], r["case"], r["resolution"])
+      groups.setdefault(key, {})[r["mode"]] = r
+  lines = ["| kernel | chip | scoped VMEM | video | tiles | naive | split | aligned | dense branch | "
            "VMEM estimate, MiB (mask function / stored) | temp per device, MiB (aligned) | "
-           "compile s |", "|" + "---|" * 11]
+           "compile s |", "|" + "---|" * 12]
   mark = lambda r: "compiles" if r["ok"] else "**fails**"
-  for (chip, case, resolution), modes in groups.items():
+  for (backend, chip, case, resolution), modes in groups.items():
     any_row = next(iter(modes.values()))
     estimates = f"{_mib(modes['split']['vmem_estimate'])} / {_mib(modes['aligned']['vmem_estimate'])}"
     seconds = [m["seconds"] for m in modes.values()]
     lines.append(
-        f"| {chip} | {_mib(any_row['vmem_limit']).replace('.0', '')} MiB"
+        f"| {backend} | {chip} | {_mib(any_row['vmem_limit']).replace('.0', '')} MiB"
         f"{' (raised)' if case == 'raised' else ''} | {resolution} | {any_row['tiles']} | "
         f"{mark(modes['naive'])} | {mark(modes['split'])} | {mark(modes['aligned'])} | "
         f"{mark(modes['dense'])} | {estimates} | "
@@ -207,9 +216,10 @@ def format_compile_summary(result: dict[str, Any]) -> str:
         f"{min(seconds):.0f}-{max(seconds):.0f} |")
   unknown = [r for r in result["rows"] if r["case"] == "unknown-generation tiles"]
   if unknown:
-    lines += ["", "| unknown-generation tiles on | video | tiles | mode | compiles | VMEM estimate / "
-              "limit, MiB |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['chip']} | {r['resolution']} | {r['tiles']} | {r['mode']} | {mark(r)} | "
+    lines += ["", "| kernel | unknown-generation tiles on | video | tiles | mode | compiles | "
+              "VMEM estimate / limit, MiB |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.get('backend', 'splash')} | {r['chip']} | {r['resolution']} | {r['tiles']} | "
+              f"{r['mode']} | {mark(r)} | "
               f"{_mib(r['vmem_estimate'])} / {_mib(r['vmem_limit'])} |" for r in unknown]
   sharded = [r for r in result["rows"] if r["case"] == "sharded"]
   if sharded:

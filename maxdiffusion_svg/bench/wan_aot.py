@@ -1,7 +1,7 @@
 """Wan 2.1 14B's transformer forward, compiled by libtpu for a TPU slice from any host.
 
-One row per attention kernel (``svg``, and MaxDiffusion's ``flash`` and ``ulysses`` for
-comparison): the model is built by MaxDiffusion's own ``create_sharded_logical_transformer``
+One row per attention kernel (``svg``, and MaxDiffusion's ``flash``, ``ulysses`` and
+``ulysses_custom_fixed_m`` at its fast recipe's blocks, for comparison): the model is built by MaxDiffusion's own ``create_sharded_logical_transformer``
 from ``configs/wan_svg.yml`` (its ``base_config`` chain merged, ``attention`` replaced per
 row), with three loaders replaced so that no weight exists: the Hugging Face config (Wan 2.1
 T2V 14B's architecture, optionally fewer layers), the weight reader (each parameter's
@@ -34,7 +34,13 @@ from maxdiffusion_svg.target import MIB
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "wan_svg.yml"
-KERNELS = ("svg", "flash", "ulysses")
+KERNELS = ("svg", "flash", "ulysses", "ulysses_custom_fixed_m")
+# Keys a kernel's row sets on top of the config: MaxDiffusion's own dense kernel runs at its fast
+# Wan recipe (run_wan_fast_inference.sh: these blocks, 64 MiB of scoped VMEM), the fastest dense
+# attention a Wan user of MaxDiffusion can pick.
+KERNEL_KEYS = {"ulysses_custom_fixed_m": {"flash_block_sizes": {
+    "block_q": 6400, "block_kv": 2048, "block_kv_compute": 2048, "block_kv_compute_in": 1024,
+    "vmem_limit_bytes": 64 * MIB}}}
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
 
 # Wan 2.1 T2V 14B's transformer, as its published Hugging Face config gives it.
@@ -292,7 +298,7 @@ def compile_wan_forwards(kernels: Sequence[str] = KERNELS,
     log(f"Wan 2.1 14B forward, attention={kernel}, {layers} layers, latent "
         f"{'x'.join(map(str, latent))}, batch {batch}, on {topology}:")
     row = compile_forward(kernel, config_path, topology, latent, batch, text_len, layers,
-                          options, log, hlo_dir, overrides)
+                          options, log, hlo_dir, {**(overrides or {}), **KERNEL_KEYS.get(kernel, {})})
     result["kernels"][kernel] = row
     result["mesh"] = row["mesh"]
   return result

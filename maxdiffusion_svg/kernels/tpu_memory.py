@@ -88,6 +88,19 @@ def pallas_smem_bytes(plan: TilePlan) -> int:
   return 4 * (rows.size + np.setdiff1d(np.arange(plan.num_q_tiles), rows).size) + 1024
 
 
+def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
+                target: Target, backend: str = "splash") -> int:
+  """The scoped VMEM a TPU target holds ``backend``'s kernel for ``plan`` to."""
+  bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
+  if backend == "pallas":
+    return pallas_vmem_bound(plan, head_dim, dtype, bkc)
+  return vmem_need(plan, head_dim, dtype, bkc, target)
+
+
+def kernel_smem(plan: TilePlan, backend: str = "splash") -> int:
+  return pallas_smem_bytes(plan) if backend == "pallas" else smem_estimate(plan)
+
+
 def _keys_to_change(plan: TilePlan) -> str:
   return (f"lower svg_block_q ({plan.block_q}), svg_block_kv ({plan.block_kv}) or "
           f"svg_block_kv_compute, or raise the limit: {VMEM_KEY} (our check) and "
@@ -106,15 +119,12 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
     return
   name = "Pallas" if backend == "pallas" else "Splash"
   bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
-  if backend == "pallas":
-    need, smem = pallas_vmem_bound(plan, head_dim, dtype, bkc), pallas_smem_bytes(plan)
-    how = "bound from libtpu's allocations"
-  else:
-    try:
-      need = vmem_need(plan, head_dim, dtype, bkc, target)
-    except ValueError as err:  # outside the model's range: name the chip and the tile
-      raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
-    smem, how = smem_estimate(plan), "estimate fitted to libtpu"
+  try:
+    need = kernel_vmem(plan, head_dim, dtype, bkc, target, backend)
+  except ValueError as err:  # outside the model's range: name the chip and the tile
+    raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
+  smem = kernel_smem(plan, backend)
+  how = "bound from libtpu's allocations" if backend == "pallas" else "estimate fitted to libtpu"
   if need > target.vmem_limit:
     raise ValueError(
         f"{name} tiles {plan.block_q}x{plan.block_kv} with block_kv_compute {bkc} need about "
