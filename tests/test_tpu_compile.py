@@ -39,16 +39,60 @@ def compile_ok(fn, args, options=None):
 
 
 @pytest.mark.parametrize("mode", ["naive", "split", "aligned"])
-@pytest.mark.parametrize("resolution", ["720p", "1440p"])
+@pytest.mark.parametrize("backend,resolution", [("pallas", "720p"), ("pallas", "1440p"),
+                                                ("splash", "720p"), ("splash", "1440p")])
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
-def test_default_tiles_compile_under_the_default_vmem_limit(chip, resolution, mode):
+def test_default_tiles_compile_under_the_default_vmem_limit(chip, backend, resolution, mode):
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat)
-  config = SvgConfig(tile_mode=mode, density=0.3)
+  config = SvgConfig(tile_mode=mode, density=0.3, backend=backend)
   grid = grid_for_resolution(resolution)
   plan, tiles = config.plan(grid, target=target), config.tiles(target)
-  compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute,
-                                              target=target), qkv(mesh, grid))
+  result = compile_ok(lambda q, k, v: sparse_attention(
+      q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target, backend=backend),
+      qkv(mesh, grid))
+  kernel = "svg_pallas_sparse" if backend == "pallas" else "splash"
+  assert kernel in result.executable.as_text()
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5p", "tpu7x"])
+def test_our_kernel_compiles_on_the_other_generations(chip):
+  """make compile-tpu covers every generation, resolution and mode; CI the rest of the matrix."""
+  mesh = chip_mesh(chip)
+  target = target_for_devices(mesh.devices.flat)
+  grid = grid_for_resolution("720p")
+  for mode, density in (("split", 0.3), ("aligned", 1.0)):
+    config = SvgConfig(tile_mode=mode, density=density)
+    plan, tiles = config.plan(grid, target=target), config.tiles(target)
+    assert tiles.label() == "3328x1536/512"
+    compile_ok(lambda q, k, v: sparse_attention(
+        q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target), qkv(mesh, grid))
+
+
+def test_our_kernels_vmem_bound_holds_the_compilers_need_and_refuses_past_the_limit():
+  """The bound sits above libtpu's own need (measured by walking its allocation errors), and a
+  call over the limit is refused before compiling, where libtpu refuses it too."""
+  from maxdiffusion_svg.kernels.pallas import pallas_sparse_attention  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.kernels.tpu_memory import pallas_vmem_bound  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu_aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
+  mesh = chip_mesh("v5e")
+  grid = grid_for_resolution("480p")
+  plan = plan_tiles(grid, 0.3, 4096, 2048, "split")
+  args = qkv(mesh, grid, heads=1)
+  lowered = jax.jit(lambda q, k, v: pallas_sparse_attention(
+      q, k, v, plan, 0.1, interpret=False, block_kv_compute=1024)).lower(*args)
+  need = scoped_vmem_need(lowered, start_kib=16384)
+  bound = pallas_vmem_bound(plan, HEAD_DIM, jnp.bfloat16, 1024)
+  assert need.exact and need.bytes <= bound <= 1.6 * need.bytes, (need, bound)
+  v5e = target_for_devices(mesh.devices.flat)  # 16 MiB: the bound is over it
+  with pytest.raises(ValueError, match=r"Pallas tiles 4096x2048 with block_kv_compute 1024 need "
+                                       r"about [\d.]+ MiB of VMEM on TPU v5e .*over its 16 MiB"):
+    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v5e,
+                                                 block_kv_compute=1024), args)
+  if need.bytes > 16 * 2**20:
+    result = aot_compile(lambda q, k, v: pallas_sparse_attention(
+        q, k, v, plan, 0.1, interpret=False, block_kv_compute=1024), args)
+    assert not result.ok and "CompileTimeScopedVmemOom" in result.error
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -69,20 +113,20 @@ def test_scheduled_call_with_its_dense_branch_compiles(chip):
 def test_raised_vmem_limit_tiles_compile_under_that_limit(chip):
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat, vmem_limit_kib=65536)
-  config = SvgConfig(tile_mode="split", vmem_limit_kib=65536)
+  config = SvgConfig(tile_mode="split", vmem_limit_kib=65536, backend="splash")
   tiles = config.tiles(target)
   assert (tiles.block_q, tiles.block_kv) == (3328, 2816)
   grid = grid_for_resolution("720p")
   plan = config.plan(grid, target=target)
   fn = lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute,
-                                        target=target)
+                                        target=target, backend="splash")
   compile_ok(fn, qkv(mesh, grid), vmem_options(65536))
   if chip == "v6e":
     return  # 3328x2816 needs ~14 MiB on a v6e: it fits the default 32 MiB as well
   # On a v5e, the same tiles under the default limit are refused before compiling.
   with pytest.raises(ValueError, match=rf"on TPU {chip} .*, over its \d+ MiB scoped-VMEM limit"):
     aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=target_for_devices(
-        mesh.devices.flat)), qkv(mesh, grid))
+        mesh.devices.flat), backend="splash"), qkv(mesh, grid))
 
 
 def test_v5e_refuses_the_seed_tiles_before_compiling_and_the_compiler_agrees():
@@ -93,7 +137,7 @@ def test_v5e_refuses_the_seed_tiles_before_compiling_and_the_compiler_agrees():
   v5e = target_for_devices(mesh.devices.flat)
   with pytest.raises(ValueError, match=r"need about [\d.]+ MiB of VMEM on TPU v5e .*, over its 16 "
                                        r"MiB scoped-VMEM limit \(the chip's default\): lower svg_block_q \(3328\)"):
-    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v5e), args)
+    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v5e, backend="splash"), args)
   # The kernel itself, past our check (sparse_attention holds it), libtpu refuses it too.
   result = aot_compile(lambda q, k, v: splash_sparse_attention(
       q, k, v, plan, 0.1, interpret=False), args)
@@ -110,17 +154,17 @@ def test_tile_tables_over_smem_are_refused_and_the_compiler_agrees():
   v6e = target_for_devices(mesh.devices.flat)
   with pytest.raises(ValueError, match=r"tile tables for 296x296 tiles of 1024x1024 need about "
                                        r"\d+ KiB of SMEM, over TPU v6e's 1024 KiB"):
-    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e), args)
+    aot_compile(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e, backend="splash"), args)
   result = aot_compile(lambda q, k, v: splash_sparse_attention(
       q, k, v, plan, 0.1, interpret=False), args)
   assert not result.ok and "smem" in result.error, result.error
   # Fewer, larger tiles fit, and compile.
   plan = plan_tiles(grid, 1.0, 1280, 1280, "aligned", include_sink=False)
-  compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e), args)
+  compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, target=v6e, backend="splash"), args)
 
 
 def test_auto_follows_the_compile_target_not_the_host():
-  """On this CPU host, ``auto`` runs the XLA path; lowered for a TPU it holds Splash."""
+  """On this CPU host, ``auto`` runs the XLA path; lowered for a TPU it holds our kernel."""
   assert jax.default_backend() == "cpu"
   grid = grid_for_resolution("480p")
   fn = lambda q, k, v: svg_attention(q, k, v, grid=grid, config=SvgConfig())
@@ -128,6 +172,7 @@ def test_auto_follows_the_compile_target_not_the_host():
   tpu = aot_compile(fn, qkv(mesh, grid))
   assert tpu.ok, tpu.error
   assert 'custom_call_target="tpu_custom_call"' in tpu.executable.as_text()
+  assert "svg_pallas_sparse" in tpu.executable.as_text()
   cpu_args = (jax.ShapeDtypeStruct((1, LOCAL_HEADS, grid.tokens, HEAD_DIM), jnp.bfloat16),) * 3
   assert "tpu_custom_call" not in jax.jit(fn).lower(*cpu_args).as_text()
 
@@ -192,12 +237,13 @@ def test_an_unknown_generations_tiles_compile_on_the_most_different_known_ones(c
   compiles them on every generation."""
   mesh = chip_mesh(chip)
   grid = grid_for_resolution("720p")
-  config = SvgConfig(tile_mode="aligned", density=0.3)
+  config = SvgConfig(tile_mode="aligned", density=0.3, backend="splash")
   unknown = tpu_target(GENERIC_TPU)
   plan, tiles = config.plan(grid, target=unknown), config.tiles(unknown)
   assert (tiles.block_q, tiles.block_kv) == (1536, 1024)
   compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute,
-                                              target=target_for_devices(mesh.devices.flat)),
+                                              target=target_for_devices(mesh.devices.flat),
+                                              backend="splash"),
              qkv(mesh, grid))
 
 

@@ -1,4 +1,4 @@
-"""libtpu's final schedule of small Splash kernels, read back: regions, bundles, static bundles."""
+"""libtpu's final schedule of small kernels (Splash, ours), read back: regions, bundles, static bundles."""
 
 import glob
 import os
@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from maxdiffusion_svg.bench.schedule import (DESIGN_MS, ScheduleCase, compile_case,
+from maxdiffusion_svg.bench.schedule import (DESIGN_MS, ScheduleCase, compile_case, dump_name,
                                              format_schedule_bench, run_case, static_bundles)
 from maxdiffusion_svg.tpu_aot import libtpu_available
 from maxdiffusion_svg.tpu_schedule import (ScheduleFormatError, parse_kernel,
@@ -130,7 +130,7 @@ def _bundle_lines(listing: str) -> list[str]:
   return out
 
 
-def walk_listing(listing: str, steps) -> tuple[int, list[tuple[int, int]]]:
+def walk_listing(listing: str, steps, roles=ROLES) -> tuple[int, list[tuple[int, int]]]:
   """Bundles the loop issues over ``steps``, walked bundle by bundle through the raw listing:
   a forward branch skips to its region's fallthrough on a step that does not run its role; a
   step ends with the back edge and its delay slots. Nothing of maxdiffusion_svg's parser."""
@@ -148,15 +148,16 @@ def walk_listing(listing: str, steps) -> tuple[int, list[tuple[int, int]]]:
     if back is not None:
       break
   end = back
-  while end + 1 < len(bundles) and bundles[end + 1][0] != "PF":
-    end += 1  # the back edge's delay slots
-  assert len(branches) == len(ROLES), branches
+  while (end + 1 < len(bundles) and bundles[end + 1][0] != "PF"
+         and "exit bundle" not in bundles[end + 1][1]):
+    end += 1  # the back edge's delay slots (the kernel's exit bundle runs once, after the loop)
+  assert len(branches) == len(roles), branches
   total = 0
   for runs in steps:
     i = start
     while i <= end:
       total += 1
-      skip = [f for (b, f), role in zip(branches, ROLES) if b == i and role not in runs]
+      skip = [f for (b, f), role in zip(branches, roles) if b == i and role not in runs]
       i = skip[0] if skip else i + 1
   return total, branches
 
@@ -194,6 +195,31 @@ def test_the_walk_tells_the_tile_kinds_apart(hand_case):
              *HAND_STEPS[5:]]
   difference = walk_listing(listing, HAND_STEPS)[0] - walk_listing(listing, swapped)[0]
   assert difference == kernel.masked.bundles - kernel.full.bundles != 0
+
+
+# Our kernel's loop: the grid step, the row's opening, the fixed-offset and online mask-free
+# bodies, the masked body, the row's closing.
+OUR_ROLES = ("step", "init", "full", "online", "masked", "final")
+
+
+@pytest.mark.parametrize("path", ["full", "online"])
+def test_our_kernels_static_total_equals_its_listing_walked(tmp_path, path):
+  """The same hand count for our kernel, for a head on the fixed offset and one on online
+  softmax: each row's tiles 0-3 run that mask-free body, tile 4 the masked one."""
+  case = ScheduleCase("v6e", HAND_GRID, 1.0, "aligned", 128, 128, 128, backend="pallas")
+  assert compile_case(case, str(tmp_path))["ok"]
+  (listing_path,) = [p for p in glob.glob(str(tmp_path / "*svg_pallas*-final_bundles.txt"))
+                     if "schedule-analysis" not in p]
+  with open(listing_path, encoding="utf-8") as f:
+    listing = f.read()
+  steps = [{"step", path, "init"}, {"step", path}, {"step", path}, {"step", path},
+           {"step", "masked", "final"}] * 5
+  walked, branches = walk_listing(listing, steps, OUR_ROLES)
+  kernel = read_dump(str(tmp_path), *dump_name(case))[-1]
+  assert static_bundles(kernel, 20, 5, 5, body=path) == walked
+  pushes = [sum("vmatmul" in line for line in _bundle_lines(listing)[b + 1:f]) for b, f in branches]
+  assert pushes[2] == pushes[3] == pushes[4] > 0 and pushes[1] == pushes[5] == 0, pushes
+  assert kernel.online.bundles > kernel.full.bundles  # the fixed offset saves the rescale
 
 
 def test_a_case_that_does_not_compile_says_why_in_one_line():

@@ -17,6 +17,7 @@ from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.schedule import Interval
+from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
 from maxdiffusion_svg.target import Target, resolve_backend
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
@@ -83,9 +84,11 @@ def estimate_config(config: Mapping[str, Any], target: Target,
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
   experts = EXPERTS if keys.get("model_name") == "wan2.2" else (None,)
-  rows = []
+  rows, schedule = [], []
   for expert in experts:
-    stats = svg.plan(grid, expert, target, backend).stats
+    plan = svg.plan(grid, expert, target, backend)
+    stats = plan.stats
+    schedule.append(_against_fixed_m(plan, svg, target, backend, steps, layers))
     rows.append(Estimate(
         expert=expert, density=svg.density_for(expert),
         kept_pair_fraction=stats.exact_pair_fraction,
@@ -99,7 +102,36 @@ def estimate_config(config: Mapping[str, Any], target: Target,
           "tile_mode": svg.tile_mode.value, "video": [keys["num_frames"], keys["height"],
                                                        keys["width"]],
           "grid": list(grid.shape), "tokens": grid.tokens, "preset": settings.preset,
-          "rows": [row.as_dict() for row in rows]}
+          "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, schedule)]}
+
+
+def _against_fixed_m(plan, svg, target: Target, backend: str, steps: int,
+                     layers: int) -> dict[str, Any]:
+  """The run's self-attention bundles by libtpu's static schedule (schedule_costs.PRICES),
+  ours (sparse and dense steps) against MaxDiffusion's fixed-m kernel at its fast recipe on
+  every call; or why it cannot be priced."""
+  chip = target.generation.name if target.known else None
+  prices = PRICES.get(chip or "", {})
+  ours, theirs = prices.get("ours"), prices.get("maxdiffusion_fixed_m")
+  tiles = (plan.block_q, plan.block_kv, svg.tiles(target, backend).block_kv_compute)
+  if backend != "pallas" or ours is None or theirs is None:
+    return {"priced": False, "why": f"no static-schedule figures for {backend} on "
+                                    f"{target.chip} (measured: pallas on {', '.join(PRICES)})"}
+  if tiles != ours.tiles or plan.masks_exact:
+    return {"priced": False, "why": f"figures are for aligned {ours.tiles[0]}x{ours.tiles[1]}/"
+                                    f"{ours.tiles[2]} tiles"}
+  stats, tokens = plan.stats, plan.seq_len
+  share = (_count(svg.schedule.active_steps, steps) * _count(svg.schedule.active_layers, layers)
+           / (steps * layers))
+  out: dict[str, Any] = {"priced": True, "chip": chip, "libtpu": LIBTPU,
+                         "fixed_m_call": theirs.dense_call(tokens)}
+  for path, online in (("fixed", False), ("online", True)):
+    sparse = ours.call(stats.full_tiles, stats.masked_tiles, plan.num_q_tiles, online)
+    dense = ours.dense_call(tokens, online)
+    run = share * sparse + (1 - share) * dense
+    out[path] = {"sparse_call": sparse, "dense_call": dense,
+                 "bound": out["fixed_m_call"] / run}
+  return out
 
 
 def format_estimate(result: dict[str, Any]) -> str:
@@ -123,6 +155,17 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"most {row['speedup_bound']:.2f}x (tiles only: the router, the permutation and "
         f"masked-tile cost are not counted)",
     ]
+    vs = row.get("vs_fixed_m") or {}
+    if vs.get("priced"):
+      fixed, online = vs["fixed"], vs["online"]
+      lines.append(
+          f"  against MaxDiffusion's ulysses_custom_fixed_m (fast recipe; libtpu {vs['libtpu']}'s "
+          f"static schedule, {vs['chip']}): a sparse call {fixed['sparse_call'] / vs['fixed_m_call']:.2f}"
+          f" of its call, a dense step {fixed['dense_call'] / vs['fixed_m_call']:.2f}; attention "
+          f"speed-up at most {fixed['bound']:.2f}x with dense steps (heads on online softmax: "
+          f"{online['bound']:.2f}x)")
+    elif vs:
+      lines.append(f"  against MaxDiffusion's ulysses_custom_fixed_m: not priced ({vs['why']})")
   if result.get("libtpu_note"):
     lines.append(f"note: {result['libtpu_note']}")
   if len(result["rows"]) > 1:

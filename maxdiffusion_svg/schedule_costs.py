@@ -1,0 +1,62 @@
+"""What a call costs by libtpu's static schedule: our kernel against MaxDiffusion's fastest.
+
+``python -m maxdiffusion_svg bench schedule --maxdiffusion`` compiles our kernel and
+MaxDiffusion's own dense kernel (``ulysses_custom_fixed_m`` at its fast Wan recipe) for a chip
+and reads back each tile body's bundles (docs/measurements/schedule_<chip>_720p.json). A body's
+bundles do not depend on the video, only on the tile, so a call of any length is priced from
+them: tiles x body + rows x (row start + row end) + grid steps x loop overhead. PRICES holds
+those figures (a test rebuilds them from the stored files); ``tiles --config`` uses them for a
+config's attention bound against that kernel, dense steps included. Counts of issue slots as
+scheduled, not times: no DMA or memory stalls, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+LIBTPU = "0.0.50.1"  # the compiler the figures below come from
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPrices:
+  """One kernel's static bundles per tile body, at the tile it was compiled with."""
+
+  tiles: tuple[int, int, int]  # block_q, block_kv, block_kv_compute
+  full: int  # a mask-free tile (fixed offset where the kernel has one)
+  online: int  # a mask-free tile of a head on online softmax
+  masked: int  # ours: an aligned plan's padding tile; MaxDiffusion's: a row's ragged last block
+  row: int  # opening plus closing a q-tile row
+  step: int  # loop overhead of every grid step
+
+  def call(self, full: int, masked: int, rows: int, online: bool = False) -> int:
+    """Bundles of one head's call that visits ``full`` + ``masked`` tiles over ``rows`` rows."""
+    body = self.online if online else self.full
+    return full * body + masked * self.masked + rows * self.row + (full + masked) * self.step
+
+  def dense_call(self, tokens: int, online: bool = False) -> int:
+    """A dense call over every tile, its last kv column priced as the masked body."""
+    rows = -(-tokens // self.tiles[0])
+    cols = -(-tokens // self.tiles[1])
+    return self.call(rows * (cols - 1), rows, rows, online)
+
+
+def prices_from_schedule(result: dict[str, Any]) -> dict[str, KernelPrices]:
+  """``{"ours", "maxdiffusion_fixed_m"}`` prices from a ``bench schedule --maxdiffusion --json``
+  result (our aligned mode and MaxDiffusion's fixed-m kernel at its fast recipe)."""
+  out = {}
+  for name, mode in (("ours", "aligned"), ("maxdiffusion_fixed_m",
+                                            "maxdiffusion_custom_fixed_m fast recipe")):
+    row = result["modes"][mode]
+    kernel, case = row["kernel"], row["case"]
+    region = lambda key: (kernel.get(key) or {}).get("bundles", 0)
+    out[name] = KernelPrices(
+        tiles=(case["block_q"], case["block_kv"], case["block_kv_compute"]),
+        full=region("full"), online=region("online"), masked=region("masked"),
+        row=region("row_init") + region("row_final"), step=kernel["step_overhead"])
+  return out
+
+
+# From docs/measurements/schedule_<chip>_720p.json (libtpu 0.0.50.1; tests/test_schedule_costs.py
+# rebuilds these from the files).
+PRICES: dict[str, dict[str, KernelPrices]] = {}
