@@ -203,6 +203,14 @@ def _bench_kernel(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_backends(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.quality import compare_backends, format_backend_comparison  # pylint: disable=import-outside-toplevel
+  result = compare_backends(backends=tuple(args.backends.split(",")), dtype=args.dtype,
+                            log=_progress)
+  _report(args, format_backend_comparison(result), result)
+  return 0
+
+
 def _bench_quality(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench,  # pylint: disable=import-outside-toplevel
                                               run_quality_bench)
@@ -379,6 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
   kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
   _add_json_arg(kernel)
   kernel.set_defaults(run=_bench_kernel)
+
+  backends = bench_sub.add_parser(
+      "backends", help="the quality benchmark's planted heads on each TPU kernel (interpreted "
+                       "here): PSNR against dense, and how far the kernels' outputs differ")
+  backends.add_argument("--backends", default="splash,pallas",
+                        help="comma-separated: splash, pallas, xla (the first is the reference)")
+  backends.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="q, k, v dtype")
+  _add_json_arg(backends)
+  backends.set_defaults(run=_bench_backends)
 
   sharded = bench_sub.add_parser(
       "sharded", help="permutation after vs before the Ulysses exchange: collectives and time")

@@ -264,3 +264,46 @@ def format_quality_bench(r: dict[str, Any]) -> str:
                    f"{lg['kernel_s']:.2f} s: router = "
                    f"{100 * lg[f'router_{masks}_share_of_kernel']:.2f}% of the kernel")
   return "\n".join(lines)
+
+
+def compare_backends(cfg: QualityBenchConfig = QualityBenchConfig(head_dim=128),
+                     backends: tuple[str, ...] = ("splash", "pallas"),
+                     densities: tuple[float, ...] = (0.2, 0.35, 1.0),
+                     modes: tuple[str, ...] = ("split", "aligned"), dtype: str = "bfloat16",
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The planted heads through ``svg_attention`` on each TPU kernel (interpreted on this host),
+  same routing and plan: PSNR against dense per density and mode, and each kernel's distance
+  from the first one's output."""
+  q, k, v = (jnp.asarray(x, dtype) for x in planted_qkv(cfg.grid, cfg.head_types, cfg.head_dim,
+                                                         seed=cfg.seed))
+  dense = np.asarray(jax.jit(dense_attention)(*(x.astype(jnp.float32) for x in (q, k, v))))
+  rows: dict[str, Any] = {}
+  for density in densities:
+    for mode in modes:
+      outs = {}
+      for backend in backends:
+        svg = cfg.svg_config(density=density, tile_mode=mode, backend=backend)
+        outs[backend] = np.asarray(jax.jit(lambda q, k, v, svg=svg: svg_attention(
+            q, k, v, grid=cfg.grid, config=svg))(q, k, v), np.float32)
+      first = outs[backends[0]]
+      rows[f"{density}/{mode}"] = {b: {"psnr_db": psnr(o, dense), "rel_l2": rel_l2(o, dense),
+                                       "max_abs_vs_first": float(np.abs(o - first).max())}
+                                   for b, o in outs.items()}
+      log(f"  density {density} {mode}: " + ", ".join(
+          f"{b} {r['psnr_db']:.2f} dB" for b, r in rows[f"{density}/{mode}"].items()))
+  return {"kind": "measured on CPU (Pallas interpret mode)", "grid": list(cfg.grid.shape),
+          "heads": len(cfg.head_types), "head_dim": cfg.head_dim, "dtype": dtype,
+          "tiles": [cfg.block_q, cfg.block_kv], "backends": list(backends), "rows": rows}
+
+
+def format_backend_comparison(r: dict[str, Any]) -> str:
+  backends = r["backends"]
+  lines = [f"planted heads ({r['heads']}, grid {'x'.join(map(str, r['grid']))}, D={r['head_dim']}, "
+           f"{r['dtype']}, tiles {r['tiles'][0]}x{r['tiles'][1]}), {r['kind']}: PSNR against "
+           "dense, dB", f"{'density/mode':<16}" + "".join(f"{b:>10}" for b in backends)
+           + f"{'difference':>12}{'max |diff|':>12}"]
+  for name, row in r["rows"].items():
+    values = [row[b]["psnr_db"] for b in backends]
+    lines.append(f"{name:<16}" + "".join(f"{x:>10.2f}" for x in values)
+                 + f"{values[-1] - values[0]:>+12.3f}{row[backends[-1]]['max_abs_vs_first']:>12.4f}")
+  return "\n".join(lines)

@@ -363,22 +363,27 @@ def _pct(share: float) -> str:
 
 def format_schedule_bench(result: dict[str, Any]) -> str:
   block_q, block_kv, kv_compute = result["tiles"]
-  lines = [f"compiler-static schedule (libtpu {result['libtpu']}, TPU {result['chip']}): "
-           f"{result['resolution']} grid {'x'.join(map(str, result['grid']))} = "
+  kernel_name = {"pallas": "our kernel", "splash": "Splash"}.get(result.get("backend", "splash"))
+  lines = [f"compiler-static schedule of {kernel_name} (libtpu {result['libtpu']}, TPU "
+           f"{result['chip']}): {result['resolution']} grid {'x'.join(map(str, result['grid']))} = "
            f"{result['tokens']:,} tokens, band density {result['density']}, tiles "
            f"{block_q}x{block_kv}, kv step {kv_compute}, 1 head, bf16",
            "issue slots as scheduled, one bundle per cycle; no DMA or memory stalls, no clock",
            "", f"{'tile body':<28}{'bundles':>9}{'vs full':>9}{'matmuls':>9}{'exp':>7}   busiest units"]
   modes = result["modes"]
-  full = next((m["kernel"]["full"] for m in modes.values() if m.get("ok")), None)
-  bodies = [("full (mask-free)", "aligned", "full"), ("masked, mask function", "split", "masked"),
-            ("masked, stored block", "aligned", "masked")]
+  full = next((m["kernel"]["full"] for name, m in sorted(modes.items(), key=lambda x: x[0] != "aligned")
+               if m.get("ok")), None)
+  pallas = result.get("backend") == "pallas"
+  bodies = [("full (mask-free)" + (", fixed offset" if pallas else ""), "aligned", "full"),
+            *([("full, online softmax", "aligned", "online")] if pallas else []),
+            ("masked, mask function", "split", "masked"),
+            ("masked, " + ("padding keys" if pallas else "stored block"), "aligned", "masked")]
   for label, mode, body in bodies:
     row = modes.get(mode, {})
     region = row.get("kernel", {}).get(body) if row.get("ok") else None
     if region is None or full is None:
       continue
-    units = dict(zip(row["kernel"]["units"], row["kernel"]["body_use"][body]))
+    units = dict(zip(row["kernel"]["units"], row["kernel"]["body_use"].get(body, ())))
     busiest = ", ".join(f"{u} {_pct(s)}" for u, s in sorted(units.items(), key=lambda x: -x[1])[:4])
     lines.append(f"{label:<28}{region['bundles']:>9,}{region['bundles'] / full['bundles']:>8.2f}x"
                  f"{region['matmuls']:>9,}{region['exps']:>7,}   {busiest}")

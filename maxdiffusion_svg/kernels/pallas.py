@@ -31,10 +31,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
 from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
+from maxdiffusion_svg.masks import SvgMask
 from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
 
-# Start of an online row: finite, so exp2(m_prev - m_next) is never inf - inf.
+# A masked logit, and the offset an online row starts from: both finite, so no inf - inf, and
+# the start above every masked logit, so a row whose keys are all masked so far adds
+# exp2(masked - start) = 0 and keeps l = 0.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_ROW_START = -1e30
 # Softmax statistics are (8, block_q): one full vreg row per 128 queries, every sublane the same
 # (libtpu schedules the online body 12% shorter than with (1, block_q) rows).
 _STAT_ROWS = 8
@@ -68,7 +72,7 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, m_ref, l_
   def _open_row():
     acc_ref[...] = jnp.zeros_like(acc_ref)
     l_ref[...] = jnp.zeros_like(l_ref)
-    m_ref[...] = wide(jnp.where(fixed, mfix_ref[...], _MASK_VALUE))
+    m_ref[...] = wide(jnp.where(fixed, mfix_ref[...], _ROW_START))
 
   def scores(c):
     k = k_ref[pl.ds(c * bkc, bkc), :]
@@ -94,17 +98,24 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, m_ref, l_
       s = jnp.where(keep, s, _MASK_VALUE)
     m_prev = m_ref[...]
     m_next = jnp.maximum(m_prev, s.max(axis=0, keepdims=True))
-    p = jnp.exp2(s - m_next[0:1])
-    if keep is not None:  # a row whose keys are all masked so far keeps l = 0
-      p = jnp.where(keep, p, 0.0)
     m_ref[...] = m_next
-    accumulate(c, p, jnp.exp2(m_prev - m_next))
+    accumulate(c, jnp.exp2(s - m_next[0:1]), jnp.exp2(m_prev - m_next))
     return carry
 
   def masked_chunk(c, carry):
     q_pos = row * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
     k_pos = col * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, (bkc, 1), 0)
-    return online_chunk(c, carry, plan.masked_tile_rule(q_pos, k_pos))
+    if isinstance(plan.mask, SvgMask) and plan.masks_exact:
+      # The band |q - k| <= w as one unsigned compare of (k + w) - q <= 2w, with padding keys
+      # moved out of every band and the sink as a per-key flag: three operations per logit.
+      # (Padding queries need no mask: their rows are sliced off.)
+      w = plan.mask.half_width
+      k_shift = jnp.where(k_pos < plan.seq_len, k_pos + w, jnp.int32(2**30))
+      band = (k_shift - q_pos).astype(jnp.uint32) <= jnp.uint32(2 * w)
+      keep = band | (k_pos < plan.mask.sink) if plan.mask.sink else band
+    else:
+      keep = plan.masked_tile_rule(q_pos, k_pos)
+    return online_chunk(c, carry, keep)
 
   @pl.when((kind == FULL) & fixed)
   def _full_fixed():
