@@ -102,9 +102,11 @@ def _random_params(scale: float):
 
 
 @contextlib.contextmanager
-def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1):
+def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
+                 head_dim: int = HEAD_DIM):
   """Replaces the Hugging Face config and weight loaders with a tiny random Wan."""
-  config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads}
+  config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads,
+            "attention_head_dim": head_dim}
 
   def load_config(*args, return_unused_kwargs=False, **kwargs):
     del args
@@ -121,9 +123,9 @@ def make_mesh(config, devices: int) -> tuple[np.ndarray, Mesh]:
 
 
 def build_transformer(config, mesh_devices: tuple[np.ndarray, Mesh], subfolder: str = "transformer",
-                      num_layers: int = 2, heads: int = HEADS):
+                      num_layers: int = 2, heads: int = HEADS, head_dim: int = HEAD_DIM):
   array, mesh = mesh_devices
-  with tiny_loaders(num_layers, heads), mesh:
+  with tiny_loaders(num_layers, heads, head_dim=head_dim), mesh:
     return wan_pipeline.create_sharded_logical_transformer(
         devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config, subfolder=subfolder)
 

@@ -23,16 +23,17 @@ def registered():
 _RESULTS = {}
 
 
-def forward(tmp_path_factory, devices, attention, scan_layers=True, **keys):
+def forward(tmp_path_factory, devices, attention, scan_layers=True, head_dim=tiny_wan.HEAD_DIM,
+            **keys):
   """Transformer output on fixed inputs (batch 2, as with classifier-free guidance), and
   the svg kernel's call log; cached, since several tests compare the same runs."""
-  cache_key = repr((devices, attention, scan_layers, sorted(keys.items())))
+  cache_key = repr((devices, attention, scan_layers, head_dim, sorted(keys.items())))
   if cache_key not in _RESULTS:
     config = tiny_wan.init_config(tiny_wan.write_config(
         str(tmp_path_factory.mktemp("config")), attention=attention, scan_layers=scan_layers,
         **keys))
     mesh = tiny_wan.make_mesh(config, devices)
-    model = tiny_wan.build_transformer(config, mesh)
+    model = tiny_wan.build_transformer(config, mesh, head_dim=head_dim)
     latents, text = tiny_wan.inputs(batch=2)
     with plugin.record_calls() as log:
       out = np.asarray(tiny_wan.forward(model, mesh[1], config, latents, text, 500))
@@ -48,6 +49,30 @@ def test_density_one_equals_dot_product(tmp_path_factory, devices):
   scale = np.abs(dense).max()
   np.testing.assert_allclose(svg / scale, dense / scale, atol=1e-4)
   assert [r["kind"] for r in log].count("self") == 2  # both layers ran the svg path
+  assert all(r["sparse"] for r in log if r["kind"] == "self")
+
+
+# Our TPU kernel, interpreted: it needs head_dim in whole lanes, so a tiny Wan with 128-wide heads.
+OURS = {"svg_backend": "pallas", "svg_block_q": 128, "svg_block_kv": 128, **EVERYTHING}
+
+
+def test_our_kernel_at_density_one_equals_dot_product(tmp_path_factory):
+  dense, _ = forward(tmp_path_factory, 8, "dot_product", head_dim=128)
+  svg, log = forward(tmp_path_factory, 8, "svg", head_dim=128, svg_density=1.0, **OURS)
+  scale = np.abs(dense).max()
+  np.testing.assert_allclose(svg / scale, dense / scale, atol=1e-4)
+  assert [r["kind"] for r in log].count("self") == 2
+
+
+def test_our_kernels_sparse_calls_equal_the_xla_paths(tmp_path_factory):
+  """Same routing and plan through our kernel and through the XLA executor."""
+  ours, log = forward(tmp_path_factory, 8, "svg", head_dim=128, svg_density=0.3, **OURS)
+  xla, _ = forward(tmp_path_factory, 8, "svg", head_dim=128, svg_density=0.3,
+                   **{**OURS, "svg_backend": "xla"})
+  dense, _ = forward(tmp_path_factory, 8, "dot_product", head_dim=128)
+  scale = np.abs(xla).max()
+  np.testing.assert_allclose(ours / scale, xla / scale, atol=1e-4)
+  assert np.linalg.norm(ours - dense) / np.linalg.norm(dense) > 1e-3  # really sparse
   assert all(r["sparse"] for r in log if r["kind"] == "self")
 
 
