@@ -325,7 +325,8 @@ def _bench_schedule(args: argparse.Namespace) -> int:
                                                format_tile_sweep, run_schedule_bench,
                                                run_tile_sweep)
   if args.sweep:
-    result = run_tile_sweep(args.chip, args.resolution, args.density, log=_progress)
+    result = run_tile_sweep(args.chip, args.resolution, args.density, backend=args.backend,
+                            log=_progress)
     _report(args, format_tile_sweep(result), result)
     return 0
   given = (args.block_q, args.block_kv, args.block_kv_compute)
@@ -471,8 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
   schedule.add_argument("--vmem-limit-kib", type=int,
                         help="scoped-VMEM limit to compile under (default: the chip's)")
   schedule.add_argument("--sweep", action="store_true",
-                        help="instead: the aligned call per tile choice, at the chip's default "
-                             "and a 64 MiB scoped-VMEM limit (what decides the defaults)")
+                        help="instead: the aligned call per tile choice (what decides the "
+                             "defaults): ours with its dense branch; Splash at the chip's default "
+                             "and a 64 MiB scoped-VMEM limit")
   schedule.add_argument("--backend", choices=["pallas", "splash"], default="pallas",
                         help="our TPU kernel to price (pallas: ours, the default; splash: tokamax's)")
   schedule.add_argument("--maxdiffusion", action="store_true",

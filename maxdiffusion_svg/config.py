@@ -39,7 +39,7 @@ class SvgConfig:
   low_noise_density: float | None = None  # Wan 2.2 low-noise expert; None = density
   schedule: Schedule = PRESETS[DEFAULT_PRESET].schedule(DEFAULT_NUM_STEPS)
   tile_mode: TileMode | str = TileMode.ALIGNED
-  # None or 0: the target's default (XLA: 512; Splash: by the TPU's scoped-VMEM limit).
+  # None or 0: the target's default (XLA: 512; ours: 3328x1536/512; Splash: by the VMEM limit).
   block_q: int | None = None
   block_kv: int | None = None
   block_kv_compute: int | None = None

@@ -59,4 +59,13 @@ def prices_from_schedule(result: dict[str, Any]) -> dict[str, KernelPrices]:
 
 # From docs/measurements/schedule_<chip>_720p.json (libtpu 0.0.50.1; tests/test_schedule_costs.py
 # rebuilds these from the files).
-PRICES: dict[str, dict[str, KernelPrices]] = {}
+_OURS = (3328, 1536, 512)
+_FAST_RECIPE = (6400, 2048, 2048)
+PRICES: dict[str, dict[str, KernelPrices]] = {
+    "v6e": {"ours": KernelPrices(_OURS, 7888, 11395, 4196, 783, 48),
+            "maxdiffusion_fixed_m": KernelPrices(_FAST_RECIPE, 20246, 27204, 25207, 3658, 89)},
+    "tpu7x": {"ours": KernelPrices(_OURS, 7596, 10736, 3827, 759, 181),
+              "maxdiffusion_fixed_m": KernelPrices(_FAST_RECIPE, 19589, 25739, 24007, 3469, 97)},
+    "v5e": {"ours": KernelPrices(_OURS, 18686, 21754, 7709, 1172, 48),
+            "maxdiffusion_fixed_m": KernelPrices(_FAST_RECIPE, 46844, 55350, 50936, 4975, 93)},
+}

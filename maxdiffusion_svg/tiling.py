@@ -42,9 +42,10 @@ SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
 # generation gets it too: it compiles on every known generation.
 V4_TILES = SplashTiles(1536, 1024, 256)
 UNKNOWN_TPU_TILES = V4_TILES
-# Our Pallas kernel (the TPU default): its VMEM need is a few MiB (kernels/tpu_memory.py), so
-# one tile serves every generation and limit; chosen by libtpu's static schedule of the aligned
-# call at 720p (docs/benchmarks.md, "Our kernel's tiles").
+# Our Pallas kernel (the TPU default): its VMEM need is well under every default limit
+# (kernels/tpu_memory.py), so the limit never decides its tile; libtpu's static schedule of the
+# aligned call at 720p does (docs/benchmarks.md, "Our kernel's tiles"). A kv step of 768 would
+# save 3% of the body on v5e and v5p (128x128 MXUs), but needs 15.5 of their 16 MiB at 5 heads.
 PALLAS_TILES = SplashTiles(3328, 1536, 512)
 # The inner kv step when block_kv is the user's: the widest of these dividing it (ours takes
 # wider steps: its per-step accumulator update is amortised over more keys).

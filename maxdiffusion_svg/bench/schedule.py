@@ -311,47 +311,61 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
           "vmem_limit_kib": vmem_limit_kib, "modes": modes}
 
 
-# Tiles tried by the sweep: the defaults per VMEM limit, and their neighbours in each direction.
+# Tiles tried by the sweep: Splash's defaults per VMEM limit and their neighbours in each
+# direction; ours (one tile for every limit) by kv and q extent at a kv step of 512.
 SWEEP_TILES = ((2048, 1536, 256), (3328, 1536, 256), (3328, 1536, 512), (3328, 2816, 256),
                (3328, 2816, 512), (4096, 1536, 256))
+PALLAS_SWEEP_TILES = ((3328, 1536, 256), (3328, 1536, 512), (3328, 2048, 512), (3328, 3072, 512),
+                      (2560, 2048, 512), (4096, 1536, 512), (4608, 1536, 512), (4608, 2048, 512),
+                      (6656, 1536, 512))
 
 
 def run_tile_sweep(chip: str = "v6e", resolution: str = "720p", density: float = 0.35,
-                   limits: Sequence[int | None] = (None, 65536),
-                   candidates: Sequence[tuple[int, int, int]] = SWEEP_TILES,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The aligned call (the default mode) per tile choice and VMEM limit, by static bundles:
-  what decides the defaults. Choices our VMEM/SMEM checks refuse are listed as refused."""
+                   limits: Sequence[int | None] | None = None,
+                   candidates: Sequence[tuple[int, int, int]] | None = None,
+                   backend: str = "splash", log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The aligned call (the default mode) per tile choice, and for ours also the dense branch,
+  by static bundles: what decides the defaults. Choices our VMEM/SMEM checks refuse are listed
+  as refused. Splash is swept at its default limit and 64 MiB; ours at the default only (its
+  tile does not follow the limit)."""
+  pallas = backend == "pallas"
+  limits = limits or ((None,) if pallas else (None, 65536))
+  candidates = candidates or (PALLAS_SWEEP_TILES if pallas else SWEEP_TILES)
   grid = grid_for_resolution(resolution)
   rows = []
   for limit in limits:
     for block_q, block_kv, kv_compute in candidates:
-      case = ScheduleCase(chip, grid.shape, density, "aligned", block_q, block_kv, kv_compute,
-                          limit)
-      rows.append(run_case(case, log))
+      for dens in (density, 1.0) if pallas else (density,):
+        case = ScheduleCase(chip, grid.shape, dens, "aligned", block_q, block_kv, kv_compute,
+                            limit, backend=backend)
+        rows.append(run_case(case, log))
   return {"kind": "compiler-static schedule", "libtpu": libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "density": density,
-          "defaults": {str(limit): list(default_tiles(chip, limit)) for limit in limits},
+          "backend": backend,
+          "defaults": {str(limit): list(default_tiles(chip, limit, backend)) for limit in limits},
           "rows": rows}
 
 
 def format_tile_sweep(result: dict[str, Any]) -> str:
-  lines = [f"tile sweep, aligned, compiler-static schedule (libtpu {result['libtpu']}, TPU "
-           f"{result['chip']}), {result['resolution']}, band density {result['density']}, 1 head",
-           f"{'scoped VMEM':<14}{'tiles':<16}{'static Mbundles':>15}{'full body':>11}"
+  lines = [f"tile sweep of {result.get('backend', 'splash')}, aligned, compiler-static schedule "
+           f"(libtpu {result['libtpu']}, TPU {result['chip']}), {result['resolution']}, band "
+           f"density {result['density']} (density 1: the dense branch), 1 head",
+           f"{'scoped VMEM':<14}{'tiles':<16}{'density':>8}{'static Mbundles':>16}{'full body':>11}"
            f"{'masked body':>13}   note"]
   for row in result["rows"]:
     case = row["case"]
+    density = f"{case['density']:g}"
     limit = f"{case['vmem_limit_kib'] // 1024} MiB" if case["vmem_limit_kib"] else "default"
     tiles = f"{case['block_q']}x{case['block_kv']}/{case['block_kv_compute']}"
     default = result["defaults"][str(case["vmem_limit_kib"])] == [
         case["block_q"], case["block_kv"], case["block_kv_compute"]]
     if not row.get("ok"):
-      lines.append(f"{limit:<14}{tiles:<16}{'-':>15}{'':>11}{'':>13}   {row['error'][:90]}")
+      lines.append(f"{limit:<14}{tiles:<16}{density:>8}{'-':>16}{'':>11}{'':>13}   "
+                   f"{row['error'][:90]}")
       continue
     kernel = row["kernel"]
     masked = (kernel["masked"] or {}).get("bundles")
-    lines.append(f"{limit:<14}{tiles:<16}{row['static_bundles'] / 1e6:>15.2f}"
+    lines.append(f"{limit:<14}{tiles:<16}{density:>8}{row['static_bundles'] / 1e6:>16.2f}"
                  f"{kernel['full']['bundles']:>11,}{'' if masked is None else f'{masked:,}':>13}"
                  f"   {'default' if default else ''}")
   return "\n".join(lines)

@@ -94,7 +94,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
 
   def kernel(interpret: bool):
     if tpu_backend == "pallas":
-      check_shapes(head_dim, q.dtype, plan, kv_compute)
+      check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
       return lambda q, k, v: pallas_sparse_attention(
           q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute)
     return lambda q, k, v: splash_sparse_attention(

@@ -46,11 +46,13 @@ _NT = (((1,), (1,)), ((), ()))  # k (kv, d) x q (q, d) -> (kv, q)
 _TN = (((0,), (0,)), ((), ()))  # v (kv, dv) x p (kv, q) -> (dv, q)
 
 
-def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int) -> None:
+def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
+                 value_dim: int | None = None) -> None:
   """Refuses what the kernel cannot take, naming the constraint and the key to change."""
-  if head_dim % 128:
-    raise ValueError(f"svg_backend pallas needs head_dim a multiple of 128 (lanes), got "
-                     f"{head_dim}: use svg_backend: splash or xla")
+  for name, dim in (("head_dim", head_dim), ("the value head_dim", value_dim or head_dim)):
+    if dim % 128:
+      raise ValueError(f"svg_backend pallas needs {name} a multiple of 128 (lanes), got "
+                       f"{dim}: use svg_backend: splash or xla")
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"svg_backend pallas needs floating-point q, k, v, got {dtype}")
   if block_kv_compute % 128 or plan.block_kv % block_kv_compute:
@@ -149,12 +151,11 @@ def _pad(x: jax.Array, length: int) -> jax.Array:
 
 
 def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
-                            scale: float, *, interpret: bool, block_kv_compute: int,
-                            vmem_limit_bytes: int | None = None) -> jax.Array:
+                            scale: float, *, interpret: bool, block_kv_compute: int) -> jax.Array:
   """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel."""
   b, h, s, d = q.shape
   dv = v.shape[-1]
-  check_shapes(d, q.dtype, plan, block_kv_compute)
+  check_shapes(d, q.dtype, plan, block_kv_compute, dv)
   bq, bkv = plan.block_q, plan.block_kv
   fold = lambda x: x.reshape(b * h, s, x.shape[-1])
   offsets: FixedOffsets = fixed_offsets(fold(q), fold(k), fold(v), scale * math.log2(math.e),
@@ -179,14 +180,14 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
       in_specs=[pl.BlockSpec((None, bq, d), at_row), pl.BlockSpec((None, bkv, d), at_col),
                 pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes)],
       out_specs=pl.BlockSpec((None, bq, dv), at_row),
-      scratch_shapes=[pltpu.VMEM((_STAT_ROWS, bq), jnp.float32), pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),
-                      pltpu.VMEM((dv, bq), jnp.float32)])
+      scratch_shapes=[pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # m: the row's offset
+                      pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # l: the row's sum
+                      pltpu.VMEM((dv, bq), jnp.float32)])  # the row's accumulator, transposed
   out = pl.pallas_call(
       functools.partial(_kernel, plan=plan, bkc=block_kv_compute),
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct((b * h, plan.num_q_tiles * bq, dv), q.dtype),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                           vmem_limit_bytes=vmem_limit_bytes),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="svg_pallas_sparse",
   )(work, offsets.fixed, q_pad, k_pad, v_pad, m_pad)
