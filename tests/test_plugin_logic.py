@@ -156,7 +156,9 @@ def test_the_settings_summary_says_what_will_run():
   given = settings.summary()
   assert "density 0.3 (high-noise 0.3, low-noise 0.2)" in given and "default" in given
   on_v6e = settings.summary(tpu_target("v6e"))
-  assert "3328x1536" in on_v6e and "splash" in on_v6e and "flash" in on_v6e
+  assert "3328x1536 (kv step 512)" in on_v6e and "backend pallas" in on_v6e and "flash" in on_v6e
+  splash = PluginSettings.from_mapping({"svg_backend": "splash", "num_inference_steps": 50})
+  assert "backend splash" in splash.summary(tpu_target("v6e"))
 
 
 # ------------------------------------------------ the patch script's refusals

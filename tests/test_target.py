@@ -8,7 +8,8 @@ import pytest
 
 from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_need
-from maxdiffusion_svg.tiling import SPLASH_TILES, UNKNOWN_TPU_TILES, default_tiles
+from maxdiffusion_svg.tiling import (PALLAS_TILES, SPLASH_TILES, UNKNOWN_TPU_TILES, SplashTiles,
+                                     default_tiles)
 from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, Target, generation_for_kind,
                                      generation_named,
                                      target_for_devices, target_of, tpu_target,
@@ -52,15 +53,22 @@ def test_the_vmem_limit_comes_from_the_key_then_libtpu_flags_then_the_generation
 def test_default_tiles_follow_the_limit_and_user_keys_win(monkeypatch):
   monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
   tiles = lambda config, gen, limit=None: config.tiles(tpu_target(gen, limit))
-  assert tiles(SvgConfig(), "v5e") == SPLASH_TILES[-1][1]
-  assert (tiles(SvgConfig(), "v6e").block_q, tiles(SvgConfig(), "v6e").block_kv) == (3328, 1536)
-  assert tiles(SvgConfig(), "v6e", 65536) == default_tiles(tpu_target("v6e", 65536))
+  splash = SvgConfig(backend="splash")
+  assert tiles(splash, "v5e") == SPLASH_TILES[-1][1]
+  assert (tiles(splash, "v6e").block_q, tiles(splash, "v6e").block_kv) == (3328, 1536)
+  assert tiles(splash, "v6e", 65536) == default_tiles(tpu_target("v6e", 65536), "splash")
   # The config's own limit reaches the tiles, whatever target it is given.
-  assert SvgConfig(vmem_limit_kib=65536).tiles(tpu_target("v6e")) == SPLASH_TILES[0][1]
-  assert SvgConfig().tiles(tpu_target()) == UNKNOWN_TPU_TILES
+  assert SvgConfig(vmem_limit_kib=65536, backend="splash").tiles(tpu_target("v6e")) == \
+      SPLASH_TILES[0][1]
+  assert splash.tiles(tpu_target()) == UNKNOWN_TPU_TILES
+  # Our kernel (auto on a TPU): one tile on every generation, whatever the limit.
+  for target in (tpu_target("v5e"), tpu_target("v6e", 65536), tpu_target("v4"), tpu_target()):
+    assert SvgConfig().tiles(target) == PALLAS_TILES == SplashTiles(3328, 1536, 512)
+  assert tiles(SvgConfig(block_kv=1024), "v6e").block_kv_compute == 512
+  assert tiles(SvgConfig(block_kv=1280), "v6e").block_kv_compute == 256
   assert tiles(SvgConfig(block_q=1024), "v6e").block_q == 1024
-  assert tiles(SvgConfig(block_kv=1024), "v6e").block_kv_compute == 256
-  assert tiles(SvgConfig(block_kv=1152), "v6e").block_kv_compute == 128
+  assert tiles(SvgConfig(block_kv=1024, backend="splash"), "v6e").block_kv_compute == 256
+  assert tiles(SvgConfig(block_kv=1152, backend="splash"), "v6e").block_kv_compute == 128
   assert SvgConfig(backend="auto").tiles(Target("cpu")).block_q == 512  # the XLA path's
   assert SvgConfig(block_q=0, vmem_limit_kib=0) == SvgConfig()  # 0: the default, from YAML
   with pytest.raises(ValueError, match=r"svg_block_kv_compute \(1024\) must divide svg_block_kv "
@@ -74,10 +82,11 @@ def test_every_default_fits_its_own_limit_by_the_estimate():
       target = tpu_target(generation, limit)
       for resolution in ("720p", "1080p", "1440p"):
         for mode in ("naive", "split", "aligned"):
-          config = SvgConfig(tile_mode=mode, density=0.3)
-          t = config.tiles(target)
-          check_fits(config.plan(grid_for_resolution(resolution), target=target), 128,
-                     jnp.bfloat16, t.block_kv_compute, target)
+          for backend in ("pallas", "splash"):
+            config = SvgConfig(tile_mode=mode, density=0.3, backend=backend)
+            t = config.tiles(target)
+            check_fits(config.plan(grid_for_resolution(resolution), target=target), 128,
+                       jnp.bfloat16, t.block_kv_compute, target, backend)
 
 
 def test_smem_estimate_matches_the_compiler_report():
@@ -142,10 +151,11 @@ def test_with_nothing_naming_the_tpu_the_strictest_known_limits_hold_when_lowere
   # The unknown generation's default tiles pass that check (and compile on every known
   # generation: tests/test_tpu_compile.py).
   for mode in ("naive", "split", "aligned"):
-    config = SvgConfig(tile_mode=mode, density=0.3)
-    t = config.tiles(tpu_target())
-    check_fits(config.plan(grid, target=tpu_target()), 128, jnp.bfloat16, t.block_kv_compute,
-               tpu_target())
+    for backend in ("pallas", "splash"):
+      config = SvgConfig(tile_mode=mode, density=0.3, backend=backend)
+      t = config.tiles(tpu_target())
+      check_fits(config.plan(grid, target=tpu_target()), 128, jnp.bfloat16, t.block_kv_compute,
+                 tpu_target(), backend)
 
 
 def test_bad_limits_name_the_key_the_chip_and_the_bytes(monkeypatch):

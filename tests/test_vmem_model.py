@@ -75,6 +75,7 @@ def test_the_runs_summary_line_and_tiles_name_another_libtpu(monkeypatch):
   from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
   import importlib.metadata  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
-  assert "this host has 9.9.9" in PluginSettings().summary(tpu_target("v6e"))
+  splash = PluginSettings.from_mapping({"svg_backend": "splash"})
+  assert "this host has 9.9.9" in splash.summary(tpu_target("v6e"))
   monkeypatch.setattr(importlib.metadata, "version", lambda name: MODEL["libtpu"])
-  assert "libtpu" not in PluginSettings().summary(tpu_target("v6e"))
+  assert "libtpu" not in splash.summary(tpu_target("v6e"))

@@ -31,24 +31,36 @@ TEMP_RATIO_BOUND = 1.1
 def compiled():
   # flash_min_seq_length 0: the 512 text tokens are under MaxDiffusion's 4096 default, where
   # its dispatcher runs cross-attention as dot_product for every kernel (ours included).
-  result = compile_wan_forwards(kernels=("svg", "ulysses"), num_layers=LAYERS,
+  result = compile_wan_forwards(kernels=("svg", "ulysses", "ulysses_custom_fixed_m"),
+                                num_layers=LAYERS,
                                 overrides={"flash_min_seq_length": 0}, log=lambda _: None)
   print(format_wan_forwards(result))
   return result
 
 
-def test_svg_compiles_with_splash_and_fits_like_ulysses(compiled):
+def test_svg_compiles_with_our_kernel_and_fits_like_ulysses(compiled):
   assert compiled["latent"] == (16, 21, 90, 160)
   assert compiled["mesh"]["context"] == 8
   svg, ulysses = compiled["kernels"]["svg"], compiled["kernels"]["ulysses"]
   assert ulysses["ok"], ulysses["error"]
   assert svg["ok"], svg["error"]
-  # svg chose TPU kernels from the mesh's devices, not the CPU host: our Splash for video
+  # svg chose TPU kernels from the mesh's devices, not the CPU host: our kernel for video
   # self-attention (the schedule's sparse and dense branches, one executable for every step)
   # and MaxDiffusion's flash (its segmented Splash) for cross-attention.
-  assert "backend splash" in svg["svg"] and "TPU v6e" in svg["svg"]
+  assert "backend pallas" in svg["svg"] and "TPU v6e" in svg["svg"]
   names = svg["mosaic_kernel_names"]
   assert svg["mosaic_kernels"] == 3, names
+  assert sum("svg_pallas_sparse" in name for name in names) == 2, names
   assert sum("segmented" in name for name in names) == 1, names
   assert svg["memory"]["temp"] <= TEMP_RATIO_BOUND * ulysses["memory"]["temp"], (
       svg["memory"], ulysses["memory"])
+
+
+def test_maxdiffusions_fastest_dense_kernel_compiles_beside_it(compiled):
+  """ulysses_custom_fixed_m at its fast recipe's blocks: the kernel our speed is judged
+  against, in the same forward; svg's temporaries beside its (recorded, not bounded: its
+  kernel pads to 6400-token blocks and keeps the [H, D, S] output layout)."""
+  custom = compiled["kernels"]["ulysses_custom_fixed_m"]
+  assert custom["ok"], custom["error"]
+  assert custom["mosaic_kernels"] >= 1
+  assert compiled["kernels"]["svg"]["memory"]["temp"] > 0 and custom["memory"]["temp"] > 0
