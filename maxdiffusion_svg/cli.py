@@ -321,9 +321,10 @@ def _bench_vmem(args: argparse.Namespace) -> int:
 
 
 def _bench_schedule(args: argparse.Namespace) -> int:
-  from maxdiffusion_svg.bench.schedule import (default_tiles, format_schedule_bench,  # pylint: disable=import-outside-toplevel
-                                               format_tile_sweep, run_schedule_bench,
-                                               run_tile_sweep)
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.schedule import default_tiles, run_schedule_bench, run_tile_sweep
+  from maxdiffusion_svg.bench.schedule_format import format_schedule_bench, format_tile_sweep
+  # pylint: enable=import-outside-toplevel
   if args.sweep:
     result = run_tile_sweep(args.chip, args.resolution, args.density, backend=args.backend,
                             log=_progress)

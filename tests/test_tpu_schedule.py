@@ -7,8 +7,9 @@ import tempfile
 
 import pytest
 
-from maxdiffusion_svg.bench.schedule import (DESIGN_MS, ScheduleCase, compile_case, dump_name,
-                                             format_schedule_bench, run_case, static_bundles)
+from maxdiffusion_svg.bench.schedule import (ScheduleCase, compile_case, dump_name, run_case,
+                                             static_bundles)
+from maxdiffusion_svg.bench.schedule_format import DESIGN_MS, format_schedule_bench
 from maxdiffusion_svg.tpu_aot import libtpu_available
 from maxdiffusion_svg.tpu_schedule import (ScheduleFormatError, parse_kernel,
                                            read_dump)
