@@ -10,7 +10,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
-from maxdiffusion_svg.target import GENERATIONS, Target, generation_named, tpu_target
+from maxdiffusion_svg.target import (BACKENDS, GENERATIONS, TPU_BACKENDS, Target, generation_named,
+                                     tpu_target)
 from maxdiffusion_svg.tiles import MODES
 from maxdiffusion_svg.tiling import choose_tiles, tiles_help
 
@@ -174,7 +175,7 @@ def _add_call_args(parser: argparse.ArgumentParser, heads: int, heads_help: str,
   parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
   parser.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
   parser.add_argument("--mode", choices=modes, default=mode, help="traversal mode")
-  parser.add_argument("--backend", choices=["auto", "pallas", "splash", "xla"], default="auto",
+  parser.add_argument("--backend", choices=list(BACKENDS), default="auto",
                       help="executor (auto: pallas on TPU, xla elsewhere)")
   parser.add_argument("--block-q", type=_tile, help=f"query tile (default: {tiles_help()})")
   parser.add_argument("--block-kv", type=_tile, help="key tile (default: the executor's)")
@@ -476,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead: the aligned call per tile choice (what decides the "
                              "defaults): ours with its dense branch; Splash at the chip's default "
                              "and a 64 MiB scoped-VMEM limit")
-  schedule.add_argument("--backend", choices=["pallas", "splash"], default="pallas",
+  schedule.add_argument("--backend", choices=list(TPU_BACKENDS), default=TPU_BACKENDS[0],
                         help="our TPU kernel to price (pallas: ours, the default; splash: tokamax's)")
   schedule.add_argument("--maxdiffusion", action="store_true",
                         help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "

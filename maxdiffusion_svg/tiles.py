@@ -155,6 +155,22 @@ class TilePlan:
     rows, slots = np.nonzero(self.kind)
     return rows.astype(np.int32), self.kv_index[rows, slots], self.kind[rows, slots]
 
+  def work_list(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows, cols, kinds)`` a TPU kernel's grid walks: the visited tiles, plus one ``EMPTY``
+    step for each q-tile row that visits none (its output must still be written). That step
+    repeats the kv column before it, so a prefetching kernel fetches nothing new for it."""
+    rows, cols, kinds = self.visited_tiles()
+    empty = np.setdiff1d(np.arange(self.num_q_tiles, dtype=np.int32), rows)
+    if not empty.size:
+      return rows, cols, kinds
+    order = np.argsort(np.concatenate([rows, empty]), kind="stable")
+    rows = np.concatenate([rows, empty])[order]
+    cols = np.concatenate([cols, np.full(empty.size, -1, cols.dtype)])[order]
+    kinds = np.concatenate([kinds, np.full(empty.size, EMPTY, kinds.dtype)])[order]
+    for i in np.flatnonzero(cols < 0):  # O(empty rows)
+      cols[i] = cols[i - 1] if i else 0
+    return rows, cols, kinds
+
   def tile_map(self) -> np.ndarray:
     """``int8 [num_q_tiles, num_kv_tiles]`` of tile kinds, for reports and plots."""
     out = np.zeros((self.num_q_tiles, self.num_kv_tiles), np.int8)

@@ -1,10 +1,11 @@
 """The one place a target becomes tiles: every tile decision (kernel, sharded path, plugin, CLI,
 benchmarks) is :func:`choose_tiles`.
 
-Our Pallas kernel (the TPU default) takes one tile everywhere. Splash's default tile is the largest that compiles for every mode and the dense branch under
-the target's scoped-VMEM limit (docs/reference.md, "Default tiles"; ``make compile-tpu``
-checks each by compiling); the XLA path's is fixed. Keys a user gives win, and the inner kv
-step defaults to the widest of 256/128 dividing the kv tile.
+Our Pallas kernel (the TPU default) takes one tile everywhere. Splash's default tile is the
+largest that compiles for every mode and the dense branch under the target's scoped-VMEM limit
+(docs/reference.md, "Default tiles"; ``make compile-tpu`` checks each by compiling); the XLA
+path's is fixed. Keys a user gives win, and the inner kv step defaults to the widest of the
+kernel's choices (``KV_COMPUTE_CHOICES``) dividing the kv tile.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ import pytest
 from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.plugin.estimate import _against_fixed_m
 from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.schedule import Interval, Schedule
 from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES, KernelPrices, prices_from_schedule
 from maxdiffusion_svg.target import tpu_target
 
@@ -56,18 +55,17 @@ def test_a_config_is_priced_only_where_figures_exist():
   grid = grid_for_resolution("720p")
   svg = SvgConfig(density=0.3)
   v6e = tpu_target("v6e")
-  plan = svg.plan(grid, target=v6e)
-  vs = _against_fixed_m(plan, svg, v6e, "pallas", steps=50, layers=40)
+  plan, tiles = svg.plan(grid, target=v6e), svg.tiles(v6e)
+  vs = _against_fixed_m(plan, 0.78, tiles, v6e, "pallas")
   assert vs["priced"] and vs["fixed"]["bound"] > 1 and vs["online"]["bound"] < vs["fixed"]["bound"]
   # All steps dense: our dense branch against theirs, about even.
-  dense_only = SvgConfig(density=0.3, schedule=Schedule(active_steps=Interval(50, None)))
-  vs = _against_fixed_m(plan, dense_only, v6e, "pallas", steps=50, layers=40)
+  vs = _against_fixed_m(plan, 0.0, tiles, v6e, "pallas")
   assert vs["fixed"]["bound"] == pytest.approx(vs["fixed_m_call"] / vs["fixed"]["dense_call"])
-  assert not _against_fixed_m(plan, svg, v6e, "splash", 50, 40)["priced"]
-  assert not _against_fixed_m(plan, svg, tpu_target("v5p"), "pallas", 50, 40)["priced"]
+  assert not _against_fixed_m(plan, 0.78, tiles, v6e, "splash")["priced"]
+  assert not _against_fixed_m(plan, 0.78, tiles, tpu_target("v5p"), "pallas")["priced"]
   split = SvgConfig(density=0.3, tile_mode="split")
-  assert "aligned" in _against_fixed_m(split.plan(grid, target=v6e), split, v6e, "pallas", 50,
-                                       40)["why"]
+  assert "aligned" in _against_fixed_m(split.plan(grid, target=v6e), 0.78, tiles, v6e,
+                                       "pallas")["why"]
 
 
 def test_a_call_is_its_tiles_rows_and_steps():

@@ -25,7 +25,8 @@ from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
 from maxdiffusion_svg.sharding import sharded_svg_attention
-from maxdiffusion_svg.target import GENERATIONS, GENERIC_TPU, MIB, target_for_devices, tpu_target
+from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, TPU_BACKENDS, target_for_devices,
+                                     tpu_target)
 from maxdiffusion_svg.tiling import choose_tiles
 from maxdiffusion_svg.tiles import MODES, plan_tiles
 from maxdiffusion_svg.tpu_aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
@@ -46,7 +47,7 @@ class CompileBenchConfig:
   raised: bool = True
   calibrate: bool = False
   unknown: bool = True  # also the unknown generation's tiles on each chip
-  backends: tuple[str, ...] = ("pallas", "splash")  # ours (the TPU default), tokamax's
+  backends: tuple[str, ...] = TPU_BACKENDS  # ours (the TPU default), tokamax's
 
   def __post_init__(self):
     for chip in self.chips:
@@ -55,8 +56,8 @@ class CompileBenchConfig:
     for resolution in self.resolutions:
       grid_for_resolution(resolution)
     for backend in self.backends:
-      if backend not in ("pallas", "splash"):
-        raise ValueError(f"--backends must be among pallas, splash, got {backend!r}")
+      if backend not in TPU_BACKENDS:
+        raise ValueError(f"--backends must be among {', '.join(TPU_BACKENDS)}, got {backend!r}")
 
 
 def _row(case: str, chip: str, resolution: str, mode: str, tiles: str, result: Any,

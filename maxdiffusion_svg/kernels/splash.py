@@ -71,14 +71,7 @@ def _smallest_int(a: np.ndarray) -> np.ndarray:
 
 def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]:
   """Splash's forward MaskInfo (and in-kernel mask function) for ``plan``."""
-  rows, cols, kinds = plan.visited_tiles()
-  # A row with no visited tile still needs one (do-nothing) step so its output is written.
-  empty_rows = np.setdiff1d(np.arange(plan.num_q_tiles, dtype=np.int32), rows)
-  if empty_rows.size:
-    order = np.argsort(np.concatenate([rows, empty_rows]), kind="stable")
-    rows = np.concatenate([rows, empty_rows])[order]
-    cols = np.concatenate([cols, np.zeros_like(empty_rows)])[order]
-    kinds = np.concatenate([kinds, np.zeros(empty_rows.size, kinds.dtype)])[order]
+  rows, cols, kinds = plan.work_list()
   strategy = mask_strategy(plan)
   blocks = mask_next = q_sequence = mask_fn = None
   if strategy == "stored":

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from maxdiffusion_svg.kernels.vmem_model import fitted_bytes
 from maxdiffusion_svg.target import GENERATIONS, MIB, Target, VMEM_FLAG, VMEM_KEY
@@ -49,8 +48,7 @@ def smem_estimate(plan: TilePlan) -> int:
   """SMEM bytes of the tile tables: per work-list entry (visited tiles, plus one per q-tile
   row with none) its row, column, kind, two int32 row bounds and, for a stored mask, the
   block index; rows and columns as narrow as they fit."""
-  rows, cols, _ = plan.visited_tiles()
-  entries = rows.size + np.setdiff1d(np.arange(plan.num_q_tiles), rows).size
+  entries = plan.work_list()[0].size
   width = lambda n: 1 if n <= 127 else 2 if n <= 32767 else 4
   per_entry = (width(plan.num_q_tiles) + width(plan.num_kv_tiles) + 1 + 8
                + (1 if mask_strategy(plan) == "stored" else 0))
@@ -87,8 +85,7 @@ def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_comput
 
 def pallas_smem_bytes(plan: TilePlan) -> int:
   """Our work list: one int32 per grid step (visited tiles, plus one per empty row)."""
-  rows, _, _ = plan.visited_tiles()
-  return 4 * (rows.size + np.setdiff1d(np.arange(plan.num_q_tiles), rows).size) + 1024
+  return 4 * plan.work_list()[0].size + 1024
 
 
 def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,

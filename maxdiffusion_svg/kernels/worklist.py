@@ -5,14 +5,14 @@ its output block is written (as zeros). A step packs its row, kv column, tile ki
 it opens or closes its row, so the kernel needs one scalar-memory read per step and the whole
 list of a 1440p dense call (about 18k steps) stays under 80 KiB of SMEM. Steps that keep the
 previous step's q or kv block index make the Pallas pipeline skip that block's copy, so a
-do-nothing step reuses the kv column before it.
+do-nothing step reuses the kv column before it (:meth:`TilePlan.work_list`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from maxdiffusion_svg.tiles import EMPTY, TilePlan
+from maxdiffusion_svg.tiles import TilePlan
 
 KIND_BITS, FIRST_BIT, LAST_BIT, COL_SHIFT, ROW_SHIFT = 2, 2, 3, 4, 18
 MAX_COLS, MAX_ROWS = 1 << (ROW_SHIFT - COL_SHIFT), 1 << (31 - ROW_SHIFT)
@@ -20,20 +20,12 @@ MAX_COLS, MAX_ROWS = 1 << (ROW_SHIFT - COL_SHIFT), 1 << (31 - ROW_SHIFT)
 
 def pack_work(plan: TilePlan) -> np.ndarray:
   """``int32 [steps]``: the plan's visited tiles row by row, plus one step per empty row."""
-  rows, cols, kinds = plan.visited_tiles()
+  rows, cols, kinds = plan.work_list()
   nq = plan.num_q_tiles
   if nq > MAX_ROWS or plan.num_kv_tiles > MAX_COLS:
     raise ValueError(f"{nq}x{plan.num_kv_tiles} tiles exceed the work list's "
                      f"{MAX_ROWS}x{MAX_COLS}: raise svg_block_q / svg_block_kv")
-  empty = np.setdiff1d(np.arange(nq, dtype=np.int32), rows)
-  if empty.size:
-    order = np.argsort(np.concatenate([rows, empty]), kind="stable")
-    rows = np.concatenate([rows, empty])[order]
-    cols = np.concatenate([cols, np.full(empty.size, -1, cols.dtype)])[order]
-    kinds = np.concatenate([kinds, np.full(empty.size, EMPTY, kinds.dtype)])[order]
   cols = cols.astype(np.int64)
-  for i in np.flatnonzero(cols < 0):  # O(empty rows): reuse the column fetched before
-    cols[i] = cols[i - 1] if i else 0
   first = np.ones(rows.size, bool)
   first[1:] = rows[1:] != rows[:-1]
   last = np.ones(rows.size, bool)

@@ -88,7 +88,6 @@ def estimate_config(config: Mapping[str, Any], target: Target,
   for expert in experts:
     plan = svg.plan(grid, expert, target, backend)
     stats = plan.stats
-    schedule.append(_against_fixed_m(plan, svg, target, backend, steps, layers))
     rows.append(Estimate(
         expert=expert, density=svg.density_for(expert),
         kept_pair_fraction=stats.exact_pair_fraction,
@@ -96,6 +95,7 @@ def estimate_config(config: Mapping[str, Any], target: Target,
         masked_tiles=stats.masked_tiles,
         sparse_steps=_count(svg.schedule.active_steps, steps),
         sparse_layers=_count(svg.schedule.active_layers, layers), steps=steps, layers=layers))
+    schedule.append(_against_fixed_m(plan, rows[-1].sparse_call_share, tiles, target, backend))
   return {"kind": "computed from the tile plan", "target": target.describe(),
           "libtpu_note": libtpu_note() if backend == "splash" else "",
           "backend": backend, "tiles": [tiles.block_q, tiles.block_kv],
@@ -105,24 +105,20 @@ def estimate_config(config: Mapping[str, Any], target: Target,
           "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, schedule)]}
 
 
-def _against_fixed_m(plan, svg, target: Target, backend: str, steps: int,
-                     layers: int) -> dict[str, Any]:
+def _against_fixed_m(plan, share: float, tiles, target: Target, backend: str) -> dict[str, Any]:
   """The run's self-attention bundles by libtpu's static schedule (schedule_costs.PRICES),
-  ours (sparse and dense steps) against MaxDiffusion's fixed-m kernel at its fast recipe on
-  every call; or why it cannot be priced."""
+  ours (``share`` of the calls sparse, the rest dense) against MaxDiffusion's fixed-m kernel at
+  its fast recipe on every call; or why it cannot be priced."""
   chip = target.generation.name if target.known else None
   prices = PRICES.get(chip or "", {})
   ours, theirs = prices.get("ours"), prices.get("maxdiffusion_fixed_m")
-  tiles = (plan.block_q, plan.block_kv, svg.tiles(target, backend).block_kv_compute)
   if backend != "pallas" or ours is None or theirs is None:
     return {"priced": False, "why": f"no static-schedule figures for {backend} on "
                                     f"{target.chip} (measured: pallas on {', '.join(PRICES)})"}
-  if tiles != ours.tiles or plan.masks_exact:
+  if (tiles.block_q, tiles.block_kv, tiles.block_kv_compute) != ours.tiles or plan.masks_exact:
     return {"priced": False, "why": f"figures are for aligned {ours.tiles[0]}x{ours.tiles[1]}/"
                                     f"{ours.tiles[2]} tiles"}
   stats, tokens = plan.stats, plan.seq_len
-  share = (_count(svg.schedule.active_steps, steps) * _count(svg.schedule.active_layers, layers)
-           / (steps * layers))
   out: dict[str, Any] = {"priced": True, "chip": chip, "libtpu": LIBTPU,
                          "fixed_m_call": theirs.dense_call(tokens)}
   for path, online in (("fixed", False), ("online", True)):
