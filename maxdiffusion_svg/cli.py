@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
 from maxdiffusion_svg.target import (BACKENDS, GENERATIONS, TPU_BACKENDS, Target, generation_named,
                                      tpu_target)
@@ -497,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+@quiet_on_broken_pipe  # `python -m maxdiffusion_svg tiles | head -1` ends quietly
 def main(argv: Sequence[str] | None = None) -> int:
   try:
     args = build_parser().parse_args(argv)

@@ -2,12 +2,16 @@
 
 What runs in a user's job. It imports MaxDiffusion only when :func:`register` runs, so
 importing ``maxdiffusion_svg`` (or this package) touches neither MaxDiffusion nor JAX's
-devices (multi-host runs initialise ``jax.distributed`` later, in ``pyconfig``).
+devices (multi-host runs initialise ``jax.distributed`` later, in ``pyconfig``). JAX itself is
+imported only when a name of ``settings`` is first used, so the launcher's ``--help`` is instant.
 """
 
 from __future__ import annotations
 
-from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from maxdiffusion_svg.plugin.settings import PluginSettings
 
 
 def register() -> None:
@@ -17,9 +21,17 @@ def register() -> None:
 
   from maxdiffusion_svg.plugin import hooks
   from maxdiffusion_svg.plugin.kernel import svg_kernel
+  from maxdiffusion_svg.plugin.settings import KERNEL_NAME
   # pylint: enable=import-outside-toplevel
   hooks.install()
   attention_flax.register_kernel(KERNEL_NAME)(svg_kernel)
+
+
+def __getattr__(name: str) -> Any:
+  if name in ("KERNEL_NAME", "PluginSettings"):  # settings imports JAX: on first use only
+    from maxdiffusion_svg.plugin import settings  # pylint: disable=import-outside-toplevel
+    return getattr(settings, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def prepare_transformer(model, settings: PluginSettings, expert: str | None = None):

@@ -4,30 +4,112 @@ an unmodified MaxDiffusion.
 Merges the config's ``base_config`` chain into one complete YAML (in a temporary folder,
 kept for the run) over every ``svg_*`` key's default, registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
 way its own ``__main__`` does. The SVG summary line is logged when each transformer is built.
+Before any of that (and before MaxDiffusion or JAX is imported, for ``--help`` and the form of
+the arguments) every mistake it can see is refused in one line with exit status 2.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import json
 import os
 import sys
 import tempfile
 from typing import Any, Mapping, Sequence
 
+from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
+# JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
-from maxdiffusion_svg.plugin.settings import config_defaults
+
+USAGE_LINE = "usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]"
+USAGE = f"""{USAGE_LINE}
+
+Runs MaxDiffusion's Wan generation (generate_wan) with Sparse VideoGen attention (attention: svg)
+on an unmodified MaxDiffusion: merges CONFIG's base_config chain into one YAML over every svg_*
+key's default, checks the overrides, registers the plugin and starts generate_wan.
+
+  CONFIG.yml   a config, e.g. configs/wan_svg.yml; its base_config is looked up beside it, then
+               among the installed MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)
+  key=value    overrides any key of the merged config, MaxDiffusion's or svg_* (e.g.
+               num_inference_steps=30 svg_density=0.25), typed as MaxDiffusion types it
+
+Keys: docs/reference.md ("Config keys"); guide: docs/getting-started.md."""
+HELP = ("-h", "--help")
 
 
 def checked_config(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
   """The merged config of ``[prog, config.yml, *overrides]`` over every ``svg_*`` default, and
-  its chain of files, after checking the overrides and the run name against it."""
+  its chain of files, after checking the overrides (form, key, value) and the run name."""
   if len(argv) < 2 or "=" in argv[1]:
-    raise ValueError("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
+    raise ValueError(USAGE_LINE)
+  if argv[1].startswith("-"):
+    raise ValueError(f"{argv[1]} is not an option of the launcher (only -h, --help); {USAGE_LINE}")
+  check_form(argv[2:])
+  from maxdiffusion_svg.plugin.settings import config_defaults  # pylint: disable=import-outside-toplevel
   config, chain = overlay.load_config(argv[1])
   config = {**config_defaults(), **config}  # every svg_* key, so each can be overridden
   check_overrides(config, argv[2:], chain)
+  check_values(config, argv[2:])
   check_run_name(config, argv[2:])
   return config, chain
+
+
+def check_form(overrides: Sequence[str]) -> None:
+  """MaxDiffusion splits each word after the config at its first ``=``; a word without one
+  fails there in a stack trace."""
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"overrides are key=value, got {item!r}")
+
+
+def parse_override(key: str, text: str, config: Mapping[str, Any]) -> Any:
+  """``key=text`` typed as MaxDiffusion's ``pyconfig`` types it: like the config's value (an
+  integer, a number, ``true``/``false``, a Python list literal, a JSON mapping), text as given.
+  A value it cannot type is named here, with what the key takes."""
+  current = config[key]
+  kind = type(current)
+  if isinstance(current, dict):
+    try:
+      value = json.loads(text)
+    except ValueError:
+      value = None
+    if isinstance(value, dict):
+      return value
+    example = json.dumps(dict(list(current.items())[:1]))  # the config's first entry
+    raise ValueError(f"{key}={text}: MaxDiffusion reads {key} as a JSON mapping (the config "
+                     f"holds one), e.g. {key}='{example}'")
+  parsers = {str: str, int: int, float: float, bool: _bool, list: ast.literal_eval}
+  if kind not in parsers:
+    raise ValueError(f"{key}={text}: {key} is {current!r} in the config, and MaxDiffusion "
+                     f"overrides only a text, integer, number, true/false, list or mapping "
+                     f"from the command line; set {key} in a config instead")
+  try:
+    return parsers[kind](text)
+  except (ValueError, SyntaxError, TypeError):
+    what = {int: "an integer", float: "a number", bool: "true or false",
+            list: "a list, e.g. [1, 2]"}[kind]
+    raise ValueError(f"{key}={text}: MaxDiffusion reads {key} as {what} (the config holds "
+                     f"{current!r})") from None
+
+
+def _bool(text: str) -> bool:
+  """``pyconfig``'s own rule: ``true`` or ``false``, any case."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  raise ValueError(text)
+
+
+def check_values(config: Mapping[str, Any], overrides: Sequence[str]) -> None:
+  """Every override typed as MaxDiffusion will type it, then every ``svg_*`` value checked as
+  the plugin checks it when a transformer is built (its errors name the key and what it
+  allows), so that a bad value stops here and not after MaxDiffusion has started."""
+  from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
+  keys = dict(config)
+  for item in overrides:
+    key, text = item.split("=", 1)
+    keys[key] = parse_override(key, text, config)
+  PluginSettings.from_mapping(keys)
 
 
 def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
@@ -77,7 +159,20 @@ def run(argv: Sequence[str]) -> None:
     generate_wan.main(maxdiffusion_argv)
 
 
+@quiet_on_broken_pipe  # `... | head` ends quietly, whatever MaxDiffusion prints
 def main(argv: Sequence[str] | None = None) -> None:
+  argv = list(sys.argv if argv is None else argv)
+  if any(a in HELP for a in argv[1:]):
+    print(USAGE)
+    sys.exit(0)
+  if len(argv) < 2:
+    print(USAGE, file=sys.stderr)
+    sys.exit(2)
+  try:  # the config, the overrides and the run name, checked before MaxDiffusion starts
+    checked_config(argv)
+  except (OSError, ValueError) as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
   try:
     # pylint: disable=import-outside-toplevel
     from absl import app
@@ -87,12 +182,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"error: MaxDiffusion is not importable ({err}); install its runtime packages and put "
           f"its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src), then run "
           f"python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...] again", file=sys.stderr)
-    sys.exit(2)
-  argv = list(sys.argv if argv is None else argv)
-  try:  # the config, the overrides and the run name, checked before MaxDiffusion starts
-    checked_config(argv)
-  except (OSError, ValueError) as err:
-    print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
   with transformer_engine_context():
     app.run(run, argv=argv)

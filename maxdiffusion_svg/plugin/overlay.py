@@ -42,8 +42,26 @@ def find_base(name: str, referrer: pathlib.Path,
   for place in places:
     if place.is_file():
       return place.resolve()
+  hint = missing_maxdiffusion_hint() if search_dirs is None and not candidate.is_absolute() else ""
   raise ValueError(f"{referrer}: {BASE_KEY} {name!r} not found; looked in "
-                   f"{', '.join(str(p) for p in places)}")
+                   f"{', '.join(str(p) for p in places)}{hint}")
+
+
+def missing_maxdiffusion_hint() -> str:
+  """Why MaxDiffusion's configs were not searched, when they were not: a base such as
+  ``base_wan_14b.yml`` is found only through an importable ``maxdiffusion`` package."""
+  try:
+    spec = importlib.util.find_spec("maxdiffusion")
+  except (ImportError, ValueError):
+    spec = None
+  if spec is None:
+    return ("; MaxDiffusion is not importable here, so its configs were not searched: put its "
+            "source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src) or pip install it")
+  if not maxdiffusion_config_dirs():
+    places = ", ".join(spec.submodule_search_locations or [str(spec.origin)])
+    return (f"; the maxdiffusion package found ({places}) has no configs/ folder: put a "
+            f"MaxDiffusion checkout's src on PYTHONPATH")
+  return ""
 
 
 def _read(path: pathlib.Path) -> dict[str, Any]:
