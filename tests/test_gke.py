@@ -12,9 +12,15 @@ import subprocess
 import sys
 import zipfile
 
+import jax.numpy as jnp
 import pytest
 import yaml
 from shipped_configs import own_chain
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels.tpu_memory import check_fits
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.target import TPU_BACKENDS, resolve_backend, tpu_target
 
 ROOT = pathlib.Path(__file__).parent.parent
 GKE = ROOT / "scripts" / "gke"
@@ -22,6 +28,23 @@ WAN14B_HEADS = 40
 # Slices: manifest -> (topology, hosts, chips per host).
 MANIFESTS = {"jobset_v6e8.yaml": ("2x4", 1, 8), "jobset_v6e16.yaml": ("4x4", 4, 4)}
 LABEL = "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
+# base_wan_14b.yml's video and Wan 14B's head size (MaxDiffusion's base is not installed here).
+WAN14B_VIDEO = {"num_frames": 81, "height": 720, "width": 1280}
+WAN14B_HEAD_DIM = 128
+
+
+def libtpu_flags() -> list[str]:
+  """The flags of scripts/gke/libtpu_init_args.txt, the one list the launch files pass."""
+  lines = (line.split("#", 1)[0].strip() for line in
+           (GKE / "libtpu_init_args.txt").read_text().splitlines())
+  return [line for line in lines if line]
+
+
+def container_of(manifest: str) -> dict:
+  jobset = yaml.safe_load((GKE / manifest).read_text())
+  (job,) = jobset["spec"]["replicatedJobs"]
+  (container,) = job["template"]["spec"]["template"]["spec"]["containers"]
+  return container
 
 
 def merged_config(name: str) -> dict:
@@ -71,6 +94,37 @@ def test_manifest_holds_what_the_controller_needs(manifest):
   assert env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == LABEL
   # The config's mesh divides Wan 14B's heads on this slice.
   assert WAN14B_HEADS % context_shards(merged_config(config.name), hosts * chips) == 0
+
+
+def test_libtpu_flags_are_maxdiffusion_wan_runs_with_its_vmem_limit():
+  flags = libtpu_flags()
+  assert len(flags) == len(set(flags)) and all(re.fullmatch(r"--\w+=\S+", f) for f in flags)
+  for flag in ("--xla_tpu_scoped_vmem_limit_kib=65536", "--xla_tpu_enable_async_all_to_all=true",
+               "--xla_tpu_enable_async_collective_fusion=true"):
+    assert flag in flags
+
+
+@pytest.mark.parametrize("manifest", sorted(MANIFESTS))
+def test_manifest_passes_the_libtpu_flags_and_the_plugin_fits_its_vmem_limit(manifest,
+                                                                            monkeypatch):
+  """The JobSet's LIBTPU_INIT_ARGS are the shared list; read as the plugin reads them in the
+  pod, they give a v6e the 64 MiB limit MaxDiffusion's Wan runs compile under, and the tiles the
+  config gets there fit it (each TPU kernel's defaults, as the plugin checks before compiling)."""
+  env = {v["name"]: v.get("value") for v in container_of(manifest)["env"]}
+  assert env["LIBTPU_INIT_ARGS"].split() == libtpu_flags()
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", env["LIBTPU_INIT_ARGS"])
+  target = tpu_target("v6e")  # what the plugin builds for the pod's v6e devices
+  assert (target.vmem_limit, target.vmem_source) == (65536 * 1024, "LIBTPU_INIT_ARGS")
+  command = container_of(manifest)["command"]
+  config = {**WAN14B_VIDEO, **merged_config(pathlib.PurePosixPath(command[3]).name)}
+  grid = VideoGrid.for_video(config["num_frames"], config["height"], config["width"])
+  for backend in ("auto", *TPU_BACKENDS):
+    svg = PluginSettings.from_mapping({**config, "svg_backend": backend}).svg
+    kernel = resolve_backend(backend, target)
+    assert kernel in TPU_BACKENDS
+    tiles = svg.tiles(target, kernel)
+    check_fits(svg.plan(grid, target=target, backend=kernel), WAN14B_HEAD_DIM, jnp.bfloat16,
+               tiles.block_kv_compute, target, kernel)
 
 
 def test_dockerfile_installs_the_staged_wheel_where_the_manifests_look():
@@ -130,7 +184,9 @@ def test_xpk_dry_run_makes_a_jobset_running_our_command(tmp_path, tpu_type, host
   assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == topology
   (container,) = pod["containers"]
   assert container["resources"]["limits"]["google.com/tpu"] == chips
-  assert not container.get("env")  # no JOBSET_NAME: the run name must be in the command
+  # No JOBSET_NAME (the run name must be in the command); the shared libtpu flags.
+  env = {v["name"]: v["value"] for v in container["env"]}
+  assert env == {"LIBTPU_INIT_ARGS": " ".join(libtpu_flags())}
   script = container["command"][-1]
   ours = (f"pip install . && pip install --no-deps maxdiffusion_svg_stage/*.whl && "
           f"python -m maxdiffusion_svg.generate maxdiffusion_svg_stage/configs/{config} "
@@ -150,6 +206,26 @@ def test_xpk_dry_run_makes_a_jobset_running_our_command(tmp_path, tpu_type, host
 def test_xpk_script_needs_a_config_for_other_slices(tmp_path):
   result = run_xpk_script(tmp_path, TPU_TYPE="v5p-32", XPK="false")
   assert result.returncode == 2 and "no default config for TPU_TYPE=v5p-32" in result.stderr
+
+
+@pytest.mark.parametrize("output_dir", ["/tmp/out", "out", "gs:/b/out", "gs://", "s3://b/out",
+                                        "gs://b/out"])
+def test_xpk_script_takes_only_a_bucket_output_dir(tmp_path, output_dir):
+  """A fake xpk records its arguments: it runs, with the shared libtpu flags, only for gs://."""
+  calls = tmp_path / "xpk_calls"
+  fake_xpk = tmp_path / "xpk"
+  fake_xpk.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+  fake_xpk.chmod(0o755)
+  result = run_xpk_script(tmp_path, XPK=str(fake_xpk), OUTPUT_DIR=output_dir)
+  if output_dir == "gs://b/out":
+    assert result.returncode == 0, result.stderr
+    assert f"--env LIBTPU_INIT_ARGS={' '.join(libtpu_flags())} --command" in calls.read_text()
+    return
+  assert result.returncode == 2, result.stderr
+  assert result.stderr == (f"error: OUTPUT_DIR must be a gs:// folder (the pods upload videos "
+                           f"there), got '{output_dir}'\n")
+  assert not calls.exists()  # xpk never ran
+  assert not (tmp_path / "maxdiffusion" / "maxdiffusion_svg_stage").exists()  # nor the stage
 
 
 def test_xpk_script_refuses_what_is_not_a_maxdiffusion_checkout(tmp_path):
