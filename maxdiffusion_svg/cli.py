@@ -495,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SVG presets to run after dense")
   _add_json_arg(e2e)
   e2e.set_defaults(run=_bench_e2e)
+
+  from maxdiffusion_svg import cli_compare  # pylint: disable=import-outside-toplevel
+  cli_compare.add_parser(sub)
   return parser
 
 

@@ -1,0 +1,335 @@
+"""``python -m maxdiffusion_svg compare``: the user's dense kernel and SVG on one prompt and seed.
+
+The weights load once, with ``attention: svg`` (so the hooks prepare the transformers); each
+run then sets, on the loaded model, what MaxDiffusion would have built for it: the
+self-attention ops' kernel name (the dense kernel, or ``svg``) and the SVG settings of the run.
+Both are static attributes of the model's graph, so each run compiles its own forward
+(MaxDiffusion's warm-up, which is not timed) and the weights are shared. Cross-attention runs
+the same in every run: ``svg`` hands it to its dense kernel, as MaxDiffusion's own kernels do
+(with Wan's ``flash_min_seq_length: 4096``, as ``dot_product``).
+
+Per run: seconds per denoising step of the real call (the pipeline's ``denoise_total``), the
+share of self-attention calls that run sparse (from the run's schedule) and, against the dense
+video, PSNR, SSIM and optionally LPIPS. Each run's video and the JSON are written as soon as
+the run ends, so an interrupted comparison keeps what finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import yaml
+
+from maxdiffusion_svg import video_metrics
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from maxdiffusion_svg.schedule import PRESETS
+
+CONFIG_RUN = "config"  # the svg run the config itself describes
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One generation of the comparison."""
+
+  name: str
+  kernel: str  # the self-attention kernel: a dense MaxDiffusion kernel or "svg"
+  overrides: tuple[str, ...] = ()  # svg_* keys of this run, over the config's
+
+  @property
+  def is_dense(self) -> bool:
+    return self.kernel != KERNEL_NAME
+
+
+def svg_run(spec: str) -> Run:
+  """A run from ``config`` (the config's own SVG keys), a preset name, or a band density."""
+  if spec == CONFIG_RUN:
+    return Run("svg", KERNEL_NAME)
+  if spec in PRESETS:
+    return Run(f"svg {spec}", KERNEL_NAME, (f"svg_schedule={spec}",))
+  try:
+    density = float(spec)
+  except ValueError:
+    raise ValueError(f"--svg takes {CONFIG_RUN}, a preset ({', '.join(PRESETS)}) or a band "
+                     f"density in (0, 1], got {spec!r}") from None
+  if not 0.0 < density <= 1.0:
+    raise ValueError(f"--svg density must be in (0, 1], got {spec}")
+  return Run(f"svg density {density:g}", KERNEL_NAME, (f"svg_density={density:g}",))
+
+
+def base_attention(config_path: str) -> str | None:
+  """The ``attention`` of the first config in the file's ``base_config`` chain that does not
+  set ``svg``: what the user runs without this plugin."""
+  _, chain = overlay.load_config(config_path)
+  for path in chain:
+    with open(path, encoding="utf-8") as f:
+      value = (yaml.safe_load(f) or {}).get("attention")
+    if value is not None and value != KERNEL_NAME:
+      return str(value)
+  return None
+
+
+def dense_kernels() -> list[str]:
+  """The dense kernels MaxDiffusion dispatches by name."""
+  from maxdiffusion.models import attention_flax  # pylint: disable=import-outside-toplevel
+  return sorted({"dot_product", *attention_flax.KERNEL_REGISTRY} - {KERNEL_NAME})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What ``compare`` will do, checked before anything loads."""
+
+  config: str
+  overrides: tuple[str, ...]
+  runs: tuple[Run, ...]
+  keys: dict[str, Any]  # the merged config with the overrides (attention: svg)
+  settings: dict[str, PluginSettings]  # per svg run
+  out_dir: pathlib.Path
+  lpips: bool
+
+
+def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
+                    svg: Sequence[str], out_dir: str, lpips: bool) -> Plan:
+  """Every check ``compare`` can make before weights load: one line each."""
+  malformed = [o for o in overrides if "=" not in o]
+  if malformed:
+    raise ValueError(f"overrides are key=value, got {malformed[0]!r}")
+  argv = ["compare", config, *overrides, f"attention={KERNEL_NAME}"]
+  keys, _ = launcher.checked_config(argv)
+  for item in argv[2:]:
+    key, text = item.split("=", 1)
+    keys[key] = yaml.safe_load(text)
+  dense = dense or base_attention(config)
+  if dense is None:
+    raise ValueError(f"no dense kernel: {config}'s base_config chain sets no attention other "
+                     f"than svg; give --dense KERNEL (e.g. flash, ulysses_custom_fixed_m)")
+  known = dense_kernels()
+  if dense not in known:
+    raise ValueError(f"--dense {dense!r} is not a MaxDiffusion attention kernel; known: "
+                     f"{', '.join(known)}")
+  runs = [Run(f"dense ({dense})", dense), *(svg_run(s) for s in svg)]
+  names = [r.name for r in runs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"--svg names a run twice: {', '.join(names[1:])}")
+  settings = {}
+  for run in runs[1:]:
+    run_keys = {**keys, **{k: yaml.safe_load(v) for k, v in
+                           (o.split("=", 1) for o in run.overrides)}}
+    if run.overrides and run.overrides[0].startswith("svg_schedule="):
+      for key in ("svg_density", "svg_active_steps", "svg_active_layers"):
+        run_keys[key] = "preset"  # a preset run takes the preset's values, not the config's
+    settings[run.name] = PluginSettings.from_mapping(run_keys)
+  if keys.get("aot_cache_dir"):
+    raise ValueError(f"aot_cache_dir is {keys['aot_cache_dir']!r}: compare runs several kernels "
+                     f"on one model and MaxDiffusion's AOT cache keys executables by the config's "
+                     f"attention only; give aot_cache_dir=''")
+  if not str(keys.get("prompt") or "").strip():
+    raise ValueError("prompt is empty: give prompt='...' (the same prompt runs for every kernel)")
+  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""))
+  video_metrics.check_metrics(lpips)
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  if not os.access(out, os.W_OK):
+    raise ValueError(f"--out {out} is not writable")
+  return Plan(config, tuple(overrides), tuple(runs), keys, settings, out.resolve(), lpips)
+
+
+def check_checkpoint(name: str) -> None:
+  """The checkpoint's transformer config can be read (a local folder, or a Hub id)."""
+  if not name:
+    raise ValueError("pretrained_model_name_or_path is not set: give the checkpoint to compare on")
+  try:
+    preflight.transformer_heads(name)
+  except Exception as err:  # pylint: disable=broad-except  # any loader failure, named
+    raise ValueError(f"pretrained_model_name_or_path {name!r} does not load: "
+                     f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                     ) from None
+
+
+def sparse_call_share(settings: PluginSettings, steps: int, layers: int, grid: VideoGrid) -> float:
+  """Self-attention calls of a run that take the sparse branch: the kernel's own rule (the
+  schedule's steps x layers; dense below ``svg_min_seq_length`` tokens)."""
+  if grid.tokens < settings.min_seq_length:
+    return 0.0
+  schedule = settings.svg.schedule
+  sparse = sum(1 for step in range(steps) for layer in range(layers)
+               if schedule.is_active(step, layer))
+  return sparse / (steps * layers)
+
+
+def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
+  for name in ("transformer", "high_noise_transformer", "low_noise_transformer"):
+    model = getattr(pipeline, name, None)
+    if model is not None:
+      for op, _ in hooks._self_attention_ops(model):  # pylint: disable=protected-access
+        yield model, op
+
+
+def set_run(pipeline: Any, run: Run, settings: PluginSettings | None) -> None:
+  """Makes the loaded model what MaxDiffusion would have built for ``run``."""
+  for model, op in _self_attention_ops(pipeline):
+    op.attention_kernel = run.kernel
+    if settings is not None:
+      model.svg_settings = settings
+
+
+@contextlib.contextmanager
+def _generate_wan_calls(before_call: Callable[[Any], None],
+                        on_step: Callable[[], None]) -> Iterator[dict[str, Any]]:
+  """Wraps ``generate_wan``'s pipeline call, the scheduler's step and the video export:
+  ``before_call(pipeline)`` runs before each call, ``on_step()`` after each denoising step the
+  real call takes in Python (a ``scan_diffusion_loop`` takes them all at once); the pipeline,
+  the last call's trace and the exported frames are kept."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import generate_wan
+  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
+      FlaxUniPCMultistepScheduler as scheduler)
+  # pylint: enable=import-outside-toplevel
+  seen: dict[str, Any] = {"frames": [], "calls": 0}
+  export, call, step = generate_wan.export_to_video, generate_wan.call_pipeline, scheduler.step
+
+  def call_pipeline(config, pipeline, *args, **kwargs):
+    seen["pipeline"] = pipeline
+    seen["calls"] += 1
+    before_call(pipeline)
+    outputs = call(config, pipeline, *args, **kwargs)
+    seen["trace"] = outputs[1] if isinstance(outputs, tuple) else {}
+    return outputs
+
+  def scheduler_step(self, *args, **kwargs):
+    out = step(self, *args, **kwargs)
+    if seen["calls"] % 2 == 0:  # generate_wan.run: a warm-up call, then the real one
+      on_step()
+    return out
+
+  def export_to_video(video, path, fps=16, **kwargs):
+    seen["frames"].append(video_metrics.as_frames(video))
+    return export(video, path, fps=fps, **kwargs)
+
+  generate_wan.export_to_video, generate_wan.call_pipeline = export_to_video, call_pipeline
+  scheduler.step = scheduler_step
+  try:
+    yield seen
+  finally:
+    generate_wan.export_to_video, generate_wan.call_pipeline = export, call
+    scheduler.step = step
+
+
+def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: bool = False
+                   ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """Generates every run of ``plan`` in this process, writing each run's video, the
+  side-by-side video and the JSON as each run ends; returns the JSON's dict and each run's
+  frames (uint8, the videos of the batch one after another). ``progress``: a bar over the
+  runs' denoising steps on stderr."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import generate_wan, pyconfig
+
+  from maxdiffusion_svg import plugin
+  # pylint: enable=import-outside-toplevel
+  plugin.register()
+  keys = plan.keys
+  steps = int(keys["num_inference_steps"])
+  grid = VideoGrid.for_video(keys["num_frames"], keys["height"], keys["width"])
+  result: dict[str, Any] = {
+      "config": plan.config, "overrides": list(plan.overrides),
+      "checkpoint": keys["pretrained_model_name_or_path"], "prompt": keys["prompt"],
+      "seed": keys.get("seed"), "video": [keys["num_frames"], keys["height"], keys["width"]],
+      "tokens": grid.tokens, "steps": steps,
+      "time": "seconds per denoising step of the real run (compile warm-up excluded)",
+      "metrics": "mean over frames against the dense video: PSNR (dB), SSIM"
+                 + (", LPIPS (AlexNet)" if plan.lpips else ""), "runs": []}
+  scorer = video_metrics.lpips_scorer() if plan.lpips else None
+  current: dict[str, Run] = {}
+  videos: dict[str, np.ndarray] = {}
+
+  def before_call(pipeline: Any) -> None:
+    run = current["run"]
+    set_run(pipeline, run, plan.settings.get(run.name))
+
+  bar = _bar(len(plan.runs) * steps, progress)
+  with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
+      _generate_wan_calls(before_call, lambda: bar.update(1)) as seen, bar:
+    argv = launcher.prepare_argv(["compare", plan.config, *plan.overrides,
+                                  f"attention={KERNEL_NAME}"], tmp)[0]
+    for index, run in enumerate(plan.runs):
+      current["run"] = run
+      bar.set_description(f"run {index + 1}/{len(plan.runs)}: {run.name}")
+      bar.n = index * steps
+      log(f"compare: run {index + 1} of {len(plan.runs)}: {run.name}")
+      run_dir = plan.out_dir / run_folder(run.name)
+      run_dir.mkdir(exist_ok=True)
+      seen["frames"].clear()
+      cwd = os.getcwd()
+      os.chdir(run_dir)  # generate_wan writes its MP4 into the working directory
+      try:
+        if "pipeline" not in seen:
+          generate_wan.main(argv)  # loads the weights (once), then runs
+        else:
+          generate_wan.run(pyconfig.config, pipeline=seen["pipeline"])
+      finally:
+        os.chdir(cwd)
+      videos[run.name] = frames = np.concatenate(seen["frames"])
+      row: dict[str, Any] = {
+          "name": run.name, "kernel": run.kernel, "overrides": list(run.overrides),
+          "step_s": seen["trace"].get("denoise_total", float("nan")) / steps,
+          "videos": sorted(str(p) for p in run_dir.glob("*.mp4"))}
+      settings = plan.settings.get(run.name)
+      if settings is not None:
+        layers = next(m for m, _ in _self_attention_ops(seen["pipeline"])).num_layers
+        row.update(density=settings.svg.density, preset=settings.preset,
+                   sparse_call_share=sparse_call_share(settings, steps, layers, grid))
+      scores = video_metrics.compare_videos(frames, videos[plan.runs[0].name], scorer)
+      row.update(psnr_db=scores.psnr_db, ssim=scores.ssim, lpips=scores.lpips)
+      result["runs"].append(row)
+      write_outputs(plan, result, videos, int(keys.get("fps") or 16))
+  return result, videos
+
+
+def _bar(total: int, show: bool) -> Any:
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel  # a MaxDiffusion dependency
+  return tqdm(total=total, unit="step", disable=not show, dynamic_ncols=True)
+
+
+def run_folder(name: str) -> str:
+  return "".join(c if c.isalnum() or c in "._-" else "_" for c in name).strip("_")
+
+
+def write_outputs(plan: Plan, result: dict[str, Any], videos: dict[str, np.ndarray],
+                  fps: int) -> None:
+  """Speed-ups against dense, the JSON and the side-by-side video of the runs so far."""
+  from maxdiffusion.utils import export_to_video  # pylint: disable=import-outside-toplevel
+  dense_step = result["runs"][0]["step_s"]
+  for row in result["runs"]:
+    row["speedup_vs_dense"] = dense_step / row["step_s"] if row["step_s"] else float("nan")
+  result["side_by_side"] = str(plan.out_dir / "side_by_side.mp4")
+  result["side_by_side_order"] = [row["name"] for row in result["runs"]]
+  export_to_video(video_metrics.side_by_side(list(videos.values())), result["side_by_side"],
+                  fps=fps)
+  with open(plan.out_dir / "compare.json", "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=2)
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+  frames, height, width = result["video"]
+  lines = [f"compare: {result['checkpoint']}, {frames}x{height}x{width} video "
+           f"({result['tokens']:,} tokens), {result['steps']} steps, seed {result['seed']}",
+           f"{'run':<24}{'sparse calls':>13}{'s/step':>10}{'speed-up':>10}{'PSNR dB':>9}"
+           f"{'SSIM':>8}{'LPIPS':>8}"]
+  for row in result["runs"]:
+    share = f"{row['sparse_call_share']:.0%}" if "sparse_call_share" in row else "-"
+    psnr = "inf" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.2f}"
+    lpips = "-" if row["lpips"] is None else f"{row['lpips']:.3f}"
+    lines.append(f"{row['name']:<24}{share:>13}{row['step_s']:>10.3f}"
+                 f"{row['speedup_vs_dense']:>9.2f}x{psnr:>9}{row['ssim']:>8.3f}{lpips:>8}")
+  lines.append(f"time: {result['time']}; quality: {result['metrics']}")
+  lines.append(f"videos: {result['side_by_side']} (left to right: "
+               f"{', '.join(result['side_by_side_order'])}); JSON beside it")
+  return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""``compare`` end to end on the tiny checkpoint: weights loaded once, each run the kernel it
+names, figures recomputed independently, and what an interrupted comparison keeps."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg import plugin
+from maxdiffusion_svg.plugin import compare, hooks
+from maxdiffusion_svg.testing import tiny_checkpoint
+from tiny_runs import ROOT, STEPS, SVG_KEYS, TINY, launch
+
+LAYERS = 2  # the tiny checkpoint's blocks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return tiny_checkpoint.write_wan21(str(tmp_path_factory.mktemp("checkpoint") / "wan21"))
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+  path = tmp_path_factory.mktemp("config") / "tiny_svg.yml"
+  path.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
+                                  **SVG_KEYS}))
+  return str(path)
+
+
+def _overrides(checkpoint):
+  return [f"pretrained_model_name_or_path={checkpoint}", *TINY]
+
+
+@pytest.fixture(scope="module")
+def compared(checkpoint, run_config, tmp_path_factory):
+  """dense (dot_product), the config's svg and svg at density 1, counting weight loads and
+  recording the svg kernel's calls."""
+  import jax  # pylint: disable=import-outside-toplevel
+  out = tmp_path_factory.mktemp("compare")
+  plan = compare.plan_comparison(run_config, _overrides(checkpoint), "dot_product",
+                                 ["config", "1.0"], str(out), lpips=False)
+  loads = []
+  prepare = hooks.prepare_transformer  # the hook calls it once per transformer it builds
+  hooks.prepare_transformer = lambda *a, **k: loads.append(1) or prepare(*a, **k)
+  try:
+    with plugin.record_calls() as log:
+      result, videos = compare.run_comparison(plan, log=lambda m: None)
+      jax.effects_barrier()
+  finally:
+    hooks.prepare_transformer = prepare
+  return plan, result, videos, list(log), loads, out
+
+
+def test_runs_share_one_load_and_each_runs_its_kernel(compared):
+  plan, result, _, log, loads, _ = compared
+  assert [r.name for r in plan.runs] == ["dense (dot_product)", "svg", "svg density 1"]
+  assert len(loads) == 1  # one transformer built: the weights loaded once
+  self_calls = [r for r in log if r["kind"] == "self"]
+  # The dense run never enters the svg kernel; each svg run makes steps x layers calls in its
+  # real call and 2 x layers in generate_wan's 2-step warm-up.
+  assert len(self_calls) == 2 * (2 + STEPS) * LAYERS
+  sparse = [r for r in self_calls if r["sparse"]]
+  assert {(r["step"], r["layer"]) for r in sparse} == {(1, 1), (2, 1)}
+  assert {r["density"] for r in sparse} == {0.3, 1.0}  # each run's own settings
+  expected_share = (STEPS - 1) * (LAYERS - 1) / (STEPS * LAYERS)
+  rows = {r["name"]: r for r in result["runs"]}
+  assert rows["svg"]["sparse_call_share"] == pytest.approx(expected_share)
+  assert rows["svg"]["density"] == 0.3 and rows["svg density 1"]["density"] == 1.0
+  assert "sparse_call_share" not in rows["dense (dot_product)"]
+  assert all(r["step_s"] > 0 for r in rows.values())
+
+
+def test_dense_run_is_maxdiffusions_own_and_figures_recompute(compared, checkpoint, run_config,
+                                                              tmp_path):
+  _, result, videos, _, _, out = compared
+  alone, _ = launch(tmp_path, [run_config, *_overrides(checkpoint), "attention=dot_product"])
+  dense = videos["dense (dot_product)"]
+  assert dense.shape == (33, 128, 128, 3)
+  assert np.abs(dense.astype(int) - alone.astype(int)).max() <= 1  # same model, same kernel
+  rows = {r["name"]: r for r in result["runs"]}
+  assert rows["dense (dot_product)"]["psnr_db"] == math.inf
+  assert rows["dense (dot_product)"]["ssim"] == pytest.approx(1.0, abs=1e-6)
+  for name in ("svg", "svg density 1"):
+    a, b = videos[name].astype(np.float64) / 255, dense.astype(np.float64) / 255
+    mse = ((a - b) ** 2).reshape(len(a), -1).mean(axis=1)
+    expected = np.mean([math.inf if m == 0 else 10 * math.log10(1 / m) for m in mse])
+    assert rows[name]["psnr_db"] == pytest.approx(expected, rel=1e-4)
+  # Density 1 is dense up to rounding; the sparse run differs (little: random weights attend
+  # almost uniformly, and 2 of its 6 calls are sparse).
+  assert np.abs(videos["svg density 1"].astype(int) - dense.astype(int)).max() <= 1
+  assert math.isfinite(rows["svg"]["psnr_db"])
+  assert rows["svg density 1"]["psnr_db"] > rows["svg"]["psnr_db"]
+  assert 0 < rows["svg"]["ssim"] < rows["svg density 1"]["ssim"] <= 1
+  written = json.loads((out / "compare.json").read_text())
+  assert [r["name"] for r in written["runs"]] == list(rows)
+  assert (out / "side_by_side.mp4").stat().st_size > 0
+  for row in written["runs"]:
+    assert row["videos"] and all(p.endswith(".mp4") for p in row["videos"])
+
+
+def test_an_interrupted_comparison_keeps_the_finished_runs(checkpoint, run_config, tmp_path,
+                                                           monkeypatch):
+  plan = compare.plan_comparison(run_config, _overrides(checkpoint), "dot_product",
+                                 ["0.5", "aggressive"], str(tmp_path), lpips=False)
+  set_run = compare.set_run
+
+  def interrupt(pipeline, run, settings):
+    if run.name == "svg aggressive":
+      raise KeyboardInterrupt
+    set_run(pipeline, run, settings)
+
+  monkeypatch.setattr(compare, "set_run", interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    compare.run_comparison(plan, log=lambda m: None)
+  written = json.loads((tmp_path / "compare.json").read_text())
+  assert [r["name"] for r in written["runs"]] == ["dense (dot_product)", "svg density 0.5"]
+  assert all(p for r in written["runs"] for p in r["videos"])
+  assert not (tmp_path / "svg_aggressive").exists() or not list(
+      (tmp_path / "svg_aggressive").glob("*.mp4"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dense": "flashy"}, "--dense 'flashy' is not a MaxDiffusion attention kernel; known: "),
+    ({"svg": ["fast"]}, "--svg takes config, a preset"),
+    ({"svg": ["1.5"]}, "--svg density must be in (0, 1]"),
+    ({"svg": ["0.5", "0.5"]}, "--svg names a run twice"),
+    ({"extra": ["aot_cache_dir=/tmp/aot"]}, "aot_cache_dir is '/tmp/aot'"),
+    ({"extra": ["prompt= "]}, "prompt is empty"),
+    ({"extra": ["svg_density=0"]}, "svg_density"),
+    ({"checkpoint": "/nonexistent/wan"}, "pretrained_model_name_or_path '/nonexistent/wan' does "
+                                         "not load"),
+    ({"lpips": True}, "--lpips needs"),
+])
+def test_bad_input_is_one_line_before_anything_loads(checkpoint, run_config, tmp_path, change,
+                                                     message):
+  overrides = [f"pretrained_model_name_or_path={change.get('checkpoint', checkpoint)}", *TINY,
+               *change.get("extra", [])]
+  with pytest.raises(ValueError) as err:
+    compare.plan_comparison(run_config, overrides, change.get("dense", "dot_product"),
+                            change.get("svg", ["config"]), str(tmp_path),
+                            lpips=change.get("lpips", False))
+  assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_dense_kernel_defaults_to_the_base_configs(run_config):
+  # wan_svg_1_3b.yml sets attention: svg over MaxDiffusion's base_wan_1_3b.yml.
+  base = compare.base_attention(run_config)
+  assert base is not None and base != "svg" and base in compare.dense_kernels()
