@@ -117,6 +117,14 @@ class SvgConfig:
     return plan_tiles(grid, self.density_for(expert), tiles.block_q, tiles.block_kv,
                       self.tile_mode, include_sink=self.include_sink)
 
+  def dense_plan(self, grid: VideoGrid, target: Target | None = None,
+                 backend: str | None = None) -> TilePlan:
+    """The schedule's dense branch: every tile of the same executor's tiles, no mask. Compiled
+    beside the sparse plan wherever the step or layer is traced (the plugin's forward)."""
+    tiles = self.tiles(target, backend)
+    return plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, TileMode.ALIGNED,
+                      include_sink=False)
+
   @classmethod
   def from_mapping(cls, mapping: Mapping[str, Any], num_steps: int | None = None,
                    extra_keys: tuple[str, ...] = ()) -> "SvgConfig":

@@ -40,6 +40,14 @@ class Interval:
       raise ValueError(f"{key} needs start < end, got [{start}, {end})")
     return cls(start, end)
 
+  def count(self, total: int) -> int:
+    """How many of ``0 .. total - 1`` it holds (steps of a run, layers of a model)."""
+    return self.within(0, total)
+
+  def within(self, start: int, end: int) -> int:
+    """How many of ``start .. end - 1`` it holds (a Wan 2.2 expert's steps)."""
+    return max(0, min(end, self.end if self.end is not None else end) - max(start, self.start))
+
   def contains(self, i: Any) -> Any:
     if _is_int(i):
       return self.start <= i and (self.end is None or i < self.end)

@@ -1,6 +1,7 @@
 """The job checks every process makes before weights load (maxdiffusion_svg.plugin.preflight)."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -62,3 +63,97 @@ def test_context_shards_must_divide_the_heads():
 def test_a_bucket_needs_a_run_name():
   with pytest.raises(ValueError, match="run_name is not set.*gs://bucket/out"):
     preflight.check_job(dataclasses.replace(GOOD, run_name=""), GKE)
+
+
+@pytest.mark.parametrize("name, generation", [("v6e-8", "v6e"), ("v6e-16", "v6e"),
+                                              ("v5litepod-16", "v5e"), ("v5e-4", "v5e"),
+                                              ("v5p-8", "v5p"), ("v4-32", "v4"),
+                                              ("tpu7x-8", "tpu7x"), ("v7x-8", "tpu7x"),
+                                              ("v6e", None), ("v9z-8", None)])
+def test_slice_generation(name, generation):
+  assert preflight.slice_generation(name) == generation
+
+
+WAN_MESH = {"ici_data_parallelism": 1, "ici_fsdp_parallelism": 1, "ici_context_parallelism": -1,
+            "ici_tensor_parallelism": 1, "dcn_context_parallelism": -1,
+            "mesh_axes": ["data", "fsdp", "context", "tensor"]}
+
+
+@pytest.mark.parametrize("keys, devices, want", [
+    ({}, 8, {"data": 1, "fsdp": 1, "context": 8, "tensor": 1}),  # MaxDiffusion's Wan default
+    ({"ici_data_parallelism": 2}, 16, {"data": 2, "fsdp": 1, "context": 8, "tensor": 1}),
+    ({"ici_context_parallelism": 4, "ici_fsdp_parallelism": -1}, 8,
+     {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}),
+    ({"ici_context_parallelism": 2, "ici_data_parallelism": 4}, 8,
+     {"data": 4, "fsdp": 1, "context": 2, "tensor": 1}),
+])
+def test_the_mesh_fills_the_one_unsized_axis(keys, devices, want):
+  assert preflight.mesh_shape({**WAN_MESH, **keys}, devices) == want
+
+
+def test_without_a_dcn_context_key_there_is_no_context_axis():
+  """MaxDiffusion sizes the context axis only where both ici_ and dcn_context_parallelism are
+  keys of the config."""
+  keys = {k: v for k, v in WAN_MESH.items() if k not in ("dcn_context_parallelism",)}
+  keys.update(ici_data_parallelism=-1, mesh_axes=["data", "fsdp", "tensor"])
+  assert preflight.mesh_shape(keys, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+
+
+@pytest.mark.parametrize("keys, devices, needle", [
+    ({"ici_context_parallelism": 3}, 8, "ici_context_parallelism 3 x ici_tensor_parallelism 1 do "
+                                        "not make the slice's 8 devices"),
+    ({"ici_data_parallelism": -1}, 8, "ici_data_parallelism and ici_context_parallelism are all "
+                                      "-1"),
+    ({"ici_data_parallelism": 3}, 8, "ici_context_parallelism is -1, but the other "
+                                     "ici_*_parallelism sizes multiply to 3"),
+    ({"ici_tensor_parallelism": 0}, 8, "ici_tensor_parallelism must be a positive integer or -1"),
+    ({"ici_fsdp_parallelism": None}, 8, "ici_fsdp_parallelism must be a positive integer"),
+])
+def test_a_mesh_that_cannot_be_built_is_refused_naming_the_keys(keys, devices, needle):
+  with pytest.raises(ValueError, match=re.escape(needle)):
+    preflight.mesh_shape({**WAN_MESH, **keys}, devices)
+
+
+class _Config:
+  """What MaxDiffusion's create_device_mesh reads of its config."""
+
+  def __init__(self, keys):
+    self.__dict__.update(keys)
+    self.allow_split_physical_axes = False
+    self._keys = keys
+
+  def get_keys(self):
+    return self._keys
+
+
+@pytest.mark.parametrize("keys", [{}, {"ici_data_parallelism": 2},
+                                  {"ici_context_parallelism": 4, "ici_fsdp_parallelism": -1},
+                                  {"ici_context_parallelism": 2, "ici_tensor_parallelism": -1}])
+def test_the_mesh_is_maxdiffusions(keys):
+  """Against MaxDiffusion's own max_utils.create_device_mesh on the 8 simulated devices."""
+  max_utils = pytest.importorskip("maxdiffusion.max_utils")
+  import jax  # pylint: disable=import-outside-toplevel
+  keys = {**WAN_MESH, **keys, "dcn_data_parallelism": 1, "dcn_fsdp_parallelism": 1,
+          "dcn_tensor_parallelism": 1}
+  theirs = jax.sharding.Mesh(max_utils.create_device_mesh(_Config(dict(keys)), logging=False),
+                             keys["mesh_axes"])
+  assert preflight.mesh_shape(keys, jax.device_count()) == dict(theirs.shape)
+
+
+@pytest.mark.parametrize("keys", [{"ici_context_parallelism": 3}, {"ici_data_parallelism": -1},
+                                  {"ici_data_parallelism": 3}])
+def test_a_mesh_maxdiffusion_refuses_is_refused(keys):
+  max_utils = pytest.importorskip("maxdiffusion.max_utils")
+  import jax  # pylint: disable=import-outside-toplevel
+  keys = {**WAN_MESH, **keys, "dcn_data_parallelism": 1, "dcn_fsdp_parallelism": 1,
+          "dcn_tensor_parallelism": 1}
+  with pytest.raises(AssertionError):
+    max_utils.create_device_mesh(_Config(dict(keys)), logging=False)
+  with pytest.raises(ValueError):
+    preflight.mesh_shape(keys, jax.device_count())
+
+
+def test_the_heads_come_from_a_checkpoint_folders_config(tmp_path):
+  (tmp_path / "transformer").mkdir()
+  (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 12}')
+  assert preflight.transformer_heads(str(tmp_path)) == 12

@@ -21,7 +21,8 @@ from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, TPU_BACKENDS, Target
 from maxdiffusion_svg.tiles import TilePlan
 from maxdiffusion_svg.tiling import default_kv_compute
 
-__all__ = ["BACKENDS", "resolve_backend", "sparse_attention", "lowering_tpu_target"]
+__all__ = ["BACKENDS", "check_tpu_call", "lowering_tpu_target", "resolve_backend",
+           "sparse_attention"]
 
 
 def lowering_tpu_target(target: Target) -> Target:
@@ -30,6 +31,16 @@ def lowering_tpu_target(target: Target) -> Target:
   if target.is_tpu:
     return target
   return dataclasses.replace(tpu_target(GENERIC_TPU), speculative=True)
+
+
+def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
+                   target: Target, backend: str, value_dim: int | None = None) -> None:
+  """What a TPU lowering of ``backend``'s kernel (``pallas`` or ``splash``) refuses before
+  compiling: our kernel's shapes, then VMEM and SMEM on ``target``. One function for the run
+  (:func:`sparse_attention`) and the pre-flight (``tiles --config``), so both say the same."""
+  if backend == "pallas":
+    check_shapes(head_dim, dtype, plan, block_kv_compute, value_dim)
+  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
@@ -107,7 +118,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
     """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
     surfaces only if the call is lowered for one (runs on this host are unaffected)."""
     try:
-      check_fits(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend)
+      check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1])
       return kernel(interpret=False)
     except ValueError as err:
       if not tpu.speculative:

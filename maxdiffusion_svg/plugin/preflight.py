@@ -10,8 +10,11 @@ calls :func:`check_job` (``hooks._preflight``) reads the values from MaxDiffusio
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import pathlib
 import re
-from typing import Mapping
+from typing import Any, Mapping
 
 # TPU types whose number counts TensorCores (two per chip, one JAX device per chip: megacore).
 _CORE_COUNTED = ("v2", "v3", "v4", "v5p")
@@ -52,6 +55,74 @@ def slice_devices(accelerator_type: str) -> int | None:
     return None
   count = int(match.group(2))
   return count // 2 if match.group(1) in _CORE_COUNTED else count
+
+
+# A slice type's name prefix -> the TPU generation (target.GENERATIONS' names).
+_SLICE_GENERATIONS = {"v4": "v4", "v5litepod": "v5e", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e",
+                      "tpu7x": "tpu7x", "v7x": "tpu7x"}
+
+
+def slice_generation(accelerator_type: str) -> str | None:
+  """The TPU generation of a slice type (``v6e-16`` -> ``v6e``, ``v5litepod-8`` -> ``v5e``);
+  None for a name :func:`slice_devices` does not read."""
+  if slice_devices(accelerator_type) is None:
+    return None
+  return _SLICE_GENERATIONS.get(accelerator_type.strip().rsplit("-", 1)[0])
+
+
+# MaxDiffusion's mesh axes, in the order of its ici_*/dcn_* parallelism keys.
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+
+
+def mesh_shape(config: Mapping[str, Any], devices: int) -> dict[str, int]:
+  """The mesh MaxDiffusion's ``max_utils.create_device_mesh`` builds on one slice of
+  ``devices``: ``ici_{data,fsdp,context,tensor}_parallelism`` (the context axis only where the
+  config has both ``ici_`` and ``dcn_context_parallelism``), one of them -1 for the devices the
+  others leave (``fill_unspecified_mesh_axes``), named by ``mesh_axes``. The ``dcn_*`` keys
+  split slices, and one slice has none to split."""
+  context = "ici_context_parallelism" in config and "dcn_context_parallelism" in config
+  keys = [f"ici_{axis}_parallelism" for axis in MESH_AXES if axis != "context" or context]
+  for key in keys:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+      raise ValueError(f"{key} must be a positive integer or -1 (the devices the other axes "
+                       f"leave), got {value!r}")
+  values = [config[key] for key in keys]
+  auto = [key for key, value in zip(keys, values) if value == -1]
+  if len(auto) > 1:
+    raise ValueError(f"{' and '.join(auto)} are all -1: MaxDiffusion fills at most one "
+                     f"ici_*_parallelism axis with the devices left; give the others sizes")
+  given = math.prod(value for value in values if value != -1)
+  if auto and devices % given:
+    raise ValueError(f"{auto[0]} is -1, but the other ici_*_parallelism sizes multiply to "
+                     f"{given}, which does not divide the slice's {devices} devices")
+  if auto:
+    values[values.index(-1)] = devices // given
+  if math.prod(values) != devices:
+    sizes = " x ".join(f"{key} {value}" for key, value in zip(keys, values))
+    raise ValueError(f"{sizes} do not make the slice's {devices} devices: give sizes whose "
+                     f"product is {devices}, or -1 on one axis for the devices left")
+  names = list(config.get("mesh_axes") or MESH_AXES)
+  if len(names) != len(values):
+    raise ValueError(f"mesh_axes names {len(names)} axes ({', '.join(names)}), but the config "
+                     f"sizes {len(values)} ({', '.join(keys)})")
+  return dict(zip(names, values))
+
+
+def transformer_heads(pretrained_model_name_or_path: str) -> int:
+  """The transformer's attention heads, from its ``config.json`` alone.
+
+  Read here rather than with MaxDiffusion's ``load_config``, which rewrites the file in place
+  on every load: processes sharing a checkpoint folder would then race on it."""
+  path = pathlib.Path(pretrained_model_name_or_path)
+  if path.is_dir():
+    config_file = path / "transformer" / "config.json"
+  else:
+    from huggingface_hub import hf_hub_download  # pylint: disable=import-outside-toplevel
+    config_file = hf_hub_download(pretrained_model_name_or_path, "config.json",
+                                  subfolder="transformer")
+  with open(config_file, encoding="utf-8") as f:
+    return int(json.load(f)["num_attention_heads"])
 
 
 def check_processes(job: Job, env: Mapping[str, str]) -> None:
