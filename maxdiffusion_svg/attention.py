@@ -19,7 +19,7 @@ from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import lowering_tpu_target
 from maxdiffusion_svg.router import profile_heads
 from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
-from maxdiffusion_svg.tiles import TilePlan, plan_tiles
+from maxdiffusion_svg.tiles import TilePlan
 
 
 def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
@@ -117,8 +117,7 @@ def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Vid
                           target: Target | None = None) -> jax.Array:
   """Dense attention through the same executor (every tile full): the schedule's dense branch."""
   def build(backend: str, target: Target) -> Callable[..., Any]:
-    tiles = config.tiles(target, backend)
-    plan = plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, "aligned", include_sink=False)
+    tiles, plan = config.tiles(target, backend), config.dense_plan(grid, target, backend)
     return lambda q, k, v: sparse_attention(q, k, v, plan, scale=scale, backend=backend,
                                             block_kv_compute=tiles.block_kv_compute,
                                             target=target)

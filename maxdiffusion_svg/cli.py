@@ -11,10 +11,9 @@ from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
-from maxdiffusion_svg.target import (BACKENDS, GENERATIONS, TPU_BACKENDS, Target, generation_named,
-                                     tpu_target)
+from maxdiffusion_svg.target import BACKENDS, GENERATIONS, TPU_BACKENDS, generation_named
 from maxdiffusion_svg.tiles import MODES
-from maxdiffusion_svg.tiling import choose_tiles, tiles_help
+from maxdiffusion_svg.tiling import tiles_help
 
 _MODES = list(MODES)
 
@@ -104,56 +103,6 @@ def _add_grid_args(parser: argparse.ArgumentParser, default: str = "720p") -> No
   group.add_argument("--height", type=int, help="pixel height (e.g. 720)")
   group.add_argument("--width", type=int, help="pixel width (e.g. 1280)")
   group.add_argument("--latent-grid", help="latent token grid FxHxW, e.g. 21x45x80")
-
-
-def _tiles(args: argparse.Namespace) -> int:
-  if args.config:
-    return _estimate(args)
-  if args.overrides:
-    raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need --config")
-  from maxdiffusion_svg.report import format_report, tile_report  # pylint: disable=import-outside-toplevel
-  grid = _grid_from_args(args)
-  modes = _MODES if args.mode == "all" else [args.mode]
-  tiles = choose_tiles(_chip_target(args), "auto", args.block_q, args.block_kv)
-  args.block_q, args.block_kv = tiles.block_q, tiles.block_kv
-  report = tile_report(grid, args.density, args.block_q, args.block_kv, modes,
-                       include_sink=not args.no_sink)
-  if args.plot:
-    from maxdiffusion_svg.plot import plot_tiles  # pylint: disable=import-outside-toplevel
-    plot_tiles(args.plot, grid, args.density, args.block_q, args.block_kv, modes,
-               include_sink=not args.no_sink)
-  _report(args, format_report(report), report)
-  if args.plot:
-    print(f"tile map written to {args.plot}")
-  return 0
-
-
-def _chip_target(args: argparse.Namespace) -> Target:
-  """The chip a ``tiles`` answer is for, under the job's LIBTPU_INIT_ARGS as given (never this
-  host's); ``svg_vmem_limit_kib`` in the config or overrides comes on top."""
-  return tpu_target(generation_named(args.chip, "--chip"), flags=args.libtpu_init_args or "")
-
-
-def _estimate(args: argparse.Namespace) -> int:
-  """``tiles --config FILE [key=value ...]``: the config's own video, steps and keys."""
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plugin.estimate import estimate_config, format_estimate
-  import yaml
-  from maxdiffusion_svg.plugin.launcher import check_overrides
-  from maxdiffusion_svg.plugin.overlay import load_config
-  # pylint: enable=import-outside-toplevel
-  config, chain = load_config(args.config)
-  malformed = [o for o in args.overrides if "=" not in o]
-  if malformed:
-    raise ValueError(f"overrides are key=value, got {malformed[0]!r}")
-  # svg_* keys are left to SvgConfig, which names an unknown one with its own close matches.
-  check_overrides(config, [o for o in args.overrides if not o.startswith("svg_")], chain)
-  for override in args.overrides:
-    key, text = override.split("=", 1)
-    config[key] = yaml.safe_load(text)
-  result = estimate_config(config, _chip_target(args), layers=args.layers)
-  _report(args, format_estimate(result), result)
-  return 0
 
 
 def _report(args: argparse.Namespace, text: str, result: dict) -> None:
@@ -347,34 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="python -m maxdiffusion_svg",
                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-  tiles = sub.add_parser(
-      "tiles", help="tile report: what a density and tile size cost per mode; with --config, "
-                    "the estimate for a generation config")
-  _add_grid_args(tiles)
-  tiles.add_argument("--density", type=_density, default=0.35,
-                     help="band density in (0, 1] (the first-frame sink comes on top)")
-  tiles.add_argument("--block-q", type=_tile,
-                     help=f"query tile, a multiple of 128 (default: --chip's; {tiles_help()})")
-  tiles.add_argument("--block-kv", type=_tile, help="key tile (default: --chip's)")
-  tiles.add_argument("--mode", choices=_MODES + ["all"], default="all", help="traversal mode")
-  tiles.add_argument("--no-sink", action="store_true", help="drop the first-frame attention sink")
-  _add_json_arg(tiles)
-  tiles.add_argument("--plot", metavar="FILE.png", help="draw tile maps and a token-mask crop")
-  estimate = tiles.add_argument_group(
-      "estimate for a generation config (computed from the tile plan, not measured)")
-  estimate.add_argument("--config", metavar="FILE.yml",
-                        help="a MaxDiffusion Wan config (base_config chains merged): its video, "
-                             "steps and svg_* keys replace the options above")
-  tiles.add_argument("--chip", default="v6e",
-                     help=f"TPU generation whose tiles to use ({', '.join(GENERATIONS)})")
-  tiles.add_argument("--libtpu-init-args", metavar="FLAGS",
-                     help="the job's LIBTPU_INIT_ARGS (its scoped-VMEM limit sets the tiles; "
-                          "default: the chip's own limit)")
-  estimate.add_argument("--layers", type=int,
-                        help="transformer layers (default: 30 for a 1.3B checkpoint, else 40)")
-  estimate.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="with --config: keys to change, as on MaxDiffusion's command line")
-  tiles.set_defaults(run=_tiles)
+  from maxdiffusion_svg import cli_tiles  # pylint: disable=import-outside-toplevel
+  cli_tiles.add_parser(sub)
 
   bench = sub.add_parser("bench", help="benchmarks; without a subcommand: the quality benchmark")
   _add_json_arg(bench)

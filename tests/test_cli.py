@@ -174,12 +174,15 @@ def test_overrides_and_wan22_experts_change_the_estimate(tmp_path, capsys):
   (row,) = result["rows"]
   assert (row["density"], row["sparse_steps"], row["layers"]) == (0.2, 25, 30)
   wan22 = {**WAN14B_720P, "model_name": "wan2.2", "svg_high_noise_density": 0.5,
-           "svg_low_noise_density": 0.2}
+           "svg_low_noise_density": 0.2, "boundary_ratio": 0.875, "flow_shift": 12.0}
   result, text = estimate(tmp_path, capsys, wan22)
   assert [(r["expert"], r["density"]) for r in result["rows"]] == [("high_noise", 0.5),
                                                                    ("low_noise", 0.2)]
   assert result["rows"][0]["speedup_bound"] < result["rows"][1]["speedup_bound"]
-  assert "boundary_ratio" in text
+  # 50 steps at flow_shift 12: 32 timesteps at or above 875 (as MaxDiffusion's scheduler gives
+  # them: tests/test_wan22.py).
+  assert [(r["first_step"], r["steps"]) for r in result["rows"]] == [(0, 32), (32, 18)]
+  assert "boundary_ratio 0.875" in text and "whole run, both experts" in text
 
 
 def test_estimate_refusals_name_the_key(tmp_path, capsys):

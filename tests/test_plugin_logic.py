@@ -189,3 +189,23 @@ def test_the_patch_script_names_the_tested_commit_when_the_patch_does_not_apply(
     assert done.returncode == 1, done
     assert "does not apply" in done.stderr and "7cfb8801d41d" in done.stderr
   assert (source / "pyconfig.py").read_text() == "# not MaxDiffusion's pyconfig\n"
+
+
+def test_the_run_logs_the_empty_window_warning_that_tiles_gives(max_logging, tmp_path, capsys):
+  """svg_active_steps past the run's steps: the transformer's build logs the warning, and
+  `tiles --config` on the same keys (2 layers, as the stand-in) prints the same line."""
+  from maxdiffusion_svg.cli import main  # pylint: disable=import-outside-toplevel
+  keys = {"num_inference_steps": 50, "svg_active_steps": [60, -1]}
+  create(StandInConfig("wan2.1", **keys), "transformer")
+  assert len(max_logging) == 2 and max_logging[1].startswith("maxdiffusion_svg: warning: ")
+  logged = max_logging[1].removeprefix("maxdiffusion_svg: warning: ")
+  assert logged == ("no self-attention call runs sparse: svg_active_steps [60, end) holds none "
+                    "of the run's 50 steps (num_inference_steps); give svg_active_steps a start "
+                    "below 50")
+  path = tmp_path / "config.yml"
+  path.write_text(str({"attention": "svg", "model_name": "wan2.1", "num_frames": 81,
+                       "height": 480, "width": 832, **keys}))
+  assert main(["tiles", "--config", str(path), "--layers", "2"]) == 0
+  assert f"warning: {logged}" in capsys.readouterr().out.splitlines()
+  create(StandInConfig("wan2.1", num_inference_steps=50, svg_active_layers=[2, -1]), "")
+  assert "svg_active_layers [2, end) holds none of the transformer's 2 layers" in max_logging[-1]

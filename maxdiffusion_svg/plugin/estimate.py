@@ -1,28 +1,37 @@
-"""What a generation config buys, computed from its tile plans: an estimate a user can run.
+"""What a generation config buys, computed from its tile plans, after the run's own checks.
 
-For a config's video, steps and SVG keys: the tiles each sparse call visits, the share of
-self-attention calls that run sparse (steps x layers of the schedule), the attention work
-relative to dense and the bound that puts on attention's speed-up. Every figure is computed
-from the plan (tile counts), not measured: the router, the permutation and the extra cost of
-masked tiles are not counted, so the real speed-up is below the bound.
+For a config's video, steps and SVG keys: the checks the run makes (``config_checks``), the
+tiles each sparse call visits, the share of self-attention calls that run sparse (steps x
+layers of the schedule; for Wan 2.2, each expert over the steps it runs), the attention work
+relative to dense, the bound that puts on attention's speed-up, and by Amdahl's law on a
+stated self-attention share, on a whole denoising step's. Every figure is computed from the
+plan (tile counts), not measured: the router, the permutation and the extra cost of masked
+tiles are not counted, so the real speed-up is below the bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
+from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
-from maxdiffusion_svg.schedule import Interval
+from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
 from maxdiffusion_svg.target import Target, resolve_backend
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.
 LAYERS_1_3B, LAYERS_14B = 30, 40
+# Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
+# 2.1 14B, eight v6e chips): "full attention's share of per-layer latency" grows "from 55.5% to
+# 88.2%" from 720p to 1440p. Other sizes: interpolated in log-odds over log tokens.
+SHARE_SOURCE = "shared/reference/seed_tpu_sparse_attention.txt"
+STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 
 
 def layers_of(config: Mapping[str, Any]) -> int:
@@ -30,13 +39,32 @@ def layers_of(config: Mapping[str, Any]) -> int:
   return LAYERS_1_3B if "1.3B" in name else LAYERS_14B
 
 
-def _count(interval: Interval, total: int) -> int:
-  return max(0, min(total, interval.end if interval.end is not None else total) - interval.start)
+def attention_share(tokens: int, given: float | None = None) -> tuple[float, str]:
+  """Self-attention's share of a dense step at ``tokens`` and where it comes from."""
+  if given is not None:
+    if not 0 < given <= 1:
+      raise ValueError(f"--attention-share must be a fraction in (0, 1], got {given}")
+    return given, "given with --attention-share"
+  for count, share, name in STATED_SHARES:
+    if tokens == count:
+      return share, f"assumed, from {SHARE_SOURCE} (stated at {name})"
+  (n0, f0, r0), (n1, f1, r1) = STATED_SHARES
+  logit = lambda f: math.log(f / (1 - f))
+  x = math.log(tokens / n0) / math.log(n1 / n0)
+  share = 1 / (1 + math.exp(-(logit(f0) + x * (logit(f1) - logit(f0)))))
+  how = "interpolated" if 0 < x < 1 else "extrapolated"
+  return share, (f"assumed, from {SHARE_SOURCE} ({how} in log-odds over log tokens from its "
+                 f"{r0} {f0:.1%} and {r1} {f1:.1%})")
+
+
+def amdahl(share: float, work: float) -> float:
+  """A step's speed-up when ``share`` of it does ``work`` of its dense work."""
+  return 1 / ((1 - share) + share * work)
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-  """One model's (or Wan 2.2 expert's) sparse attention, as its plan computes it."""
+  """One model's (or Wan 2.2 expert's) sparse attention over the steps it runs."""
 
   expert: str | None
   density: float
@@ -44,18 +72,24 @@ class Estimate:
   visited_tile_fraction: float  # tiles a sparse call computes, of all tiles
   full_tiles: int
   masked_tiles: int
+  first_step: int  # the model runs steps [first_step, first_step + steps)
+  steps: int
+  run_steps: int  # the run's (num_inference_steps)
   sparse_steps: int
   sparse_layers: int
-  steps: int
   layers: int
 
   @property
+  def calls(self) -> int:
+    return self.steps * self.layers
+
+  @property
   def sparse_call_share(self) -> float:
-    return self.sparse_steps * self.sparse_layers / (self.steps * self.layers)
+    return self.sparse_steps * self.sparse_layers / self.calls if self.calls else 0.0
 
   @property
   def work_vs_dense(self) -> float:
-    """Self-attention tiles computed over the run, relative to all-dense."""
+    """Self-attention tiles computed over the model's calls, relative to all-dense."""
     share = self.sparse_call_share
     return (1 - share) + share * self.visited_tile_fraction
 
@@ -68,10 +102,13 @@ class Estimate:
             "work_vs_dense": self.work_vs_dense, "speedup_bound": self.speedup_bound}
 
 
-def estimate_config(config: Mapping[str, Any], target: Target,
-                    layers: int | None = None) -> dict[str, Any]:
-  """The estimate for a merged MaxDiffusion config (its ``svg_*`` keys over their defaults)."""
+def estimate_config(config: Mapping[str, Any], target: Target, layers: int | None = None,
+                    slice_type: str | None = None,
+                    given_share: float | None = None) -> dict[str, Any]:
+  """The pre-flight and estimate for a merged MaxDiffusion config (its ``svg_*`` keys over
+  their defaults) on ``target``; ``slice_type`` (e.g. ``v6e-8``) adds the mesh's checks."""
   keys = {**config_defaults(), **config}
+  check_attention(keys)
   for key in ("num_frames", "height", "width", "num_inference_steps"):
     if key not in keys:
       raise ValueError(f"the config has no {key}: the estimate needs the video and the steps")
@@ -83,26 +120,57 @@ def estimate_config(config: Mapping[str, Any], target: Target,
   target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
-  experts = EXPERTS if keys.get("model_name") == "wan2.2" else (None,)
-  rows, schedule = [], []
-  for expert in experts:
-    plan = svg.plan(grid, expert, target, backend)
+  split = expert_steps(keys, steps) if keys.get("model_name") == "wan2.2" else None
+  experts = EXPERTS if split else (None,)
+  plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
+  named = {f"{expert} sparse" if expert else "sparse": plan for expert, plan in plans.items()}
+  checks = check_config(keys, settings, grid, target, backend,
+                        {**named, "dense": svg.dense_plan(grid, target, backend)}, steps,
+                        layers, slice_type)
+  rows, priced = [], []
+  for expert, plan in plans.items():
+    first, end = split.of(expert) if split else (0, steps)
     stats = plan.stats
     rows.append(Estimate(
         expert=expert, density=svg.density_for(expert),
         kept_pair_fraction=stats.exact_pair_fraction,
         visited_tile_fraction=stats.visited_tile_fraction, full_tiles=stats.full_tiles,
-        masked_tiles=stats.masked_tiles,
-        sparse_steps=_count(svg.schedule.active_steps, steps),
-        sparse_layers=_count(svg.schedule.active_layers, layers), steps=steps, layers=layers))
-    schedule.append(_against_fixed_m(plan, rows[-1].sparse_call_share, tiles, target, backend))
+        masked_tiles=stats.masked_tiles, first_step=first, steps=end - first, run_steps=steps,
+        sparse_steps=svg.schedule.active_steps.within(first, end),
+        sparse_layers=svg.schedule.active_layers.count(layers), layers=layers))
+    priced.append(_against_fixed_m(plan, rows[-1].sparse_call_share, tiles, target, backend))
+  combined = _combined(rows, priced)
+  share, source = attention_share(grid.tokens, given_share)
   return {"kind": "computed from the tile plan", "target": target.describe(),
           "libtpu_note": libtpu_note() if backend == "splash" else "",
           "backend": backend, "tiles": [tiles.block_q, tiles.block_kv],
+          "block_kv_compute": tiles.block_kv_compute,
           "tile_mode": svg.tile_mode.value, "video": [keys["num_frames"], keys["height"],
                                                        keys["width"]],
           "grid": list(grid.shape), "tokens": grid.tokens, "preset": settings.preset,
-          "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, schedule)]}
+          "summary": settings.summary(target), "checks": checks,
+          "experts": split.as_dict() if split else None,
+          "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, priced)],
+          "combined": combined,
+          "end_to_end": {"attention_share": share, "source": source,
+                         "step_speedup_bound": amdahl(share, combined["work_vs_dense"])}}
+
+
+def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, Any]:
+  """The whole run: each model's calls weighted by the steps it runs (every step has the
+  same layers and video, so the same dense attention work)."""
+  steps = sum(row.steps for row in rows)
+  work = sum(row.steps * row.work_vs_dense for row in rows) / steps
+  sparse = sum(row.sparse_steps * row.sparse_layers for row in rows)
+  out: dict[str, Any] = {"steps": steps, "layers": rows[0].layers,
+                         "sparse_call_share": sparse / (steps * rows[0].layers),
+                         "work_vs_dense": work, "speedup_bound": 1 / work}
+  if all(vs.get("priced") for vs in priced):
+    out["vs_fixed_m"] = {}
+    for path in ("fixed", "online"):
+      run = sum(row.steps * vs[path]["run_call"] for row, vs in zip(rows, priced)) / steps
+      out["vs_fixed_m"][path] = {"bound": priced[0]["fixed_m_call"] / run}
+  return out
 
 
 def _against_fixed_m(plan, share: float, tiles, target: Target, backend: str) -> dict[str, Any]:
@@ -125,46 +193,6 @@ def _against_fixed_m(plan, share: float, tiles, target: Target, backend: str) ->
     sparse = ours.call(stats.full_tiles, stats.masked_tiles, plan.num_q_tiles, online)
     dense = ours.dense_call(tokens, online)
     run = share * sparse + (1 - share) * dense
-    out[path] = {"sparse_call": sparse, "dense_call": dense,
+    out[path] = {"sparse_call": sparse, "dense_call": dense, "run_call": run,
                  "bound": out["fixed_m_call"] / run}
   return out
-
-
-def format_estimate(result: dict[str, Any]) -> str:
-  frames, height, width = result["video"]
-  lines = [
-      f"Estimate, {result['kind']} (not measured): {result['target']}, {result['backend']} "
-      f"tiles {result['tiles'][0]}x{result['tiles'][1]}, mode {result['tile_mode']}",
-      f"video {frames}x{height}x{width} -> grid {'x'.join(map(str, result['grid']))} = "
-      f"{result['tokens']:,} tokens; preset {result['preset']}",
-  ]
-  for row in result["rows"]:
-    who = f"{row['expert']} expert: " if row["expert"] else ""
-    lines += [
-        f"{who}svg_density {row['density']} (band density; with the first-frame sink "
-        f"{row['kept_pair_fraction']:.1%} of pairs kept); a sparse call visits "
-        f"{row['visited_tile_fraction']:.1%} of the tiles ({row['full_tiles']:,} full, "
-        f"{row['masked_tiles']:,} masked)",
-        f"  sparse calls: {row['sparse_steps']} of {row['steps']} steps x {row['sparse_layers']} "
-        f"of {row['layers']} layers = {row['sparse_call_share']:.1%} of self-attention calls",
-        f"  self-attention work vs dense: {row['work_vs_dense']:.3f} -> attention speed-up at "
-        f"most {row['speedup_bound']:.2f}x (tiles only: the router, the permutation and "
-        f"masked-tile cost are not counted)",
-    ]
-    vs = row.get("vs_fixed_m") or {}
-    if vs.get("priced"):
-      fixed, online = vs["fixed"], vs["online"]
-      lines.append(
-          f"  against MaxDiffusion's ulysses_custom_fixed_m (fast recipe; libtpu {vs['libtpu']}'s "
-          f"static schedule, {vs['chip']}): a sparse call {fixed['sparse_call'] / vs['fixed_m_call']:.2f}"
-          f" of its call, a dense step {fixed['dense_call'] / vs['fixed_m_call']:.2f}; attention "
-          f"speed-up at most {fixed['bound']:.2f}x with dense steps (heads on online softmax: "
-          f"{online['bound']:.2f}x)")
-    elif vs:
-      lines.append(f"  against MaxDiffusion's ulysses_custom_fixed_m: not priced ({vs['why']})")
-  if result.get("libtpu_note"):
-    lines.append(f"note: {result['libtpu_note']}")
-  if len(result["rows"]) > 1:
-    lines.append("(Wan 2.2: each expert's line is as if it ran every step; the run splits the "
-                 "steps between them at boundary_ratio)")
-  return "\n".join(lines)

@@ -32,9 +32,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import json
 import os
-import pathlib
 from typing import Any, Callable, Iterator
 
 import jax
@@ -241,6 +239,9 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
                       f"{f' ({expert} expert)' if expert else ''}: "
                       f"{settings.summary(settings.svg.target(mesh=mesh))}")
+      empty = settings.empty_window(config.get_keys().get("num_inference_steps"), model.num_layers)
+      if empty:  # the same warning as `tiles --config`
+        max_logging.log(f"maxdiffusion_svg: warning: {empty}")
     return model
 
   return wrapper
@@ -296,22 +297,6 @@ def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def transformer_heads(pretrained_model_name_or_path: str) -> int:
-  """The transformer's attention heads, from its ``config.json`` alone.
-
-  Read here rather than with MaxDiffusion's ``load_config``, which rewrites the file in place
-  on every load: processes sharing a checkpoint folder would then race on it."""
-  path = pathlib.Path(pretrained_model_name_or_path)
-  if path.is_dir():
-    config_file = path / "transformer" / "config.json"
-  else:
-    from huggingface_hub import hf_hub_download  # pylint: disable=import-outside-toplevel
-    config_file = hf_hub_download(pretrained_model_name_or_path, "config.json",
-                                  subfolder="transformer")
-  with open(config_file, encoding="utf-8") as f:
-    return int(json.load(f)["num_attention_heads"])
-
-
 def job_of(config: Any) -> preflight.Job:
   """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
   build and the transformer's head count (no weights)."""
@@ -320,7 +305,7 @@ def job_of(config: Any) -> preflight.Job:
   return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
                        local_device_count=jax.local_device_count(),
                        context_shards=mesh.shape.get("context", 1),
-                       heads=transformer_heads(config.pretrained_model_name_or_path),
+                       heads=preflight.transformer_heads(config.pretrained_model_name_or_path),
                        output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""))
 
 

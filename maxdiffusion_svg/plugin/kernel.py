@@ -123,7 +123,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     dense_reason = "cross"
   elif context["attention_mask"] is not None:
     dense_reason = "masked"
-  elif seq_len < settings.min_seq_length:
+  elif settings.is_short(seq_len):
     dense_reason = "short"
   else:
     dense_reason = None

@@ -86,6 +86,25 @@ class PluginSettings:
             f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
             f"dense below {self.min_seq_length} tokens")
 
+  def is_short(self, tokens: int) -> bool:
+    """Self-attention this short runs dense (the kernel's ``short`` calls)."""
+    return tokens < self.min_seq_length
+
+  def empty_window(self, steps: int | None, layers: int | None) -> str | None:
+    """Why no self-attention call of a run of ``steps`` steps through ``layers`` layers would
+    run sparse, or None. Not an error: the run works, dense, so the run's log and
+    ``tiles --config`` both warn with this text."""
+    schedule = self.svg.schedule
+    for key, interval, total, what in (
+        ("svg_active_steps", schedule.active_steps, steps, "the run's {} steps "
+                                                            "(num_inference_steps)"),
+        ("svg_active_layers", schedule.active_layers, layers, "the transformer's {} layers")):
+      if total is not None and interval.count(total) == 0:
+        end = interval.end if interval.end is not None else "end"
+        return (f"no self-attention call runs sparse: {key} [{interval.start}, {end}) holds "
+                f"none of {what.format(total)}; give {key} a start below {total}")
+    return None
+
   def resolved_dense_kernel(self, platform: str) -> str:
     if self.dense_kernel is not None:
       return self.dense_kernel

@@ -1,0 +1,146 @@
+"""The run's own checks on a config, made before it runs: ``tiles --config``'s pre-flight.
+
+Each check calls the function the run calls at that point, so a config passes here exactly
+when the run would pass it, and a refusal or warning carries the run's words:
+
+* ``attention``: the hooks prepare a transformer only under ``attention: svg``;
+* the ``svg_*`` keys: :meth:`PluginSettings.from_mapping` (``generate_wan.run``, each build);
+* the run name: :func:`preflight.check_run_name` (``generate_wan.run``; a warning here, since
+  ``JOBSET_NAME`` is the job's to set);
+* heads over the mesh's context axis: :func:`preflight.mesh_shape` (MaxDiffusion's rule) and
+  :func:`preflight.check_heads` (``generate_wan.run``), for a ``--slice`` type;
+* an empty sparse window: :meth:`PluginSettings.empty_window` (logged at each build);
+* a sequence under ``svg_min_seq_length``: :meth:`PluginSettings.is_short` (the first call);
+* the TPU kernel's shapes, VMEM and SMEM: :func:`kernels.api.check_tpu_call` on the sparse
+  plan of each model and on the schedule's dense plan (the first call, at trace time).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Mapping
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels.api import check_tpu_call
+from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
+from maxdiffusion_svg.plugin import preflight
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
+
+HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40)
+# Heads by checkpoint name, where its config.json is not on this host: Wan 2.1 1.3B has 12,
+# the 14B models and each Wan 2.2 A14B expert 40.
+HEADS_1_3B, HEADS_14B = 12, 40
+
+
+class Refused(ValueError):
+  """What the run would stop on, with the run's own message."""
+
+
+def check_attention(config: Mapping[str, Any]) -> None:
+  """A config whose ``attention`` is not ``svg`` runs no SVG: nothing here would apply."""
+  value = config.get("attention")
+  if value != KERNEL_NAME:
+    raise ValueError(f"attention is {value!r} in the config: it runs no SVG (the plugin prepares "
+                     f"a transformer only under attention: {KERNEL_NAME}); give "
+                     f"attention={KERNEL_NAME}")
+
+
+def heads_of(config: Mapping[str, Any]) -> tuple[int, str]:
+  """The transformer's heads and where they come from: a checkpoint folder's config.json, read
+  as the run reads it (:func:`preflight.transformer_heads`), else the checkpoint's name."""
+  name = str(config.get("pretrained_model_name_or_path", ""))
+  if (pathlib.Path(name) / "transformer" / "config.json").is_file():
+    return preflight.transformer_heads(name), f"{name}/transformer/config.json"
+  size = "1.3B" if "1.3B" in name else "14B"
+  return (HEADS_1_3B if size == "1.3B" else HEADS_14B,
+          f"a {size} by its name; a checkpoint folder's config.json is read where it is one")
+
+
+def _refused(where: str, err: ValueError) -> Refused:
+  return Refused(f"the run would stop {where}: {err}")
+
+
+def check_slice(config: Mapping[str, Any], slice_type: str, heads: int) -> dict[str, Any]:
+  """The mesh MaxDiffusion builds on one ``slice_type`` slice and the job check on its
+  context axis against the heads."""
+  devices = preflight.slice_devices(slice_type)
+  if devices is None or preflight.slice_generation(slice_type) is None:
+    raise ValueError(f"--slice must be a TPU slice type <generation>-<count> (e.g. v6e-8, "
+                     f"v6e-16, v5litepod-16, v5p-8, tpu7x-8), got {slice_type!r}")
+  try:
+    mesh = preflight.mesh_shape(config, devices)
+  except ValueError as err:
+    raise _refused(f"building its mesh on a {slice_type} ({devices} devices)", err) from None
+  context = mesh.get("context", 1)
+  job = preflight.Job(process_count=1, device_count=devices, local_device_count=devices,
+                      context_shards=context, heads=heads)
+  try:
+    preflight.check_heads(job)
+  except ValueError as err:
+    raise _refused(f"before loading weights on a {slice_type}", err) from None
+  return {"type": slice_type, "devices": devices, "mesh": mesh, "context_shards": context,
+          "heads_per_device": heads // context}
+
+
+def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Target,
+                 backend: str, dtype: str) -> list[dict[str, Any]]:
+  """Every plan the first call compiles, checked as the run checks it on ``target``: the need
+  and the limit of each, or the run's refusal."""
+  if backend not in TPU_BACKENDS:
+    return []
+  kv_compute = settings.svg.tiles(target, backend).block_kv_compute
+  fits = []
+  for name, plan in plans.items():
+    try:
+      check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend)
+    except ValueError as err:
+      raise _refused(f"at its first call ({name} plan)", err) from None
+    fits.append({"plan": name, "vmem": kernel_vmem(plan, HEAD_DIM, dtype, kv_compute, target,
+                                                     backend),
+                 "vmem_limit": target.vmem_limit, "smem": kernel_smem(plan, backend),
+                 "smem_limit": target.smem})
+  return fits
+
+
+def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoGrid,
+                 target: Target, backend: str, plans: Mapping[str, Any], steps: int, layers: int,
+                 slice_type: str | None) -> dict[str, Any]:
+  """Every check, in the order the run makes them; raises :class:`Refused` on the first the
+  run would stop on. Returns what passed and the warnings."""
+  heads, heads_source = heads_of(keys)
+  warnings = []
+  try:
+    preflight.check_run_name(str(keys.get("output_dir") or ""), str(keys.get("run_name") or ""))
+  except ValueError as err:
+    warnings.append(f"{err} (XPK and our JobSets set JOBSET_NAME; elsewhere the run stops here)")
+  mesh = check_slice(keys, slice_type, heads) if slice_type else None
+  if empty := settings.empty_window(steps, layers):
+    warnings.append(empty)
+  if settings.is_short(grid.tokens):
+    warnings.append(f"self-attention of {grid.tokens:,} tokens is shorter than "
+                    f"svg_min_seq_length {settings.min_seq_length}: every call runs dense")
+  dtype = str(keys.get("activations_dtype") or "bfloat16")
+  fits = check_kernel(settings, plans, target, backend, dtype)
+  return {"heads": heads, "heads_source": heads_source, "head_dim": HEAD_DIM, "dtype": dtype,
+          "slice": mesh, "kernel": fits, "warnings": warnings}
+
+
+def slice_chip(slice_type: str | None, chip: str | None) -> str:
+  """The chip a pre-flight is for: ``--slice``'s generation (a ``--chip`` must agree), else
+  ``--chip``, else v6e."""
+  if not slice_type:
+    return chip or "v6e"
+  generation = preflight.slice_generation(slice_type)
+  if generation is None:
+    raise ValueError(f"--slice must be a TPU slice type <generation>-<count> (e.g. v6e-8, "
+                     f"v6e-16, v5litepod-16, v5p-8, tpu7x-8), got {slice_type!r}")
+  if chip and generation_named(chip, "--chip").name != generation:
+    raise ValueError(f"--chip {chip} contradicts --slice {slice_type} (a {generation} slice): "
+                     f"drop --chip (--slice implies it)")
+  return generation
+
+
+def format_fit(fit: Mapping[str, Any]) -> str:
+  return (f"{fit['plan']} plan {fit['vmem'] / MIB:.1f} of {fit['vmem_limit'] / MIB:g} MiB VMEM, "
+          f"{fit['smem'] / 1024:.1f} of {fit['smem_limit'] // 1024} KiB SMEM")

@@ -1,0 +1,98 @@
+"""``tiles --config``'s text: the checks the run makes, then the estimate (its JSON holds the
+same figures, from :func:`maxdiffusion_svg.plugin.estimate.estimate_config`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maxdiffusion_svg.plugin.config_checks import format_fit
+
+
+def _checks(result: dict[str, Any]) -> list[str]:
+  checks = result["checks"]
+  parts = [f"attention svg and the svg_* keys; heads {checks['heads']} "
+           f"({checks['heads_source']})"]
+  mesh = checks["slice"]
+  if mesh:
+    sizes = " x ".join(f"{axis} {size}" for axis, size in mesh["mesh"].items())
+    parts.append(f"mesh on a {mesh['type']}: {sizes}, {checks['heads']} heads over "
+                 f"{mesh['context_shards']} context shards = {mesh['heads_per_device']} per device")
+  unchecked = "" if mesh else (" (not checked: the mesh's context axis against the heads; "
+                               "give --slice TYPE, e.g. --slice v6e-8)")
+  if checks["kernel"]:
+    parts.append(f"{result['backend']} kernel (head_dim {checks['head_dim']}, {checks['dtype']}): "
+                 + ", ".join(format_fit(fit) for fit in checks["kernel"]))
+  else:
+    parts.append(f"svg_backend {result['backend']}: no TPU kernel to fit")
+  lines = ["checks the run makes, passed: " + "; ".join(parts) + unchecked,
+           f"the run will log: {result['summary']}"]
+  return lines + [f"warning: {warning}" for warning in checks["warnings"]]
+
+
+def _row(row: dict[str, Any], wan22: bool) -> list[str]:
+  who = f"{row['expert']} expert: " if row["expert"] else ""
+  first, end = row["first_step"], row["first_step"] + row["steps"]
+  steps = (f"{row['sparse_steps']} of its {row['steps']} steps [{first}, {end})" if wan22
+           else f"{row['sparse_steps']} of {row['steps']} steps")
+  lines = [
+      f"{who}svg_density {row['density']} (band density; with the first-frame sink "
+      f"{row['kept_pair_fraction']:.1%} of pairs kept); a sparse call visits "
+      f"{row['visited_tile_fraction']:.1%} of the tiles ({row['full_tiles']:,} full, "
+      f"{row['masked_tiles']:,} masked)",
+      f"  sparse calls: {steps} x {row['sparse_layers']} of {row['layers']} layers = "
+      f"{row['sparse_call_share']:.1%} of {'its' if wan22 else ''}{' ' if wan22 else ''}"
+      f"self-attention calls",
+      f"  self-attention work vs dense: {row['work_vs_dense']:.3f} -> attention speed-up at "
+      f"most {row['speedup_bound']:.2f}x (tiles only: the router, the permutation and "
+      f"masked-tile cost are not counted)",
+  ]
+  vs = row.get("vs_fixed_m") or {}
+  if vs.get("priced"):
+    fixed, online = vs["fixed"], vs["online"]
+    lines.append(
+        f"  against MaxDiffusion's ulysses_custom_fixed_m (fast recipe; libtpu {vs['libtpu']}'s "
+        f"static schedule, {vs['chip']}): a sparse call {fixed['sparse_call'] / vs['fixed_m_call']:.2f}"
+        f" of its call, a dense step {fixed['dense_call'] / vs['fixed_m_call']:.2f}; attention "
+        f"speed-up at most {fixed['bound']:.2f}x with dense steps (heads on online softmax: "
+        f"{online['bound']:.2f}x)")
+  elif vs:
+    lines.append(f"  against MaxDiffusion's ulysses_custom_fixed_m: not priced ({vs['why']})")
+  return lines
+
+
+def format_estimate(result: dict[str, Any]) -> str:
+  frames, height, width = result["video"]
+  lines = [
+      f"Estimate, {result['kind']} (not measured): {result['target']}, {result['backend']} "
+      f"tiles {result['tiles'][0]}x{result['tiles'][1]}/{result['block_kv_compute']}, mode "
+      f"{result['tile_mode']}",
+      f"video {frames}x{height}x{width} -> grid {'x'.join(map(str, result['grid']))} = "
+      f"{result['tokens']:,} tokens; preset {result['preset']}",
+      *_checks(result),
+  ]
+  experts = result["experts"]
+  if experts:
+    lines.append(
+        f"Wan 2.2 experts, as MaxDiffusion picks them: a step whose timestep (UniPC flow sigmas, "
+        f"flow_shift {experts['flow_shift']:g}) is at least boundary_ratio "
+        f"{experts['boundary_ratio']:g} x 1000 runs the high-noise expert: high_noise steps "
+        f"[{experts['high_noise'][0]}, {experts['high_noise'][1]}), low_noise steps "
+        f"[{experts['low_noise'][0]}, {experts['low_noise'][1]})")
+  for row in result["rows"]:
+    lines += _row(row, bool(experts))
+  combined = result["combined"]
+  if experts:
+    vs = combined.get("vs_fixed_m")
+    against = (f"; against ulysses_custom_fixed_m at most {vs['fixed']['bound']:.2f}x "
+               f"(online softmax: {vs['online']['bound']:.2f}x)") if vs else ""
+    lines.append(
+        f"whole run, both experts: {combined['sparse_call_share']:.1%} of self-attention calls "
+        f"sparse; work vs dense {combined['work_vs_dense']:.3f} -> attention speed-up at most "
+        f"{combined['speedup_bound']:.2f}x{against}")
+  e2e = result["end_to_end"]
+  lines.append(
+      f"end to end: a denoising step at most {e2e['step_speedup_bound']:.2f}x faster (Amdahl: "
+      f"self-attention {e2e['attention_share']:.1%} of a dense step's time, {e2e['source']})")
+  if result.get("libtpu_note"):
+    lines.append(f"note: {result['libtpu_note']}")
+  return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""`tiles --config` as a pre-flight: each check refuses or warns with the key named, in the words
+of the function the run itself calls; flags that do not apply are refused; Wan 2.2's experts
+split the steps; the whole-run and end-to-end figures equal a hand computation."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from maxdiffusion_svg.cli import main
+from maxdiffusion_svg.geometry import grid_for_resolution
+from maxdiffusion_svg.kernels.api import sparse_attention
+from maxdiffusion_svg.plugin import preflight
+from maxdiffusion_svg.plugin.wan22 import expert_steps
+from maxdiffusion_svg.target import tpu_target
+from maxdiffusion_svg.tiles import plan_tiles
+
+WAN14B = {"model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,
+          "width": 1280, "num_inference_steps": 50, "activations_dtype": "bfloat16",
+          "pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+          # MaxDiffusion's Wan mesh keys (base_wan_14b.yml)
+          "mesh_axes": ["data", "fsdp", "context", "tensor"], "ici_data_parallelism": 1,
+          "ici_fsdp_parallelism": 1, "ici_context_parallelism": -1, "ici_tensor_parallelism": 1,
+          "dcn_data_parallelism": 1, "dcn_fsdp_parallelism": 1, "dcn_context_parallelism": -1,
+          "dcn_tensor_parallelism": 1}
+WAN22 = {**WAN14B, "model_name": "wan2.2", "num_inference_steps": 40, "boundary_ratio": 0.875,
+         "flow_shift": 12.0, "pretrained_model_name_or_path": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+         "svg_high_noise_density": 0.5, "svg_low_noise_density": 0.2,
+         "svg_active_steps": [11, -1], "svg_active_layers": [1, -1]}
+
+
+def tiles(tmp_path, capsys, config, *args):
+  """(exit code, stdout, stderr, the JSON or None) of `tiles --config` on ``config``."""
+  path, out = tmp_path / "config.yml", tmp_path / "estimate.json"
+  path.write_text(json.dumps(config))  # JSON is YAML
+  out.unlink(missing_ok=True)
+  code = main(["tiles", "--config", str(path), *args, "--json", str(out)])
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err, json.loads(out.read_text()) if out.exists() else None
+
+
+def run_refusal(fn) -> str:
+  with pytest.raises(ValueError) as err:
+    fn()
+  return str(err.value)
+
+
+# ------------------------------------------------ the checks, each against the run's own
+
+
+def test_tiles_the_chip_cannot_hold_are_refused_as_the_run_refuses_them(tmp_path, capsys):
+  """8192x2048 tiles on a v5e (16 MiB scoped VMEM): the run's kernel call raises before
+  compiling, and the pre-flight says the same."""
+  code, out, err, _ = tiles(tmp_path, capsys, WAN14B, "--chip", "v5e", "svg_block_q=8192",
+                            "svg_block_kv=2048")
+  assert code == 2 and out == ""
+  plan = plan_tiles(grid_for_resolution("720p"), 0.3, 8192, 2048, "aligned")
+  x = jax.ShapeDtypeStruct((1, 5, plan.seq_len, 128), jnp.bfloat16)
+  theirs = run_refusal(lambda: jax.eval_shape(
+      lambda q, k, v: sparse_attention(q, k, v, plan, backend="pallas", block_kv_compute=512,
+                                       target=tpu_target("v5e", flags="")), x, x, x))
+  assert "svg_block_q (8192)" in theirs and "16 MiB scoped-VMEM limit" in theirs
+  assert err.strip() == f"error: the run would stop at its first call (sparse plan): {theirs}"
+  # The job's raised limit is the run's too: the same tiles then fit.
+  code, out, _, result = tiles(tmp_path, capsys, WAN14B, "--chip", "v5e", "svg_block_q=8192",
+                               "svg_block_kv=2048",
+                               "--libtpu-init-args=--xla_tpu_scoped_vmem_limit_kib=65536")
+  assert code == 0 and [fit["plan"] for fit in result["checks"]["kernel"]] == ["sparse", "dense"]
+  assert all(fit["vmem"] <= fit["vmem_limit"] == 64 * 2**20 for fit in result["checks"]["kernel"])
+
+
+def test_context_shards_that_do_not_divide_the_heads_are_refused_on_the_slice(tmp_path, capsys):
+  """v6e-16 with the Wan default mesh: 16 context shards, 40 heads. The run's check_job on
+  that job gives the same message."""
+  code, _, err, _ = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-16")
+  job = preflight.Job(process_count=4, device_count=16, local_device_count=4, context_shards=16,
+                      heads=40)
+  theirs = run_refusal(lambda: preflight.check_job(job, {}))
+  assert code == 2 and "ici_data_parallelism" in theirs
+  assert err.strip() == f"error: the run would stop before loading weights on a v6e-16: {theirs}"
+  code, out, _, result = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-16",
+                               "ici_data_parallelism=2")
+  assert code == 0 and "40 heads over 8 context shards = 5 per device" in out
+  assert result["checks"]["slice"] == {"type": "v6e-16", "devices": 16, "context_shards": 8,
+                                       "heads_per_device": 5, "mesh": {"data": 2, "fsdp": 1,
+                                                                       "context": 8, "tensor": 1}}
+  assert result["target"].startswith("TPU v6e")  # --slice implies the chip
+
+
+def test_a_mesh_the_slice_cannot_build_is_refused_naming_the_key(tmp_path, capsys):
+  code, _, err, _ = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8",
+                          "ici_context_parallelism=3")
+  theirs = run_refusal(lambda: preflight.mesh_shape({**WAN14B, "ici_context_parallelism": 3}, 8))
+  assert code == 2 and "ici_context_parallelism 3" in theirs
+  assert err.strip() == (f"error: the run would stop building its mesh on a v6e-8 (8 devices): "
+                         f"{theirs}")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--slice", "v6e-8", "--chip", "v5e"], "--chip v5e contradicts --slice v6e-8 (a v6e "
+                                            "slice): drop --chip"),
+    (["--slice", "v6e"], "--slice must be a TPU slice type <generation>-<count>"),
+])
+def test_slice_errors_name_the_flag(tmp_path, capsys, args, needle):
+  code, _, err, _ = tiles(tmp_path, capsys, WAN14B, *args)
+  assert code == 2 and needle in err
+
+
+def test_an_empty_sparse_window_warns_and_the_bound_is_one(tmp_path, capsys):
+  code, out, _, result = tiles(tmp_path, capsys, WAN14B, "svg_active_steps=[60, -1]")
+  warning = ("no self-attention call runs sparse: svg_active_steps [60, end) holds none of the "
+             "run's 50 steps (num_inference_steps); give svg_active_steps a start below 50")
+  assert code == 0 and result["checks"]["warnings"] == [warning]
+  assert f"warning: {warning}" in out.splitlines()
+  assert result["combined"]["speedup_bound"] == 1.0
+  assert result["end_to_end"]["step_speedup_bound"] == 1.0
+
+
+def test_a_sequence_under_svg_min_seq_length_warns(tmp_path, capsys):
+  code, out, _, _ = tiles(tmp_path, capsys, WAN14B, "svg_min_seq_length=100000")
+  assert code == 0
+  assert "warning: self-attention of 75,600 tokens is shorter than svg_min_seq_length 100000" in out
+
+
+def test_a_bucket_without_a_run_name_warns_with_the_runs_words(tmp_path, capsys):
+  code, out, _, _ = tiles(tmp_path, capsys, {**WAN14B, "output_dir": "gs://bucket/out"})
+  theirs = run_refusal(lambda: preflight.check_run_name("gs://bucket/out", ""))
+  assert code == 0 and f"warning: {theirs}" in out
+
+
+def test_a_config_that_runs_no_svg_is_refused(tmp_path, capsys):
+  code, _, err, _ = tiles(tmp_path, capsys, {**WAN14B, "attention": "flash"})
+  assert code == 2 and err.strip() == (
+      "error: attention is 'flash' in the config: it runs no SVG (the plugin prepares a "
+      "transformer only under attention: svg); give attention=svg")
+
+
+# ------------------------------------------------ flags that do not apply
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--density", "0.25"], "--density does not apply with --config: give svg_density=0.25"),
+    (["--resolution", "1080p"], "--resolution does not apply with --config: give num_frames=81 "
+                                "height=1088 width=1920"),
+    (["--height", "480"], "--height does not apply with --config: give height=480"),
+    (["--latent-grid", "21x45x80"], "--latent-grid does not apply with --config: give "
+                                    "num_frames, height and width"),
+    (["--block-q", "2048"], "--block-q does not apply with --config: give svg_block_q=2048"),
+    (["--block-kv", "1024"], "--block-kv does not apply with --config: give svg_block_kv=1024"),
+    (["--mode", "split"], "--mode does not apply with --config: give svg_tile_mode=split"),
+    (["--no-sink"], "--no-sink does not apply with --config: give svg_include_sink=false"),
+    (["--plot", "x.png"], "--plot does not apply with --config: run tiles without --config"),
+])
+def test_report_flags_are_refused_with_config(tmp_path, capsys, args, needle):
+  code, out, err, _ = tiles(tmp_path, capsys, WAN14B, *args)
+  assert code == 2 and out == "" and needle in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--slice", "v6e-8"], "--slice needs --config"),
+    (["--layers", "30"], "--layers needs --config"),
+    (["--attention-share", "0.5"], "--attention-share needs --config"),
+    (["--chip", "v5e"], "--chip does not apply without --config: the report's tiles are our "
+                        "kernel's, 3328x1536 on every chip"),
+    (["--libtpu-init-args=--xla_tpu_scoped_vmem_limit_kib=65536"],
+     "--libtpu-init-args does not apply without --config"),
+])
+def test_config_flags_are_refused_without_config(capsys, args, needle):
+  assert main(["tiles", *args]) == 2
+  assert needle in capsys.readouterr().err
+
+
+# ------------------------------------------------ Wan 2.2 and the whole run
+
+
+def test_wan22_experts_run_their_own_steps_and_the_run_combines_them(tmp_path, capsys):
+  """40 steps at flow_shift 12, boundary 0.875: the high-noise expert runs [0, 26) (sparse from
+  step 11: 15 steps), the low-noise one [26, 40) (14), each over 39 of 40 layers."""
+  code, out, _, result = tiles(tmp_path, capsys, WAN22, "--attention-share", "0.5")
+  assert code == 0
+  assert expert_steps(WAN22, 40).boundary_step == 26 == result["experts"]["boundary_step"]
+  high, low = result["rows"]
+  assert (high["first_step"], high["steps"], high["sparse_steps"]) == (0, 26, 15)
+  assert (low["first_step"], low["steps"], low["sparse_steps"]) == (26, 14, 14)
+  visited = {density: plan_tiles(grid_for_resolution("720p"), density, 3328, 1536,
+                                 "aligned").stats.visited_tile_fraction for density in (0.5, 0.2)}
+  # By hand: dense calls count 1, sparse calls their visited tiles, over 40 steps x 40 layers.
+  dense_calls = 40 * 40 - (15 + 14) * 39
+  work = (dense_calls + 15 * 39 * visited[0.5] + 14 * 39 * visited[0.2]) / (40 * 40)
+  assert result["combined"]["work_vs_dense"] == pytest.approx(work)
+  assert result["combined"]["sparse_call_share"] == pytest.approx(29 * 39 / 1600)
+  assert result["combined"]["speedup_bound"] == pytest.approx(1 / work)
+  assert high["work_vs_dense"] == pytest.approx(1 - 15 * 39 / 1040 * (1 - visited[0.5]))
+  assert "high_noise steps [0, 26), low_noise steps [26, 40)" in out
+  assert f"whole run, both experts: 70.7% of self-attention calls sparse; work vs dense " \
+         f"{work:.3f} -> attention speed-up at most {1 / work:.2f}x" in out
+  # Amdahl at the given share.
+  step = 1 / (0.5 + 0.5 * work)
+  assert result["end_to_end"] == {"attention_share": 0.5, "source": "given with --attention-share",
+                                  "step_speedup_bound": pytest.approx(step)}
+  assert (f"end to end: a denoising step at most {step:.2f}x faster (Amdahl: self-attention "
+          f"50.0% of a dense step's time, given with --attention-share)") in out
+
+
+def test_wan22_needs_the_keys_that_split_its_steps(tmp_path, capsys):
+  config = {k: v for k, v in WAN22.items() if k != "boundary_ratio"}
+  code, _, err, _ = tiles(tmp_path, capsys, config)
+  assert code == 2 and "boundary_ratio, which the config lacks" in err
+
+
+def test_the_end_to_end_share_is_the_seed_designs_at_720p(tmp_path, capsys):
+  """The seed design states self-attention at 55.5% of per-layer latency at 720p."""
+  code, out, _, result = tiles(tmp_path, capsys, WAN14B)
+  e2e, work = result["end_to_end"], result["combined"]["work_vs_dense"]
+  assert code == 0 and e2e["attention_share"] == 0.555
+  assert e2e["source"] == ("assumed, from shared/reference/seed_tpu_sparse_attention.txt "
+                           "(stated at 720p)")
+  assert e2e["step_speedup_bound"] == pytest.approx(1 / (0.445 + 0.555 * work))
+  assert result["combined"]["work_vs_dense"] == result["rows"][0]["work_vs_dense"]
+  assert "computed from the tile plan (not measured)" in out
+  for key in ("summary", "checks", "experts", "rows", "combined", "end_to_end",
+              "block_kv_compute"):
+    assert key in result
