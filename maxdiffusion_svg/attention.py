@@ -129,24 +129,28 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
                             config: SvgConfig, step: Any, layer: Any,
                             scale: float | None = None, expert: str | None = None,
                             key: jax.Array | None = None,
-                            target: Target | None = None) -> jax.Array:
+                            target: Target | None = None, return_temporal: bool = False) -> Any:
   """SVG inside the schedule's active steps and layers, dense outside.
 
   ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
   scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
   The router's key is ``key`` (default: the config's seed) folded with layer and step.
+  ``return_temporal`` also returns the heads routed temporal, ``[B, H]`` (none on a dense call).
   """
   check_qkv(q, k, v, grid)
   active = config.schedule.is_active(step, layer)
   key = profile_key(config, step, layer, key)
   target = config.target(q, k, v, target=target)
+  no_heads = jnp.zeros(q.shape[:2], bool)
 
   def sparse(q, k, v):
-    return svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale, expert=expert,
-                         target=target)
+    out, info = svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale,
+                              expert=expert, target=target, return_info=True)
+    return (out, info["temporal"]) if return_temporal else out
 
   def dense(q, k, v):
-    return dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale, target=target)
+    out = dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale, target=target)
+    return (out, no_heads) if return_temporal else out
 
   if isinstance(active, bool):
     return (sparse if active else dense)(q, k, v)

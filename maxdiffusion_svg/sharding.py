@@ -179,7 +179,8 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           expert: str | None = None, seq_axis: str = "context",
                           batch_axes: Sequence[str] = ("data", "fsdp"),
                           return_info: bool = False, fold_batch: bool = True,
-                          target: Target | None = None, qkv_spec: P | None = None) -> Any:
+                          target: Target | None = None, qkv_spec: P | None = None,
+                          on_routing: Callable[..., None] | None = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
   Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
@@ -196,6 +197,10 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   ``target``: the hardware (default: the mesh's devices), which picks the executor and tiles.
   ``qkv_spec``: the inputs' layout as a partition spec (e.g. from MaxDiffusion's logical axis
   rules); when given it decides ``seq_axis`` and ``batch_axes`` (:func:`layout_axes`).
+  ``on_routing(temporal, active, step, layer)``, scheduled calls only: called on each device
+  inside the exchange with its heads' temporal flags ``[b, H/n]`` (none on a dense call) and
+  the schedule's verdict, so a caller can count routing (e.g. by host callback) without a
+  collective.
   """
   check_qkv(q, k, v, grid)
   if qkv_spec is not None:
@@ -208,7 +213,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
         *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)), mesh=mesh, grid=grid,
         config=config, key=key, scale=scale, step=step, layer=layer, expert=expert,
         seq_axis=seq_axis, batch_axes=batch_axes, return_info=return_info, fold_batch=False,
-        target=target)
+        target=target, on_routing=on_routing)
     out, info = folded if return_info else (folded, None)
     out = out.reshape(q.shape[:2] + out.shape[2:])
     if not return_info:
@@ -230,9 +235,16 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   def local(q, k, v, *values):
     given = {**static, **dict(zip(traced, values))}
     if scheduled:
-      return scheduled_svg_attention(q, k, v, grid=grid, config=config, step=given["step"],
-                                     layer=given["layer"], key=given["key"], scale=scale,
-                                     expert=expert, target=target)
+      out = scheduled_svg_attention(q, k, v, grid=grid, config=config, step=given["step"],
+                                    layer=given["layer"], key=given["key"], scale=scale,
+                                    expert=expert, target=target,
+                                    return_temporal=on_routing is not None)
+      if on_routing is None:
+        return out
+      out, temporal = out
+      on_routing(temporal, config.schedule.is_active(given["step"], given["layer"]),
+                 given["step"], given["layer"])
+      return out
     out, info = svg_attention(q, k, v, grid=grid, config=config, key=given["key"], scale=scale,
                               expert=expert, return_info=True, target=target)
     info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}

@@ -152,6 +152,40 @@ def test_traced_step_and_layer_compile_once_and_follow_the_schedule():
   assert len(traces) == 1
 
 
+@pytest.mark.parametrize("shape,batch", [((1, 1, 8, 1), 2), ((2, 1, 4, 1), 2)])
+def test_on_routing_reports_each_devices_heads_without_changing_the_output(shape, batch):
+  """Per device, inside the exchange: the temporal flags of its heads sum to the single-device
+  routing's, the dense steps report none, and the output is the call without the hook."""
+  mesh = mesh_of(shape)
+  cfg = config(schedule=Schedule(Interval(1, None), Interval(0, None)))
+  q, k, v = planted(batch=batch, seed=8)
+  qs, ks, vs = sharded(mesh, q, k, v)
+  reports = []
+
+  def on_routing(temporal, active, step, layer):
+    jax.debug.callback(lambda *xs: reports.append(tuple(int(x) for x in xs)), active, step,
+                       layer, jnp.sum(temporal.astype(jnp.int32)), jnp.int32(temporal.size))
+
+  def run(q, k, v, step, hook):
+    return sharded_svg_attention(q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY,
+                                 step=step, layer=jnp.int32(0), on_routing=hook)
+
+  with_hook = jax.jit(lambda q, k, v, step: run(q, k, v, step, on_routing))
+  plain = jax.jit(lambda q, k, v, step: run(q, k, v, step, None))
+  for step in (0, 1):
+    reports.clear()
+    out = with_hook(qs, ks, vs, jnp.int32(step))
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain(qs, ks, vs, jnp.int32(step))))
+    active = step >= 1
+    assert len(reports) == 8 and {r[:3] for r in reports} == {(active, step, 0)}
+    assert sum(r[4] for r in reports) == batch * len(TYPES)  # every (example, head) once
+    want = scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, step=step, layer=0, key=KEY,
+                                   return_temporal=True)[1]
+    assert sum(r[3] for r in reports) == int(np.asarray(want).sum())
+    assert (int(np.asarray(want).sum()) > 0) == active  # planted temporal heads, when sparse
+
+
 def test_python_int_step_and_layer_decide_while_tracing():
   mesh = mesh_of((1, 1, 8, 1))
   cfg = config(schedule=Schedule(Interval(2, None), Interval(0, None)))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import contract, preflight
+from maxdiffusion_svg.plugin import contract, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -78,6 +78,7 @@ class ModelCall:
   settings: PluginSettings | None  # None: the model was not prepared for svg
   expert: str | None
   step: jax.Array | None  # traced int32; None when no schedule was set
+  count_calls: bool = False  # report each self-attention call to run_summary
 
 
 _MODEL_CALL: contextvars.ContextVar[ModelCall | None] = contextvars.ContextVar(
@@ -156,6 +157,8 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
     op.svg_layer = SvgLayerIndex(index)
   model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
   model.svg_schedule_set = False
+  model.svg_count_calls = settings.run_summary
+  model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
   return model
@@ -195,7 +198,8 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
       t = jnp.max(jnp.asarray(timestep, jnp.float32))
       step = jnp.sum(self.svg_timesteps[...] > t).astype(jnp.int32)
     call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
-                     getattr(self, "svg_expert", None), step)
+                     getattr(self, "svg_expert", None), step,
+                     bool(getattr(self, "svg_count_calls", False)))
     with model_call(call):
       return original(self, hidden_states, timestep, *args, **kwargs)
 
@@ -223,6 +227,23 @@ def _binding_self(var: contextvars.ContextVar[Any]) -> _Wrapper:
   return make
 
 
+def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
+  """Binds the pipeline for the scheduler hook, and logs the run summary after each call."""
+  bound = _binding_self(_PIPELINE)(original)
+
+  @functools.wraps(original)
+  def wrapper(self, *args, **kwargs):
+    run_summary.reset()
+    outputs = bound(self, *args, **kwargs)
+    line = run_summary.after_call(self, outputs, kwargs, original)
+    if line:
+      from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
+      max_logging.log(f"maxdiffusion_svg: {line}")
+    return outputs
+
+  return wrapper
+
+
 def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
@@ -235,6 +256,9 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
     if settings is not None:
       expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
       prepare_transformer(model, settings, expert)
+      if settings.run_summary and getattr(config, "aot_cache_dir", ""):
+        model.svg_count_calls = False  # MaxDiffusion's AOT cache cannot serialise callbacks
+        model.svg_uncounted = "aot_cache_dir is set: its executables cannot hold host callbacks"
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
                       f"{f' ({expert} expert)' if expert else ''}: "
@@ -357,7 +381,7 @@ def install() -> None:
         _refusing("WanAnimateTransformer3DModel"))
   for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
     if "__call__" in vars(pipeline):
-      _wrap(pipeline, "__call__", _binding_self(_PIPELINE))
+      _wrap(pipeline, "__call__", _pipeline_call)
   _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
         _set_timesteps)
   _wrap(aot_cache, "install", _aot_install)

@@ -19,7 +19,7 @@ from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
-from maxdiffusion_svg.plugin import hooks
+from maxdiffusion_svg.plugin import hooks, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
 from maxdiffusion_svg.schedule import Interval
 from maxdiffusion_svg.sharding import sharded_svg_attention
@@ -151,7 +151,8 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                               config=settings.svg, scale=context["scale"], step=step,
                               layer=layer, expert=call.expert,
-                              qkv_spec=qkv_layout(context["axis_names_q"]))
+                              qkv_spec=qkv_layout(context["axis_names_q"]),
+                              on_routing=run_summary.on_routing if call.count_calls else None)
   _record("self", call.expert, schedule.is_active(step, layer), step, layer,
           settings.svg.density_for(call.expert), arrays=(q, k, v, out))
   return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

@@ -20,7 +20,7 @@ SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a M
                     "pipeline, or prepared with maxdiffusion_svg.plugin.prepare_transformer")
 KERNEL_NAME = "svg"
 # svg_* keys the kernel reads itself (SvgConfig reads the rest).
-PLUGIN_KEYS = ("svg_dense_kernel", "svg_min_seq_length")
+PLUGIN_KEYS = ("svg_dense_kernel", "svg_min_seq_length", "svg_run_summary")
 DEFAULT_MIN_SEQ_LENGTH = 4096
 
 
@@ -32,12 +32,15 @@ class PluginSettings:
   short sequences (``None``: ``flash`` on TPU, ``dot_product`` elsewhere).
   ``min_seq_length``: self-attention shorter than this runs dense (SVG's masks need
   several frames of tokens to skip anything).
+  ``run_summary``: count each self-attention call and its temporal heads for the end-of-run
+  log line (a host callback per call and device); off, the line counts from the schedule.
   """
 
   svg: SvgConfig = SvgConfig()
   dense_kernel: str | None = None
   min_seq_length: int = DEFAULT_MIN_SEQ_LENGTH
   preset: str = DEFAULT_PRESET  # the svg_schedule the keys started from (for the log)
+  run_summary: bool = True
 
   def __post_init__(self):
     if self.dense_kernel is not None and (not isinstance(self.dense_kernel, str)
@@ -47,6 +50,8 @@ class PluginSettings:
     value = self.min_seq_length
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"svg_min_seq_length must be an integer >= 0, got {value!r}")
+    if not isinstance(self.run_summary, bool):
+      raise ValueError(f"svg_run_summary must be true or false, got {self.run_summary!r}")
 
   @classmethod
   def from_mapping(cls, mapping: Mapping[str, Any]) -> "PluginSettings":
@@ -55,7 +60,8 @@ class PluginSettings:
     return cls(svg=SvgConfig.from_mapping(mapping, extra_keys=PLUGIN_KEYS),
                dense_kernel=dense or None,
                min_seq_length=mapping.get("svg_min_seq_length", DEFAULT_MIN_SEQ_LENGTH),
-               preset=mapping.get("svg_schedule", DEFAULT_PRESET))
+               preset=mapping.get("svg_schedule", DEFAULT_PRESET),
+               run_summary=mapping.get("svg_run_summary", True))
 
   def summary(self, target: Target | None = None) -> str:
     """One line for the run's log: what will be sparse, where, and how (on ``target``, the
@@ -125,4 +131,5 @@ def config_defaults() -> dict[str, Any]:
     if key not in values:
       value = getattr(svg, field)
       values[key] = 0 if value is None else value.value if isinstance(value, enum.Enum) else value
-  return {**values, "svg_dense_kernel": "", "svg_min_seq_length": DEFAULT_MIN_SEQ_LENGTH}
+  return {**values, "svg_dense_kernel": "", "svg_min_seq_length": DEFAULT_MIN_SEQ_LENGTH,
+          "svg_run_summary": True}

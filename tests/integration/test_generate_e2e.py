@@ -110,8 +110,18 @@ def test_patched_maxdiffusion_runs_the_config_alone(module, config, patched_maxd
        f"pretrained_model_name_or_path={checkpoints['wan21']}"],
       cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  log = result.stdout + result.stderr
   assert "maxdiffusion_svg: transformer: SVG attention: preset moderate, density 0.3" in \
-      result.stdout + result.stderr  # the entry point registered the plugin
+      log  # the entry point registered the plugin
+  # After the real call (3 steps): the calls the kernel counted, not the schedule's.
+  if config == "chained":  # svg_active_steps [1, end) and layers [1, end) of 2
+    assert ("maxdiffusion_svg: run summary: 3 steps x 2 layers: 6 self-attention calls, 2 sparse "
+            "and 4 dense (counted); temporal heads ") in log
+  else:  # every svg_* key at its default: 576 tokens run dense
+    assert ("maxdiffusion_svg: run summary: 3 steps x 2 layers: 6 self-attention calls, 0 sparse "
+            "and 6 dense (from the schedule, not counted (576 tokens is below "
+            "svg_min_seq_length 4096: all dense))") in log
+  assert "; kernel svg on xla, aligned tiles " in log and " s per step (denoising " in log
   (mp4,) = tmp_path.glob("wan_output_*.mp4")
   if config == "chained":  # the same video as through the launcher
     assert mp4.read_bytes() == sparse_run[1]

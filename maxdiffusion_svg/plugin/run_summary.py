@@ -1,0 +1,173 @@
+"""The end-of-run line: what the ``svg`` kernel did in a pipeline call, from the log alone.
+
+Each self-attention call reports, from every device inside the head exchange, its step, layer,
+whether the schedule made it sparse and how many of the device's heads the router sent
+temporal (one host callback per call and device, four integers; no collective). The pipeline
+hook resets the tally before a call and logs the summary after it: sparse and dense calls,
+the temporal-head share per layer range, the kernel and tiles, and seconds per step.
+
+``svg_run_summary: false``, or MaxDiffusion's AOT cache (``aot_cache_dir``, which cannot
+serialise host callbacks), leaves the callbacks out; the calls are then counted from the
+schedule and temporal heads are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels.api import resolve_backend
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.target import TPU_BACKENDS
+
+# Layer ranges the temporal share is reported over.
+RANGES = 4
+
+
+@dataclasses.dataclass
+class _Tally:
+  """What the callbacks of one pipeline call reported (host side; callbacks run on threads)."""
+
+  calls: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
+  temporal: dict[int, int] = dataclasses.field(default_factory=dict)  # per layer, sparse calls
+  heads: dict[int, int] = dataclasses.field(default_factory=dict)
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+  def add(self, active, step, layer, temporal, heads) -> None:
+    step, layer, active = int(step), int(layer), bool(active)
+    with self.lock:
+      self.calls[(step, layer)] = active
+      if active:
+        self.temporal[layer] = self.temporal.get(layer, 0) + int(temporal)
+        self.heads[layer] = self.heads.get(layer, 0) + int(heads)
+
+
+_TALLY = _Tally()
+
+
+def reset() -> None:
+  global _TALLY  # pylint: disable=global-statement
+  _TALLY = _Tally()
+
+
+def on_routing(temporal: jax.Array, active: Any, step: Any, layer: Any) -> None:
+  """``sharded_svg_attention``'s ``on_routing``: one host callback with this device's counts."""
+  # The compiled call keeps this callback: it adds to whichever tally is current when it runs.
+  jax.debug.callback(lambda *xs: _TALLY.add(*xs),
+                     jnp.asarray(active), jnp.asarray(step), jnp.asarray(layer),
+                     jnp.sum(temporal.astype(jnp.int32)), jnp.int32(temporal.size))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCounts:
+  """Self-attention calls of one pipeline call."""
+
+  sparse: int
+  dense: int
+  counted: bool  # False: from the schedule (no callbacks ran)
+  temporal_share: float | None = None  # of the sparse calls' heads
+  by_range: tuple[tuple[int, int, float], ...] = ()  # (first layer, last layer, share)
+
+
+def counted_calls(layers: int) -> CallCounts:
+  """The tally of the pipeline call just finished (after ``jax.effects_barrier``)."""
+  tally = _TALLY
+  with tally.lock:
+    calls, temporal, heads = dict(tally.calls), dict(tally.temporal), dict(tally.heads)
+  sparse = sum(calls.values())
+  total = sum(heads.values())
+  ranges = []
+  size = -(-layers // RANGES)
+  for first in range(0, layers, size):
+    last = min(layers, first + size) - 1
+    h = sum(heads.get(i, 0) for i in range(first, last + 1))
+    if h:
+      ranges.append((first, last, sum(temporal.get(i, 0) for i in range(first, last + 1)) / h))
+  return CallCounts(sparse, len(calls) - sparse, True,
+                    sum(temporal.values()) / total if total else None, tuple(ranges))
+
+
+def scheduled_calls(settings: PluginSettings, steps: int, layers: int, tokens: int) -> CallCounts:
+  """The calls as the schedule makes them, for a run without callbacks."""
+  if settings.is_short(tokens):
+    return CallCounts(0, steps * layers, False)
+  schedule = settings.svg.schedule
+  sparse = schedule.active_steps.count(steps) * schedule.active_layers.count(layers)
+  return CallCounts(sparse, steps * layers - sparse, False)
+
+
+def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
+                 denoise_s: float | None, why_uncounted: str = "") -> str:
+  """One line for the log."""
+  calls = counts.sparse + counts.dense
+  how = "counted" if counts.counted else f"from the schedule, not counted ({why_uncounted})"
+  parts = [f"run summary: {steps} steps x {layers} layers: {calls:,} self-attention calls, "
+           f"{counts.sparse:,} sparse and {counts.dense:,} dense ({how})"]
+  if counts.temporal_share is not None:
+    spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in counts.by_range)
+    parts.append(f"temporal heads {counts.temporal_share:.1%} of the sparse calls' heads "
+                 f"({spans})")
+  elif counts.counted and counts.sparse == 0:
+    parts.append("no sparse call: SVG did not run in this call")
+  parts.append(kernel)
+  if denoise_s is not None and steps:
+    parts.append(f"{denoise_s / steps:.3f} s per step (denoising {denoise_s:.1f} s)")
+  return "; ".join(parts)
+
+
+_TRANSFORMERS = ("transformer", "high_noise_transformer", "low_noise_transformer")
+
+
+def _steps(kwargs: dict[str, Any], call: Any) -> int:
+  if "num_inference_steps" in kwargs:
+    return int(kwargs["num_inference_steps"])
+  return int(inspect.signature(call).parameters["num_inference_steps"].default)
+
+
+def _kernel(models: list[Any], mesh: Any) -> str:
+  """The kernel, executor and tiles of the prepared models, and each one's density."""
+  settings = models[0].svg_settings
+  target = settings.svg.target(mesh=mesh)
+  backend = resolve_backend(settings.svg.backend, target)
+  tiles = settings.svg.tiles(target, backend)
+  densities = ", ".join(
+      f"{m.svg_expert + ' ' if m.svg_expert else ''}density "
+      f"{m.svg_settings.svg.density_for(m.svg_expert)}" for m in models)
+  step = f" (kv step {tiles.block_kv_compute})" if backend in TPU_BACKENDS else ""
+  return (f"kernel svg on {backend}, {settings.svg.tile_mode.value} tiles "
+          f"{tiles.block_q}x{tiles.block_kv}{step}, {densities}")
+
+
+def after_call(pipeline: Any, outputs: Any, kwargs: dict[str, Any], call: Any) -> str | None:
+  """The summary of a Wan pipeline call just finished, or None if it holds no svg model."""
+  models = [m for m in (getattr(pipeline, n, None) for n in _TRANSFORMERS)
+            if getattr(m, "svg_settings", None) is not None]
+  if not models:
+    return None
+  steps, layers = _steps(kwargs, call), models[0].num_layers
+  trace = outputs[1] if isinstance(outputs, tuple) and isinstance(outputs[1], dict) else {}
+  denoise = trace.get("denoise_total")
+  settings = models[0].svg_settings
+  frames, height, width = (kwargs.get(k) for k in ("num_frames", "height", "width"))
+  tokens = VideoGrid.for_video(frames, height, width).tokens if all(
+      isinstance(x, int) for x in (frames, height, width)) else None
+  why = models[0].svg_uncounted
+  if tokens is not None and settings.is_short(tokens):
+    counts = scheduled_calls(settings, steps, layers, tokens)
+    why = f"{tokens:,} tokens is below svg_min_seq_length {settings.min_seq_length}: all dense"
+  elif models[0].svg_count_calls:
+    jax.effects_barrier()  # every callback of the call has run
+    counts = counted_calls(layers)
+    if counts.sparse + counts.dense == 0:
+      return (f"run summary: {steps} steps: no self-attention call reached the svg kernel "
+              f"(the model's self-attention runs another kernel)")
+  else:
+    counts = scheduled_calls(settings, steps, layers, tokens or settings.min_seq_length)
+  return summary_line(counts, steps, layers, _kernel(models, getattr(pipeline, "mesh", None)),
+                      denoise, why)

@@ -1,0 +1,57 @@
+"""The end-of-run line's counts: the callbacks' tally and the schedule's, against brute force."""
+
+import itertools
+
+import pytest
+
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.plugin import run_summary
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.schedule import Interval, Schedule
+
+
+def test_the_tally_merges_devices_and_reports_per_layer_range():
+  run_summary.reset()
+  tally = run_summary._TALLY  # pylint: disable=protected-access
+  layers, devices = 8, 4
+  for step, layer in itertools.product(range(3), range(layers)):
+    active = step >= 1 and layer >= 2
+    for device in range(devices):  # each device: its 2 heads; temporal on layers >= 4, device 0
+      temporal = 2 if active and layer >= 4 and device == 0 else 0
+      tally.add(active, step, layer, temporal, 2)
+  counts = run_summary.counted_calls(layers)
+  assert (counts.sparse, counts.dense, counts.counted) == (2 * 6, 24 - 12, True)
+  # sparse calls' heads: 12 calls x 8 heads; temporal: 2 steps x 4 layers x 2 heads
+  assert counts.temporal_share == pytest.approx(16 / 96)
+  assert counts.by_range == ((2, 3, 0.0), (4, 5, 0.25), (6, 7, 0.25))  # layers 0-1: no sparse
+  line = run_summary.summary_line(counts, 3, layers, "kernel svg on xla", 6.0)
+  assert "24 self-attention calls, 12 sparse and 12 dense (counted)" in line
+  assert "temporal heads 16.7% of the sparse calls' heads (layers 2-3 0%, layers 4-5 25%" in line
+  assert line.endswith("2.000 s per step (denoising 6.0 s)")
+  run_summary.reset()
+  assert run_summary.counted_calls(layers).sparse == 0
+
+
+@pytest.mark.parametrize("steps_window, layers_window, min_seq, tokens", [
+    ((3, None), (1, 30), 0, 1000),
+    ((0, 2), (0, None), 0, 1000),
+    ((60, None), (0, None), 0, 1000),  # an empty window: nothing sparse
+    ((0, None), (0, None), 4096, 1000),  # too short: all dense
+])
+def test_counts_from_the_schedule_match_brute_force(steps_window, layers_window, min_seq, tokens):
+  schedule = Schedule(Interval(*steps_window), Interval(*layers_window))
+  settings = PluginSettings(svg=SvgConfig(schedule=schedule), min_seq_length=min_seq)
+  steps, layers = 50, 40
+  counts = run_summary.scheduled_calls(settings, steps, layers, tokens)
+  want = 0 if tokens < min_seq else sum(
+      bool(schedule.is_active(s, l)) for s in range(steps) for l in range(layers))
+  assert (counts.sparse, counts.dense, counts.counted) == (want, steps * layers - want, False)
+  line = run_summary.summary_line(counts, steps, layers, "k", None, "svg_run_summary: false")
+  assert "(from the schedule, not counted (svg_run_summary: false))" in line
+  assert "temporal heads" not in line
+
+
+def test_run_summary_key_is_validated():
+  with pytest.raises(ValueError, match="svg_run_summary must be true or false"):
+    PluginSettings.from_mapping({"svg_run_summary": "yes"})
+  assert PluginSettings.from_mapping({"svg_run_summary": False}).run_summary is False
