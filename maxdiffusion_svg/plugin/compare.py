@@ -9,7 +9,8 @@ the same in every run: ``svg`` hands it to its dense kernel, as MaxDiffusion's o
 (with Wan's ``flash_min_seq_length: 4096``, as ``dot_product``).
 
 Per run: seconds per denoising step of the real call (the pipeline's ``denoise_total``), the
-share of self-attention calls that run sparse (from the run's schedule) and, against the dense
+self-attention calls that ran sparse and the temporal-head share (as the kernel counted them for
+the run summary) and, against the dense
 video, PSNR, SSIM and optionally LPIPS. Each run's video and the JSON are written as soon as
 the run ends, so an interrupted comparison keeps what finished.
 """
@@ -29,7 +30,7 @@ import yaml
 
 from maxdiffusion_svg import video_metrics
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight
+from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
 
@@ -154,15 +155,14 @@ def check_checkpoint(name: str) -> None:
                      ) from None
 
 
-def sparse_call_share(settings: PluginSettings, steps: int, layers: int, grid: VideoGrid) -> float:
-  """Self-attention calls of a run that take the sparse branch: the kernel's own rule (the
-  schedule's steps x layers; dense below ``svg_min_seq_length`` tokens)."""
-  if grid.tokens < settings.min_seq_length:
-    return 0.0
-  schedule = settings.svg.schedule
-  sparse = sum(1 for step in range(steps) for layer in range(layers)
-               if schedule.is_active(step, layer))
-  return sparse / (steps * layers)
+def call_counts(settings: PluginSettings, steps: int, layers: int,
+                grid: VideoGrid) -> run_summary.CallCounts:
+  """The real call's self-attention calls as the kernel counted them (the run summary's
+  tally), or as the schedule makes them where nothing was counted (a too-short video)."""
+  counts = run_summary.counted_calls(layers)
+  if counts.sparse + counts.dense == 0:
+    counts = run_summary.scheduled_calls(settings, steps, layers, grid.tokens)
+  return counts
 
 
 def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
@@ -284,8 +284,11 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
       settings = plan.settings.get(run.name)
       if settings is not None:
         layers = next(m for m, _ in _self_attention_ops(seen["pipeline"])).num_layers
+        counts = call_counts(settings, steps, layers, grid)
         row.update(density=settings.svg.density, preset=settings.preset,
-                   sparse_call_share=sparse_call_share(settings, steps, layers, grid))
+                   sparse_calls=counts.sparse, dense_calls=counts.dense,
+                   sparse_call_share=counts.sparse / (counts.sparse + counts.dense),
+                   calls_counted=counts.counted, temporal_head_share=counts.temporal_share)
       scores = video_metrics.compare_videos(frames, videos[plan.runs[0].name], scorer)
       row.update(psnr_db=scores.psnr_db, ssim=scores.ssim, lpips=scores.lpips)
       result["runs"].append(row)
@@ -321,13 +324,15 @@ def format_comparison(result: dict[str, Any]) -> str:
   frames, height, width = result["video"]
   lines = [f"compare: {result['checkpoint']}, {frames}x{height}x{width} video "
            f"({result['tokens']:,} tokens), {result['steps']} steps, seed {result['seed']}",
-           f"{'run':<24}{'sparse calls':>13}{'s/step':>10}{'speed-up':>10}{'PSNR dB':>9}"
-           f"{'SSIM':>8}{'LPIPS':>8}"]
+           f"{'run':<24}{'sparse calls':>13}{'temporal':>9}{'s/step':>10}{'speed-up':>10}"
+           f"{'PSNR dB':>9}{'SSIM':>8}{'LPIPS':>8}"]
   for row in result["runs"]:
     share = f"{row['sparse_call_share']:.0%}" if "sparse_call_share" in row else "-"
+    temporal = row.get("temporal_head_share")
+    temporal = "-" if temporal is None else f"{temporal:.0%}"
     psnr = "inf" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.2f}"
     lpips = "-" if row["lpips"] is None else f"{row['lpips']:.3f}"
-    lines.append(f"{row['name']:<24}{share:>13}{row['step_s']:>10.3f}"
+    lines.append(f"{row['name']:<24}{share:>13}{temporal:>9}{row['step_s']:>10.3f}"
                  f"{row['speedup_vs_dense']:>9.2f}x{psnr:>9}{row['ssim']:>8.3f}{lpips:>8}")
   lines.append(f"time: {result['time']}; quality: {result['metrics']}")
   lines.append(f"videos: {result['side_by_side']} (left to right: "

@@ -72,6 +72,8 @@ def test_runs_share_one_load_and_each_runs_its_kernel(compared):
   expected_share = (STEPS - 1) * (LAYERS - 1) / (STEPS * LAYERS)
   rows = {r["name"]: r for r in result["runs"]}
   assert rows["svg"]["sparse_call_share"] == pytest.approx(expected_share)
+  assert (rows["svg"]["sparse_calls"], rows["svg"]["dense_calls"]) == (2, 4)
+  assert rows["svg"]["calls_counted"] and 0 <= rows["svg"]["temporal_head_share"] <= 1
   assert rows["svg"]["density"] == 0.3 and rows["svg density 1"]["density"] == 1.0
   assert "sparse_call_share" not in rows["dense (dot_product)"]
   assert all(r["step_s"] > 0 for r in rows.values())
