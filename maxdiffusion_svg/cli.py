@@ -426,8 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 @quiet_on_broken_pipe  # `python -m maxdiffusion_svg tiles | head -1` ends quietly
 def main(argv: Sequence[str] | None = None) -> int:
+  parser = build_parser()
   try:
-    args = build_parser().parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow the flags (argparse takes positionals in one run only).
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+        "=" in e and not e.startswith("-") for e in extra):
+      args.overrides += extra
+    elif extra:
+      parser.error(f"unrecognized arguments: {' '.join(extra)}")
   except SystemExit as done:  # --help, or a bad flag that argparse has already explained
     return done.code if isinstance(done.code, int) else 2
   try:

@@ -22,10 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                        help="the dense kernel to compare with (e.g. flash, ulysses, "
                             "ulysses_custom_fixed_m; default: the attention of the config's "
                             "base_config chain, what you run without SVG)")
-  compare.add_argument("--svg", nargs="+", default=["config"], metavar="RUN",
-                       help="SVG runs after the dense one: config (the config's own svg_* keys), "
-                            "a preset (conservative, moderate, aggressive) or a band density "
-                            "such as 0.25")
+  compare.add_argument("--svg", default="config", metavar="RUN[,RUN...]",
+                       help="comma-separated SVG runs after the dense one: config (the config's "
+                            "own svg_* keys), a preset (conservative, moderate, aggressive) or a "
+                            "band density such as 0.25")
   compare.add_argument("--out", default="svg_compare", metavar="DIR",
                        help="folder for each run's MP4, side_by_side.mp4 and compare.json")
   compare.add_argument("--lpips", action="store_true",
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.compare import format_comparison, plan_comparison, run_comparison
   # pylint: enable=import-outside-toplevel
-  plan = plan_comparison(args.config, args.overrides, args.dense, args.svg, args.out, args.lpips)
+  runs = [r.strip() for r in args.svg.split(",") if r.strip()]
+  plan = plan_comparison(args.config, args.overrides, args.dense, runs, args.out, args.lpips)
   print(f"compare: {len(plan.runs)} runs ({', '.join(r.name for r in plan.runs)}), "
         f"outputs in {plan.out_dir}", file=sys.stderr, flush=True)
   result, _ = run_comparison(plan, log=lambda m: print(m, file=sys.stderr, flush=True),

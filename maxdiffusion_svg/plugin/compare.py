@@ -173,12 +173,28 @@ def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
         yield model, op
 
 
-def set_run(pipeline: Any, run: Run, settings: PluginSettings | None) -> None:
-  """Makes the loaded model what MaxDiffusion would have built for ``run``."""
+def set_run(pipeline: Any, run: Run, settings: PluginSettings | None,
+            axis_rules: Any = None) -> None:
+  """Makes the loaded model what MaxDiffusion would have built for ``run``: the self-attention
+  kernel, the SVG settings, and the logical axis rules ``pyconfig`` derives for the kernel
+  (the pipeline reads them from the config at each call; e.g. ``ulysses*`` keep K/V
+  sequence-sharded where the rules for ``svg`` would not)."""
   for model, op in _self_attention_ops(pipeline):
     op.attention_kernel = run.kernel
     if settings is not None:
       model.svg_settings = settings
+  if axis_rules is not None:
+    from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
+    pyconfig.config.get_keys()["logical_axis_rules"] = axis_rules
+
+
+def axis_rules_for(argv: Sequence[str]) -> Any:
+  """The logical axis rules ``pyconfig`` derives for ``argv`` (its attention kernel decides
+  some); ``unittest=True`` keeps it from starting ``jax.distributed``. Leaves ``pyconfig.config``
+  to the next ``initialize``."""
+  from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
+  pyconfig.initialize(list(argv), unittest=True)
+  return pyconfig.config.logical_axis_rules
 
 
 @contextlib.contextmanager
@@ -250,13 +266,20 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
   current: dict[str, Run] = {}
   videos: dict[str, np.ndarray] = {}
 
+  rules: dict[str, Any] = {}
+
   def before_call(pipeline: Any) -> None:
     run = current["run"]
-    set_run(pipeline, run, plan.settings.get(run.name))
+    if KERNEL_NAME not in rules:  # the first call: the rules of the config as loaded
+      rules[KERNEL_NAME] = pyconfig.config.logical_axis_rules
+    set_run(pipeline, run, plan.settings.get(run.name), rules[run.kernel])
 
   bar = _bar(len(plan.runs) * steps, progress)
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
       _generate_wan_calls(before_call, lambda: bar.update(1)) as seen, bar:
+    dense = plan.runs[0].kernel
+    rules[dense] = axis_rules_for(launcher.prepare_argv(
+        ["compare", plan.config, *plan.overrides, f"attention={dense}"], tmp)[0])
     argv = launcher.prepare_argv(["compare", plan.config, *plan.overrides,
                                   f"attention={KERNEL_NAME}"], tmp)[0]
     for index, run in enumerate(plan.runs):

@@ -30,7 +30,7 @@ LAYERS_1_3B, LAYERS_14B = 30, 40
 # Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
 # 2.1 14B, eight v6e chips): "full attention's share of per-layer latency" grows "from 55.5% to
 # 88.2%" from 720p to 1440p. Other sizes: interpolated in log-odds over log tokens.
-SHARE_SOURCE = "shared/reference/seed_tpu_sparse_attention.txt"
+SHARE_SOURCE = "the seed design (quoted in docs/benchmarks.md)"
 STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 
 

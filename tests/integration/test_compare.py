@@ -46,20 +46,27 @@ def compared(checkpoint, run_config, tmp_path_factory):
   out = tmp_path_factory.mktemp("compare")
   plan = compare.plan_comparison(run_config, _overrides(checkpoint), "dot_product",
                                  ["config", "1.0"], str(out), lpips=False)
-  loads = []
+  loads, rules = [], {}
   prepare = hooks.prepare_transformer  # the hook calls it once per transformer it builds
   hooks.prepare_transformer = lambda *a, **k: loads.append(1) or prepare(*a, **k)
+  set_run = compare.set_run
+
+  def recording(pipeline, run, settings, axis_rules):
+    rules.setdefault(run.name, axis_rules)
+    set_run(pipeline, run, settings, axis_rules)
+
+  compare.set_run = recording
   try:
     with plugin.record_calls() as log:
       result, videos = compare.run_comparison(plan, log=lambda m: None)
       jax.effects_barrier()
   finally:
-    hooks.prepare_transformer = prepare
-  return plan, result, videos, list(log), loads, out
+    hooks.prepare_transformer, compare.set_run = prepare, set_run
+  return plan, result, videos, list(log), loads, out, rules
 
 
 def test_runs_share_one_load_and_each_runs_its_kernel(compared):
-  plan, result, _, log, loads, _ = compared
+  plan, result, _, log, loads, _, _ = compared
   assert [r.name for r in plan.runs] == ["dense (dot_product)", "svg", "svg density 1"]
   assert len(loads) == 1  # one transformer built: the weights loaded once
   self_calls = [r for r in log if r["kind"] == "self"]
@@ -81,7 +88,7 @@ def test_runs_share_one_load_and_each_runs_its_kernel(compared):
 
 def test_dense_run_is_maxdiffusions_own_and_figures_recompute(compared, checkpoint, run_config,
                                                               tmp_path):
-  _, result, videos, _, _, out = compared
+  _, result, videos, _, _, out, _ = compared
   alone, _ = launch(tmp_path, [run_config, *_overrides(checkpoint), "attention=dot_product"])
   dense = videos["dense (dot_product)"]
   assert dense.shape == (33, 128, 128, 3)
@@ -113,10 +120,10 @@ def test_an_interrupted_comparison_keeps_the_finished_runs(checkpoint, run_confi
                                  ["0.5", "aggressive"], str(tmp_path), lpips=False)
   set_run = compare.set_run
 
-  def interrupt(pipeline, run, settings):
+  def interrupt(pipeline, run, *args):
     if run.name == "svg aggressive":
       raise KeyboardInterrupt
-    set_run(pipeline, run, settings)
+    set_run(pipeline, run, *args)
 
   monkeypatch.setattr(compare, "set_run", interrupt)
   with pytest.raises(KeyboardInterrupt):
@@ -155,3 +162,16 @@ def test_the_dense_kernel_defaults_to_the_base_configs(run_config):
   # wan_svg_1_3b.yml sets attention: svg over MaxDiffusion's base_wan_1_3b.yml.
   base = compare.base_attention(run_config)
   assert base is not None and base != "svg" and base in compare.dense_kernels()
+
+
+def test_each_run_gets_the_axis_rules_pyconfig_gives_its_kernel(compared, checkpoint, run_config,
+                                                                tmp_path):
+  """ulysses kernels keep K/V sequence-sharded (pyconfig's rules for them), where the rules for
+  svg leave K/V whole: the dense run must run under its own kernel's rules."""
+  *_, rules = compared
+  argv = lambda kernel: compare.launcher.prepare_argv(
+      ["compare", run_config, *_overrides(checkpoint), f"attention={kernel}"], str(tmp_path))[0]
+  svg, dense, ulysses = (compare.axis_rules_for(argv(k)) for k in ("svg", "dot_product", "ulysses"))
+  assert rules == {"dense (dot_product)": dense, "svg": svg, "svg density 1": svg}
+  kv_rule = ("activation_self_attn_kv_length", "context")
+  assert kv_rule in ulysses and kv_rule not in svg
