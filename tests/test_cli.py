@@ -213,3 +213,22 @@ def test_the_launcher_without_maxdiffusion_says_so_in_one_line(tmp_path):
   assert done.returncode == 2
   assert "Traceback" not in done.stderr
   assert "MaxDiffusion is not importable" in done.stderr and "PYTHONPATH" in done.stderr
+
+
+def test_compare_takes_overrides_after_its_flags_and_a_comma_separated_svg_list(monkeypatch):
+  from maxdiffusion_svg import cli_compare  # pylint: disable=import-outside-toplevel
+  seen = {}
+  monkeypatch.setattr(cli_compare, "run", lambda args: seen.update(vars(args)) or 0)
+  assert main(["compare", "cfg.yml", "seed=1", "--svg", "config,aggressive,0.2", "prompt=a cat",
+               "--out", "d", "num_inference_steps=4"]) == 0
+  assert seen["overrides"] == ["seed=1", "prompt=a cat", "num_inference_steps=4"]
+  assert (seen["svg"], seen["out"], seen["config"]) == ("config,aggressive,0.2", "d", "cfg.yml")
+  assert main(["compare", "cfg.yml", "--out", "d", "stray"]) == 2  # not key=value: refused
+
+
+def test_compare_without_maxdiffusion_says_how_to_get_it(capsys):
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if importlib.util.find_spec("maxdiffusion") is not None:
+    pytest.skip("MaxDiffusion is importable here")
+  assert main(["compare", "cfg.yml"]) == 2
+  assert "put its source on PYTHONPATH" in capsys.readouterr().err
