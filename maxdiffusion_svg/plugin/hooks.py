@@ -17,7 +17,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
   layer by ``nnx.scan`` (``scan_layers: True``) or set per block (``False``).
 * every Wan pipeline's ``__call__`` and the scheduler's ``set_timesteps``: when a pipeline
   sets its timesteps, they are written into its transformers' schedule variables, which
-  travel to the jitted forward as data (a fixed-length array: no recompilation).
+  travel to the jitted forward as data (a fixed-length array: no recompilation). After each
+  pipeline call, the run summary (:mod:`run_summary`) is logged.
 * ``aot_cache.install``: adds the SVG settings to the compiled-executable cache key.
 * ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
   context shards against heads), after ``jax.distributed`` starts and before weights load.
