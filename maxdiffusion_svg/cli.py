@@ -1,19 +1,17 @@
-"""``python -m maxdiffusion_svg``: the command-line tools."""
+"""``python -m maxdiffusion_svg``: the command-line tools (``tiles``, ``bench``, ``compare``; each
+in its own ``cli_*`` module) and what their parsers share."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
 import json
-import os
 import sys
 from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
-from maxdiffusion_svg.target import BACKENDS, GENERATIONS, TPU_BACKENDS, generation_named
 from maxdiffusion_svg.tiles import MODES
-from maxdiffusion_svg.tiling import tiles_help
 
 _MODES = list(MODES)
 
@@ -117,181 +115,6 @@ def _add_json_arg(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
 
-def _add_call_args(parser: argparse.ArgumentParser, heads: int, heads_help: str,
-                   modes: list[str], mode: str) -> None:
-  """The attention call a kernel benchmark times: shapes, density, mode, executor, tiles."""
-  parser.add_argument("--batch", type=int, default=1, help="examples per call")
-  parser.add_argument("--heads", type=int, default=heads, help=heads_help)
-  parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
-  parser.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
-  parser.add_argument("--mode", choices=modes, default=mode, help="traversal mode")
-  parser.add_argument("--backend", choices=list(BACKENDS), default="auto",
-                      help="executor (auto: pallas on TPU, xla elsewhere)")
-  parser.add_argument("--block-q", type=_tile, help=f"query tile (default: {tiles_help()})")
-  parser.add_argument("--block-kv", type=_tile, help="key tile (default: the executor's)")
-  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                      help="q, k, v dtype")
-
-
-def _add_devices_arg(parser: argparse.ArgumentParser, help_text: str = "simulated on CPU") -> None:
-  parser.add_argument("--devices", type=int, default=8, help=help_text)
-
-
-def _progress(message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
-
-
-def _bench_kernel(args: argparse.Namespace) -> int:
-  from maxdiffusion_svg.bench.kernel import (KernelBenchConfig, format_kernel_bench,  # pylint: disable=import-outside-toplevel
-                                             run_kernel_bench)
-  cfg = KernelBenchConfig(grid=_grid_from_args(args, default="480p"), batch=args.batch,
-                          heads=args.heads, head_dim=args.head_dim, density=args.density,
-                          modes=tuple(_MODES if args.mode == "all" else [args.mode]),
-                          backend=args.backend, block_q=args.block_q, block_kv=args.block_kv,
-                          dtype=args.dtype, repeats=args.repeats)
-  result = run_kernel_bench(cfg, log=_progress)
-  _report(args, format_kernel_bench(result), result)
-  return 0
-
-
-def _bench_backends(args: argparse.Namespace) -> int:
-  from maxdiffusion_svg.bench.quality import compare_backends, format_backend_comparison  # pylint: disable=import-outside-toplevel
-  result = compare_backends(backends=tuple(args.backends.split(",")), dtype=args.dtype,
-                            log=_progress)
-  _report(args, format_backend_comparison(result), result)
-  return 0
-
-
-def _bench_quality(args: argparse.Namespace) -> int:
-  from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench,  # pylint: disable=import-outside-toplevel
-                                              run_quality_bench)
-  cfg = QualityBenchConfig(router_seeds=args.seeds,
-                           timing_resolution=None if args.no_large_timing else "720p")
-  result = run_quality_bench(cfg, log=_progress)
-  _report(args, format_quality_bench(result), result)
-  if args.plot:
-    from maxdiffusion_svg.plot import plot_quality  # pylint: disable=import-outside-toplevel
-    plot_quality(args.plot, cfg, result)
-    print(f"plot written to {args.plot}")
-  return 0
-
-
-def simulate_cpu_devices(count: int) -> None:
-  """Asks XLA for ``count`` host devices. Only takes effect before JAX starts its backend,
-  which the CLI has not done when a subcommand begins."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu, if installed, is for compiling only
-
-
-def _bench_sharded(args: argparse.Namespace) -> int:
-  simulate_cpu_devices(args.devices)
-  from maxdiffusion_svg.bench.sharded import (ShardedBenchConfig, format_sharded_bench,  # pylint: disable=import-outside-toplevel
-                                              run_sharded_bench)
-  cfg = ShardedBenchConfig(grid=_grid_from_args(args, default="480p"), devices=args.devices,
-                           batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                           density=args.density, mode=args.mode, backend=args.backend,
-                           block_q=args.block_q, block_kv=args.block_kv, dtype=args.dtype,
-                           timing=not args.no_timing, repeats=args.repeats)
-  result = run_sharded_bench(cfg, log=_progress)
-  _report(args, format_sharded_bench(result), result)
-  return 0
-
-
-def _bench_collectives(args: argparse.Namespace) -> int:
-  simulate_cpu_devices(args.devices)
-  from maxdiffusion_svg.bench.wan_collectives import format_collectives, measure  # pylint: disable=import-outside-toplevel
-  latent = tuple(int(n) for n in args.latent.lower().split("x"))
-  if len(latent) != 4:
-    raise ValueError(f"--latent must be CxFxHxW, got {args.latent!r}")
-  result = measure(args.kernels, args.devices, latent, args.text_len, log=_progress)
-  _report(args, format_collectives(result), result)
-  return 0
-
-
-def _bench_e2e(args: argparse.Namespace) -> int:
-  simulate_cpu_devices(args.devices)
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  from maxdiffusion_svg.bench.wan_e2e import format_e2e_bench, run_e2e_bench  # pylint: disable=import-outside-toplevel
-  result = run_e2e_bench(args.steps, args.presets, log=_progress)
-  _report(args, format_e2e_bench(result), result)
-  return 0
-
-
-def _bench_compile(args: argparse.Namespace) -> int:
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
-  from maxdiffusion_svg.bench.compile import (CompileBenchConfig, format_compile_bench,  # pylint: disable=import-outside-toplevel
-                                              format_compile_summary, parse_list,
-                                              run_compile_bench)
-  from maxdiffusion_svg.tpu_aot import libtpu_available  # pylint: disable=import-outside-toplevel
-  if not libtpu_available():
-    raise ValueError("bench compile needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
-  cfg = CompileBenchConfig(chips=parse_list(args.chips), resolutions=parse_list(args.resolutions),
-                           density=args.density, sharded=not args.no_sharded,
-                           raised=not args.no_raised, calibrate=args.calibrate,
-                           backends=parse_list(args.backends))
-  result = run_compile_bench(cfg, log=_progress)
-  text = format_compile_bench(result) + "\n\n" + format_compile_summary(result)
-  if args.maxdiffusion:
-    from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
-    result["maxdiffusion"] = compile_wan_forwards(log=_progress)
-    text += "\n\n" + format_wan_forwards(result["maxdiffusion"])
-  _report(args, text, result)
-  return 0
-
-
-def _bench_vmem(args: argparse.Namespace) -> int:
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
-  from maxdiffusion_svg.kernels.vmem_model import fit
-  from maxdiffusion_svg.tpu_aot import libtpu_available, libtpu_version
-  # pylint: enable=import-outside-toplevel
-  if args.fit:
-    with open(args.fit, encoding="utf-8") as f:
-      print(json.dumps(fit(json.load(f)), indent=1))
-    return 0
-  if not libtpu_available():
-    raise ValueError("bench vmem needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
-  chips = [generation_named(c, "--chips").name for c in args.chips.split(",")]
-  out = args.json or str(DEFAULT_OUT)
-  done = []
-  if args.resume:
-    with open(out, encoding="utf-8") as f:
-      earlier = json.load(f)
-    if earlier["libtpu"] != libtpu_version():
-      raise ValueError(f"--resume: {out} was measured with libtpu {earlier['libtpu']}, this "
-                       f"host has {libtpu_version()}: measure again without --resume")
-    done = earlier["rows"]
-  result = run_vmem_calibration(chips, workers=args.workers, log=_progress, done=done)
-  with open(out, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1)
-  print(f"{len(result['rows'])} compiler figures (libtpu {result['libtpu']}) written to {out}; "
-        f"fit them: python -m maxdiffusion_svg bench vmem --fit {out}")
-  return 0
-
-
-def _bench_schedule(args: argparse.Namespace) -> int:
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.bench.schedule import default_tiles, run_schedule_bench, run_tile_sweep
-  from maxdiffusion_svg.bench.schedule_format import format_schedule_bench, format_tile_sweep
-  # pylint: enable=import-outside-toplevel
-  if args.sweep:
-    result = run_tile_sweep(args.chip, args.resolution, args.density, backend=args.backend,
-                            log=_progress)
-    _report(args, format_tile_sweep(result), result)
-    return 0
-  given = (args.block_q, args.block_kv, args.block_kv_compute)
-  tiles = None
-  if any(given):
-    defaults = default_tiles(args.chip, args.vmem_limit_kib, args.backend)
-    tiles = tuple(g or d for g, d in zip(given, defaults))
-  result = run_schedule_bench(args.chip, args.resolution, args.density, tiles,
-                              args.vmem_limit_kib, args.maxdiffusion, args.backend, log=_progress)
-  _report(args, format_schedule_bench(result), result)
-  return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="python -m maxdiffusion_svg",
                    description="Sparse VideoGen attention for MaxDiffusion: tools.")
@@ -299,125 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
   from maxdiffusion_svg import cli_tiles  # pylint: disable=import-outside-toplevel
   cli_tiles.add_parser(sub)
 
-  bench = sub.add_parser("bench", help="benchmarks; without a subcommand: the quality benchmark")
-  _add_json_arg(bench)
-  bench.add_argument("--plot", metavar="FILE.png", help="attention maps, masks, per-head routing")
-  bench.add_argument("--seeds", type=int, default=5, help="router keys to average over")
-  bench.add_argument("--no-large-timing", action="store_true",
-                     help="skip timing the router against the kernel at 720p")
-  bench.set_defaults(run=_bench_quality)
-  bench_sub = bench.add_subparsers(dest="bench_command")
-  kernel = bench_sub.add_parser("kernel", help="dense vs sparse_attention per mode (timing)")
-  _add_grid_args(kernel, default="480p")
-  _add_call_args(kernel, heads=1, heads_help="attention heads", modes=_MODES + ["all"],
-                 mode="all")
-  kernel.add_argument("--repeats", type=int, default=3, help="timed runs after the first")
-  _add_json_arg(kernel)
-  kernel.set_defaults(run=_bench_kernel)
-
-  backends = bench_sub.add_parser(
-      "backends", help="the quality benchmark's planted heads on each TPU kernel (interpreted "
-                       "here): PSNR against dense, and how far the kernels' outputs differ")
-  backends.add_argument("--backends", default="splash,pallas",
-                        help="comma-separated: splash, pallas, xla (the first is the reference)")
-  backends.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                        help="q, k, v dtype")
-  _add_json_arg(backends)
-  backends.set_defaults(run=_bench_backends)
-
-  sharded = bench_sub.add_parser(
-      "sharded", help="permutation after vs before the Ulysses exchange: collectives and time")
-  _add_grid_args(sharded, default="480p")
-  _add_devices_arg(sharded, "devices on the context axis (simulated on CPU)")
-  _add_call_args(sharded, heads=8, heads_help="a multiple of --devices", modes=_MODES,
-                 mode="aligned")
-  sharded.add_argument("--no-timing", action="store_true",
-                       help="compile and count collectives only (abstract inputs: any size)")
-  sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
-  _add_json_arg(sharded)
-  sharded.set_defaults(run=_bench_sharded)
-
-  collectives = bench_sub.add_parser(
-      "collectives", help="bytes each attention kernel moves in a tiny Wan forward (needs "
-                          "MaxDiffusion on PYTHONPATH)")
-  _add_devices_arg(collectives)
-  collectives.add_argument("--kernels", nargs="+", default=["svg", "ulysses", "dot_product"],
-                           help="MaxDiffusion attention kernels to compare")
-  collectives.add_argument("--latent", default="4x21x30x52", help="latent CxFxHxW")
-  collectives.add_argument("--text-len", type=int, default=128, help="a multiple of 128")
-  _add_json_arg(collectives)
-  collectives.set_defaults(run=_bench_collectives)
-
-  compile_ = bench_sub.add_parser(
-      "compile", help="compile for TPU generations with libtpu on this host: what fits, "
-                      "per-device memory, compile time (no TPU needed)")
-  compile_.add_argument("--chips", default=",".join(GENERATIONS),
-                        help=f"comma-separated TPU generations ({', '.join(GENERATIONS)})")
-  compile_.add_argument("--resolutions", default="720p,1080p,1440p",
-                        help="comma-separated resolutions (480p, 720p, 1080p, 1440p)")
-  compile_.add_argument("--density", type=_density, default=0.3, help="band density in (0, 1]")
-  compile_.add_argument("--backends", default="pallas,splash",
-                        help="comma-separated TPU kernels: pallas (ours, the default), splash")
-  compile_.add_argument("--no-sharded", action="store_true", help="skip the v6e 2x4 sharded rows")
-  compile_.add_argument("--no-raised", action="store_true", help="skip the 64 MiB VMEM rows")
-  compile_.add_argument("--calibrate", action="store_true",
-                        help="also ask the compiler for each kernel's scoped VMEM (3-4 compiles each)")
-  compile_.add_argument("--maxdiffusion", action="store_true",
-                        help="also compile MaxDiffusion's Wan 2.1 14B forward for a v6e-8 with "
-                             "svg, flash and ulysses (needs MaxDiffusion on PYTHONPATH)")
-  _add_json_arg(compile_)
-  compile_.set_defaults(run=_bench_compile)
-
-  vmem = bench_sub.add_parser(
-      "vmem", help="the scoped VMEM libtpu allocates per Splash kernel and generation: the "
-                   "VMEM model's calibration points (no TPU needed)")
-  vmem.add_argument("--chips", default=",".join(GENERATIONS),
-                    help=f"comma-separated TPU generations ({', '.join(GENERATIONS)})")
-  vmem.add_argument("--workers", type=int, default=2, help="compiles at a time")
-  vmem.add_argument("--json", metavar="FILE",
-                    help="where to write the points (default: docs/measurements/"
-                         "vmem_calibration.json)")
-  vmem.add_argument("--resume", action="store_true",
-                    help="keep the cases already in the output file (same libtpu); compile the rest")
-  vmem.add_argument("--fit", metavar="FILE",
-                    help="instead: fit the model to FILE's points and print it")
-  vmem.set_defaults(run=_bench_vmem)
-
-  schedule = bench_sub.add_parser(
-      "schedule", help="libtpu's static schedule of the Splash kernel per mode and dense: "
-                       "bundles per tile body, static bundles per call (no TPU needed)")
-  schedule.add_argument("--chip", choices=list(GENERATIONS), default="v6e",
-                        help="TPU generation to compile for")
-  schedule.add_argument("--resolution", choices=list(RESOLUTIONS), default="720p",
-                        help="Wan preset video, 81 frames")
-  schedule.add_argument("--density", type=_density, default=0.35, help="band density in (0, 1]")
-  schedule.add_argument("--block-q", type=_tile, help="query tile (default: the chip's)")
-  schedule.add_argument("--block-kv", type=_tile, help="key tile (default: the chip's)")
-  schedule.add_argument("--block-kv-compute", type=_tile,
-                        help="Splash's inner kv step (default: the chip's)")
-  schedule.add_argument("--vmem-limit-kib", type=int,
-                        help="scoped-VMEM limit to compile under (default: the chip's)")
-  schedule.add_argument("--sweep", action="store_true",
-                        help="instead: the aligned call per tile choice (what decides the "
-                             "defaults): ours with its dense branch; Splash at the chip's default "
-                             "and a 64 MiB scoped-VMEM limit")
-  schedule.add_argument("--backend", choices=list(TPU_BACKENDS), default=TPU_BACKENDS[0],
-                        help="our TPU kernel to price (pallas: ours, the default; splash: tokamax's)")
-  schedule.add_argument("--maxdiffusion", action="store_true",
-                        help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "
-                             "(needs MaxDiffusion on PYTHONPATH)")
-  _add_json_arg(schedule)
-  schedule.set_defaults(run=_bench_schedule)
-
-  e2e = bench_sub.add_parser(
-      "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "
-                  "MaxDiffusion on PYTHONPATH and its runtime deps)")
-  _add_devices_arg(e2e)
-  e2e.add_argument("--steps", type=int, default=10, help="denoising steps per run")
-  e2e.add_argument("--presets", nargs="+", default=["conservative", "moderate", "aggressive"],
-                   help="SVG presets to run after dense")
-  _add_json_arg(e2e)
-  e2e.set_defaults(run=_bench_e2e)
+  from maxdiffusion_svg import cli_bench  # pylint: disable=import-outside-toplevel
+  cli_bench.add_parser(sub)
 
   from maxdiffusion_svg import cli_compare  # pylint: disable=import-outside-toplevel
   cli_compare.add_parser(sub)

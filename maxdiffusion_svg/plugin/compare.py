@@ -105,9 +105,9 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
     raise ValueError(f"overrides are key=value, got {malformed[0]!r}")
   argv = ["compare", config, *overrides, f"attention={KERNEL_NAME}"]
   keys, _ = launcher.checked_config(argv)
-  for item in argv[2:]:
+  for item in argv[2:]:  # typed as MaxDiffusion will type them
     key, text = item.split("=", 1)
-    keys[key] = yaml.safe_load(text)
+    keys[key] = launcher.parse_override(key, text, keys)
   dense = dense or base_attention(config)
   if dense is None:
     raise ValueError(f"no dense kernel: {config}'s base_config chain sets no attention other "
@@ -122,7 +122,7 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
     raise ValueError(f"--svg names a run twice: {', '.join(names[1:])}")
   settings = {}
   for run in runs[1:]:
-    run_keys = {**keys, **{k: yaml.safe_load(v) for k, v in
+    run_keys = {**keys, **{k: launcher.parse_override(k, v, keys) for k, v in
                            (o.split("=", 1) for o in run.overrides)}}
     if run.overrides and run.overrides[0].startswith("svg_schedule="):
       for key in ("svg_density", "svg_active_steps", "svg_active_layers"):
