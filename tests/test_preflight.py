@@ -114,45 +114,6 @@ def test_a_mesh_that_cannot_be_built_is_refused_naming_the_keys(keys, devices, n
     preflight.mesh_shape({**WAN_MESH, **keys}, devices)
 
 
-class _Config:
-  """What MaxDiffusion's create_device_mesh reads of its config."""
-
-  def __init__(self, keys):
-    self.__dict__.update(keys)
-    self.allow_split_physical_axes = False
-    self._keys = keys
-
-  def get_keys(self):
-    return self._keys
-
-
-@pytest.mark.parametrize("keys", [{}, {"ici_data_parallelism": 2},
-                                  {"ici_context_parallelism": 4, "ici_fsdp_parallelism": -1},
-                                  {"ici_context_parallelism": 2, "ici_tensor_parallelism": -1}])
-def test_the_mesh_is_maxdiffusions(keys):
-  """Against MaxDiffusion's own max_utils.create_device_mesh on the 8 simulated devices."""
-  max_utils = pytest.importorskip("maxdiffusion.max_utils")
-  import jax  # pylint: disable=import-outside-toplevel
-  keys = {**WAN_MESH, **keys, "dcn_data_parallelism": 1, "dcn_fsdp_parallelism": 1,
-          "dcn_tensor_parallelism": 1}
-  theirs = jax.sharding.Mesh(max_utils.create_device_mesh(_Config(dict(keys)), logging=False),
-                             keys["mesh_axes"])
-  assert preflight.mesh_shape(keys, jax.device_count()) == dict(theirs.shape)
-
-
-@pytest.mark.parametrize("keys", [{"ici_context_parallelism": 3}, {"ici_data_parallelism": -1},
-                                  {"ici_data_parallelism": 3}])
-def test_a_mesh_maxdiffusion_refuses_is_refused(keys):
-  max_utils = pytest.importorskip("maxdiffusion.max_utils")
-  import jax  # pylint: disable=import-outside-toplevel
-  keys = {**WAN_MESH, **keys, "dcn_data_parallelism": 1, "dcn_fsdp_parallelism": 1,
-          "dcn_tensor_parallelism": 1}
-  with pytest.raises(AssertionError):
-    max_utils.create_device_mesh(_Config(dict(keys)), logging=False)
-  with pytest.raises(ValueError):
-    preflight.mesh_shape(keys, jax.device_count())
-
-
 def test_the_heads_come_from_a_checkpoint_folders_config(tmp_path):
   (tmp_path / "transformer").mkdir()
   (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 12}')

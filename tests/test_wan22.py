@@ -58,23 +58,3 @@ def test_the_boundary_step_is_where_the_timesteps_drop_below_the_ratio(config, s
 def test_missing_or_bad_keys_are_named(config, needle):
   with pytest.raises(ValueError, match=re.escape(needle)):
     expert_steps(config, 40)
-
-
-def test_the_steps_equal_maxdiffusions_scheduler():
-  """MaxDiffusion's UniPC scheduler with the Wan checkpoints' flow sigmas, and its pipelines'
-  rule (t >= boundary_ratio * num_train_timesteps runs the high-noise expert)."""
-  module = pytest.importorskip("maxdiffusion.schedulers.scheduling_unipc_multistep_flax")
-  for shift in (3.0, 5.0, 12.0):
-    scheduler = module.FlaxUniPCMultistepScheduler(
-        num_train_timesteps=1000, use_flow_sigmas=True, flow_shift=shift,
-        prediction_type="flow_prediction")
-    state = scheduler.create_state()
-    for steps in (1, 2, 7, 20, 30, 40, 50, 77, 100):
-      theirs = np.asarray(scheduler.set_timesteps(state, num_inference_steps=steps,
-                                                  shape=(1,)).timesteps, np.int32)
-      np.testing.assert_array_equal(flow_timesteps(steps, shift), theirs)
-      for ratio in (0.5, 0.875, 0.9):
-        boundary = ratio * scheduler.config.num_train_timesteps
-        high = [bool(t >= boundary) for t in theirs]
-        split = expert_steps({"boundary_ratio": ratio, "flow_shift": shift}, steps)
-        assert high == [i < split.boundary_step for i in range(steps)]
