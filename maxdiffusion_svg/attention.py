@@ -141,7 +141,6 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
   active = config.schedule.is_active(step, layer)
   key = profile_key(config, step, layer, key)
   target = config.target(q, k, v, target=target)
-  no_heads = jnp.zeros(q.shape[:2], bool)
 
   def sparse(q, k, v):
     out, info = svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale,
@@ -150,7 +149,7 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
 
   def dense(q, k, v):
     out = dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale, target=target)
-    return (out, no_heads) if return_temporal else out
+    return (out, jnp.zeros(q.shape[:2], bool)) if return_temporal else out
 
   if isinstance(active, bool):
     return (sparse if active else dense)(q, k, v)

@@ -146,15 +146,13 @@ def _estimate(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.plugin.config_checks import slice_chip
   from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.plugin.estimate_format import format_estimate
-  from maxdiffusion_svg.plugin.launcher import check_overrides
+  from maxdiffusion_svg.plugin.launcher import check_form, check_overrides
   from maxdiffusion_svg.plugin.overlay import load_config
   # pylint: enable=import-outside-toplevel
   if not os.environ.get("JAX_PLATFORMS"):  # a host-side tool: the Wan 2.2 timesteps on the CPU
     jax.config.update("jax_platforms", "cpu")
   config, chain = load_config(args.config)
-  malformed = [o for o in args.overrides if "=" not in o]
-  if malformed:
-    raise ValueError(f"overrides are key=value, got {malformed[0]!r}")
+  check_form(args.overrides)
   # svg_* keys are left to SvgConfig, which names an unknown one with its own close matches.
   check_overrides(config, [o for o in args.overrides if not o.startswith("svg_")], chain)
   for override in args.overrides:

@@ -100,14 +100,8 @@ class Plan:
 def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
                     svg: Sequence[str], out_dir: str, lpips: bool) -> Plan:
   """Every check ``compare`` can make before weights load: one line each."""
-  malformed = [o for o in overrides if "=" not in o]
-  if malformed:
-    raise ValueError(f"overrides are key=value, got {malformed[0]!r}")
   argv = ["compare", config, *overrides, f"attention={KERNEL_NAME}"]
-  keys, _ = launcher.checked_config(argv)
-  for item in argv[2:]:  # typed as MaxDiffusion will type them
-    key, text = item.split("=", 1)
-    keys[key] = launcher.parse_override(key, text, keys)
+  keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
   dense = dense or base_attention(config)
   if dense is None:
     raise ValueError(f"no dense kernel: {config}'s base_config chain sets no attention other "
@@ -122,8 +116,7 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
     raise ValueError(f"--svg names a run twice: {', '.join(names[1:])}")
   settings = {}
   for run in runs[1:]:
-    run_keys = {**keys, **{k: launcher.parse_override(k, v, keys) for k, v in
-                           (o.split("=", 1) for o in run.overrides)}}
+    run_keys = launcher.with_overrides(keys, run.overrides)
     if run.overrides and run.overrides[0].startswith("svg_schedule="):
       for key in ("svg_density", "svg_active_steps", "svg_active_layers"):
         run_keys[key] = "preset"  # a preset run takes the preset's values, not the config's
@@ -166,11 +159,9 @@ def call_counts(settings: PluginSettings, steps: int, layers: int,
 
 
 def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
-  for name in ("transformer", "high_noise_transformer", "low_noise_transformer"):
-    model = getattr(pipeline, name, None)
-    if model is not None:
-      for op, _ in hooks._self_attention_ops(model):  # pylint: disable=protected-access
-        yield model, op
+  for model in hooks.prepared_transformers(pipeline):
+    for op, _ in hooks._self_attention_ops(model):  # pylint: disable=protected-access
+      yield model, op
 
 
 def set_run(pipeline: Any, run: Run, settings: PluginSettings | None,
@@ -306,7 +297,7 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
           "videos": sorted(str(p) for p in run_dir.glob("*.mp4"))}
       settings = plan.settings.get(run.name)
       if settings is not None:
-        layers = next(m for m, _ in _self_attention_ops(seen["pipeline"])).num_layers
+        layers = hooks.prepared_transformers(seen["pipeline"])[0].num_layers
         counts = call_counts(settings, steps, layers, grid)
         row.update(density=settings.svg.density, preset=settings.preset,
                    sparse_calls=counts.sparse, dense_calls=counts.dense,

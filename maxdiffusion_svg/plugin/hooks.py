@@ -158,7 +158,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
     op.svg_layer = SvgLayerIndex(index)
   model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
   model.svg_schedule_set = False
-  model.svg_count_calls = settings.run_summary
+  # Why the run summary does not count this model's calls ("": it does).
   model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
@@ -183,6 +183,17 @@ def is_prepared(model: Any) -> bool:
   return getattr(model, "svg_settings", None) is not None
 
 
+def prepared_transformers(pipeline: Any) -> list[Any]:
+  """The pipeline's transformers prepared for svg (one, or Wan 2.2's two experts)."""
+  return [m for m in (getattr(pipeline, n, None) for n in _PIPELINE_TRANSFORMERS)
+          if m is not None and is_prepared(m)]
+
+
+def counts_calls(model: Any) -> bool:
+  """Whether a prepared model's self-attention calls report to the run summary."""
+  return is_prepared(model) and not model.svg_uncounted
+
+
 # ------------------------------------------------------------------------------ wrappers
 
 
@@ -200,7 +211,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
       step = jnp.sum(self.svg_timesteps[...] > t).astype(jnp.int32)
     call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
                      getattr(self, "svg_expert", None), step,
-                     bool(getattr(self, "svg_count_calls", False)))
+                     counts_calls(self))
     with model_call(call):
       return original(self, hidden_states, timestep, *args, **kwargs)
 
@@ -236,7 +247,9 @@ def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
   def wrapper(self, *args, **kwargs):
     run_summary.reset()
     outputs = bound(self, *args, **kwargs)
-    line = run_summary.after_call(self, outputs, kwargs, original)
+    models = prepared_transformers(self)
+    line = run_summary.after_call(models, getattr(self, "mesh", None), outputs, kwargs,
+                                  original, counted=bool(models) and counts_calls(models[0]))
     if line:
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       max_logging.log(f"maxdiffusion_svg: {line}")
@@ -258,7 +271,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
       expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
       prepare_transformer(model, settings, expert)
       if settings.run_summary and getattr(config, "aot_cache_dir", ""):
-        model.svg_count_calls = False  # MaxDiffusion's AOT cache cannot serialise callbacks
+        # MaxDiffusion's AOT cache cannot serialise callbacks.
         model.svg_uncounted = "aot_cache_dir is set: its executables cannot hold host callbacks"
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
@@ -300,10 +313,8 @@ def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
     if pipeline is not None:
       contract.require_attributes(state, f"{type(self).__name__}.set_timesteps()'s state",
                                   ("timesteps",), "the svg step is counted from the schedule")
-      for name in _PIPELINE_TRANSFORMERS:
-        model = getattr(pipeline, name, None)
-        if model is not None and is_prepared(model):
-          set_denoising_schedule(model, state.timesteps)
+      for model in prepared_transformers(pipeline):
+        set_denoising_schedule(model, state.timesteps)
     return state
 
   return wrapper

@@ -105,11 +105,16 @@ def check_values(config: Mapping[str, Any], overrides: Sequence[str]) -> None:
   the plugin checks it when a transformer is built (its errors name the key and what it
   allows), so that a bad value stops here and not after MaxDiffusion has started."""
   from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
+  PluginSettings.from_mapping(with_overrides(config, overrides))
+
+
+def with_overrides(config: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+  """The config with each ``key=value`` typed as MaxDiffusion will type it."""
   keys = dict(config)
   for item in overrides:
     key, text = item.split("=", 1)
     keys[key] = parse_override(key, text, config)
-  PluginSettings.from_mapping(keys)
+  return keys
 
 
 def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:

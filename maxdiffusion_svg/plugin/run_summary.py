@@ -93,9 +93,11 @@ def counted_calls(layers: int) -> CallCounts:
                     sum(temporal.values()) / total if total else None, tuple(ranges))
 
 
-def scheduled_calls(settings: PluginSettings, steps: int, layers: int, tokens: int) -> CallCounts:
-  """The calls as the schedule makes them, for a run without callbacks."""
-  if settings.is_short(tokens):
+def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
+                    tokens: int | None) -> CallCounts:
+  """The calls as the schedule makes them, for a run without callbacks (``tokens`` None: a
+  video not known to be short)."""
+  if tokens is not None and settings.is_short(tokens):
     return CallCounts(0, steps * layers, False)
   schedule = settings.svg.schedule
   sparse = schedule.active_steps.count(steps) * schedule.active_layers.count(layers)
@@ -121,9 +123,6 @@ def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
   return "; ".join(parts)
 
 
-_TRANSFORMERS = ("transformer", "high_noise_transformer", "low_noise_transformer")
-
-
 def _steps(kwargs: dict[str, Any], call: Any) -> int:
   if "num_inference_steps" in kwargs:
     return int(kwargs["num_inference_steps"])
@@ -144,10 +143,10 @@ def _kernel(models: list[Any], mesh: Any) -> str:
           f"{tiles.block_q}x{tiles.block_kv}{step}, {densities}")
 
 
-def after_call(pipeline: Any, outputs: Any, kwargs: dict[str, Any], call: Any) -> str | None:
-  """The summary of a Wan pipeline call just finished, or None if it holds no svg model."""
-  models = [m for m in (getattr(pipeline, n, None) for n in _TRANSFORMERS)
-            if getattr(m, "svg_settings", None) is not None]
+def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any], call: Any,
+               counted: bool) -> str | None:
+  """The summary of a Wan pipeline call just finished through its svg-prepared ``models``
+  (None if there are none); ``counted``: their calls reported to the tally."""
   if not models:
     return None
   steps, layers = _steps(kwargs, call), models[0].num_layers
@@ -161,13 +160,12 @@ def after_call(pipeline: Any, outputs: Any, kwargs: dict[str, Any], call: Any) -
   if tokens is not None and settings.is_short(tokens):
     counts = scheduled_calls(settings, steps, layers, tokens)
     why = f"{tokens:,} tokens is below svg_min_seq_length {settings.min_seq_length}: all dense"
-  elif models[0].svg_count_calls:
+  elif counted:
     jax.effects_barrier()  # every callback of the call has run
     counts = counted_calls(layers)
     if counts.sparse + counts.dense == 0:
       return (f"run summary: {steps} steps: no self-attention call reached the svg kernel "
               f"(the model's self-attention runs another kernel)")
   else:
-    counts = scheduled_calls(settings, steps, layers, tokens or settings.min_seq_length)
-  return summary_line(counts, steps, layers, _kernel(models, getattr(pipeline, "mesh", None)),
-                      denoise, why)
+    counts = scheduled_calls(settings, steps, layers, tokens)
+  return summary_line(counts, steps, layers, _kernel(models, mesh), denoise, why)
