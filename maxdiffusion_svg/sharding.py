@@ -21,6 +21,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.ring_plan import check_ulysses_shards
+from maxdiffusion_svg.ring_sharding import ring_svg_attention
 from maxdiffusion_svg.target import Target
 
 
@@ -33,6 +35,12 @@ class HeadExchange:
   batch_axes: tuple[str, ...]  # those present in the mesh
   shards: int  # size of seq_axis
   seq_len: int
+  ulysses: int = 0  # devices exchanging heads (ulysses_shards); 0: all of seq_axis
+
+  @property
+  def ring(self) -> int:
+    """Sequence shards left after the head exchange (1: Ulysses over the whole axis)."""
+    return self.shards // (self.ulysses or self.shards)
 
   @property
   def padded_len(self) -> int:
@@ -64,8 +72,11 @@ class HeadExchange:
 
 
 def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "context",
-                  batch_axes: Sequence[str] = ("data", "fsdp")) -> HeadExchange:
-  """Validates a ``[B, H, S, D]`` shape against the mesh (errors name the problem)."""
+                  batch_axes: Sequence[str] = ("data", "fsdp"),
+                  ulysses_shards: Any = None) -> HeadExchange:
+  """Validates a ``[B, H, S, D]`` shape against the mesh (errors name the problem).
+  ``ulysses_shards`` (MaxDiffusion's key): devices exchanging heads; unset, -1, 0 or the whole
+  axis mean Ulysses over all of ``seq_axis``, fewer leave a ring (:mod:`ring_sharding`)."""
   if seq_axis not in mesh.shape:
     raise ValueError(f"seq_axis {seq_axis!r} is not an axis of the mesh (axes: "
                      f"{', '.join(mesh.axis_names)})")
@@ -74,10 +85,17 @@ def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "contex
   present = tuple(a for a in batch_axes if a in mesh.shape)
   batch, heads = q_shape[0], q_shape[1]
   n = mesh.shape[seq_axis]
-  if heads % n:
+  ring_asked = ulysses_shards is not None and not (
+      isinstance(ulysses_shards, int) and not isinstance(ulysses_shards, bool)
+      and (ulysses_shards <= 0 or ulysses_shards == n))
+  if heads % n and not ring_asked:
+    working = [u for u in range(1, n) if n % u == 0 and heads % u == 0]
     raise ValueError(f"heads ({heads}) must be divisible by the {n} shards of mesh axis "
-                     f"{seq_axis!r}: the head exchange gives each shard heads / {n} heads")
-  ex = HeadExchange(mesh, seq_axis, present, n, q_shape[2])
+                     f"{seq_axis!r}: the head exchange gives each shard heads / {n} heads; "
+                     f"or set ulysses_shards to one of {', '.join(map(str, working))} to "
+                     f"exchange heads in groups that size and ring the rest")
+  ulysses, _ = check_ulysses_shards(ulysses_shards, n, heads)
+  ex = HeadExchange(mesh, seq_axis, present, n, q_shape[2], ulysses)
   if batch % ex.batch_shards:
     raise ValueError(f"batch ({batch}) must be divisible by the {ex.batch_shards} shards of the "
                      f"batch axes {present}")
@@ -180,7 +198,8 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           batch_axes: Sequence[str] = ("data", "fsdp"),
                           return_info: bool = False, fold_batch: bool = True,
                           target: Target | None = None, qkv_spec: P | None = None,
-                          on_routing: Callable[..., None] | None = None) -> Any:
+                          on_routing: Callable[..., None] | None = None,
+                          ulysses_shards: Any = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
   Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
@@ -201,11 +220,17 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   inside the exchange with its heads' temporal flags ``[b, H/n]`` (none on a dense call) and
   the schedule's verdict, so a caller can count routing (e.g. by host callback) without a
   collective.
+  ``ulysses_shards``: MaxDiffusion's key. Where it is smaller than the context axis, heads are
+  exchanged inside groups of that many devices and the sequence stays split over the rest, a
+  ring whose shards fetch only the key tiles their rows visit
+  (:func:`maxdiffusion_svg.ring_sharding.ring_svg_attention`): for meshes whose context axis
+  no divisor of the heads fills (32 or 64 chips for Wan's 40 heads).
   """
   check_qkv(q, k, v, grid)
   if qkv_spec is not None:
     seq_axis, batch_axes = layout_axes(mesh, qkv_spec)
-  ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes)
+  ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes,
+                     ulysses_shards=ulysses_shards)
   target = config.target(mesh=mesh, target=target)
   batch, heads = q.shape[:2]
   if fold_batch and batch > 1 and ex.batch_shards == 1:
@@ -213,7 +238,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
         *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)), mesh=mesh, grid=grid,
         config=config, key=key, scale=scale, step=step, layer=layer, expert=expert,
         seq_axis=seq_axis, batch_axes=batch_axes, return_info=return_info, fold_batch=False,
-        target=target, on_routing=on_routing)
+        target=target, on_routing=on_routing, ulysses_shards=ulysses_shards)
     out, info = folded if return_info else (folded, None)
     out = out.reshape(q.shape[:2] + out.shape[2:])
     if not return_info:
@@ -227,6 +252,16 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if scheduled and return_info:
     raise ValueError("return_info is for unscheduled calls (no step/layer): a dense step "
                      "has no routing to report")
+  if ex.ring > 1:
+    result = ring_svg_attention(q, k, v, mesh=mesh, seq_axis=ex.seq_axis,
+                                batch_axes=ex.batch_axes, ulysses=ex.ulysses, grid=grid,
+                                config=config, key=key, scale=scale, step=step, layer=layer,
+                                expert=expert, return_info=return_info, target=target,
+                                on_routing=on_routing)
+    if not return_info:
+      return result
+    out, info = result
+    return out, {**info, "plan": config.plan(grid, expert, target).stats.as_dict()}
   # Traced values enter as replicated operands; Python ints stay static (decided while tracing).
   extras = {"key": key, "step": step, "layer": layer}
   traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}

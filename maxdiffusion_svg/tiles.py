@@ -124,6 +124,10 @@ class TilePlan:
   kind: np.ndarray  # int8 [num_q_tiles, width]: EMPTY / MASKED / FULL
   num_visited: np.ndarray  # int32 [num_q_tiles]
   stats: TileStats
+  # Queries, where they differ from the keys: one ring shard's rows of a plan against the key
+  # tiles it fetched (:func:`maxdiffusion_svg.ring_plan.window_plan`); ``seq_len`` is then the
+  # real keys of that window.
+  q_len: int | None = None
 
   @property
   def seq_len(self) -> int:
@@ -131,7 +135,7 @@ class TilePlan:
 
   @property
   def num_q_tiles(self) -> int:
-    return -(-self.seq_len // self.block_q)
+    return -(-(self.q_len or self.seq_len) // self.block_q)
 
   @property
   def num_kv_tiles(self) -> int:

@@ -49,7 +49,16 @@ def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be [B, H, S, D], got shape {getattr(x, 'shape', None)}")
-  if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3]:
+  if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"q, k, v must share [B, H, S]: got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                     f"v {tuple(v.shape)}")
+  if plan.q_len is not None:  # a ring shard's rows against the key tiles it fetched
+    if q.shape[2] != plan.q_len or k.shape[2] != plan.num_kv_tiles * plan.block_kv:
+      raise ValueError(f"plan was built for {plan.q_len} queries against "
+                       f"{plan.num_kv_tiles * plan.block_kv} keys, but inputs have "
+                       f"{q.shape[2]} and {k.shape[2]}")
+    return
+  if q.shape[2] != k.shape[2]:
     raise ValueError(f"q, k, v must share [B, H, S]: got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                      f"v {tuple(v.shape)}")
   if q.shape[-1] != k.shape[-1]:

@@ -55,7 +55,7 @@ class FixedOffsets(NamedTuple):
 def fixed_offsets(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: float, *,
                   every_key_visited: bool) -> FixedOffsets:
   """Offsets and gate for ``[BH, S, D]`` inputs; ``q_scale`` folds the softmax scale and log2(e)."""
-  s = q.shape[1]
+  s = k.shape[1]  # the terms a row may sum
   qs = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
   # Of the values the kernel multiplies (q after rounding), so the bound holds for them.
   q32, k32 = qs.astype(jnp.float32), k.astype(jnp.float32)

@@ -157,9 +157,11 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   dv = v.shape[-1]
   check_shapes(d, q.dtype, plan, block_kv_compute, dv)
   bq, bkv = plan.block_q, plan.block_kv
-  fold = lambda x: x.reshape(b * h, s, x.shape[-1])
+  fold = lambda x: x.reshape(b * h, x.shape[2], x.shape[-1])
+  # A ring shard's window holds unused and padding keys: its heads take the sparse gate.
+  every_key_visited = plan.q_len is None and plan.stats.kept_pairs == s * s
   offsets: FixedOffsets = fixed_offsets(fold(q), fold(k), fold(v), scale * math.log2(math.e),
-                                        every_key_visited=plan.stats.kept_pairs == s * s)
+                                        every_key_visited=every_key_visited)
   q_pad = _pad(offsets.q, plan.num_q_tiles * bq)
   k_pad = _pad(fold(k), plan.num_kv_tiles * bkv)
   v_pad = _pad(fold(v), plan.num_kv_tiles * bkv)

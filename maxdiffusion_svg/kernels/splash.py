@@ -104,6 +104,9 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles.
   Unchecked: :func:`maxdiffusion_svg.kernels.sparse_attention` holds the compiled kernel to
   its target's VMEM and SMEM before calling this."""
+  if plan.q_len is not None:
+    raise ValueError("svg_backend splash cannot run a ring shard's rows (ulysses_shards leaves "
+                     "a ring on this mesh): use svg_backend pallas (the TPU default) or xla")
   s = q.shape[2]
   info, mask_fn = plan_mask_info(plan)
   # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale

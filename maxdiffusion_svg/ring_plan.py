@@ -1,0 +1,344 @@
+"""The ring half of a Ulysses x ring context split, planned statically (numpy, at trace time).
+
+A context axis of ``C`` devices splits as ``U`` (Ulysses) x ``R`` (ring), ring-major as
+MaxDiffusion's ``ulysses_ring`` kernels split it (``ulysses_shards = U``). After the head
+exchange inside each group of ``U`` devices, ring shard ``r`` holds ``H / U`` heads over
+tokens ``[r L, (r + 1) L)`` of the placed sequence: frame-major for spatial heads,
+temporal-major for temporal heads (:class:`ShardPermutation` moves them across the ring).
+
+A band + sink plan visits few of the ``R x R`` (query shard, key shard) pairs, so instead of
+rotating every key shard past every device (a ring's ``R - 1`` hops), each shard fetches the
+key tiles its rows visit and nothing else (:class:`KeyFetch`), and runs the single-device plan's
+own rows on them (:func:`window_plan`): the same tiles, kinds and rounding as one device, so
+the result is that of one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from maxdiffusion_svg.masks import Mask
+from maxdiffusion_svg.tiles import EMPTY, MASKED, TilePlan, TileStats
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple[int, int]:
+  """``(U, R)`` for a context axis of ``context`` devices and ``heads`` heads per exchange.
+
+  ``ulysses_shards`` is MaxDiffusion's key: ``None``, ``-1`` or ``0`` (its default) and
+  ``context`` itself mean Ulysses over the whole axis (``R = 1``); otherwise ``U`` devices
+  exchange heads and ``R = context / U`` shards of the sequence form the ring.
+  """
+  if ulysses_shards is None or (isinstance(ulysses_shards, (int, np.integer))
+                                and not isinstance(ulysses_shards, bool) and ulysses_shards <= 0):
+    ulysses = context
+  elif isinstance(ulysses_shards, bool) or not isinstance(ulysses_shards, (int, np.integer)):
+    raise ValueError(f"ulysses_shards must be an integer, got {ulysses_shards!r}")
+  else:
+    ulysses = int(ulysses_shards)
+  working = [u for u in _divisors(context) if heads % u == 0]
+  hint = (f"values that work on this mesh: {', '.join(map(str, working))} "
+          f"(-1: Ulysses over all {context})" if heads % context else
+          f"values that work: {', '.join(map(str, working))}")
+  if context % ulysses:
+    raise ValueError(f"ulysses_shards ({ulysses}) must divide the mesh's context axis "
+                     f"({context} devices) into Ulysses groups; {hint}")
+  if heads % ulysses:
+    raise ValueError(f"ulysses_shards ({ulysses}) must divide the {heads} heads each exchange "
+                     f"splits (the model's heads, times the CFG batch where it is folded in); "
+                     f"{hint}")
+  return ulysses, context // ulysses
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSplit:
+  """The sequence over the ring: ``ring`` shards of ``chunk`` tokens; tokens past
+  ``seq_len`` are padding (never kept as keys, sliced off as queries)."""
+
+  seq_len: int
+  ring: int
+  chunk: int
+
+  @property
+  def padded_len(self) -> int:
+    return self.ring * self.chunk
+
+
+def ring_split(seq_len: int, ring: int, ulysses: int, block_q: int) -> RingSplit:
+  """Shards whose boundaries fall on query-tile boundaries (each shard runs whole rows of the
+  plan) and that the Ulysses group splits evenly."""
+  quantum = math.lcm(block_q, ulysses)
+  return RingSplit(seq_len, ring, -(-seq_len // (ring * quantum)) * quantum)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowMask(Mask):
+  """A global mask seen from one ring shard's buffers: local query ``q`` is global
+  ``q + q_offset``; the local keys are runs of global keys (``runs``: ascending
+  ``(local_start, global_start)``); local keys before the first run are unused slots.
+
+  Evaluated by ``where`` arithmetic on static constants, so it runs inside a Pallas kernel.
+  """
+
+  mask: Mask
+  q_offset: int
+  q_len: int
+  seq_len: int  # local keys that are real: the window, up to the global sequence's end
+  runs: tuple[tuple[int, int], ...]
+
+  def contains(self, q: Any, k: Any) -> Any:
+    return (q < self.q_len) & (k < self.seq_len) & self._rule(q, k)
+
+  def _rule(self, q: Any, k: Any) -> Any:
+    numpy = all(isinstance(x, (np.ndarray, np.integer, int)) for x in (q, k))
+    where = np.where if numpy else __import__("jax.numpy", fromlist=["where"]).where
+    global_k = k + self.mask.seq_len  # unused slots: past the sequence, never kept
+    for local, start in self.runs:
+      global_k = where(k >= local, k - local + start, global_k)
+    return self.mask.contains(q + self.q_offset, global_k)
+
+
+def _tile_pairs(plan: TilePlan, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+  """Pairs each visited tile keeps: the exact rule's, or in aligned plans every real pair."""
+  s, bq, bkv = plan.seq_len, plan.block_q, plan.block_kv
+  q0, k0 = rows * bq, cols * bkv
+  q1, k1 = np.minimum(q0 + bq, s), np.minimum(k0 + bkv, s)
+  if plan.masks_exact:
+    return plan.mask.kept_pairs(q0, q1, k0, k1)
+  return (q1 - q0) * (k1 - k0)
+
+
+def window_tiles(plan: TilePlan, split: RingSplit, shard: int) -> np.ndarray:
+  """The global kv tiles shard ``shard``'s rows visit, ascending."""
+  row0, row1 = _shard_rows(plan, split, shard)
+  visited = plan.kind[row0:row1] != EMPTY
+  return np.unique(plan.kv_index[row0:row1][visited]).astype(np.int64)
+
+
+def _shard_rows(plan: TilePlan, split: RingSplit, shard: int) -> tuple[int, int]:
+  per = split.chunk // plan.block_q
+  return min(shard * per, plan.num_q_tiles), min((shard + 1) * per, plan.num_q_tiles)
+
+
+def window_slots(plan: TilePlan, split: RingSplit) -> int:
+  """Key tiles every shard's window holds: the most any shard visits (shapes are static)."""
+  return max(1, max(window_tiles(plan, split, r).size for r in range(split.ring)))
+
+
+def window_plan(plan: TilePlan, split: RingSplit, shard: int) -> TilePlan:
+  """Shard ``shard``'s rows of ``plan`` on its local buffers: its ``chunk`` queries against
+  the window of :func:`window_slots` key tiles :class:`KeyFetch` assembles (unused slots
+  first, then the visited tiles ascending, so the sequence's padded last tile stays last).
+  Same tiles, kinds and rounding as the single-device plan."""
+  if split.chunk % plan.block_q:
+    raise ValueError(f"ring shards of {split.chunk} tokens split block_q {plan.block_q} tiles")
+  bq, bkv = plan.block_q, plan.block_kv
+  slots = window_slots(plan, split)
+  tiles = window_tiles(plan, split, shard)
+  unused = slots - tiles.size
+  row0, row1 = _shard_rows(plan, split, shard)
+  rows = split.chunk // bq
+  width = plan.width
+  kv_index = np.zeros((rows, width), np.int32)
+  kind = np.zeros((rows, width), np.int8)
+  visited = np.zeros(rows, np.int32)
+  real = row1 - row0
+  if real:
+    kv_index[:real] = unused + np.searchsorted(tiles, plan.kv_index[row0:row1])
+    kind[:real] = plan.kind[row0:row1]
+    visited[:real] = plan.num_visited[row0:row1]
+  for a in (kv_index, kind, visited):
+    a.setflags(write=False)
+  runs = _runs(tiles, unused, bkv)
+  last = plan.num_kv_tiles - 1
+  kv_len = slots * bkv
+  if tiles.size and tiles[-1] == last:
+    kv_len = (slots - 1) * bkv + plan.seq_len - last * bkv
+  mask = WindowMask(plan.mask, shard * split.chunk, split.chunk, kv_len, runs)
+  local_rows, slot = np.nonzero(kind)
+  global_rows = local_rows + row0
+  pairs = _tile_pairs(plan, global_rows, tiles[kv_index[local_rows, slot] - unused])
+  kinds = kind[local_rows, slot]
+  q_real = max(0, min(split.chunk, plan.seq_len - shard * split.chunk))
+  k_real = sum(min(bkv, plan.seq_len - t * bkv) for t in tiles)
+  kept = int(pairs.sum())
+  stats = TileStats(total_tiles=rows * slots, visited_tiles=int(kinds.size),
+                    masked_tiles=int((kinds == MASKED).sum()),
+                    full_tiles=int((kinds != MASKED).sum()), real_pairs=q_real * k_real,
+                    exact_pairs=kept, kept_pairs=kept, recall=1.0, precision=1.0)
+  return TilePlan(mask, plan.mode, bq, bkv, kv_index, kind, visited, stats, q_len=split.chunk)
+
+
+def _runs(tiles: np.ndarray, unused: int, bkv: int) -> tuple[tuple[int, int], ...]:
+  """``(local_start, global_start)`` of each run of consecutive global tiles."""
+  if not tiles.size:
+    return ()
+  breaks = np.flatnonzero(np.diff(tiles) != 1) + 1
+  starts = np.concatenate([[0], breaks])
+  return tuple((int((unused + j) * bkv), int(tiles[j] * bkv)) for j in starts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Hop:
+  """One collective permute of a fetch: shard ``s`` sends ``send[s]`` (piece offsets in its
+  own shard) to ``s + offset``, which writes them to window pieces ``recv[s + offset]``.
+  Padding entries are out of range (dropped)."""
+
+  offset: int
+  pairs: tuple[tuple[int, int], ...]
+  send: np.ndarray  # int32 [R, M], indexed by the sending shard
+  recv: np.ndarray  # int32 [R, M], indexed by the receiving shard
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeyFetch:
+  """How every ring shard assembles its window of key tiles from the shards holding them.
+
+  Keys move in ``piece``-token pieces (the largest that divides both a shard and a kv tile),
+  own pieces by a local copy, the rest by one collective permute per shard offset (the
+  band's neighbours; the sink's shard), each as large as its busiest pair."""
+
+  split: RingSplit
+  block_kv: int
+  slots: int
+  piece: int
+  own_src: np.ndarray  # int32 [R, n]: pieces of the shard's own chunk (padding: out of range)
+  own_dst: np.ndarray  # int32 [R, n]: their window pieces
+  hops: tuple[Hop, ...]
+
+  @property
+  def window_pieces(self) -> int:
+    return self.slots * self.block_kv // self.piece
+
+  def pieces_received(self) -> np.ndarray:
+    """``[R]`` pieces each shard receives from others."""
+    counts = np.zeros(self.split.ring, np.int64)
+    for hop in self.hops:
+      for _, dst in hop.pairs:
+        counts[dst] += hop.send.shape[1]
+    return counts
+
+  def shards_fetched(self) -> np.ndarray:
+    """``[R]`` other shards each shard fetches keys from."""
+    counts = np.zeros(self.split.ring, np.int64)
+    for hop in self.hops:
+      for _, dst in hop.pairs:
+        counts[dst] += 1
+    return counts
+
+
+def key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
+  """The fetch of every shard's :func:`window_plan` keys."""
+  return _key_fetch(plan, split)
+
+
+@functools.lru_cache(maxsize=32)
+def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
+  bkv, chunk, ring = plan.block_kv, split.chunk, split.ring
+  piece = math.gcd(chunk, bkv)
+  per_tile, per_chunk = bkv // piece, chunk // piece
+  slots = window_slots(plan, split)
+  limit = slots * per_tile  # an out-of-range window piece: dropped
+  real_pieces = -(-plan.seq_len // piece)
+  own: list[tuple[np.ndarray, np.ndarray]] = []
+  moves: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+  for r in range(ring):
+    tiles = window_tiles(plan, split, r)
+    unused = slots - tiles.size
+    window = ((unused + np.arange(tiles.size))[:, None] * per_tile
+              + np.arange(per_tile)[None, :]).reshape(-1)
+    pieces = (tiles[:, None] * per_tile + np.arange(per_tile)[None, :]).reshape(-1)
+    keep = pieces < real_pieces  # pieces wholly past the sequence stay zero
+    window, pieces = window[keep], pieces[keep]
+    owner = pieces // per_chunk
+    for o in np.unique(owner):
+      at = owner == o
+      pair = (pieces[at] - o * per_chunk, window[at])
+      if o == r:
+        own.append(pair)
+      else:
+        moves.setdefault(int(r - o), {})[int(o)] = pair
+    if not (owner == r).any():
+      own.append((np.zeros(0, np.int64), np.zeros(0, np.int64)))
+  own_src, own_dst = _stack([own[r] for r in range(ring)], ring, per_chunk, limit,
+                            list(range(ring)))
+  hops = []
+  for offset in sorted(moves, key=lambda d: (abs(d), d)):
+    by_src = moves[offset]
+    width = max(p[0].size for p in by_src.values())
+    send = np.full((ring, width), per_chunk, np.int32)
+    recv = np.full((ring, width), limit, np.int32)
+    for o, (src, dst) in by_src.items():
+      send[o, :src.size] = src
+      recv[o + offset, :dst.size] = dst
+    for a in (send, recv):
+      a.setflags(write=False)
+    hops.append(Hop(offset, tuple((o, o + offset) for o in sorted(by_src)), send, recv))
+  return KeyFetch(split, bkv, slots, piece, own_src, own_dst, tuple(hops))
+
+
+def _stack(pairs, ring, src_pad, dst_pad, order):
+  width = max(1, max(p[0].size for p in pairs))
+  src = np.full((ring, width), src_pad, np.int32)
+  dst = np.full((ring, width), dst_pad, np.int32)
+  for r, (s, d) in zip(order, pairs):
+    src[r, :s.size], dst[r, :d.size] = s, d
+  for a in (src, dst):
+    a.setflags(write=False)
+  return src, dst
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardPermutation:
+  """``out[p] = x[source[p]]`` on a sequence sharded in ``R`` chunks: one all-to-all in which
+  shard ``s`` sends ``send[s, d]`` (its local offsets, in ``d``'s order) to each shard ``d``,
+  which writes them at ``recv[d, s]``. Blocks are as large as the busiest pair; padding
+  entries are out of range (gathered as zeros, dropped when written). The inverse swaps the
+  two tables."""
+
+  split: RingSplit
+  send: np.ndarray  # int32 [R(src), R(dst), M]
+  recv: np.ndarray  # int32 [R(dst), R(src), M]
+
+  @property
+  def block(self) -> int:
+    return self.send.shape[2]
+
+
+@functools.lru_cache(maxsize=16)
+def temporal_permutation(frames: int, frame_size: int, split: RingSplit) -> ShardPermutation:
+  """Frame-major -> temporal-major across the ring (O(S) tables, built once per shape)."""
+  s = frames * frame_size
+  if s != split.seq_len:
+    raise ValueError(f"grid of {s} tokens, ring split of {split.seq_len}")
+  p = np.arange(s, dtype=np.int64)
+  source = (p % frames) * frame_size + p // frames  # frame-major token at position p
+  return shard_permutation(source, split)
+
+
+def shard_permutation(source: np.ndarray, split: RingSplit) -> ShardPermutation:
+  """Tables for ``out[p] = x[source[p]]`` (``p < seq_len``; later positions stay zero)."""
+  ring, chunk = split.ring, split.chunk
+  p = np.arange(source.size, dtype=np.int64)
+  src, dst = source // chunk, p // chunk
+  order = np.lexsort((p, dst, src))
+  src, dst, p, t = src[order], dst[order], p[order], source[order]
+  group = src * ring + dst
+  counts = np.bincount(group, minlength=ring * ring)
+  block = max(1, int(counts.max()))
+  rank = np.arange(group.size) - np.repeat(np.cumsum(counts) - counts, counts)
+  send = np.full((ring, ring, block), chunk, np.int32)
+  recv = np.full((ring, ring, block), chunk, np.int32)
+  send[src, dst, rank] = t - src * chunk
+  recv[dst, src, rank] = p - dst * chunk
+  for a in (send, recv):
+    a.setflags(write=False)
+  return ShardPermutation(split, send, recv)

@@ -1,0 +1,240 @@
+"""SVG over a context axis split as Ulysses ``U`` x ring ``R`` (MaxDiffusion's ``ulysses_shards``).
+
+Where the context axis is larger than any divisor of the heads (40 for Wan 14B: 32 or 64
+chips for one video), heads are exchanged inside groups of ``U`` devices only, and the sequence
+stays split over ``R`` ring shards. On each device, inside one ``shard_map`` over the mesh with
+``context`` split into ``(svg_ring, svg_ulysses)`` (ring-major, as MaxDiffusion splits it):
+
+1. all-to-all over ``svg_ulysses``: ``H / U`` heads over ring shard ``r``'s tokens;
+2. route: the sampled rows' softmax over this shard's keys, merged over the ring exactly
+   (max, then sums): every shard of a head gets the same flags;
+3. place: temporal heads move to temporal-major order across the ring (one all-to-all;
+   spatial heads keep their tokens);
+4. fetch: the key tiles this shard's rows visit, by a collective permute per shard offset
+   (the band's neighbours, the sink's shard), not ``R - 1`` ring hops;
+5. this shard's rows of the single-device plan on them (``lax.switch`` over ``r``: each
+   shard's plan is static), then restore and the all-to-all back.
+
+Why move temporal heads (step 3) rather than ring them: a temporal head in frame-major order
+reaches every frame, so every shard would need every key shard; placed, its band is as local as
+a spatial head's. The move costs ``q, k, v`` and the output once across the ring
+(``4 (R - 1) / R`` of a shard's heads), where a ring costs ``k, v`` ``R - 1`` times.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxdiffusion_svg.attention import per_platform, profile_key
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import Layout, VideoGrid
+from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.masks import Mask, PlacedMask
+from maxdiffusion_svg.ring_plan import (KeyFetch, RingSplit, ShardPermutation, key_fetch,
+                                        ring_split, temporal_permutation, window_plan)
+from maxdiffusion_svg.router import routing_mask, sample_rows
+from maxdiffusion_svg.target import Target
+from maxdiffusion_svg.tiles import TilePlan
+
+RING, ULYSSES = "svg_ring", "svg_ulysses"
+
+
+def split_mesh(mesh: Mesh, seq_axis: str, ulysses: int) -> Mesh:
+  """``mesh`` with ``seq_axis`` split into ``(svg_ring, svg_ulysses)``, same devices in the
+  same order: context index ``r * U + u`` is ring shard ``r``, Ulysses rank ``u``."""
+  names = tuple(mesh.axis_names)
+  i = names.index(seq_axis)
+  ring = mesh.shape[seq_axis] // ulysses
+  devices = mesh.devices.reshape(mesh.devices.shape[:i] + (ring, ulysses)
+                                 + mesh.devices.shape[i + 1:])
+  types = tuple(mesh.axis_types)
+  return Mesh(devices, names[:i] + (RING, ULYSSES) + names[i + 1:],
+              axis_types=types[:i] + (types[i], types[i]) + types[i + 1:])
+
+
+def _rows_of(x: jax.Array, rows: jax.Array, shard: jax.Array, chunk: int) -> jax.Array:
+  """``x``'s global ``rows`` (``[b, h, n, D]``, float32), from whichever shard holds each."""
+  local = rows - shard * chunk
+  inside = (local >= 0) & (local < chunk)
+  picked = jnp.take(x, jnp.clip(local, 0, chunk - 1), axis=2).astype(jnp.float32)
+  return jax.lax.psum(jnp.where(inside[None, None, :, None], picked, 0.0), RING)
+
+
+def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
+                       grid: VideoGrid, mask: Mask, shard: jax.Array, chunk: int,
+                       scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """:func:`maxdiffusion_svg.router.layout_errors` of a frame-major sequence split over the
+  ring: each shard's keys give a partial softmax (its max, sum and weighted values), merged
+  over the ring. Moves ``rows x D`` values per head, never keys."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  qs = _rows_of(q, rows, shard, chunk)
+  keys = shard * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  v32 = v.astype(jnp.float32)
+
+  def output(keep: jax.Array) -> jax.Array:
+    x = jnp.where(keep, logits, -jnp.inf)
+    m = jax.lax.pmax(x.max(axis=-1), RING)
+    p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    total = jax.lax.psum(p.sum(axis=-1), RING)
+    acc = jax.lax.psum(jnp.einsum("bhrk,bhkd->bhrd", p, v32,
+                                  precision=jax.lax.Precision.HIGHEST), RING)
+    return acc / total[..., None]
+
+  dense = output((keys < grid.tokens)[None, :])
+  errors = []
+  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+    keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys[None, :])
+    errors.append(jnp.mean((output(keep) - dense) ** 2, axis=(2, 3)))
+  return errors[0], errors[1]
+
+
+def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
+            inverse: bool = False) -> jax.Array:
+  """``[b, h, L, D]`` ring shards of a sequence, permuted across the ring (one all-to-all)."""
+  send, recv = (perm.recv, perm.send) if inverse else (perm.send, perm.recv)
+  blocks = jnp.take(x, jnp.asarray(send)[shard].reshape(-1), axis=2, mode="fill", fill_value=0)
+  got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
+  return jnp.zeros_like(x).at[:, :, jnp.asarray(recv)[shard].reshape(-1)].set(got, mode="drop")
+
+
+def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
+  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles."""
+  b, h, chunk, d = x.shape
+  pieces = x.reshape(b, h, chunk // fetch.piece, fetch.piece, d)
+  window = jnp.zeros((b, h, fetch.window_pieces, fetch.piece, d), x.dtype)
+
+  def put(window, src, dst, transfer=lambda y: y):
+    got = transfer(jnp.take(pieces, jnp.asarray(src)[shard], axis=2, mode="fill", fill_value=0))
+    return window.at[:, :, jnp.asarray(dst)[shard]].set(got, mode="drop")
+
+  window = put(window, fetch.own_src, fetch.own_dst)
+  for hop in fetch.hops:
+    window = put(window, hop.send, hop.recv,
+                 functools.partial(jax.lax.ppermute, axis_name=RING, perm=hop.pairs))
+  return window.reshape(b, h, fetch.window_pieces * fetch.piece, d)
+
+
+def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float | None,
+                   compute: int, target: Target) -> tuple[KeyFetch, Callable[..., Any]]:
+  """The fetch and ``run(shard, q, k_window, v_window)``: each shard's rows of ``plan``."""
+  fetch = key_fetch(plan, split)
+  branches = [functools.partial(sparse_attention, plan=window_plan(plan, split, r), scale=scale,
+                                backend=backend, block_kv_compute=compute, target=target)
+              for r in range(split.ring)]
+  return fetch, lambda shard, q, k, v: jax.lax.switch(shard, branches, q, k, v)
+
+
+def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, seq_axis: str,
+                       batch_axes: Sequence[str], ulysses: int, grid: VideoGrid,
+                       config: SvgConfig, key: jax.Array | None = None,
+                       scale: float | None = None, step: Any = None, layer: Any = None,
+                       expert: str | None = None, return_info: bool = False,
+                       target: Target | None = None,
+                       on_routing: Callable[..., None] | None = None) -> Any:
+  """SVG of global frame-major ``[B, H, S, D]`` arrays sequence-sharded over ``seq_axis``,
+  with heads exchanged inside groups of ``ulysses`` devices (see the module docstring).
+  Arguments as :func:`maxdiffusion_svg.sharding.sharded_svg_attention`, which validates them
+  and calls this where ``ulysses_shards`` leaves a ring."""
+  inner = split_mesh(mesh, seq_axis, ulysses)
+  ring = inner.shape[RING]
+  batch_spec = tuple(batch_axes) or None
+  spec = P(batch_spec, None, (RING, ULYSSES), None)
+  head_spec = P(batch_spec, ULYSSES)
+  outer_spec = P(batch_spec, None, seq_axis, None)
+  scheduled = step is not None
+  extras = {"key": key, "step": step, "layer": layer}
+  traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
+  static = {name: x for name, x in extras.items() if name not in traced}
+  seq_len = grid.tokens
+
+  def build(backend: str, target: Target) -> Callable[..., Any]:
+    if backend == "splash":
+      raise ValueError("svg_backend splash cannot run a ring shard's rows (ulysses_shards "
+                       "leaves a ring on this mesh): use svg_backend pallas (the TPU default) "
+                       "or xla")
+    tiles = config.tiles(target, backend)
+    plan = config.plan(grid, expert, target, backend)
+    split = ring_split(seq_len, ring, ulysses, tiles.block_q)
+    sparse_fetch, sparse_run = _shard_kernels(plan, split, backend, scale,
+                                              tiles.block_kv_compute, target)
+    if scheduled:
+      dense_fetch, dense_run = _shard_kernels(config.dense_plan(grid, target, backend), split,
+                                              backend, scale, tiles.block_kv_compute, target)
+    perm = temporal_permutation(grid.frames, grid.frame_size, split)
+    router_mask = routing_mask(grid, config.router, plan)
+
+    def body(q, k, v, *values):
+      given = {**static, **dict(zip(traced, values))}
+      q, k, v = (jax.lax.all_to_all(x, ULYSSES, split_axis=1, concat_axis=2, tiled=True)
+                 for x in (q, k, v))
+      shard = jax.lax.axis_index(RING)
+      route_key = (profile_key(config, given["step"], given["layer"], given["key"]) if scheduled
+                   else profile_key(config) if given["key"] is None else given["key"])
+
+      def sparse(q, k, v):
+        rows = sample_rows(route_key, seq_len, config.router)
+        spatial, temporal_error = ring_layout_errors(q, k, v, rows, grid, router_mask, shard,
+                                                     split.chunk, scale)
+        temporal = temporal_error < spatial
+        pick = temporal[:, :, None, None]
+        q, k, v = (jnp.where(pick, permute(x, perm, shard), x) for x in (q, k, v))
+        out = sparse_run(shard, q, fetch_window(k, sparse_fetch, shard),
+                         fetch_window(v, sparse_fetch, shard))
+        out = jnp.where(pick, permute(out, perm, shard, inverse=True), out)
+        return out, (temporal, spatial, temporal_error)
+
+      def dense(q, k, v):
+        out = dense_run(shard, q, fetch_window(k, dense_fetch, shard),
+                        fetch_window(v, dense_fetch, shard))
+        zeros = jnp.zeros(q.shape[:2], jnp.float32)
+        return out, (jnp.zeros(q.shape[:2], bool), zeros, zeros)
+
+      if scheduled:
+        active = config.schedule.is_active(given["step"], given["layer"])
+        if isinstance(active, bool):
+          out, info = (sparse if active else dense)(q, k, v)
+        else:
+          out, info = jax.lax.cond(active, sparse, dense, q, k, v)
+        if on_routing is not None:
+          on_routing(info[0], active, given["step"], given["layer"])
+      else:
+        out, info = sparse(q, k, v)
+      out = jax.lax.all_to_all(out, ULYSSES, split_axis=2, concat_axis=1, tiled=True)
+      return (out, info) if return_info else out
+
+    in_specs = (spec,) * 3 + (P(),) * len(traced)
+    out_specs = (spec, (head_spec,) * 3) if return_info else spec
+    mapped = jax.shard_map(body, mesh=inner, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+
+    def run(q, k, v, *values):
+      pad = ((0, 0), (0, 0), (0, split.padded_len - seq_len), (0, 0))
+      q, k, v = (_place_on(jnp.pad(x, pad), mesh, outer_spec) for x in (q, k, v))
+      result = mapped(q, k, v, *values)
+      out, info = result if return_info else (result, None)
+      out = _place_on(out, mesh, P(batch_spec))[:, :, :seq_len]
+      return (out, info) if return_info else out
+
+    return run
+
+  result = per_platform(config, config.target(mesh=mesh, target=target), build)(
+      q, k, v, *traced.values())
+  if not return_info:
+    return result
+  out, (temporal, spatial, temporal_error) = result
+  return out, {"temporal": temporal, "spatial_error": spatial,
+               "temporal_error": temporal_error}
+
+
+def _place_on(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+  """On a mesh of explicit axes, moves ``x`` to ``spec``; on auto axes XLA propagates it."""
+  if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jax.reshard(x, NamedSharding(mesh, spec))
+  return x
