@@ -45,16 +45,15 @@ def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple
   else:
     ulysses = int(ulysses_shards)
   working = [u for u in _divisors(context) if heads % u == 0]
-  hint = (f"values that work on this mesh: {', '.join(map(str, working))} "
-          f"(-1: Ulysses over all {context})" if heads % context else
-          f"values that work: {', '.join(map(str, working))}")
+  hint = f"values that work on this mesh: {', '.join(map(str, working))}"
+  if heads % context == 0:
+    hint += f", or -1 (Ulysses over all {context})"
   if context % ulysses:
     raise ValueError(f"ulysses_shards ({ulysses}) must divide the mesh's context axis "
                      f"({context} devices) into Ulysses groups; {hint}")
   if heads % ulysses:
-    raise ValueError(f"ulysses_shards ({ulysses}) must divide the {heads} heads each exchange "
-                     f"splits (the model's heads, times the CFG batch where it is folded in); "
-                     f"{hint}")
+    raise ValueError(f"ulysses_shards ({ulysses}) must divide the model's {heads} attention "
+                     f"heads (each device of a group takes heads / ulysses_shards); {hint}")
   return ulysses, context // ulysses
 
 
@@ -202,9 +201,11 @@ class Hop:
 class KeyFetch:
   """How every ring shard assembles its window of key tiles from the shards holding them.
 
-  Keys move in ``piece``-token pieces (the largest that divides both a shard and a kv tile),
-  own pieces by a local copy, the rest by one collective permute per shard offset (the
-  band's neighbours; the sink's shard), each as large as its busiest pair."""
+  Keys move in ``piece``-token pieces (the largest that divides both a shard and a kv tile):
+  own pieces by a local copy; the sink (the first frame, on shard 0) to every shard past shard
+  0's neighbour by one broadcast (a sum over the ring of shard 0's pieces and zeros: one
+  collective, not one permute per shard); the rest (the band's neighbours) by one collective
+  permute per shard offset, each as large as its busiest pair."""
 
   split: RingSplit
   block_kv: int
@@ -213,26 +214,36 @@ class KeyFetch:
   own_src: np.ndarray  # int32 [R, n]: pieces of the shard's own chunk (padding: out of range)
   own_dst: np.ndarray  # int32 [R, n]: their window pieces
   hops: tuple[Hop, ...]
+  sink_src: np.ndarray  # int32 [m]: shard 0's sink pieces that shards >= 2 need
+  sink_dst: np.ndarray  # int32 [R, m]: their window pieces (out of range: not taken)
 
   @property
   def window_pieces(self) -> int:
     return self.slots * self.block_kv // self.piece
 
+  @property
+  def broadcasts_sink(self) -> bool:
+    return self.sink_src.size > 0
+
   def pieces_received(self) -> np.ndarray:
-    """``[R]`` pieces each shard receives from others."""
+    """``[R]`` pieces each shard receives from others (buffer sizes, padding included)."""
     counts = np.zeros(self.split.ring, np.int64)
     for hop in self.hops:
       for _, dst in hop.pairs:
         counts[dst] += hop.send.shape[1]
+    counts[1:] += self.sink_src.size if self.broadcasts_sink else 0
     return counts
 
   def shards_fetched(self) -> np.ndarray:
-    """``[R]`` other shards each shard fetches keys from."""
-    counts = np.zeros(self.split.ring, np.int64)
+    """``[R]`` other shards each shard takes keys from."""
+    sources = [set() for _ in range(self.split.ring)]
     for hop in self.hops:
-      for _, dst in hop.pairs:
-        counts[dst] += 1
-    return counts
+      for src, dst in hop.pairs:
+        sources[dst].add(src)
+    for r in range(self.split.ring):
+      if (self.sink_dst[r] < self.window_pieces).any():
+        sources[r].add(0)
+    return np.array([len(s) for s in sources], np.int64)
 
 
 def key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
@@ -248,6 +259,9 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
   slots = window_slots(plan, split)
   limit = slots * per_tile  # an out-of-range window piece: dropped
   real_pieces = -(-plan.seq_len // piece)
+  sink_pieces = min(-(-getattr(plan.mask, "sink", 0) // piece), per_chunk)  # on shard 0
+  sink_dst = np.full((ring, sink_pieces), limit, np.int32)
+  sink_taken = np.zeros(sink_pieces, bool)
   own: list[tuple[np.ndarray, np.ndarray]] = []
   moves: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
   for r in range(ring):
@@ -258,6 +272,11 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
     pieces = (tiles[:, None] * per_tile + np.arange(per_tile)[None, :]).reshape(-1)
     keep = pieces < real_pieces  # pieces wholly past the sequence stay zero
     window, pieces = window[keep], pieces[keep]
+    if r >= 2:  # the sink, broadcast from shard 0 (its neighbour takes it with the band)
+      sink = pieces < sink_pieces
+      sink_dst[r, pieces[sink]] = window[sink]
+      sink_taken[pieces[sink]] = True
+      window, pieces = window[~sink], pieces[~sink]
     owner = pieces // per_chunk
     for o in np.unique(owner):
       at = owner == o
@@ -282,7 +301,11 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
     for a in (send, recv):
       a.setflags(write=False)
     hops.append(Hop(offset, tuple((o, o + offset) for o in sorted(by_src)), send, recv))
-  return KeyFetch(split, bkv, slots, piece, own_src, own_dst, tuple(hops))
+  sink_src = np.flatnonzero(sink_taken).astype(np.int32)
+  sink_dst = np.ascontiguousarray(sink_dst[:, sink_src])
+  for a in (sink_src, sink_dst):
+    a.setflags(write=False)
+  return KeyFetch(split, bkv, slots, piece, own_src, own_dst, tuple(hops), sink_src, sink_dst)
 
 
 def _stack(pairs, ring, src_pad, dst_pad, order):

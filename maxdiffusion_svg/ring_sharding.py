@@ -115,6 +115,10 @@ def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
     return window.at[:, :, jnp.asarray(dst)[shard]].set(got, mode="drop")
 
   window = put(window, fetch.own_src, fetch.own_dst)
+  if fetch.broadcasts_sink:
+    sink = jnp.take(pieces, jnp.asarray(fetch.sink_src), axis=2, mode="fill", fill_value=0)
+    sink = jax.lax.psum(jnp.where(shard == 0, sink, jnp.zeros_like(sink)), RING)
+    window = window.at[:, :, jnp.asarray(fetch.sink_dst)[shard]].set(sink, mode="drop")
   for hop in fetch.hops:
     window = put(window, hop.send, hop.recv,
                  functools.partial(jax.lax.ppermute, axis_name=RING, perm=hop.pairs))

@@ -67,3 +67,35 @@ def fail_first(index, seconds):
   import time  # pylint: disable=import-outside-toplevel
   time.sleep(seconds)
   return "done"
+
+
+def ring_svg(index, args):
+  """Scheduled ``sharded_svg_attention`` on a context axis split Ulysses x ring, for each case
+  ``(mesh shape, ulysses_shards, batch)``: traced step and layer, one compile per case."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
+  config = sharded_config()
+  results, traces = {}, []
+  for case, (mesh_shape, ulysses, batch) in enumerate(args["cases"]):
+    grid, qkv = sharded_inputs(args["grid"], batch, args["seed"])
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "fsdp", "context", "tensor"))
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
+    arrays = [jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]) for x in qkv]
+
+    def fn(q, k, v, step, layer, mesh=mesh, grid=grid, ulysses=ulysses):
+      traces.append(case)
+      return sharded_svg_attention(q, k, v, mesh=mesh, grid=grid, config=config,
+                                   key=jax.random.key(7), step=step, layer=layer,
+                                   ulysses_shards=ulysses)
+
+    run = jax.jit(fn)
+    results[f"case{case}"] = np.stack([
+        np.asarray(multihost_utils.process_allgather(run(*arrays, np.int32(s), np.int32(l)),
+                                                     tiled=True))
+        for s, l in args["calls"]])
+  if index == 0:
+    np.savez(args["out"], **results)
+  return {"traces": len(traces), "process_count": jax.process_count(),
+          "devices": jax.device_count()}

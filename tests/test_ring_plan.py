@@ -1,0 +1,166 @@
+"""The ring's static plans against brute force: each shard's rows and window, the key fetch and the
+temporal placement, simulated in NumPy on small grids; what they move at real sizes."""
+
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution, temporal_major_order
+from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
+                                        temporal_permutation, window_plan, window_tiles)
+from maxdiffusion_svg.tiles import EMPTY, plan_tiles
+
+GRIDS = [VideoGrid(6, 8, 16), VideoGrid(5, 6, 9), VideoGrid(7, 12, 20)]
+
+
+def plans(grid):
+  for mode in ("aligned", "split", "naive"):
+    for density in (0.15, 0.4, 1.0):
+      yield plan_tiles(grid, density, 128, 256, mode)
+
+
+def shards(x, split):
+  padded = np.zeros(split.padded_len, x.dtype)
+  padded[:x.size] = x
+  return padded.reshape(split.ring, split.chunk)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("ring", [2, 3, 4])
+def test_each_shard_runs_its_rows_of_the_single_device_plan_on_its_window(grid, ring):
+  for plan in plans(grid):
+    split = ring_split(grid.tokens, ring, 2, plan.block_q)
+    assert split.chunk % plan.block_q == 0 and split.padded_len >= grid.tokens
+    seen = np.zeros_like(plan.tile_map())
+    for r in range(ring):
+      local = window_plan(plan, split, r)
+      tiles = window_tiles(plan, split, r)
+      unused = local.num_kv_tiles - tiles.size
+      local_map = local.tile_map()
+      rows, cols = np.nonzero(local_map)
+      assert (cols >= unused).all()
+      global_rows = rows + r * split.chunk // plan.block_q
+      seen[global_rows, tiles[cols - unused]] = local_map[rows, cols]
+      # The local rule is the global one, moved: queries by the shard's offset, keys by
+      # the window's runs (brute force over every local pair).
+      q = np.arange(split.chunk)[:, None]
+      k = np.arange(local.num_kv_tiles * plan.block_kv)[None, :]
+      global_k = np.full(k.shape, grid.tokens + 1)
+      for j, t in enumerate(tiles):
+        span = slice((unused + j) * plan.block_kv, (unused + j + 1) * plan.block_kv)
+        global_k[0, span] = t * plan.block_kv + np.arange(plan.block_kv)
+      want = plan.mask.contains(q + r * split.chunk, global_k)
+      np.testing.assert_array_equal(local.mask.contains(q, k), want)
+      if not plan.masks_exact:  # aligned: masked tiles only drop keys past the sequence
+        fetched = slice(unused * plan.block_kv, None)  # unused slots are never visited
+        np.testing.assert_array_equal(local.masked_tile_rule(q, k)[0, fetched],
+                                      global_k[0, fetched] < grid.tokens)
+    np.testing.assert_array_equal(seen, plan.tile_map())
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("ring", [2, 4, 5])
+def test_the_fetch_assembles_each_window_from_the_shards_holding_it(grid, ring):
+  keys = np.arange(1, grid.tokens + 1, dtype=np.int64)  # 0 = nothing
+  for plan in plans(grid):
+    split = ring_split(grid.tokens, ring, 1, plan.block_q)
+    fetch = key_fetch(plan, split)
+    held = shards(keys, split).reshape(ring, -1, fetch.piece)
+    for r in range(ring):
+      window = np.zeros((fetch.window_pieces + 1, fetch.piece), np.int64)  # +1: dropped
+      take = lambda shard, idx: np.where((idx < held.shape[1])[:, None],
+                                         held[shard][np.minimum(idx, held.shape[1] - 1)], 0)
+      window[fetch.own_dst[r]] = take(r, fetch.own_src[r])
+      for hop in fetch.hops:
+        for src, dst in hop.pairs:
+          if dst == r:
+            window[hop.recv[r]] = take(src, hop.send[src])
+      if fetch.broadcasts_sink:
+        window[fetch.sink_dst[r]] = take(0, fetch.sink_src)
+      window = window[:-1].reshape(-1)
+      tiles = window_tiles(plan, split, r)
+      unused = fetch.slots - tiles.size
+      want = np.zeros(fetch.slots * plan.block_kv, np.int64)
+      for j, t in enumerate(tiles):
+        span = np.arange(t * plan.block_kv, (t + 1) * plan.block_kv)
+        want[(unused + j) * plan.block_kv:(unused + j + 1) * plan.block_kv] = np.where(
+            span < grid.tokens, span + 1, 0)
+      np.testing.assert_array_equal(window, want)
+      assert fetch.shards_fetched()[r] <= ring - 1
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("ring", [2, 3, 4])
+def test_temporal_placement_across_the_ring_and_back(grid, ring):
+  split = ring_split(grid.tokens, ring, 1, 128)
+  perm = temporal_permutation(grid.frames, grid.frame_size, split)
+  x = shards(np.arange(1, grid.tokens + 1), split)
+
+  def move(held, send, recv):
+    out = np.zeros_like(held)
+    for d in range(ring):
+      for s in range(ring):
+        idx = send[s, d]
+        ok = idx < split.chunk
+        dst = recv[d, s]
+        assert (dst[ok] < split.chunk).all() and (dst[~ok] == split.chunk).all()
+        out[d, dst[ok]] = held[s, idx[ok]]
+    return out
+
+  placed = move(x, perm.send, perm.recv)
+  want = shards(temporal_major_order(grid) + 1, split)
+  np.testing.assert_array_equal(placed, want)
+  back = np.zeros_like(x)
+  for s in range(ring):  # the inverse: the tables' roles swapped
+    for d in range(ring):
+      ok = perm.recv[d, s] < split.chunk
+      back[s, perm.send[s, d][ok]] = placed[d, perm.recv[d, s][ok]]
+  np.testing.assert_array_equal(back, x)
+
+
+@pytest.mark.parametrize("resolution,ring", [("720p", 2), ("720p", 4), ("1440p", 4),
+                                             ("1440p", 8)])
+def test_a_sparse_shard_fetches_its_neighbours_and_the_sink_not_the_ring(resolution, ring):
+  """Computed from the plan at real sizes (our kernel's tiles, density 0.2): each shard takes
+  keys from at most 3 others, and far fewer than the (R - 1) shards a ring passes around."""
+  grid = grid_for_resolution(resolution)
+  plan = plan_tiles(grid, 0.2, 3328, 1536, "aligned")
+  split = ring_split(grid.tokens, ring, 8, plan.block_q)
+  assert split.padded_len < 1.06 * grid.tokens
+  fetch = key_fetch(plan, split)
+  assert fetch.shards_fetched().max() <= min(3, ring - 1)
+  received = fetch.pieces_received() * fetch.piece
+  assert received.max() < 0.75 * (ring - 1) * split.chunk
+  if ring >= 4:
+    assert received.max() < 0.5 * (ring - 1) * split.chunk
+  dense = key_fetch(plan_tiles(grid, 1.0, 3328, 1536, "aligned"), split)
+  assert (dense.shards_fetched() == ring - 1).all()
+
+
+def test_ulysses_shards_splits_and_refusals():
+  assert check_ulysses_shards(None, 8, 40) == (8, 1)
+  assert check_ulysses_shards(-1, 8, 40) == (8, 1)
+  assert check_ulysses_shards(0, 8, 40) == (8, 1)
+  assert check_ulysses_shards(8, 32, 40) == (8, 4)
+  assert check_ulysses_shards(4, 16, 80) == (4, 4)
+  with pytest.raises(ValueError, match=r"ulysses_shards \(16\) must divide the model's 40 "
+                                       r"attention heads.*: 1, 2, 4, 8$"):
+    check_ulysses_shards(16, 16, 40)
+  with pytest.raises(ValueError, match=r": 1, 2, 4, 8, or -1 \(Ulysses over all 8\)$"):
+    check_ulysses_shards(3, 8, 40)
+  with pytest.raises(ValueError, match=r"ulysses_shards \(3\) must divide the mesh's context "
+                                       r"axis \(32 devices\); values that work on this mesh: "
+                                       r"1, 2, 4, 8"):
+    check_ulysses_shards(3, 32, 40)
+  with pytest.raises(ValueError, match="ulysses_shards must be an integer, got 2.5"):
+    check_ulysses_shards(2.5, 16, 40)
+  with pytest.raises(ValueError, match="ulysses_shards must be an integer, got True"):
+    check_ulysses_shards(True, 16, 40)
+
+
+def test_every_shard_gets_query_rows_but_the_ring_may_pad():
+  split = ring_split(75600, 8, 8, 3328)
+  assert split.chunk == 9984 and split.padded_len == 79872
+  assert ring_split(768, 2, 4, 128).chunk == 384
+  plan = plan_tiles(VideoGrid(6, 8, 16), 0.3, 128, 128, "aligned")
+  last = window_plan(plan, ring_split(768, 8, 1, 128), 7)  # rows 640..767 of 1024
+  assert (last.kind[1:] == EMPTY).all() or last.num_q_tiles == 1
