@@ -148,8 +148,8 @@ def test_ulysses_shards_splits_and_refusals():
   with pytest.raises(ValueError, match=r": 1, 2, 4, 8, or -1 \(Ulysses over all 8\)$"):
     check_ulysses_shards(3, 8, 40)
   with pytest.raises(ValueError, match=r"ulysses_shards \(3\) must divide the mesh's context "
-                                       r"axis \(32 devices\); values that work on this mesh: "
-                                       r"1, 2, 4, 8"):
+                                       r"axis \(32 devices\) into Ulysses groups; values that "
+                                       r"work on this mesh: 1, 2, 4, 8"):
     check_ulysses_shards(3, 32, 40)
   with pytest.raises(ValueError, match="ulysses_shards must be an integer, got 2.5"):
     check_ulysses_shards(2.5, 16, 40)
