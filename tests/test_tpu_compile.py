@@ -258,3 +258,19 @@ def test_tpu7x_is_two_devices_per_chip_with_its_own_limits():
   plan, tiles = config.plan(grid, target=target), config.tiles(target)
   compile_ok(lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute),
              qkv(mesh, grid))
+
+
+def test_sharded_svg_on_a_ulysses_by_ring_split_compiles_for_a_v6e_32_slice():
+  """One video on 32 chips: CFG on the data axis, 16-way context split 8 (Ulysses) x 2 (ring),
+  the scheduled call (sparse and dense branch): each branch runs one kernel per ring shard, keys
+  move by collective permutes (no all-gather of the sequence)."""
+  mesh = Mesh(np.array(topology_devices("v6e:4x8")).reshape(2, 16), ("data", "context"))
+  grid = grid_for_resolution("720p")
+  config = SvgConfig()
+  fn = lambda q, k, v, step, layer: sharded_svg_attention(
+      q, k, v, mesh=mesh, grid=grid, config=config, key=jax.random.key(0), step=step,
+      layer=layer, ulysses_shards=8)
+  args = qkv(mesh, grid, heads=HEADS, batch=2, spec=P("data", None, "context", None))
+  text = compile_ok(fn, args + (jax.ShapeDtypeStruct((), jnp.int32),) * 2).executable.as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 2 * 2
+  assert "collective-permute" in text and "all-gather" not in text
