@@ -54,10 +54,61 @@ def test_fewer_hosts_than_the_slice_is_refused():
 
 
 def test_context_shards_must_divide_the_heads():
-  with pytest.raises(ValueError, match=r"context axis has 16 shards, which do not divide the "
-                     r"model's 40 attention heads.*\(1, 2, 4, 5, 8, 10, 20, 40\).*"
-                     r"ici_data_parallelism"):
-    preflight.check_job(dataclasses.replace(GOOD, context_shards=16), GKE)
+  """Unset (or the whole axis), ulysses_shards exchanges heads over all 16: the message names
+  both ways out, the ulysses_shards that work and the divisors of the heads."""
+  for unset in (-1, 0, None, 16):
+    with pytest.raises(ValueError, match=r"context axis has 16 shards, which do not divide the "
+                       r"model's 40 attention heads.*Set ulysses_shards to one of 1, 2, 4, 8 .*"
+                       r"\(1, 2, 4, 5, 8, 10, 20, 40\).*ici_data_parallelism"):
+      preflight.check_job(dataclasses.replace(GOOD, context_shards=16, ulysses_shards=unset),
+                          GKE)
+
+
+# One process of a v6e-32 job: 8 hosts x 4 chips, 2-way data x 16-way context.
+V6E32 = dataclasses.replace(GOOD, process_count=8, device_count=32, context_shards=16)
+V6E32_ENV = {"TPU_WORKER_HOSTNAMES": ",".join(f"h{i}" for i in range(8)),
+             "TPU_ACCELERATOR_TYPE": "v6e-32"}
+
+
+@pytest.mark.parametrize("context, ulysses, ring", [(16, 8, 2), (16, 4, 4), (16, 2, 8),
+                                                    (32, 8, 4), (8, 4, 2), (8, -1, 1), (8, 8, 1)])
+def test_ulysses_shards_split_the_context_axis_into_a_ring(context, ulysses, ring):
+  """The (Ulysses, ring) split is the kernel's own (ring_plan.check_ulysses_shards)."""
+  job = dataclasses.replace(V6E32, context_shards=context, ulysses_shards=ulysses)
+  assert preflight.check_heads(job) == (ulysses if ulysses > 0 else context, ring)
+  preflight.check_job(dataclasses.replace(job, device_count=2 * context), {})
+
+
+@pytest.mark.parametrize("context, ulysses, needle", [
+    (16, 3, "ulysses_shards (3) must divide the mesh's context axis (16 devices)"),
+    (32, 16, "ulysses_shards (16) must divide the 40 heads"),
+    (16, 32, "ulysses_shards (32) must divide the mesh's context axis (16 devices)"),
+    (16, "8", "ulysses_shards must be an integer, got '8'"),
+    (16, True, "ulysses_shards must be an integer, got True"),
+])
+def test_bad_ulysses_shards_are_refused_naming_the_key(context, ulysses, needle):
+  job = dataclasses.replace(V6E32, ulysses_shards=ulysses, context_shards=context)
+  with pytest.raises(ValueError, match=re.escape(needle)) as refused:
+    preflight.check_job(job, {})
+  assert "\n" not in str(refused.value)
+  if not isinstance(ulysses, (str, bool)):
+    assert "values that work on this mesh: 1, 2, 4, 8" in str(refused.value)
+
+
+@pytest.mark.parametrize("backend", ["auto", "pallas", "xla", "splash"])
+def test_splash_is_refused_where_the_mesh_leaves_a_ring(backend):
+  ring = dataclasses.replace(V6E32, ulysses_shards=8, backend=backend)
+  if backend != "splash":
+    preflight.check_job(ring, V6E32_ENV)
+    return
+  with pytest.raises(ValueError) as refused:
+    preflight.check_job(ring, V6E32_ENV)
+  assert str(refused.value) == (
+      "svg_backend is splash, which cannot run a ring shard's rows: ulysses_shards 8 leaves a "
+      "ring of 2 sequence shards on this mesh. Set svg_backend to pallas (our kernel, the TPU "
+      "default), xla or auto.")
+  # Without a ring splash runs: the v6e-16's whole context axis exchanges heads.
+  preflight.check_job(dataclasses.replace(GOOD, backend="splash", ulysses_shards=8), GKE)
 
 
 def test_a_bucket_needs_a_run_name():

@@ -2,6 +2,7 @@
 of the function the run itself calls; flags that do not apply are refused; Wan 2.2's experts
 split the steps; the whole-run and end-to-end figures equal a hand computation."""
 
+import dataclasses
 import json
 
 import jax
@@ -83,9 +84,32 @@ def test_context_shards_that_do_not_divide_the_heads_are_refused_on_the_slice(tm
                                "ici_data_parallelism=2")
   assert code == 0 and "40 heads over 8 context shards = 5 per device" in out
   assert result["checks"]["slice"] == {"type": "v6e-16", "devices": 16, "context_shards": 8,
+                                       "ulysses_shards": 8, "ring": 1,
                                        "heads_per_device": 5, "mesh": {"data": 2, "fsdp": 1,
                                                                        "context": 8, "tensor": 1}}
   assert result["target"].startswith("TPU v6e")  # --slice implies the chip
+
+
+def test_ulysses_shards_split_the_context_axis_on_the_slice(tmp_path, capsys):
+  """v6e-32 as configs/wan_svg_v6e32.yml runs it: 2 data x 16 context, ulysses_shards 8 (a ring
+  of 2); splash cannot run a ring shard and a ulysses_shards that does not divide the axis is
+  refused, each in the run's own words."""
+  v6e32 = {**WAN14B, "ici_data_parallelism": 2, "ulysses_shards": 8}
+  code, out, _, result = tiles(tmp_path, capsys, v6e32, "--slice", "v6e-32")
+  assert code == 0, out
+  assert ("40 heads over 16 context shards as ulysses_shards 8 x a ring of 2 = 5 per device"
+          in out)
+  assert result["checks"]["slice"]["mesh"] == {"data": 2, "fsdp": 1, "context": 16, "tensor": 1}
+  assert (result["checks"]["slice"]["ulysses_shards"], result["checks"]["slice"]["ring"]) == (8, 2)
+  job = preflight.Job(process_count=8, device_count=32, local_device_count=4, context_shards=16,
+                      heads=40)
+  for keys, job_keys in (({"svg_backend": "splash"}, {"ulysses_shards": 8, "backend": "splash"}),
+                         ({"ulysses_shards": 3}, {"ulysses_shards": 3}),
+                         ({"ulysses_shards": -1}, {"ulysses_shards": -1})):
+    code, _, err, _ = tiles(tmp_path, capsys, {**v6e32, **keys}, "--slice", "v6e-32")
+    theirs = run_refusal(lambda: preflight.check_job(dataclasses.replace(job, **job_keys), {}))
+    assert code == 2
+    assert err.strip() == f"error: the run would stop before loading weights on a v6e-32: {theirs}"
 
 
 def test_a_mesh_the_slice_cannot_build_is_refused_naming_the_key(tmp_path, capsys):

@@ -7,8 +7,9 @@ when the run would pass it, and a refusal or warning carries the run's words:
 * the ``svg_*`` keys: :meth:`PluginSettings.from_mapping` (``generate_wan.run``, each build);
 * the run name: :func:`preflight.check_run_name` (``generate_wan.run``; a warning here, since
   ``JOBSET_NAME`` is the job's to set);
-* heads over the mesh's context axis: :func:`preflight.mesh_shape` (MaxDiffusion's rule) and
-  :func:`preflight.check_heads` (``generate_wan.run``), for a ``--slice`` type;
+* heads over the mesh's context axis and ``ulysses_shards``: :func:`preflight.mesh_shape`
+  (MaxDiffusion's rule), :func:`preflight.check_heads` and
+  :func:`preflight.check_backend_on_ring` (``generate_wan.run``), for a ``--slice`` type;
 * an empty sparse window: :meth:`PluginSettings.empty_window` (logged at each build);
 * a sequence under ``svg_min_seq_length``: :meth:`PluginSettings.is_short` (the first call);
 * the TPU kernel's shapes, VMEM and SMEM: :func:`kernels.api.check_tpu_call` on the sparse
@@ -62,8 +63,8 @@ def _refused(where: str, err: ValueError) -> Refused:
 
 
 def check_slice(config: Mapping[str, Any], slice_type: str, heads: int) -> dict[str, Any]:
-  """The mesh MaxDiffusion builds on one ``slice_type`` slice and the job check on its
-  context axis against the heads."""
+  """The mesh MaxDiffusion builds on one ``slice_type`` slice and the job checks on its
+  context axis against the heads, its ``ulysses_shards`` and the ``svg_backend``."""
   devices = preflight.slice_devices(slice_type)
   if devices is None or preflight.slice_generation(slice_type) is None:
     raise ValueError(f"--slice must be a TPU slice type <generation>-<count> (e.g. v6e-8, "
@@ -74,13 +75,16 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int) -> dict[
     raise _refused(f"building its mesh on a {slice_type} ({devices} devices)", err) from None
   context = mesh.get("context", 1)
   job = preflight.Job(process_count=1, device_count=devices, local_device_count=devices,
-                      context_shards=context, heads=heads)
+                      context_shards=context, heads=heads,
+                      ulysses_shards=config.get("ulysses_shards", -1),
+                      backend=str(config.get("svg_backend", "auto")))
   try:
-    preflight.check_heads(job)
+    ulysses, ring = preflight.check_heads(job)
+    preflight.check_backend_on_ring(job.backend, ulysses, ring)
   except ValueError as err:
     raise _refused(f"before loading weights on a {slice_type}", err) from None
   return {"type": slice_type, "devices": devices, "mesh": mesh, "context_shards": context,
-          "heads_per_device": heads // context}
+          "ulysses_shards": ulysses, "ring": ring, "heads_per_device": heads // ulysses}
 
 
 def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Target,

@@ -15,8 +15,11 @@ def _checks(result: dict[str, Any]) -> list[str]:
   mesh = checks["slice"]
   if mesh:
     sizes = " x ".join(f"{axis} {size}" for axis, size in mesh["mesh"].items())
-    parts.append(f"mesh on a {mesh['type']}: {sizes}, {checks['heads']} heads over "
-                 f"{mesh['context_shards']} context shards = {mesh['heads_per_device']} per device")
+    over = (f"{mesh['context_shards']} context shards" if mesh["ring"] == 1 else
+            f"{mesh['context_shards']} context shards as ulysses_shards {mesh['ulysses_shards']} "
+            f"x a ring of {mesh['ring']}")
+    parts.append(f"mesh on a {mesh['type']}: {sizes}, {checks['heads']} heads over {over} = "
+                 f"{mesh['heads_per_device']} per device")
   unchecked = "" if mesh else (" (not checked: the mesh's context axis against the heads; "
                                "give --slice TYPE, e.g. --slice v6e-8)")
   if checks["kernel"]:

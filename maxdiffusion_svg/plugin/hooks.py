@@ -333,16 +333,18 @@ def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def job_of(config: Any) -> preflight.Job:
+def job_of(config: Any, backend: str = "auto") -> preflight.Job:
   """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
-  build and the transformer's head count (no weights)."""
+  build, its ``ulysses_shards``, the transformer's head count (no weights), and ``backend``
+  (the settings' ``svg_backend``)."""
   from maxdiffusion import max_utils  # pylint: disable=import-outside-toplevel
   mesh = jax.sharding.Mesh(max_utils.create_device_mesh(config, logging=False), config.mesh_axes)
   return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
                        local_device_count=jax.local_device_count(),
                        context_shards=mesh.shape.get("context", 1),
                        heads=preflight.transformer_heads(config.pretrained_model_name_or_path),
-                       output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""))
+                       output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""),
+                       ulysses_shards=config.get_keys().get("ulysses_shards", -1), backend=backend)
 
 
 def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -350,8 +352,8 @@ def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
   @functools.wraps(original)
   def wrapper(config, pipeline=None, *args, **kwargs):
     if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
-      PluginSettings.from_mapping(config.get_keys())
-      preflight.check_job(job_of(config), os.environ)
+      settings = PluginSettings.from_mapping(config.get_keys())
+      preflight.check_job(job_of(config, settings.svg.backend), os.environ)
     return original(config, pipeline, *args, **kwargs)
 
   return wrapper

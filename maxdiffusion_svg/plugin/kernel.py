@@ -152,6 +152,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
                               config=settings.svg, scale=context["scale"], step=step,
                               layer=layer, expert=call.expert,
                               qkv_spec=qkv_layout(context["axis_names_q"]),
+                              ulysses_shards=context["ulysses_shards"],
                               on_routing=run_summary.on_routing if call.count_calls else None)
   _record("self", call.expert, schedule.is_active(step, layer), step, layer,
           settings.svg.density_for(call.expert), arrays=(q, k, v, out))

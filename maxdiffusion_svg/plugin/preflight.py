@@ -16,6 +16,8 @@ import pathlib
 import re
 from typing import Any, Mapping
 
+from maxdiffusion_svg.ring_plan import check_ulysses_shards
+
 # TPU types whose number counts TensorCores (two per chip, one JAX device per chip: megacore).
 _CORE_COUNTED = ("v2", "v3", "v4", "v5p")
 # TPU7x counts TensorCores too, and each is its own JAX device (libtpu: two per chip).
@@ -32,6 +34,8 @@ class Job:
   heads: int  # the transformer's attention heads
   output_dir: str = ""
   run_name: str = ""
+  ulysses_shards: Any = -1  # MaxDiffusion's key: devices exchanging heads (-1: all of context)
+  backend: str = "auto"  # svg_backend
 
 
 def declared_hosts(env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -149,16 +153,42 @@ def check_processes(job: Job, env: Mapping[str, str]) -> None:
         f"devices: JobSet parallelism and completions = {hosts}).")
 
 
-def check_heads(job: Job) -> None:
-  """The head exchange gives each context shard ``heads / shards`` heads."""
-  if job.heads % job.context_shards:
-    allowed = [n for n in range(1, job.heads + 1) if job.heads % n == 0]
+def _ring_asked(ulysses_shards: Any, context: int) -> bool:
+  """Whether ``ulysses_shards`` asks for fewer head-exchanging devices than the context axis
+  (unset, -1, 0 and the whole axis ask for none)."""
+  unset = ulysses_shards is None or (isinstance(ulysses_shards, int)
+                                     and not isinstance(ulysses_shards, bool)
+                                     and (ulysses_shards <= 0 or ulysses_shards == context))
+  return not unset
+
+
+def check_heads(job: Job) -> tuple[int, int]:
+  """The head exchange gives each device of a Ulysses group ``heads / ulysses_shards`` heads;
+  unset, the group is the whole context axis. Returns ``(ulysses, ring)``
+  (:func:`maxdiffusion_svg.ring_plan.check_ulysses_shards`, as the kernel splits the axis)."""
+  context, heads = job.context_shards, job.heads
+  if heads % context and not _ring_asked(job.ulysses_shards, context):
+    allowed = [n for n in range(1, heads + 1) if heads % n == 0]
+    groups = [u for u in range(1, context) if context % u == 0 and heads % u == 0]
     raise ValueError(
-        f"the mesh's context axis has {job.context_shards} shards, which do not divide the "
-        f"model's {job.heads} attention heads; the svg kernel needs a divisor of {job.heads} "
-        f"({', '.join(map(str, allowed))}). Move the remaining devices to another axis, e.g. "
+        f"the mesh's context axis has {context} shards, which do not divide the model's "
+        f"{heads} attention heads, and ulysses_shards ({job.ulysses_shards}) exchanges heads "
+        f"over the whole axis. Set ulysses_shards to one of {', '.join(map(str, groups))} (heads "
+        f"exchanged inside groups of that many devices, the sequence split over the rest as a "
+        f"ring), or give the context axis a divisor of {heads} "
+        f"({', '.join(map(str, allowed))}): move the remaining devices to another axis, e.g. "
         f"ici_data_parallelism or ici_fsdp_parallelism (ici_context_parallelism: -1 takes the "
         f"rest).")
+  return check_ulysses_shards(job.ulysses_shards, context, heads)
+
+
+def check_backend_on_ring(backend: str, ulysses: int, ring: int) -> None:
+  """Splash runs whole sequences: a ring shard's rows of the plan need our kernel or XLA."""
+  if ring > 1 and backend == "splash":
+    raise ValueError(
+        f"svg_backend is splash, which cannot run a ring shard's rows: ulysses_shards "
+        f"{ulysses} leaves a ring of {ring} sequence shards on this mesh. Set svg_backend to "
+        f"pallas (our kernel, the TPU default), xla or auto.")
 
 
 def check_run_name(output_dir: str, run_name: str) -> None:
@@ -174,4 +204,4 @@ def check_job(job: Job, env: Mapping[str, str]) -> None:
   """Every check, cheapest first."""
   check_run_name(job.output_dir, job.run_name)
   check_processes(job, env)
-  check_heads(job)
+  check_backend_on_ring(job.backend, *check_heads(job))

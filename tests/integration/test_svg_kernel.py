@@ -24,16 +24,16 @@ _RESULTS = {}
 
 
 def forward(tmp_path_factory, devices, attention, scan_layers=True, head_dim=tiny_wan.HEAD_DIM,
-            **keys):
+            heads=tiny_wan.HEADS, **keys):
   """Transformer output on fixed inputs (batch 2, as with classifier-free guidance), and
   the svg kernel's call log; cached, since several tests compare the same runs."""
-  cache_key = repr((devices, attention, scan_layers, head_dim, sorted(keys.items())))
+  cache_key = repr((devices, attention, scan_layers, head_dim, heads, sorted(keys.items())))
   if cache_key not in _RESULTS:
     config = tiny_wan.init_config(tiny_wan.write_config(
         str(tmp_path_factory.mktemp("config")), attention=attention, scan_layers=scan_layers,
         **keys))
     mesh = tiny_wan.make_mesh(config, devices)
-    model = tiny_wan.build_transformer(config, mesh, head_dim=head_dim)
+    model = tiny_wan.build_transformer(config, mesh, head_dim=head_dim, heads=heads)
     latents, text = tiny_wan.inputs(batch=2)
     with plugin.record_calls() as log:
       out = np.asarray(tiny_wan.forward(model, mesh[1], config, latents, text, 500))
@@ -122,3 +122,25 @@ def test_the_layout_follows_the_configs_logical_axis_rules(tmp_path_factory):
   assert [r["kind"] for r in log].count("self") == 2
   scale = np.abs(want).max()
   np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [
+    # as configs/wan_svg_v6e32.yml splits 32 chips: data x context, the context axis (4) not
+    # dividing the heads (6), ulysses_shards 2 leaving a ring of 2
+    {"ici_data_parallelism": 2, "ici_context_parallelism": 4, "ulysses_shards": 2},
+    # context only (the CFG pair folded into the heads), a ring of 4
+    {"ici_context_parallelism": 8, "ulysses_shards": 2},
+])
+def test_ulysses_shards_run_a_context_axis_that_does_not_divide_the_heads(tmp_path_factory,
+                                                                          mesh):
+  """MaxDiffusion's ulysses_shards reaches the kernel through its attention context: heads
+  exchanged in groups of 2, the rest of the context axis a ring, and the transformer's output is
+  the single device's, sparse (density 0.3) in every layer."""
+  keys = {"svg_density": 0.3, **EVERYTHING}
+  want, _ = forward(tmp_path_factory, 1, "svg", heads=6, **keys)
+  got, log = forward(tmp_path_factory, 8, "svg", heads=6, **mesh, **keys)
+  assert [(r["kind"], r["sparse"]) for r in log if r["kind"] == "self"] == [("self", True)] * 2
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+  dense, _ = forward(tmp_path_factory, 1, "dot_product", heads=6)
+  assert np.linalg.norm(got - dense) / np.linalg.norm(dense) > 1e-3  # really sparse
