@@ -220,7 +220,8 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
 
     def run(q, k, v, *values):
       pad = ((0, 0), (0, 0), (0, split.padded_len - seq_len), (0, 0))
-      q, k, v = (_place_on(jnp.pad(x, pad), mesh, outer_spec) for x in (q, k, v))
+      q, k, v = (_place_on(_place_on(jnp.pad(x, pad), mesh, outer_spec), inner, spec)
+                 for x in (q, k, v))
       result = mapped(q, k, v, *values)
       out, info = result if return_info else (result, None)
       out = _place_on(out, mesh, P(batch_spec))[:, :, :seq_len]

@@ -91,6 +91,16 @@ def test_padding_of_the_sequence_and_of_the_ring_never_gets_weight(mode):
   np.testing.assert_allclose(np.asarray(full), np.asarray(dense_attention(q, k, v)), atol=1e-5)
 
 
+def test_explicit_axis_mesh():
+  mesh = jax.make_mesh((1, 1, 8, 1), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 4)
+  q, k, v = planted(PADDED_GRID, seed=4)
+  cfg = config()
+  out = jax.jit(lambda q, k, v: sharded_svg_attention(
+      q, k, v, mesh=mesh, grid=PADDED_GRID, config=cfg, key=KEY, ulysses_shards=2))(q, k, v)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(
+      svg_attention(q, k, v, grid=PADDED_GRID, config=cfg, key=KEY)), atol=1e-5)
+
+
 def test_our_pallas_kernel_runs_each_shards_rows():
   mesh = mesh_of((1, 1, 8, 1))
   cfg = config(backend="pallas")
