@@ -80,15 +80,15 @@ def test_ulysses_shards_split_the_context_axis_into_a_ring(context, ulysses, rin
 
 
 @pytest.mark.parametrize("context, ulysses, needle", [
-    (16, 3, "ulysses_shards (3) must divide the mesh's context axis (16 devices)"),
-    (32, 16, "ulysses_shards (16) must divide the 40 heads"),
-    (16, 32, "ulysses_shards (32) must divide the mesh's context axis (16 devices)"),
-    (16, "8", "ulysses_shards must be an integer, got '8'"),
-    (16, True, "ulysses_shards must be an integer, got True"),
+    (16, 3, r"ulysses_shards \(3\) must divide the mesh's context axis \(16 devices\)"),
+    (32, 16, r"ulysses_shards \(16\) must divide the (model's )?40 (attention )?heads"),
+    (16, 32, r"ulysses_shards \(32\) must divide the mesh's context axis \(16 devices\)"),
+    (16, "8", r"ulysses_shards must be an integer, got '8'"),
+    (16, True, r"ulysses_shards must be an integer, got True"),
 ])
 def test_bad_ulysses_shards_are_refused_naming_the_key(context, ulysses, needle):
   job = dataclasses.replace(V6E32, ulysses_shards=ulysses, context_shards=context)
-  with pytest.raises(ValueError, match=re.escape(needle)) as refused:
+  with pytest.raises(ValueError, match=needle) as refused:
     preflight.check_job(job, {})
   assert "\n" not in str(refused.value)
   if not isinstance(ulysses, (str, bool)):
