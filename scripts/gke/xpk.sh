@@ -4,10 +4,12 @@
 #   CLUSTER=my-cluster OUTPUT_DIR=gs://my-bucket/wan [TPU_TYPE=v6e-16] \
 #       scripts/gke/xpk.sh /path/to/maxdiffusion [CONFIG] [key=value ...]
 #
-# XPK makes one pod per host of the slice (v6e-8: 2 hosts x 4 chips; v6e-16: 4 x 4), each running
-# the same command; MaxDiffusion joins them with jax.distributed. CONFIG (a file of this repo's
-# configs/) defaults by TPU_TYPE: wan_svg.yml for v6e-8 (8-way context), wan_svg_v6e16.yml for
-# v6e-16 (2-way data x 8-way context: the context axis must divide the 40 heads); other types
+# XPK makes one pod per host of the slice (v6e-8: 2 hosts x 4 chips; v6e-16: 4 x 4; v6e-32: 8 x 4;
+# v6e-64: 16 x 4), each running the same command; MaxDiffusion joins them with jax.distributed.
+# CONFIG (a file of this repo's configs/) defaults by TPU_TYPE: wan_svg.yml for v6e-8 (8-way
+# context), wan_svg_v6e16.yml for v6e-16 (2-way data x 8-way context: 8 divides the 40 heads),
+# wan_svg_v6e32.yml for v6e-32 (2 x 16, ulysses_shards 8: heads exchanged in groups of 8, a ring
+# of 2) and wan_svg_v6e64.yml for v6e-64 (2 x 32, ulysses_shards 8, a ring of 4); other types
 # need it named. key=value pairs are passed on.
 # XPK builds the job's image from the MaxDiffusion checkout on top of BASE_IMAGE (MaxDiffusion's
 # dependency image, see its docs/getting_started/run_maxdiffusion_via_xpk.md), so the plugin is
@@ -27,11 +29,13 @@ tpu_type="${TPU_TYPE:-v6e-8}"
 case "$tpu_type" in
   v6e-8) config="wan_svg.yml" ;;
   v6e-16) config="wan_svg_v6e16.yml" ;;
+  v6e-32) config="wan_svg_v6e32.yml" ;;
+  v6e-64) config="wan_svg_v6e64.yml" ;;
   *) config="" ;;
 esac
 if [ $# -gt 0 ] && [[ "$1" != *=* ]]; then config="$1"; shift; fi
 [ -n "$config" ] || {
-  echo "error: no default config for TPU_TYPE=$tpu_type (v6e-8, v6e-16): name one" >&2; exit 2; }
+  echo "error: no default config for TPU_TYPE=$tpu_type (v6e-8, v6e-16, v6e-32, v6e-64): name one" >&2; exit 2; }
 : "${CLUSTER:?set CLUSTER to your GKE cluster}"
 : "${OUTPUT_DIR:?set OUTPUT_DIR to a gs:// folder for videos and logs}"
 # Every host writes its video locally and uploads it there: a local path would stay in the pod.

@@ -81,6 +81,8 @@ def run_container(manifest, processes, workdir, checkpoint, extra=(), env=None, 
 # runs unsplit (vae_spatial=1) and the videos must be identical, byte for byte.
 @pytest.mark.parametrize("manifest", [
     "jobset_v6e16.yaml",  # the multi-host JobSet: 4 pods of 4 chips
+    # 8 pods of 4 chips; its config's ulysses_shards 8 leaves a ring of 2 over the context axis
+    pytest.param("jobset_v6e32.yaml", marks=pytest.mark.full),
     pytest.param("jobset_v6e8.yaml", marks=pytest.mark.full),  # one 8-chip host
 ])
 def test_manifest_command_runs_in_one_and_two_processes(manifest, checkpoint, tmp_path):
@@ -113,6 +115,14 @@ def test_context_shards_that_do_not_divide_the_heads_fail_everywhere(checkpoint,
   for log in failures("jobset_v6e16.yaml", checkpoint, tmp_path, ["ici_data_parallelism=1"]):
     assert "context axis has 16 shards, which do not divide the model's 8 attention heads" in log
     assert "load_time" not in log  # before the pipeline loads
+
+
+def test_splash_on_a_ring_fails_everywhere(checkpoint, tmp_path):
+  # The v6e-32 job's ulysses_shards 8 leaves a ring of 2 over its 16 context shards.
+  for log in failures("jobset_v6e32.yaml", checkpoint, tmp_path, ["svg_backend=splash"]):
+    assert ("svg_backend is splash, which cannot run a ring shard's rows: ulysses_shards 8 "
+            "leaves a ring of 2 sequence shards on this mesh") in log
+    assert "load_time" not in log
 
 
 def test_a_job_short_of_the_slice_fails_everywhere(checkpoint, tmp_path):

@@ -30,7 +30,8 @@ def test_patched_pyconfig_merges_as_the_launcher_does(patched_maxdiffusion, tmp_
                                     "flash_block_sizes": {"block_q": 1024}}))
   cases = [(ROOT / "configs" / "wan_svg.yml", 2), (ROOT / "configs" / "wan_svg_1_3b.yml", 2),
            (ROOT / "configs" / "wan22_svg.yml", 2), (ROOT / "configs" / "wan_i2v_svg.yml", 2),
-           (ROOT / "configs" / "wan_svg_v6e16.yml", 3), (nested, 2)]
+           (ROOT / "configs" / "wan_svg_v6e16.yml", 3), (ROOT / "configs" / "wan_svg_v6e32.yml", 3),
+           (ROOT / "configs" / "wan_svg_v6e64.yml", 3), (nested, 2)]
   result = subprocess.run(  # one process: importing MaxDiffusion is what takes the time
       [sys.executable, "-c", code, *(str(path) for path, _ in cases)], capture_output=True,
       text=True, check=True, env={**os.environ, "PYTHONPATH": str(patched_maxdiffusion / "src")})
