@@ -82,7 +82,43 @@ def simulate_cpu_devices(count: int) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu, if installed, is for compiling only
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _bench_ring(args: argparse.Namespace) -> int:
+  """``bench sharded --ulysses-shards``: svg 2D on a Ulysses x ring split (compile only)."""
+  devices = args.devices
+  if args.topology:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+    from maxdiffusion_svg.tpu_aot import libtpu_available, topology_devices  # pylint: disable=import-outside-toplevel
+    if not libtpu_available():
+      raise ValueError("--topology needs libtpu: pip install 'jax[tpu]' (or -e '.[test]')")
+    devices = len(topology_devices(args.topology))
+  else:
+    simulate_cpu_devices(devices)
+  from maxdiffusion_svg.bench.ring import RingBenchConfig, format_ring_bench, run_ring_bench  # pylint: disable=import-outside-toplevel
+  cfg = RingBenchConfig(grid=_grid_from_args(args, default="480p"), ulysses=args.ulysses_shards,
+                        devices=devices, data=args.data, topology=args.topology,
+                        batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                        density=args.density, mode=args.mode, backend=args.backend,
+                        block_q=args.block_q, block_kv=args.block_kv, dtype=args.dtype,
+                        against=tuple(a for a in (args.against or "").split(",") if a))
+  result = run_ring_bench(cfg, log=_progress)
+  _report(args, format_ring_bench(result), result)
+  return 0
+
+
 def _bench_sharded(args: argparse.Namespace) -> int:
+  if args.ulysses_shards:
+    return _bench_ring(args)
+  for flag, given in (("--data", args.data != 1), ("--topology", args.topology),
+                      ("--against", args.against)):
+    if given:
+      raise ValueError(f"{flag} is for the Ulysses x ring comparison: give --ulysses-shards")
   simulate_cpu_devices(args.devices)
   from maxdiffusion_svg.bench.sharded import (ShardedBenchConfig, format_sharded_bench,  # pylint: disable=import-outside-toplevel
                                               run_sharded_bench)
@@ -225,6 +261,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   sharded.add_argument("--no-timing", action="store_true",
                        help="compile and count collectives only (abstract inputs: any size)")
   sharded.add_argument("--repeats", type=int, default=2, help="timed runs after the first")
+  sharded.add_argument("--ulysses-shards", type=_int_list, metavar="U[,U...]",
+                       help="instead: svg with the context axis split as Ulysses U x ring "
+                            "context/U, compiled only (one program per U): collectives by role "
+                            "from the HLO, the ring plan's fetches, one device's static schedule")
+  sharded.add_argument("--data", type=int, default=1,
+                       help="with --ulysses-shards: devices on the data axis (batch); the "
+                            "rest form the context axis")
+  sharded.add_argument("--topology", metavar="NAME",
+                       help="with --ulysses-shards: compile for this TPU topology with libtpu "
+                            "(e.g. v6e:4x8 for 32 chips) instead of simulated CPU devices")
+  sharded.add_argument("--against", metavar="KERNEL[,KERNEL]",
+                       help="with --ulysses-shards and --topology: also compile MaxDiffusion's "
+                            "ulysses_ring and/or ulysses_ring_custom on the same mesh (needs "
+                            "MaxDiffusion on PYTHONPATH)")
   _add_json_arg(sharded)
   sharded.set_defaults(run=_bench_sharded)
 

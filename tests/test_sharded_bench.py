@@ -56,3 +56,45 @@ def test_cli_errors_name_the_problem(capsys):
   assert "heads (4) must be divisible by the 8 shards" in capsys.readouterr().err
   assert main(["bench", "sharded", *ARGS[:2], "--devices", "64"]) == 2
   assert "--devices 64 needs 64 devices" in capsys.readouterr().err
+
+
+RING_ARGS = ["--latent-grid", "8x8x16", "--heads", "4", "--head-dim", "16", "--block-q", "128",
+             "--block-kv", "128", "--batch", "2", "--density", "0.5"]
+
+
+def test_ulysses_shards_measures_what_the_ring_plan_says(tmp_path, capsys):
+  """svg on 2 x 4 simulated devices: the compiled program's exchange, placement and key
+  permutes are exactly the bytes the ring plan computes, and nothing is resharded."""
+  from maxdiffusion_svg.config import SvgConfig
+  from maxdiffusion_svg.ring_plan import key_fetch, ring_split
+  path = tmp_path / "ring.json"
+  assert main(["bench", "sharded", *RING_ARGS, "--ulysses-shards", "2", "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "measured from compiled HLO" in out and "computed from the plan, U x R = 2x4" in out
+  result = json.loads(path.read_text())
+  row = result["splits"]["2x4"]
+  roles, plan = row["kernels"]["svg"]["roles"], row["plan"]
+  assert set(roles) <= {"exchange", "placement", "keys", "merge"}  # no reshard: 1,024 tokens fit
+  assert roles["exchange"] == {"count": 4, "bytes": plan["exchange_bytes"]}
+  assert roles["placement"]["count"] == 4 and roles["placement"]["bytes"] == plan["placement_bytes"]
+  # Every hop's buffer, for K and V: [1, 2 batch x 4 heads / 2, width x piece, 16] float32.
+  grid = VideoGrid(8, 8, 16)
+  svg_plan = SvgConfig(density=0.5, block_q=128, block_kv=128, backend="xla").plan(grid)
+  fetch = key_fetch(svg_plan, ring_split(grid.tokens, 4, 2, 128))
+  token = 2 * 4 // 2 * 16 * 4
+  permuted = sum(2 * hop.send.shape[1] * fetch.piece * token for hop in fetch.hops)
+  assert sum(op["bytes"] for op in row["kernels"]["svg"]["ops"]
+             if op["op"] == "collective-permute") == permuted
+  assert plan["ring"] == 4 and plan["chunk"] == 256 and len(plan["shards_fetched"]) == 4
+  assert max(plan["keys_bytes"]) <= plan["ring_keys_bytes"]
+  assert row["schedule"] is None  # CPU devices: no chip to price
+
+
+def test_ulysses_shards_flags_name_the_problem(capsys):
+  assert main(["bench", "sharded", *RING_ARGS, "--ulysses-shards", "2",
+               "--against", "ulysses_ring"]) == 2
+  assert "give --topology" in capsys.readouterr().err
+  assert main(["bench", "sharded", *RING_ARGS, "--ulysses-shards", "3"]) == 2
+  assert "ulysses_shards (3)" in capsys.readouterr().err
+  assert main(["bench", "sharded", *RING_ARGS, "--data", "2"]) == 2
+  assert "give --ulysses-shards" in capsys.readouterr().err

@@ -55,6 +55,36 @@ def _group_size(rest: str, num_devices: int) -> int:
   return num_devices  # replica_groups={} or absent: every device
 
 
+_MESH_GROUP = re.compile(r"replica_groups=mesh\[[^\]]*\]\s*\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict[str, object]]:
+  """Every collective instruction: ``{"op", "bytes"}`` (sent per device, as in
+  :func:`collective_stats`), ``"axes"`` (the mesh axes of its replica group where printed as
+  a mesh, else ``[]``) and ``"op_name"`` (the JAX operation it came from, from the metadata;
+  a collective XLA inserted to reshard has no ``shard_map`` in it)."""
+  ops = []
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.search(line)
+    if not match:
+      continue
+    op = match.group("op")
+    sizes = _array_bytes(match.group("shape"))
+    result = max(sizes) if match.group("start") else sum(sizes)
+    rest = match.group("rest")
+    g = _group_size(rest, num_devices)
+    sent = {"all-to-all": result * (g - 1) / g, "all-gather": result * (g - 1) / g,
+            "reduce-scatter": result * (g - 1), "all-reduce": 2 * result * (g - 1) / g,
+            "collective-permute": result}[op]
+    group = _MESH_GROUP.search(rest)
+    name = _OP_NAME.search(rest)
+    ops.append({"op": op, "bytes": sent,
+                "axes": re.findall(r"'([^']+)'", group.group(1)) if group else [],
+                "op_name": name.group(1) if name else ""})
+  return ops
+
+
 def collective_stats(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str, float]]:
   """``{kind: {"count": n, "bytes": bytes sent per device}}`` for each collective present.
 
@@ -63,18 +93,8 @@ def collective_stats(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str,
   largest buffer of their result tuple as the result.
   """
   stats: dict[str, dict[str, float]] = {}
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.search(line)
-    if not match:
-      continue
-    op = match.group("op")
-    sizes = _array_bytes(match.group("shape"))
-    result = max(sizes) if match.group("start") else sum(sizes)
-    g = _group_size(match.group("rest"), num_devices)
-    sent = {"all-to-all": result * (g - 1) / g, "all-gather": result * (g - 1) / g,
-            "reduce-scatter": result * (g - 1), "all-reduce": 2 * result * (g - 1) / g,
-            "collective-permute": result}[op]
-    entry = stats.setdefault(op, {"count": 0, "bytes": 0.0})
+  for row in collective_ops(hlo_text, num_devices):
+    entry = stats.setdefault(row["op"], {"count": 0, "bytes": 0.0})
     entry["count"] += 1
-    entry["bytes"] += sent
+    entry["bytes"] += row["bytes"]
   return stats
