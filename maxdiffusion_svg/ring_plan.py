@@ -216,6 +216,10 @@ class KeyFetch:
   hops: tuple[Hop, ...]
   sink_src: np.ndarray  # int32 [m]: shard 0's sink pieces that shards >= 2 need
   sink_dst: np.ndarray  # int32 [R, m]: their window pieces (out of range: not taken)
+  # int32 [R, window pieces]: each window piece's place in what the shard holds after the
+  # transfers, [own | hop 0 | hop 1 | ... | sink] (out of range: zeros). The window is one
+  # gather of that: no scatter.
+  window_from: np.ndarray
 
   @property
   def window_pieces(self) -> int:
@@ -303,9 +307,19 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
     hops.append(Hop(offset, tuple((o, o + offset) for o in sorted(by_src)), send, recv))
   sink_src = np.flatnonzero(sink_taken).astype(np.int32)
   sink_dst = np.ascontiguousarray(sink_dst[:, sink_src])
-  for a in (sink_src, sink_dst):
+  parts = [own_dst] + [hop.recv for hop in hops] + [sink_dst]
+  total = sum(part.shape[1] for part in parts)
+  window_from = np.full((ring, limit), total, np.int32)
+  base = 0
+  for part in parts:
+    for r in range(ring):
+      taken = part[r] < limit
+      window_from[r, part[r][taken]] = base + np.flatnonzero(taken)
+    base += part.shape[1]
+  for a in (sink_src, sink_dst, window_from):
     a.setflags(write=False)
-  return KeyFetch(split, bkv, slots, piece, own_src, own_dst, tuple(hops), sink_src, sink_dst)
+  return KeyFetch(split, bkv, slots, piece, own_src, own_dst, tuple(hops), sink_src, sink_dst,
+                  window_from)
 
 
 def _stack(pairs, ring, src_pad, dst_pad, order):
@@ -323,13 +337,16 @@ def _stack(pairs, ring, src_pad, dst_pad, order):
 class ShardPermutation:
   """``out[p] = x[source[p]]`` on a sequence sharded in ``R`` chunks: one all-to-all in which
   shard ``s`` sends ``send[s, d]`` (its local offsets, in ``d``'s order) to each shard ``d``,
-  which writes them at ``recv[d, s]``. Blocks are as large as the busiest pair; padding
-  entries are out of range (gathered as zeros, dropped when written). The inverse swaps the
-  two tables."""
+  whose positions ``recv[d, s]`` they fill. Blocks are as large as the busiest pair; padding
+  entries are out of range (gathered as zeros). Each side is a gather: ``place_from[d, p]`` is
+  where local position ``p`` sits in what ``d`` received (``s * M + j``); the inverse sends by
+  ``recv`` and gathers by ``back_from``."""
 
   split: RingSplit
   send: np.ndarray  # int32 [R(src), R(dst), M]
   recv: np.ndarray  # int32 [R(dst), R(src), M]
+  place_from: np.ndarray  # int32 [R, L]
+  back_from: np.ndarray  # int32 [R, L]
 
   @property
   def block(self) -> int:
@@ -362,6 +379,10 @@ def shard_permutation(source: np.ndarray, split: RingSplit) -> ShardPermutation:
   recv = np.full((ring, ring, block), chunk, np.int32)
   send[src, dst, rank] = t - src * chunk
   recv[dst, src, rank] = p - dst * chunk
-  for a in (send, recv):
+  place_from = np.full((ring, chunk), ring * block, np.int32)
+  back_from = np.full((ring, chunk), ring * block, np.int32)
+  place_from[dst, p - dst * chunk] = src * block + rank
+  back_from[src, t - src * chunk] = dst * block + rank
+  for a in (send, recv, place_from, back_from):
     a.setflags(write=False)
-  return ShardPermutation(split, send, recv)
+  return ShardPermutation(split, send, recv, place_from, back_from)

@@ -97,32 +97,32 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
 
 def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
             inverse: bool = False) -> jax.Array:
-  """``[b, h, L, D]`` ring shards of a sequence, permuted across the ring (one all-to-all)."""
-  send, recv = (perm.recv, perm.send) if inverse else (perm.send, perm.recv)
-  blocks = jnp.take(x, jnp.asarray(send)[shard].reshape(-1), axis=2, mode="fill", fill_value=0)
+  """``[b, h, L, D]`` ring shards of a sequence, permuted across the ring: a gather, one
+  all-to-all, a gather (no scatter)."""
+  send, place = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
+  blocks = _take(x, jnp.asarray(send)[shard].reshape(-1))
   got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
-  return jnp.zeros_like(x).at[:, :, jnp.asarray(recv)[shard].reshape(-1)].set(got, mode="drop")
+  return _take(got, jnp.asarray(place)[shard])
 
 
 def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
-  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles."""
+  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles: the
+  pieces it keeps and those it receives, then one gather."""
   b, h, chunk, d = x.shape
   pieces = x.reshape(b, h, chunk // fetch.piece, fetch.piece, d)
-  window = jnp.zeros((b, h, fetch.window_pieces, fetch.piece, d), x.dtype)
-
-  def put(window, src, dst, transfer=lambda y: y):
-    got = transfer(jnp.take(pieces, jnp.asarray(src)[shard], axis=2, mode="fill", fill_value=0))
-    return window.at[:, :, jnp.asarray(dst)[shard]].set(got, mode="drop")
-
-  window = put(window, fetch.own_src, fetch.own_dst)
-  if fetch.broadcasts_sink:
-    sink = jnp.take(pieces, jnp.asarray(fetch.sink_src), axis=2, mode="fill", fill_value=0)
-    sink = jax.lax.psum(jnp.where(shard == 0, sink, jnp.zeros_like(sink)), RING)
-    window = window.at[:, :, jnp.asarray(fetch.sink_dst)[shard]].set(sink, mode="drop")
+  held = [_take(pieces, jnp.asarray(fetch.own_src)[shard])]
   for hop in fetch.hops:
-    window = put(window, hop.send, hop.recv,
-                 functools.partial(jax.lax.ppermute, axis_name=RING, perm=hop.pairs))
+    held.append(jax.lax.ppermute(_take(pieces, jnp.asarray(hop.send)[shard]), RING, hop.pairs))
+  sink = _take(pieces, jnp.asarray(fetch.sink_src))
+  held.append(jax.lax.psum(jnp.where(shard == 0, sink, jnp.zeros_like(sink)), RING)
+              if fetch.broadcasts_sink else sink)
+  window = _take(jnp.concatenate(held, axis=2), jnp.asarray(fetch.window_from)[shard])
   return window.reshape(b, h, fetch.window_pieces * fetch.piece, d)
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x`` along the sequence at ``index``; out-of-range entries give zeros."""
+  return jnp.take(x, index, axis=2, mode="fill", fill_value=0)
 
 
 def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float | None,

@@ -70,13 +70,20 @@ def test_the_fetch_assembles_each_window_from_the_shards_holding_it(grid, ring):
       take = lambda shard, idx: np.where((idx < held.shape[1])[:, None],
                                          held[shard][np.minimum(idx, held.shape[1] - 1)], 0)
       window[fetch.own_dst[r]] = take(r, fetch.own_src[r])
+      kept = [take(r, fetch.own_src[r])]
       for hop in fetch.hops:
+        got = np.zeros((hop.send.shape[1], fetch.piece), np.int64)
         for src, dst in hop.pairs:
           if dst == r:
-            window[hop.recv[r]] = take(src, hop.send[src])
+            window[hop.recv[r]] = got = take(src, hop.send[src])
+        kept.append(got)
       if fetch.broadcasts_sink:
         window[fetch.sink_dst[r]] = take(0, fetch.sink_src)
+      kept.append(take(0, fetch.sink_src))
       window = window[:-1].reshape(-1)
+      # What the shard runs: one gather of what it holds (written above slot by slot).
+      kept = np.concatenate(kept + [np.zeros((1, fetch.piece), np.int64)])
+      np.testing.assert_array_equal(kept[fetch.window_from[r]].reshape(-1), window)
       tiles = window_tiles(plan, split, r)
       unused = fetch.slots - tiles.size
       want = np.zeros(fetch.slots * plan.block_kv, np.int64)
@@ -95,26 +102,15 @@ def test_temporal_placement_across_the_ring_and_back(grid, ring):
   perm = temporal_permutation(grid.frames, grid.frame_size, split)
   x = shards(np.arange(1, grid.tokens + 1), split)
 
-  def move(held, send, recv):
-    out = np.zeros_like(held)
-    for d in range(ring):
-      for s in range(ring):
-        idx = send[s, d]
-        ok = idx < split.chunk
-        dst = recv[d, s]
-        assert (dst[ok] < split.chunk).all() and (dst[~ok] == split.chunk).all()
-        out[d, dst[ok]] = held[s, idx[ok]]
-    return out
+  def move(held, send, place):  # each side a gather; out-of-range entries are zeros
+    sent = np.concatenate([held, np.zeros((ring, 1), held.dtype)], axis=1)
+    received = np.stack([np.concatenate([sent[s][send[s, d]] for s in range(ring)] + [[0]])
+                         for d in range(ring)])
+    return np.stack([received[d][place[d]] for d in range(ring)])
 
-  placed = move(x, perm.send, perm.recv)
-  want = shards(temporal_major_order(grid) + 1, split)
-  np.testing.assert_array_equal(placed, want)
-  back = np.zeros_like(x)
-  for s in range(ring):  # the inverse: the tables' roles swapped
-    for d in range(ring):
-      ok = perm.recv[d, s] < split.chunk
-      back[s, perm.send[s, d][ok]] = placed[d, perm.recv[d, s][ok]]
-  np.testing.assert_array_equal(back, x)
+  placed = move(x, perm.send, perm.place_from)
+  np.testing.assert_array_equal(placed, shards(temporal_major_order(grid) + 1, split))
+  np.testing.assert_array_equal(move(placed, perm.recv, perm.back_from), x)
 
 
 @pytest.mark.parametrize("resolution,ring", [("720p", 2), ("720p", 4), ("1440p", 4),
