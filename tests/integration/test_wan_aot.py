@@ -64,3 +64,17 @@ def test_maxdiffusions_fastest_dense_kernel_compiles_beside_it(compiled):
   assert custom["ok"], custom["error"]
   assert custom["mosaic_kernels"] >= 1
   assert compiled["kernels"]["svg"]["memory"]["temp"] > 0 and custom["memory"]["temp"] > 0
+
+
+@pytest.mark.parametrize("config,topology,mesh", [
+    ("wan_svg.yml", "v6e:2x4", {"data": 1, "context": 8}),
+    ("wan_svg_v6e16.yml", "v6e:4x4", {"data": 2, "context": 8}),
+    ("wan_svg_v6e32.yml", "v6e:4x8", {"data": 2, "context": 16}),
+    ("wan_svg_v6e64.yml", "v6e:8x8", {"data": 2, "context": 32})])
+def test_each_shipped_slice_config_builds_its_mesh_on_the_slices_topology(config, topology, mesh):
+  """MaxDiffusion's own mesh builder over libtpu's devices of the slice: a 2-way data axis
+  splits a physical axis, which it refuses unless the config allows it (CPU devices, as the
+  JobSet tests run, have no physical axes to refuse)."""
+  from maxdiffusion_svg.bench.wan_aot import REPO, init_config, topology_mesh  # pylint: disable=import-outside-toplevel
+  _, built = topology_mesh(init_config(REPO / "configs" / config, "svg"), topology)
+  assert {axis: built.shape[axis] for axis in mesh} == mesh
