@@ -59,23 +59,36 @@ def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class RingSplit:
-  """The sequence over the ring: ``ring`` shards of ``chunk`` tokens; tokens past
-  ``seq_len`` are padding (never kept as keys, sliced off as queries)."""
+  """The sequence over the ring, two ways. As the head exchange delivers it: ``ring`` shards
+  of ``natural`` tokens (the sequence padded only to the context axis). As the plan runs it:
+  shards of ``chunk`` tokens, a whole number of query tiles each. Tokens past ``seq_len`` are
+  padding (never kept as keys, sliced off as queries)."""
 
   seq_len: int
   ring: int
   chunk: int
+  natural: int
 
   @property
   def padded_len(self) -> int:
     return self.ring * self.chunk
 
+  @property
+  def natural_len(self) -> int:
+    return self.ring * self.natural
+
+  @property
+  def aligned(self) -> bool:
+    """Whether the exchange's shards are already the plan's (no re-chunking across the ring)."""
+    return self.natural == self.chunk
+
 
 def ring_split(seq_len: int, ring: int, ulysses: int, block_q: int) -> RingSplit:
-  """Shards whose boundaries fall on query-tile boundaries (each shard runs whole rows of the
-  plan) and that the Ulysses group splits evenly."""
+  """Plan shards whose boundaries fall on query-tile boundaries (each shard runs whole rows of
+  the plan) and that the Ulysses group splits evenly."""
   quantum = math.lcm(block_q, ulysses)
-  return RingSplit(seq_len, ring, -(-seq_len // (ring * quantum)) * quantum)
+  return RingSplit(seq_len, ring, -(-seq_len // (ring * quantum)) * quantum,
+                   -(-seq_len // (ring * ulysses)) * ulysses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,18 +348,18 @@ def _stack(pairs, ring, src_pad, dst_pad, order):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardPermutation:
-  """``out[p] = x[source[p]]`` on a sequence sharded in ``R`` chunks: one all-to-all in which
-  shard ``s`` sends ``send[s, d]`` (its local offsets, in ``d``'s order) to each shard ``d``,
-  whose positions ``recv[d, s]`` they fill. Blocks are as large as the busiest pair; padding
-  entries are out of range (gathered as zeros). Each side is a gather: ``place_from[d, p]`` is
-  where local position ``p`` sits in what ``d`` received (``s * M + j``); the inverse sends by
-  ``recv`` and gathers by ``back_from``."""
+  """``out[p] = x[source[p]]``, from the exchange's ``natural`` shards to the plan's ``chunk``
+  shards: one all-to-all in which shard ``s`` sends ``send[s, d]`` (its local offsets, in
+  ``d``'s order) to each shard ``d``, whose positions ``recv[d, s]`` they fill. Blocks are as
+  large as the busiest pair; padding entries are out of range (gathered as zeros). Each side is
+  a gather: ``place_from[d, p]`` is where local position ``p`` sits in what ``d`` received
+  (``s * M + j``); the inverse sends by ``recv`` and gathers by ``back_from``."""
 
   split: RingSplit
   send: np.ndarray  # int32 [R(src), R(dst), M]
   recv: np.ndarray  # int32 [R(dst), R(src), M]
-  place_from: np.ndarray  # int32 [R, L]
-  back_from: np.ndarray  # int32 [R, L]
+  place_from: np.ndarray  # int32 [R, chunk]
+  back_from: np.ndarray  # int32 [R, natural]
 
   @property
   def block(self) -> int:
@@ -354,35 +367,47 @@ class ShardPermutation:
 
 
 @functools.lru_cache(maxsize=16)
-def temporal_permutation(frames: int, frame_size: int, split: RingSplit) -> ShardPermutation:
-  """Frame-major -> temporal-major across the ring (O(S) tables, built once per shape)."""
+def ring_placement(frames: int, frame_size: int,
+                   split: RingSplit) -> tuple[ShardPermutation | None, ShardPermutation]:
+  """``(spatial, temporal)``: the exchange's shards to the plan's, in frame-major order (None
+  where they are the same) and in temporal-major order, with one block size so that a head's
+  flag picks its table inside one all-to-all. O(S) tables, built once per shape."""
   s = frames * frame_size
   if s != split.seq_len:
     raise ValueError(f"grid of {s} tokens, ring split of {split.seq_len}")
   p = np.arange(s, dtype=np.int64)
-  source = (p % frames) * frame_size + p // frames  # frame-major token at position p
-  return shard_permutation(source, split)
+  temporal = (p % frames) * frame_size + p // frames  # frame-major token at position p
+  if split.aligned:
+    return None, shard_permutation(temporal, split)
+  block = max(_pair_counts(p, split).max(), _pair_counts(temporal, split).max())
+  return shard_permutation(p, split, block), shard_permutation(temporal, split, block)
 
 
-def shard_permutation(source: np.ndarray, split: RingSplit) -> ShardPermutation:
+def _pair_counts(source: np.ndarray, split: RingSplit) -> np.ndarray:
+  dst = np.arange(source.size) // split.chunk
+  return np.bincount(source // split.natural * split.ring + dst, minlength=split.ring ** 2)
+
+
+def shard_permutation(source: np.ndarray, split: RingSplit,
+                      block: int | None = None) -> ShardPermutation:
   """Tables for ``out[p] = x[source[p]]`` (``p < seq_len``; later positions stay zero)."""
-  ring, chunk = split.ring, split.chunk
+  ring, chunk, natural = split.ring, split.chunk, split.natural
   p = np.arange(source.size, dtype=np.int64)
-  src, dst = source // chunk, p // chunk
+  src, dst = source // natural, p // chunk
   order = np.lexsort((p, dst, src))
   src, dst, p, t = src[order], dst[order], p[order], source[order]
   group = src * ring + dst
   counts = np.bincount(group, minlength=ring * ring)
-  block = max(1, int(counts.max()))
+  block = max(1, int(counts.max()), block or 0)
   rank = np.arange(group.size) - np.repeat(np.cumsum(counts) - counts, counts)
-  send = np.full((ring, ring, block), chunk, np.int32)
+  send = np.full((ring, ring, block), natural, np.int32)
   recv = np.full((ring, ring, block), chunk, np.int32)
-  send[src, dst, rank] = t - src * chunk
+  send[src, dst, rank] = t - src * natural
   recv[dst, src, rank] = p - dst * chunk
   place_from = np.full((ring, chunk), ring * block, np.int32)
-  back_from = np.full((ring, chunk), ring * block, np.int32)
+  back_from = np.full((ring, natural), ring * block, np.int32)
   place_from[dst, p - dst * chunk] = src * block + rank
-  back_from[src, t - src * chunk] = dst * block + rank
+  back_from[src, t - src * natural] = dst * block + rank
   for a in (send, recv, place_from, back_from):
     a.setflags(write=False)
   return ShardPermutation(split, send, recv, place_from, back_from)

@@ -36,7 +36,7 @@ from maxdiffusion_svg.geometry import Layout, VideoGrid
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.masks import Mask, PlacedMask
 from maxdiffusion_svg.ring_plan import (KeyFetch, RingSplit, ShardPermutation, key_fetch,
-                                        ring_split, temporal_permutation, window_plan)
+                                        ring_placement, ring_split, window_plan)
 from maxdiffusion_svg.router import routing_mask, sample_rows
 from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import TilePlan
@@ -99,10 +99,33 @@ def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
             inverse: bool = False) -> jax.Array:
   """``[b, h, L, D]`` ring shards of a sequence, permuted across the ring: a gather, one
   all-to-all, a gather (no scatter)."""
-  send, place = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
-  blocks = _take(x, jnp.asarray(send)[shard].reshape(-1))
+  return place(x, None, None, perm, shard, inverse)
+
+
+def place(x: jax.Array, temporal: jax.Array | None, spatial: ShardPermutation | None,
+          perm: ShardPermutation, shard: jax.Array, inverse: bool = False) -> jax.Array:
+  """Heads flagged ``temporal`` (``[b, h]``) moved by ``perm``, the others by ``spatial``
+  (kept in place where it is None), in one all-to-all; ``inverse`` moves them back."""
+  if temporal is None:
+    spatial, pick = None, None
+  else:
+    pick = temporal[:, :, None, None]
+    if spatial is None:  # the plan's shards are the exchange's: spatial heads stay
+      return jnp.where(pick, place(x, None, None, perm, shard, inverse), x)
+
+  def tables(perm):
+    send, gather = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
+    return jnp.asarray(send)[shard].reshape(-1), jnp.asarray(gather)[shard]
+
+  send, gather = tables(perm)
+  blocks = _take(x, send)
+  if spatial is not None:
+    spatial_send, spatial_gather = tables(spatial)
+    blocks = jnp.where(pick, blocks, _take(x, spatial_send))
   got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
-  return _take(got, jnp.asarray(place)[shard])
+  if spatial is None:
+    return _take(got, gather)
+  return jnp.where(pick, _take(got, gather), _take(got, spatial_gather))
 
 
 def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
@@ -171,7 +194,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
     if scheduled:
       dense_fetch, dense_run = _shard_kernels(config.dense_plan(grid, target, backend), split,
                                               backend, scale, tiles.block_kv_compute, target)
-    perm = temporal_permutation(grid.frames, grid.frame_size, split)
+    spatial_perm, temporal_perm = ring_placement(grid.frames, grid.frame_size, split)
     router_mask = routing_mask(grid, config.router, plan)
 
     def body(q, k, v, *values):
@@ -185,18 +208,21 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
       def sparse(q, k, v):
         rows = sample_rows(route_key, seq_len, config.router)
         spatial, temporal_error = ring_layout_errors(q, k, v, rows, grid, router_mask, shard,
-                                                     split.chunk, scale)
+                                                     split.natural, scale)
         temporal = temporal_error < spatial
-        pick = temporal[:, :, None, None]
-        q, k, v = (jnp.where(pick, permute(x, perm, shard), x) for x in (q, k, v))
+        q, k, v = (place(x, temporal, spatial_perm, temporal_perm, shard) for x in (q, k, v))
         out = sparse_run(shard, q, fetch_window(k, sparse_fetch, shard),
                          fetch_window(v, sparse_fetch, shard))
-        out = jnp.where(pick, permute(out, perm, shard, inverse=True), out)
+        out = place(out, temporal, spatial_perm, temporal_perm, shard, inverse=True)
         return out, (temporal, spatial, temporal_error)
 
       def dense(q, k, v):
+        if spatial_perm is not None:
+          q, k, v = (permute(x, spatial_perm, shard) for x in (q, k, v))
         out = dense_run(shard, q, fetch_window(k, dense_fetch, shard),
                         fetch_window(v, dense_fetch, shard))
+        if spatial_perm is not None:
+          out = permute(out, spatial_perm, shard, inverse=True)
         zeros = jnp.zeros(q.shape[:2], jnp.float32)
         return out, (jnp.zeros(q.shape[:2], bool), zeros, zeros)
 
@@ -219,7 +245,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                            check_vma=False)
 
     def run(q, k, v, *values):
-      pad = ((0, 0), (0, 0), (0, split.padded_len - seq_len), (0, 0))
+      pad = ((0, 0), (0, 0), (0, split.natural_len - seq_len), (0, 0))
       q, k, v = (_place_on(_place_on(jnp.pad(x, pad), mesh, outer_spec), inner, spec)
                  for x in (q, k, v))
       result = mapped(q, k, v, *values)

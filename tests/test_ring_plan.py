@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution, temporal_major_order
-from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
-                                        temporal_permutation, window_plan, window_tiles)
+from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_placement,
+                                        ring_split, window_plan, window_tiles)
 from maxdiffusion_svg.tiles import EMPTY, plan_tiles
 
 GRIDS = [VideoGrid(6, 8, 16), VideoGrid(5, 6, 9), VideoGrid(7, 12, 20)]
@@ -96,11 +96,18 @@ def test_the_fetch_assembles_each_window_from_the_shards_holding_it(grid, ring):
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=str)
-@pytest.mark.parametrize("ring", [2, 3, 4])
-def test_temporal_placement_across_the_ring_and_back(grid, ring):
-  split = ring_split(grid.tokens, ring, 1, 128)
-  perm = temporal_permutation(grid.frames, grid.frame_size, split)
-  x = shards(np.arange(1, grid.tokens + 1), split)
+@pytest.mark.parametrize("ring,ulysses", [(2, 1), (3, 2), (4, 4)])
+def test_placement_across_the_ring_and_back(grid, ring, ulysses):
+  """From the exchange's shards to the plan's, frame-major (spatial heads) and temporal-major
+  (temporal heads), and back: simulated gather / all-to-all / gather."""
+  split = ring_split(grid.tokens, ring, ulysses, 128)
+  assert split.natural % ulysses == 0 and split.natural_len >= grid.tokens
+  spatial, temporal = ring_placement(grid.frames, grid.frame_size, split)
+  assert (spatial is None) == split.aligned
+  tokens = np.arange(1, grid.tokens + 1)
+  x = np.zeros(split.natural_len, np.int64)
+  x[:grid.tokens] = tokens
+  x = x.reshape(ring, split.natural)
 
   def move(held, send, place):  # each side a gather; out-of-range entries are zeros
     sent = np.concatenate([held, np.zeros((ring, 1), held.dtype)], axis=1)
@@ -108,9 +115,13 @@ def test_temporal_placement_across_the_ring_and_back(grid, ring):
                          for d in range(ring)])
     return np.stack([received[d][place[d]] for d in range(ring)])
 
-  placed = move(x, perm.send, perm.place_from)
-  np.testing.assert_array_equal(placed, shards(temporal_major_order(grid) + 1, split))
-  np.testing.assert_array_equal(move(placed, perm.recv, perm.back_from), x)
+  for perm, order in ((temporal, temporal_major_order(grid) + 1), (spatial, tokens)):
+    if perm is None:
+      continue
+    assert perm.send.shape[2] == temporal.send.shape[2]  # one all-to-all serves both
+    placed = move(x, perm.send, perm.place_from)
+    np.testing.assert_array_equal(placed, shards(order, split))
+    np.testing.assert_array_equal(move(placed, perm.recv, perm.back_from), x)
 
 
 @pytest.mark.parametrize("resolution,ring", [("720p", 2), ("720p", 4), ("1440p", 4),

@@ -10,7 +10,7 @@ inputs. Three kinds of figure come out, labelled as such:
   sends per call (``bench.hlo``), sorted into what it does (the head exchange over the
   Ulysses axis, the ring's own traffic, reshards XLA inserts outside the kernel);
 * **computed from the plan** (``ring_plan``): the key tiles each ring shard fetches and from
-  how many shards, the temporal placement's all-to-all block, the pad's reshard, beside the
+  how many shards, the placement's all-to-all block, beside the
   ``2 (R - 1)`` shard-sized K/V transfers of a ring;
 * **compiler-static schedule** (where ``schedule_costs.PRICES`` has the chip): one device's
   kernel work per call, its shard's tiles priced by the bundles libtpu scheduled per tile body.
@@ -29,7 +29,7 @@ from maxdiffusion_svg.bench.hlo import collective_ops
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
-                                        temporal_permutation, window_plan)
+                                        ring_placement, window_plan)
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 AGAINST = ("ulysses_ring", "ulysses_ring_custom")
@@ -213,22 +213,16 @@ def plan_figures(cfg: RingBenchConfig, ulysses: int, plan: Any) -> dict[str, Any
   ring = context // ulysses
   split = ring_split(grid.tokens, ring, ulysses, plan.block_q)
   fetch = key_fetch(plan, split)
-  perm = temporal_permutation(grid.frames, grid.frame_size, split)
+  _, perm = ring_placement(grid.frames, grid.frame_size, split)
   itemsize = np.dtype(cfg.dtype).itemsize if cfg.dtype != "bfloat16" else 2
   # One token of one device's heads after the exchange: its batch x H / U heads x D.
   token = cfg.batch // cfg.data * cfg.heads // ulysses * cfg.head_dim * itemsize
   received = fetch.pieces_received() * fetch.piece
-  per_device = -(-grid.tokens // context)
-  padded = split.chunk // ulysses
-  moved = [0]
-  for c in range(context if grid.tokens % context == 0 else 0):  # tokens device c receives when the pad moves its shard
-    lo, hi = c * padded, min((c + 1) * padded, grid.tokens)
-    own = max(0, min(hi, (c + 1) * per_device) - max(lo, c * per_device))
-    moved.append(max(0, hi - lo) - own)
   real_chunk = grid.tokens / ring
   ring_tokens = 2 * (ring - 1) * real_chunk
   return {
       "ring": ring, "chunk": split.chunk, "padded_len": split.padded_len,
+      "natural": split.natural, "aligned": split.aligned,
       "piece": fetch.piece, "window_tiles": fetch.slots,
       "key_tokens_received": [int(n) for n in received],
       "shards_fetched": [int(n) for n in fetch.shards_fetched()],
@@ -237,10 +231,7 @@ def plan_figures(cfg: RingBenchConfig, ulysses: int, plan: Any) -> dict[str, Any
       "ring_keys_bytes": ring_tokens * token,  # a ring's 2 (R - 1) shard-sized transfers
       "placement_block": perm.block,
       "placement_bytes": 4 * (ring - 1) * perm.block * token,  # q, k, v in, the output back
-      "exchange_bytes": 4 * (ulysses - 1) / ulysses * split.chunk * token,
-      "pad_reshard_tokens": max(moved),
-      "pad_reshard_bytes": 4 * max(moved) * cfg.heads * cfg.batch // cfg.data * cfg.head_dim
-                           * itemsize,
+      "exchange_bytes": 4 * (ulysses - 1) / ulysses * split.natural * token,
   }
 
 
@@ -336,9 +327,9 @@ def format_ring_bench(result: dict[str, Any]) -> str:
     plan = row.get("plan")
     if not plan:
       continue
-    lines += [f"computed from the plan, U x R = {split}: ring shards of {plan['chunk']:,} tokens "
-              f"(padded sequence {plan['padded_len']:,}), key pieces of {plan['piece']}, "
-              f"{plan['hops']} permutes",
+    lines += [f"computed from the plan, U x R = {split}: the exchange's ring shards of "
+              f"{plan['natural']:,} tokens, the plan's of {plan['chunk']:,} (padded sequence "
+              f"{plan['padded_len']:,}), key pieces of {plan['piece']}, {plan['hops']} permutes",
               "  shard:              " + "".join(f"{r:>9}" for r in range(plan["ring"])),
               "  other shards read:  " + "".join(f"{n:>9}" for n in plan["shards_fetched"]),
               "  key tokens fetched: " + "".join(f"{n:>9,}" for n in plan["key_tokens_received"]),
@@ -346,8 +337,7 @@ def format_ring_bench(result: dict[str, Any]) -> str:
               f"  a ring's 2(R-1) shard-sized K/V transfers: {_mib(plan['ring_keys_bytes'])} MiB; "
               f"placement all-to-all block {plan['placement_block']:,} tokens "
               f"({_mib(plan['placement_bytes'])} MiB for q, k, v, out); head exchange "
-              f"{_mib(plan['exchange_bytes'])} MiB; the pad's reshard {plan['pad_reshard_tokens']:,} "
-              f"tokens per device ({_mib(plan['pad_reshard_bytes'])} MiB for q, k, v, out)"]
+              f"{_mib(plan['exchange_bytes'])} MiB"]
     sched = row.get("schedule")
     if sched:
       lines.append(
