@@ -23,6 +23,7 @@ a spatial head's. The move costs ``q, k, v`` and the output once across the ring
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -248,7 +249,10 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
       pad = ((0, 0), (0, 0), (0, split.natural_len - seq_len), (0, 0))
       q, k, v = (_place_on(_place_on(jnp.pad(x, pad), mesh, outer_spec), inner, spec)
                  for x in (q, k, v))
-      result = mapped(q, k, v, *values)
+      # Under jax.set_mesh(mesh) the shard_map's mesh must be the one in context.
+      with (jax.sharding.use_abstract_mesh(inner.abstract_mesh) if _in_context(mesh)
+            else contextlib.nullcontext()):
+        result = mapped(q, k, v, *values)
       out, info = result if return_info else (result, None)
       out = _place_on(out, mesh, P(batch_spec))[:, :, :seq_len]
       return (out, info) if return_info else out
@@ -262,6 +266,12 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   out, (temporal, spatial, temporal_error) = result
   return out, {"temporal": temporal, "spatial_error": spatial,
                "temporal_error": temporal_error}
+
+
+def _in_context(mesh: Mesh) -> bool:
+  """Whether ``mesh`` is the mesh in context (``jax.set_mesh``), abstractly."""
+  context = jax.sharding.get_abstract_mesh()
+  return not context.empty and context == mesh.abstract_mesh
 
 
 def _place_on(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:

@@ -101,6 +101,21 @@ def test_explicit_axis_mesh():
       svg_attention(q, k, v, grid=PADDED_GRID, config=cfg, key=KEY)), atol=1e-5)
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_under_set_mesh(explicit):
+  """With the mesh in context (jax.set_mesh), the split mesh's shard_map is traced under it."""
+  types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto,) * 4
+  mesh = jax.make_mesh((1, 1, 8, 1), AXES, axis_types=types)
+  q, k, v = planted(seed=4)
+  cfg = config()
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda q, k, v: sharded_svg_attention(
+        q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY, ulysses_shards=2))(
+            *put(mesh, GRID, q, k, v))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(
+      svg_attention(q, k, v, grid=GRID, config=cfg, key=KEY)), atol=1e-5)
+
+
 def test_our_pallas_kernel_runs_each_shards_rows():
   mesh = mesh_of((1, 1, 8, 1))
   cfg = config(backend="pallas")
