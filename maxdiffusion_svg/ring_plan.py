@@ -61,17 +61,23 @@ def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple
 class RingSplit:
   """The sequence over the ring, two ways. As the head exchange delivers it: ``ring`` shards
   of ``natural`` tokens (the sequence padded only to the context axis). As the plan runs it:
-  shards of ``chunk`` tokens, a whole number of query tiles each. Tokens past ``seq_len`` are
-  padding (never kept as keys, sliced off as queries)."""
+  shard ``r`` holds positions ``[starts[r], starts[r + 1])``, whole query tiles, the tile
+  boundary nearest the natural one (so a shard's tokens mostly stay where they are); buffers
+  hold ``chunk`` tokens, the largest shard. Positions past ``seq_len`` are padding (never kept
+  as keys, sliced off as queries)."""
 
   seq_len: int
   ring: int
-  chunk: int
   natural: int
+  starts: tuple[int, ...]
+
+  @property
+  def chunk(self) -> int:
+    return max(b - a for a, b in zip(self.starts, self.starts[1:]))
 
   @property
   def padded_len(self) -> int:
-    return self.ring * self.chunk
+    return self.starts[-1]
 
   @property
   def natural_len(self) -> int:
@@ -79,16 +85,21 @@ class RingSplit:
 
   @property
   def aligned(self) -> bool:
-    """Whether the exchange's shards are already the plan's (no re-chunking across the ring)."""
-    return self.natural == self.chunk
+    """Whether the exchange's shards already are the plan's (no re-chunking across the ring)."""
+    return self.starts[:-1] == tuple(r * self.natural for r in range(self.ring))
+
+  def shard_of(self, positions: np.ndarray) -> np.ndarray:
+    """The plan shard holding each position."""
+    return np.searchsorted(np.asarray(self.starts[1:-1]), positions, side="right")
 
 
 def ring_split(seq_len: int, ring: int, ulysses: int, block_q: int) -> RingSplit:
-  """Plan shards whose boundaries fall on query-tile boundaries (each shard runs whole rows of
-  the plan) and that the Ulysses group splits evenly."""
-  quantum = math.lcm(block_q, ulysses)
-  return RingSplit(seq_len, ring, -(-seq_len // (ring * quantum)) * quantum,
-                   -(-seq_len // (ring * ulysses)) * ulysses)
+  """The exchange's shards (each split evenly by the Ulysses group) and the plan's (each whole
+  query tiles, so it runs whole rows of the plan)."""
+  natural = -(-seq_len // (ring * ulysses)) * ulysses
+  tiles = -(-seq_len // block_q)
+  starts = [min(tiles, round(r * natural / block_q)) * block_q for r in range(ring)]
+  return RingSplit(seq_len, ring, natural, (*starts, tiles * block_q))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +147,10 @@ def window_tiles(plan: TilePlan, split: RingSplit, shard: int) -> np.ndarray:
 
 
 def _shard_rows(plan: TilePlan, split: RingSplit, shard: int) -> tuple[int, int]:
-  per = split.chunk // plan.block_q
-  return min(shard * per, plan.num_q_tiles), min((shard + 1) * per, plan.num_q_tiles)
+  first, stop = split.starts[shard], split.starts[shard + 1]
+  if first % plan.block_q or stop % plan.block_q:
+    raise ValueError(f"ring shard {shard} [{first}, {stop}) splits block_q {plan.block_q} tiles")
+  return first // plan.block_q, stop // plan.block_q
 
 
 def window_slots(plan: TilePlan, split: RingSplit) -> int:
@@ -150,8 +163,6 @@ def window_plan(plan: TilePlan, split: RingSplit, shard: int) -> TilePlan:
   the window of :func:`window_slots` key tiles :class:`KeyFetch` assembles (unused slots
   first, then the visited tiles ascending, so the sequence's padded last tile stays last).
   Same tiles, kinds and rounding as the single-device plan."""
-  if split.chunk % plan.block_q:
-    raise ValueError(f"ring shards of {split.chunk} tokens split block_q {plan.block_q} tiles")
   bq, bkv = plan.block_q, plan.block_kv
   slots = window_slots(plan, split)
   tiles = window_tiles(plan, split, shard)
@@ -174,12 +185,13 @@ def window_plan(plan: TilePlan, split: RingSplit, shard: int) -> TilePlan:
   kv_len = slots * bkv
   if tiles.size and tiles[-1] == last:
     kv_len = (slots - 1) * bkv + plan.seq_len - last * bkv
-  mask = WindowMask(plan.mask, shard * split.chunk, split.chunk, kv_len, runs)
+  first = split.starts[shard]
+  mask = WindowMask(plan.mask, first, split.starts[shard + 1] - first, kv_len, runs)
   local_rows, slot = np.nonzero(kind)
   global_rows = local_rows + row0
   pairs = _tile_pairs(plan, global_rows, tiles[kv_index[local_rows, slot] - unused])
   kinds = kind[local_rows, slot]
-  q_real = max(0, min(split.chunk, plan.seq_len - shard * split.chunk))
+  q_real = max(0, min(split.starts[shard + 1], plan.seq_len) - first)
   k_real = sum(min(bkv, plan.seq_len - t * bkv) for t in tiles)
   kept = int(pairs.sum())
   stats = TileStats(total_tiles=rows * slots, visited_tiles=int(kinds.size),
@@ -271,12 +283,13 @@ def key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
 @functools.lru_cache(maxsize=32)
 def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
   bkv, chunk, ring = plan.block_kv, split.chunk, split.ring
-  piece = math.gcd(chunk, bkv)
+  piece = math.gcd(bkv, *split.starts)
   per_tile, per_chunk = bkv // piece, chunk // piece
+  first_piece = np.asarray(split.starts) // piece
   slots = window_slots(plan, split)
   limit = slots * per_tile  # an out-of-range window piece: dropped
   real_pieces = -(-plan.seq_len // piece)
-  sink_pieces = min(-(-getattr(plan.mask, "sink", 0) // piece), per_chunk)  # on shard 0
+  sink_pieces = min(-(-getattr(plan.mask, "sink", 0) // piece), first_piece[1])  # on shard 0
   sink_dst = np.full((ring, sink_pieces), limit, np.int32)
   sink_taken = np.zeros(sink_pieces, bool)
   own: list[tuple[np.ndarray, np.ndarray]] = []
@@ -294,10 +307,10 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
       sink_dst[r, pieces[sink]] = window[sink]
       sink_taken[pieces[sink]] = True
       window, pieces = window[~sink], pieces[~sink]
-    owner = pieces // per_chunk
+    owner = split.shard_of(pieces * piece)
     for o in np.unique(owner):
       at = owner == o
-      pair = (pieces[at] - o * per_chunk, window[at])
+      pair = (pieces[at] - first_piece[o], window[at])
       if o == r:
         own.append(pair)
       else:
@@ -348,12 +361,15 @@ def _stack(pairs, ring, src_pad, dst_pad, order):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardPermutation:
-  """``out[p] = x[source[p]]``, from the exchange's ``natural`` shards to the plan's ``chunk``
-  shards: one all-to-all in which shard ``s`` sends ``send[s, d]`` (its local offsets, in
-  ``d``'s order) to each shard ``d``, whose positions ``recv[d, s]`` they fill. Blocks are as
-  large as the busiest pair; padding entries are out of range (gathered as zeros). Each side is
-  a gather: ``place_from[d, p]`` is where local position ``p`` sits in what ``d`` received
-  (``s * M + j``); the inverse sends by ``recv`` and gathers by ``back_from``."""
+  """``out[p] = x[source[p]]``, from the exchange's ``natural`` shards to the plan's shards.
+
+  Tokens that stay on their shard are gathered locally; the rest cross the ring in one
+  all-to-all, in which shard ``s`` sends ``send[s, d]`` (its local offsets, in ``d``'s order)
+  to each other shard ``d``, whose positions ``recv[d, s]`` they fill. Blocks are as large as
+  the busiest pair of different shards; padding entries are out of range (gathered as zeros).
+  Each side is one gather: ``place_from[d, p]`` is where the plan shard's position ``p`` is in
+  ``[received (R x M) | the shard's own natural tokens]``; the inverse sends by ``recv`` and
+  gathers by ``back_from`` from ``[received | the shard's own plan positions]``."""
 
   split: RingSplit
   send: np.ndarray  # int32 [R(src), R(dst), M]
@@ -371,7 +387,7 @@ def ring_placement(frames: int, frame_size: int,
                    split: RingSplit) -> tuple[ShardPermutation | None, ShardPermutation]:
   """``(spatial, temporal)``: the exchange's shards to the plan's, in frame-major order (None
   where they are the same) and in temporal-major order, with one block size so that a head's
-  flag picks its table inside one all-to-all. O(S) tables, built once per shape."""
+  flag picks its tables around one all-to-all. O(S) tables, built once per shape."""
   s = frames * frame_size
   if s != split.seq_len:
     raise ValueError(f"grid of {s} tokens, ring split of {split.seq_len}")
@@ -379,13 +395,16 @@ def ring_placement(frames: int, frame_size: int,
   temporal = (p % frames) * frame_size + p // frames  # frame-major token at position p
   if split.aligned:
     return None, shard_permutation(temporal, split)
-  block = max(_pair_counts(p, split).max(), _pair_counts(temporal, split).max())
+  block = max(_crossing(p, split), _crossing(temporal, split))
   return shard_permutation(p, split, block), shard_permutation(temporal, split, block)
 
 
-def _pair_counts(source: np.ndarray, split: RingSplit) -> np.ndarray:
-  dst = np.arange(source.size) // split.chunk
-  return np.bincount(source // split.natural * split.ring + dst, minlength=split.ring ** 2)
+def _crossing(source: np.ndarray, split: RingSplit) -> int:
+  """The most tokens one shard sends another (the all-to-all's block)."""
+  src, dst = source // split.natural, split.shard_of(np.arange(source.size))
+  crossing = src != dst
+  counts = np.bincount(src[crossing] * split.ring + dst[crossing], minlength=split.ring ** 2)
+  return max(1, int(counts.max()))
 
 
 def shard_permutation(source: np.ndarray, split: RingSplit,
@@ -393,21 +412,27 @@ def shard_permutation(source: np.ndarray, split: RingSplit,
   """Tables for ``out[p] = x[source[p]]`` (``p < seq_len``; later positions stay zero)."""
   ring, chunk, natural = split.ring, split.chunk, split.natural
   p = np.arange(source.size, dtype=np.int64)
-  src, dst = source // natural, p // chunk
-  order = np.lexsort((p, dst, src))
-  src, dst, p, t = src[order], dst[order], p[order], source[order]
-  group = src * ring + dst
+  t = np.asarray(source, np.int64)
+  src, dst = t // natural, split.shard_of(p)
+  src_at, dst_at = t - src * natural, p - np.asarray(split.starts)[dst]
+  block = max(block or 0, _crossing(t, split))
+  place_from = np.full((ring, chunk), ring * block + natural, np.int32)  # past both: zeros
+  back_from = np.full((ring, natural), ring * block + chunk, np.int32)
+  stay = src == dst
+  place_from[dst[stay], dst_at[stay]] = ring * block + src_at[stay]
+  back_from[src[stay], src_at[stay]] = ring * block + dst_at[stay]
+  move = np.flatnonzero(~stay)
+  order = move[np.lexsort((p[move], dst[move], src[move]))]
+  group = src[order] * ring + dst[order]
   counts = np.bincount(group, minlength=ring * ring)
-  block = max(1, int(counts.max()), block or 0)
-  rank = np.arange(group.size) - np.repeat(np.cumsum(counts) - counts, counts)
+  rank = np.arange(order.size) - np.repeat(np.cumsum(counts) - counts, counts)
   send = np.full((ring, ring, block), natural, np.int32)
   recv = np.full((ring, ring, block), chunk, np.int32)
-  send[src, dst, rank] = t - src * natural
-  recv[dst, src, rank] = p - dst * chunk
-  place_from = np.full((ring, chunk), ring * block, np.int32)
-  back_from = np.full((ring, natural), ring * block, np.int32)
-  place_from[dst, p - dst * chunk] = src * block + rank
-  back_from[src, t - src * natural] = dst * block + rank
+  s_, d_ = src[order], dst[order]
+  send[s_, d_, rank] = src_at[order]
+  recv[d_, s_, rank] = dst_at[order]
+  place_from[d_, dst_at[order]] = s_ * block + rank
+  back_from[s_, src_at[order]] = d_ * block + rank
   for a in (send, recv, place_from, back_from):
     a.setflags(write=False)
   return ShardPermutation(split, send, recv, place_from, back_from)

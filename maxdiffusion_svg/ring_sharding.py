@@ -8,10 +8,11 @@ stays split over ``R`` ring shards. On each device, inside one ``shard_map`` ove
 1. all-to-all over ``svg_ulysses``: ``H / U`` heads over ring shard ``r``'s tokens;
 2. route: the sampled rows' softmax over this shard's keys, merged over the ring exactly
    (max, then sums): every shard of a head gets the same flags;
-3. place: temporal heads move to temporal-major order across the ring (one all-to-all;
-   spatial heads keep their tokens);
+3. place: temporal heads move to temporal-major order across the ring and every head to the
+   plan's tile-aligned shards (one all-to-all; where the exchange's shards already are the
+   plan's, spatial heads keep their tokens);
 4. fetch: the key tiles this shard's rows visit, by a collective permute per shard offset
-   (the band's neighbours, the sink's shard), not ``R - 1`` ring hops;
+   (the band's neighbours) and one broadcast (the sink), not ``R - 1`` ring hops;
 5. this shard's rows of the single-device plan on them (``lax.switch`` over ``r``: each
    shard's plan is static), then restore and the all-to-all back.
 
@@ -124,9 +125,10 @@ def place(x: jax.Array, temporal: jax.Array | None, spatial: ShardPermutation | 
     spatial_send, spatial_gather = tables(spatial)
     blocks = jnp.where(pick, blocks, _take(x, spatial_send))
   got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
+  held = jnp.concatenate([got, x], axis=2)  # what crossed the ring, then what stayed
   if spatial is None:
-    return _take(got, gather)
-  return jnp.where(pick, _take(got, gather), _take(got, spatial_gather))
+    return _take(held, gather)
+  return jnp.where(pick, _take(held, gather), _take(held, spatial_gather))
 
 
 def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:

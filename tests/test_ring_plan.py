@@ -19,9 +19,12 @@ def plans(grid):
 
 
 def shards(x, split):
-  padded = np.zeros(split.padded_len, x.dtype)
-  padded[:x.size] = x
-  return padded.reshape(split.ring, split.chunk)
+  """``x`` (the sequence) in the plan's ring shards: ``[R, chunk]``, zeros past each shard."""
+  out = np.zeros((split.ring, split.chunk), x.dtype)
+  for r, (first, stop) in enumerate(zip(split.starts, split.starts[1:])):
+    piece = x[first:min(stop, x.size)]
+    out[r, :piece.size] = piece
+  return out
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=str)
@@ -29,7 +32,8 @@ def shards(x, split):
 def test_each_shard_runs_its_rows_of_the_single_device_plan_on_its_window(grid, ring):
   for plan in plans(grid):
     split = ring_split(grid.tokens, ring, 2, plan.block_q)
-    assert split.chunk % plan.block_q == 0 and split.padded_len >= grid.tokens
+    assert all(a % plan.block_q == 0 for a in split.starts)
+    assert split.padded_len >= grid.tokens and split.starts[0] == 0
     seen = np.zeros_like(plan.tile_map())
     for r in range(ring):
       local = window_plan(plan, split, r)
@@ -38,7 +42,7 @@ def test_each_shard_runs_its_rows_of_the_single_device_plan_on_its_window(grid, 
       local_map = local.tile_map()
       rows, cols = np.nonzero(local_map)
       assert (cols >= unused).all()
-      global_rows = rows + r * split.chunk // plan.block_q
+      global_rows = rows + split.starts[r] // plan.block_q
       seen[global_rows, tiles[cols - unused]] = local_map[rows, cols]
       # The local rule is the global one, moved: queries by the shard's offset, keys by
       # the window's runs (brute force over every local pair).
@@ -48,7 +52,8 @@ def test_each_shard_runs_its_rows_of_the_single_device_plan_on_its_window(grid, 
       for j, t in enumerate(tiles):
         span = slice((unused + j) * plan.block_kv, (unused + j + 1) * plan.block_kv)
         global_k[0, span] = t * plan.block_kv + np.arange(plan.block_kv)
-      want = plan.mask.contains(q + r * split.chunk, global_k)
+      size = split.starts[r + 1] - split.starts[r]
+      want = plan.mask.contains(q + split.starts[r], global_k) & (q < size)
       np.testing.assert_array_equal(local.mask.contains(q, k), want)
       if not plan.masks_exact:  # aligned: masked tiles only drop keys past the sequence
         fetched = slice(unused * plan.block_kv, None)  # unused slots are never visited
@@ -111,9 +116,11 @@ def test_placement_across_the_ring_and_back(grid, ring, ulysses):
 
   def move(held, send, place):  # each side a gather; out-of-range entries are zeros
     sent = np.concatenate([held, np.zeros((ring, 1), held.dtype)], axis=1)
-    received = np.stack([np.concatenate([sent[s][send[s, d]] for s in range(ring)] + [[0]])
-                         for d in range(ring)])
-    return np.stack([received[d][place[d]] for d in range(ring)])
+    kept = [np.concatenate([sent[s][send[s, d]] for s in range(ring)] + [held[d], [0]])
+            for d in range(ring)]  # what crossed the ring, then what stayed
+    for d in range(ring):
+      assert (send[d, d] == held.shape[1]).all()  # nothing is sent to itself
+    return np.stack([kept[d][place[d]] for d in range(ring)])
 
   for perm, order in ((temporal, temporal_major_order(grid) + 1), (spatial, tokens)):
     if perm is None:
@@ -164,10 +171,14 @@ def test_ulysses_shards_splits_and_refusals():
     check_ulysses_shards(True, 16, 40)
 
 
-def test_every_shard_gets_query_rows_but_the_ring_may_pad():
-  split = ring_split(75600, 8, 8, 3328)
-  assert split.chunk == 9984 and split.padded_len == 79872
-  assert ring_split(768, 2, 4, 128).chunk == 384
+def test_plan_shards_are_whole_tiles_nearest_the_exchanges():
+  split = ring_split(75600, 8, 8, 3328)  # 720p on a ring of 8
+  assert split.natural == 9456 and split.chunk == 9984 and split.padded_len == 76544
+  for r in range(8):
+    assert abs(split.starts[r] - r * split.natural) <= 3328 // 2
+  assert ring_split(768, 2, 4, 128).aligned and ring_split(768, 2, 4, 128).chunk == 384
+  # More shards than tiles: some shards run no row, and their plans visit nothing.
+  split = ring_split(768, 8, 1, 128)
   plan = plan_tiles(VideoGrid(6, 8, 16), 0.3, 128, 128, "aligned")
-  last = window_plan(plan, ring_split(768, 8, 1, 128), 7)  # rows 640..767 of 1024
-  assert (last.kind[1:] == EMPTY).all() or last.num_q_tiles == 1
+  empty = [r for r in range(8) if split.starts[r] == split.starts[r + 1]]
+  assert empty and all((window_plan(plan, split, r).kind == EMPTY).all() for r in empty)
