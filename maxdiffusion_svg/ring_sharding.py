@@ -99,36 +99,35 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
 
 def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
             inverse: bool = False) -> jax.Array:
-  """``[b, h, L, D]`` ring shards of a sequence, permuted across the ring: a gather, one
-  all-to-all, a gather (no scatter)."""
-  return place(x, None, None, perm, shard, inverse)
+  """``[b, h, N, D]`` exchange shards -> ``[b, h, chunk, D]`` plan shards (``inverse``: back)
+  by ``perm``: a gather, one all-to-all, a gather (no scatter)."""
+  send, gather = _tables(perm, shard, inverse)
+  return _take(_held(x, _take(x, send)), gather)
 
 
-def place(x: jax.Array, temporal: jax.Array | None, spatial: ShardPermutation | None,
+def place(x: jax.Array, temporal: jax.Array, spatial: ShardPermutation | None,
           perm: ShardPermutation, shard: jax.Array, inverse: bool = False) -> jax.Array:
-  """Heads flagged ``temporal`` (``[b, h]``) moved by ``perm``, the others by ``spatial``
-  (kept in place where it is None), in one all-to-all; ``inverse`` moves them back."""
-  if temporal is None:
-    spatial, pick = None, None
-  else:
-    pick = temporal[:, :, None, None]
-    if spatial is None:  # the plan's shards are the exchange's: spatial heads stay
-      return jnp.where(pick, place(x, None, None, perm, shard, inverse), x)
-
-  def tables(perm):
-    send, gather = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
-    return jnp.asarray(send)[shard].reshape(-1), jnp.asarray(gather)[shard]
-
-  send, gather = tables(perm)
-  blocks = _take(x, send)
-  if spatial is not None:
-    spatial_send, spatial_gather = tables(spatial)
-    blocks = jnp.where(pick, blocks, _take(x, spatial_send))
-  got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
-  held = jnp.concatenate([got, x], axis=2)  # what crossed the ring, then what stayed
-  if spatial is None:
-    return _take(held, gather)
+  """Heads flagged ``temporal`` (``[b, h]``) moved by ``perm``, the others by ``spatial`` (in
+  place where it is None), around one all-to-all; ``inverse`` moves them back."""
+  pick = temporal[:, :, None, None]
+  if spatial is None:  # the plan's shards are the exchange's: spatial heads stay
+    return jnp.where(pick, permute(x, perm, shard, inverse), x)
+  send, gather = _tables(perm, shard, inverse)
+  spatial_send, spatial_gather = _tables(spatial, shard, inverse)
+  held = _held(x, jnp.where(pick, _take(x, send), _take(x, spatial_send)))
   return jnp.where(pick, _take(held, gather), _take(held, spatial_gather))
+
+
+def _tables(perm: ShardPermutation, shard: jax.Array, inverse: bool) -> tuple[jax.Array, ...]:
+  send, gather = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
+  return jnp.asarray(send)[shard].reshape(-1), jnp.asarray(gather)[shard]
+
+
+def _held(x: jax.Array, blocks: jax.Array) -> jax.Array:
+  """What a shard holds after the all-to-all of ``blocks``: what crossed the ring, then ``x``
+  (the tokens that stay)."""
+  got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
+  return jnp.concatenate([got, x], axis=2)
 
 
 def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
