@@ -213,7 +213,7 @@ def _runs(tiles: np.ndarray, unused: int, bkv: int) -> tuple[tuple[int, int], ..
 @dataclasses.dataclass(frozen=True, eq=False)
 class Hop:
   """One collective permute of a fetch: shard ``s`` sends ``send[s]`` (piece offsets in its
-  own shard) to ``s + offset``, which writes them to window pieces ``recv[s + offset]``.
+  own shard) to ``(s + offset) % R``, which takes them as window pieces ``recv[...]``.
   Padding entries are out of range (dropped)."""
 
   offset: int
@@ -227,10 +227,11 @@ class KeyFetch:
   """How every ring shard assembles its window of key tiles from the shards holding them.
 
   Keys move in ``piece``-token pieces (the largest that divides both a shard and a kv tile):
-  own pieces by a local copy; the sink (the first frame, on shard 0) to every shard past shard
-  0's neighbour by one broadcast (a sum over the ring of shard 0's pieces and zeros: one
+  own pieces stay; the sink (the first frame, on shard 0) goes to every shard past shard 0's
+  neighbour by one broadcast (a sum over the ring of shard 0's pieces and zeros: one
   collective, not one permute per shard); the rest (the band's neighbours) by one collective
-  permute per shard offset, each as large as its busiest pair."""
+  permute per shard offset around the ring (``R - 1`` at most: a dense window's), each as large
+  as its busiest pair."""
 
   split: RingSplit
   block_kv: int
@@ -241,10 +242,10 @@ class KeyFetch:
   hops: tuple[Hop, ...]
   sink_src: np.ndarray  # int32 [m]: shard 0's sink pieces that shards >= 2 need
   sink_dst: np.ndarray  # int32 [R, m]: their window pieces (out of range: not taken)
-  # int32 [R, window pieces]: each window piece's place in what the shard holds after the
-  # transfers, [own | hop 0 | hop 1 | ... | sink] (out of range: zeros). The window is one
-  # gather of that: no scatter.
-  window_from: np.ndarray
+  # int32 [R, window pieces] per source (the shard's own pieces, each hop's buffer, the sink's):
+  # where each window piece is in that source, out of range where it comes from another. The
+  # window is the sum of one gather per source: no scatter, no concatenated copy.
+  window_parts: tuple[np.ndarray, ...]
 
   @property
   def window_pieces(self) -> int:
@@ -314,38 +315,42 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
       if o == r:
         own.append(pair)
       else:
-        moves.setdefault(int(r - o), {})[int(o)] = pair
+        moves.setdefault(int((r - o) % ring), {})[int(o)] = pair
     if not (owner == r).any():
       own.append((np.zeros(0, np.int64), np.zeros(0, np.int64)))
   own_src, own_dst = _stack([own[r] for r in range(ring)], ring, per_chunk, limit,
                             list(range(ring)))
   hops = []
-  for offset in sorted(moves, key=lambda d: (abs(d), d)):
+  for offset in sorted(moves, key=lambda d: (min(d, ring - d), d)):
     by_src = moves[offset]
     width = max(p[0].size for p in by_src.values())
     send = np.full((ring, width), per_chunk, np.int32)
     recv = np.full((ring, width), limit, np.int32)
     for o, (src, dst) in by_src.items():
       send[o, :src.size] = src
-      recv[o + offset, :dst.size] = dst
+      recv[(o + offset) % ring, :dst.size] = dst
     for a in (send, recv):
       a.setflags(write=False)
-    hops.append(Hop(offset, tuple((o, o + offset) for o in sorted(by_src)), send, recv))
+    hops.append(Hop(offset, tuple((o, (o + offset) % ring) for o in sorted(by_src)), send, recv))
   sink_src = np.flatnonzero(sink_taken).astype(np.int32)
   sink_dst = np.ascontiguousarray(sink_dst[:, sink_src])
-  parts = [own_dst] + [hop.recv for hop in hops] + [sink_dst]
-  total = sum(part.shape[1] for part in parts)
-  window_from = np.full((ring, limit), total, np.int32)
-  base = 0
-  for part in parts:
+  sources = [(own_dst, own_src, per_chunk)]
+  sources += [(hop.recv, np.broadcast_to(np.arange(hop.send.shape[1]), hop.recv.shape),
+               hop.send.shape[1]) for hop in hops]
+  sources.append((sink_dst, np.broadcast_to(np.arange(sink_src.size), sink_dst.shape),
+                  sink_src.size))
+  parts = []
+  for dst, at, size in sources:
+    part = np.full((ring, limit), size, np.int32)
     for r in range(ring):
-      taken = part[r] < limit
-      window_from[r, part[r][taken]] = base + np.flatnonzero(taken)
-    base += part.shape[1]
-  for a in (sink_src, sink_dst, window_from):
+      taken = dst[r] < limit
+      part[r, dst[r][taken]] = at[r][taken]
+    part.setflags(write=False)
+    parts.append(part)
+  for a in (sink_src, sink_dst):
     a.setflags(write=False)
   return KeyFetch(split, bkv, slots, piece, own_src, own_dst, tuple(hops), sink_src, sink_dst,
-                  window_from)
+                  tuple(parts))
 
 
 def _stack(pairs, ring, src_pad, dst_pad, order):

@@ -100,9 +100,11 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
 def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
             inverse: bool = False) -> jax.Array:
   """``[b, h, N, D]`` exchange shards -> ``[b, h, chunk, D]`` plan shards (``inverse``: back)
-  by ``perm``: a gather, one all-to-all, a gather (no scatter)."""
-  send, gather = _tables(perm, shard, inverse)
-  return _take(_held(x, _take(x, send)), gather)
+  by ``perm``: a gather, one all-to-all, a gather from what crossed and one from what stayed
+  (no scatter, no concatenated copy)."""
+  send, crossed, stayed = _tables(perm, shard, inverse)
+  got = _all_to_all(_take(x, send))
+  return _take(got, crossed) + _take(x, stayed)
 
 
 def place(x: jax.Array, temporal: jax.Array, spatial: ShardPermutation | None,
@@ -112,36 +114,47 @@ def place(x: jax.Array, temporal: jax.Array, spatial: ShardPermutation | None,
   pick = temporal[:, :, None, None]
   if spatial is None:  # the plan's shards are the exchange's: spatial heads stay
     return jnp.where(pick, permute(x, perm, shard, inverse), x)
-  send, gather = _tables(perm, shard, inverse)
-  spatial_send, spatial_gather = _tables(spatial, shard, inverse)
-  held = _held(x, jnp.where(pick, _take(x, send), _take(x, spatial_send)))
-  return jnp.where(pick, _take(held, gather), _take(held, spatial_gather))
+  send, crossed, stayed = _tables(perm, shard, inverse)
+  spatial_send, spatial_crossed, spatial_stayed = _tables(spatial, shard, inverse)
+  got = _all_to_all(jnp.where(pick, _take(x, send), _take(x, spatial_send)))
+  return jnp.where(pick, _take(got, crossed) + _take(x, stayed),
+                   _take(got, spatial_crossed) + _take(x, spatial_stayed))
 
 
 def _tables(perm: ShardPermutation, shard: jax.Array, inverse: bool) -> tuple[jax.Array, ...]:
+  """What a shard sends, and where each of its outputs is in what crossed the ring and in
+  what stayed (out of range in the other: a gather gives zeros there)."""
   send, gather = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
-  return jnp.asarray(send)[shard].reshape(-1), jnp.asarray(gather)[shard]
+  crossed = perm.split.ring * perm.block
+  gather = jnp.asarray(gather)[shard]
+  return (jnp.asarray(send)[shard].reshape(-1), gather,
+          jnp.where(gather >= crossed, gather - crossed, jnp.iinfo(jnp.int32).max))
 
 
-def _held(x: jax.Array, blocks: jax.Array) -> jax.Array:
-  """What a shard holds after the all-to-all of ``blocks``: what crossed the ring, then ``x``
-  (the tokens that stay)."""
-  got = jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
-  return jnp.concatenate([got, x], axis=2)
+def _all_to_all(blocks: jax.Array) -> jax.Array:
+  return jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
 
 
 def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
-  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles: the
-  pieces it keeps and those it receives, then one gather."""
+  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles: its
+  own pieces, then each permute's and the sink's, written in place into one buffer (gathered
+  copies of a whole window per source cost a window each; the writes cost nothing more)."""
   b, h, chunk, d = x.shape
   pieces = x.reshape(b, h, chunk // fetch.piece, fetch.piece, d)
-  held = [_take(pieces, jnp.asarray(fetch.own_src)[shard])]
+  window = jnp.zeros((b, h, fetch.window_pieces, fetch.piece, d), x.dtype)
+
+  def put(window, dst, got):
+    return window.at[:, :, jnp.asarray(dst)[shard]].set(got, mode="drop")
+
+  pick = lambda src: jnp.take(pieces, src, axis=2, mode="fill", fill_value=0)
+  window = put(window, fetch.own_dst, pick(jnp.asarray(fetch.own_src)[shard]))
   for hop in fetch.hops:
-    held.append(jax.lax.ppermute(_take(pieces, jnp.asarray(hop.send)[shard]), RING, hop.pairs))
-  sink = _take(pieces, jnp.asarray(fetch.sink_src))
-  held.append(jax.lax.psum(jnp.where(shard == 0, sink, jnp.zeros_like(sink)), RING)
-              if fetch.broadcasts_sink else sink)
-  window = _take(jnp.concatenate(held, axis=2), jnp.asarray(fetch.window_from)[shard])
+    window = put(window, hop.recv,
+                 jax.lax.ppermute(pick(jnp.asarray(hop.send)[shard]), RING, hop.pairs))
+  if fetch.broadcasts_sink:
+    sink = pick(jnp.asarray(fetch.sink_src))
+    window = put(window, fetch.sink_dst,
+                 jax.lax.psum(jnp.where(shard == 0, sink, jnp.zeros_like(sink)), RING))
   return window.reshape(b, h, fetch.window_pieces * fetch.piece, d)
 
 

@@ -75,20 +75,21 @@ def test_the_fetch_assembles_each_window_from_the_shards_holding_it(grid, ring):
       take = lambda shard, idx: np.where((idx < held.shape[1])[:, None],
                                          held[shard][np.minimum(idx, held.shape[1] - 1)], 0)
       window[fetch.own_dst[r]] = take(r, fetch.own_src[r])
-      kept = [take(r, fetch.own_src[r])]
+      sources = [held[r]]
       for hop in fetch.hops:
         got = np.zeros((hop.send.shape[1], fetch.piece), np.int64)
         for src, dst in hop.pairs:
           if dst == r:
             window[hop.recv[r]] = got = take(src, hop.send[src])
-        kept.append(got)
+        sources.append(got)
       if fetch.broadcasts_sink:
         window[fetch.sink_dst[r]] = take(0, fetch.sink_src)
-      kept.append(take(0, fetch.sink_src))
+      sources.append(take(0, fetch.sink_src))
       window = window[:-1].reshape(-1)
-      # What the shard runs: one gather of what it holds (written above slot by slot).
-      kept = np.concatenate(kept + [np.zeros((1, fetch.piece), np.int64)])
-      np.testing.assert_array_equal(kept[fetch.window_from[r]].reshape(-1), window)
+      # What the shard runs: a sum of one gather per source (written above slot by slot).
+      summed = sum(np.concatenate([source, np.zeros((1, fetch.piece), np.int64)])[
+          np.minimum(part[r], len(source))] for source, part in zip(sources, fetch.window_parts))
+      np.testing.assert_array_equal(summed.reshape(-1), window)
       tiles = window_tiles(plan, split, r)
       unused = fetch.slots - tiles.size
       want = np.zeros(fetch.slots * plan.block_kv, np.int64)
