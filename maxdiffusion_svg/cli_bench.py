@@ -174,6 +174,22 @@ def _bench_compile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_wan_forward(args: argparse.Namespace) -> int:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+  from maxdiffusion_svg.geometry import RESOLUTIONS  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
+  if args.resolution not in RESOLUTIONS:
+    raise ValueError(f"--resolution must be one of {', '.join(RESOLUTIONS)}, got "
+                     f"{args.resolution!r}")
+  frames, height, width = RESOLUTIONS[args.resolution]
+  kernels = [k for k in args.kernels.split(",") if k]
+  result = compile_wan_forwards(kernels=kernels, config_path=args.config, topology=args.topology,
+                                frames=frames, height=height, width=width,
+                                num_layers=args.layers, log=_progress)
+  _report(args, format_wan_forwards(result), result)
+  return 0
+
+
 def _bench_vmem(args: argparse.Namespace) -> int:
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
@@ -308,6 +324,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                              "svg, flash and ulysses (needs MaxDiffusion on PYTHONPATH)")
   _add_json_arg(compile_)
   compile_.set_defaults(run=_bench_compile)
+
+  wan = bench_sub.add_parser(
+      "wan-forward", help="compile MaxDiffusion's Wan 2.1 14B forward for a TPU slice with libtpu "
+                          "(no weights, no TPU): per-device memory per attention kernel (needs "
+                          "MaxDiffusion on PYTHONPATH)")
+  wan.add_argument("--config", default="configs/wan_svg.yml",
+                   help="the run's config (its base_config chain and mesh keys)")
+  wan.add_argument("--topology", default="v6e:2x4",
+                   help="the slice, e.g. v6e:2x4 (v6e-8), v6e:4x8 (v6e-32), v6e:8x8 (v6e-64)")
+  wan.add_argument("--resolution", default="720p", help="480p, 720p, 1080p or 1440p (81 frames)")
+  wan.add_argument("--kernels", default="svg,ulysses_custom_fixed_m",
+                   help="comma-separated attention kernels (svg, or MaxDiffusion's: flash, "
+                        "ulysses, ulysses_custom_fixed_m, ulysses_ring_custom, ...)")
+  wan.add_argument("--layers", type=int, default=None,
+                   help="transformer layers (default: the model's 40; one scanned body either way)")
+  _add_json_arg(wan)
+  wan.set_defaults(run=_bench_wan_forward)
 
   vmem = bench_sub.add_parser(
       "vmem", help="the scoped VMEM libtpu allocates per Splash kernel and generation: the "

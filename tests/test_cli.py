@@ -232,3 +232,9 @@ def test_compare_without_maxdiffusion_says_how_to_get_it(capsys):
     pytest.skip("MaxDiffusion is importable here")
   assert main(["compare", "cfg.yml"]) == 2
   assert "put its source on PYTHONPATH" in capsys.readouterr().err
+
+
+def test_wan_forward_bench_refuses_an_unknown_resolution_before_building_anything(capsys):
+  assert main(["bench", "wan-forward", "--resolution", "900p"]) == 2
+  assert "--resolution must be one of 480p, 720p, 1080p, 1440p, got '900p'" in (
+      capsys.readouterr().err)
