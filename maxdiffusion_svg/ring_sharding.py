@@ -37,8 +37,8 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.masks import Mask, PlacedMask
-from maxdiffusion_svg.ring_plan import (KeyFetch, RingSplit, ShardPermutation, key_fetch,
-                                        ring_placement, ring_split, window_plan)
+from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
+from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
 from maxdiffusion_svg.router import routing_mask, sample_rows
 from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import TilePlan

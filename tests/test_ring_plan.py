@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution, temporal_major_order
-from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_placement,
-                                        ring_split, window_plan, window_tiles)
+from maxdiffusion_svg.ring_placement import ring_placement
+from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_split, window_plan,
+                                        window_tiles)
 from maxdiffusion_svg.tiles import EMPTY, plan_tiles
 
 GRIDS = [VideoGrid(6, 8, 16), VideoGrid(5, 6, 9), VideoGrid(7, 12, 20)]

@@ -28,8 +28,8 @@ import numpy as np
 from maxdiffusion_svg.bench.hlo import collective_ops
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
-from maxdiffusion_svg.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
-                                        ring_placement, window_plan)
+from maxdiffusion_svg.ring_placement import ring_placement
+from maxdiffusion_svg.ring_plan import check_ulysses_shards, key_fetch, ring_split, window_plan
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 AGAINST = ("ulysses_ring", "ulysses_ring_custom")
