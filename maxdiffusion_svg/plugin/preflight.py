@@ -16,7 +16,6 @@ import pathlib
 import re
 from typing import Any, Mapping
 
-from maxdiffusion_svg.ring_plan import check_ulysses_shards
 
 # TPU types whose number counts TensorCores (two per chip, one JAX device per chip: megacore).
 _CORE_COUNTED = ("v2", "v3", "v4", "v5p")
@@ -179,6 +178,8 @@ def check_heads(job: Job) -> tuple[int, int]:
         f"({', '.join(map(str, allowed))}): move the remaining devices to another axis, e.g. "
         f"ici_data_parallelism or ici_fsdp_parallelism (ici_context_parallelism: -1 takes the "
         f"rest).")
+  # Imported here: ring_plan brings JAX, which the launcher's --help must not load.
+  from maxdiffusion_svg.ring_plan import check_ulysses_shards  # pylint: disable=import-outside-toplevel
   return check_ulysses_shards(job.ulysses_shards, context, heads)
 
 
