@@ -184,3 +184,20 @@ def test_plan_shards_are_whole_tiles_nearest_the_exchanges():
   plan = plan_tiles(VideoGrid(6, 8, 16), 0.3, 128, 128, "aligned")
   empty = [r for r in range(8) if split.starts[r] == split.starts[r + 1]]
   assert empty and all((window_plan(plan, split, r).kind == EMPTY).all() for r in empty)
+
+
+def test_a_shards_plan_checks_its_inputs_like_any_plan():
+  """A window plan's inputs get the same checks as a square plan's, and its own shapes."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.kernels import sparse_attention  # pylint: disable=import-outside-toplevel
+  plan = plan_tiles(VideoGrid(6, 8, 16), 0.3, 128, 128, "aligned")
+  local = window_plan(plan, ring_split(768, 2, 1, 128), 1)
+  q = jnp.zeros((1, 2, local.q_len, 32), jnp.float32)
+  kv = jnp.zeros((1, 2, local.num_kv_tiles * 128, 32), jnp.float32)
+  assert sparse_attention(q, kv, kv, local, backend="xla").shape == q.shape
+  with pytest.raises(ValueError, match="q, k, v dtypes differ"):
+    sparse_attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), local, backend="xla")
+  with pytest.raises(ValueError, match="q and k head dims differ"):
+    sparse_attention(q, kv[..., :16], kv, local, backend="xla")
+  with pytest.raises(ValueError, match=r"plan was built for 384 queries against"):
+    sparse_attention(q[:, :, :128], kv, kv, local, backend="xla")

@@ -49,23 +49,21 @@ def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be [B, H, S, D], got shape {getattr(x, 'shape', None)}")
-  if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"q, k, v must share [B, H, S]: got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                     f"v {tuple(v.shape)}")
-  if plan.q_len is not None:  # a ring shard's rows against the key tiles it fetched
-    if q.shape[2] != plan.q_len or k.shape[2] != plan.num_kv_tiles * plan.block_kv:
-      raise ValueError(f"plan was built for {plan.q_len} queries against "
-                       f"{plan.num_kv_tiles * plan.block_kv} keys, but inputs have "
-                       f"{q.shape[2]} and {k.shape[2]}")
-    return
-  if q.shape[2] != k.shape[2]:
+  window = plan.q_len is not None  # a ring shard's rows against the key tiles it fetched
+  if (q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]
+      or (not window and q.shape[2] != k.shape[2])):
     raise ValueError(f"q, k, v must share [B, H, S]: got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                      f"v {tuple(v.shape)}")
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k head dims differ: expected {q.shape[-1]}, got {k.shape[-1]}")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q, k, v dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
-  if q.shape[2] != plan.seq_len:
+  if window:
+    if q.shape[2] != plan.q_len or k.shape[2] != plan.num_kv_tiles * plan.block_kv:
+      raise ValueError(f"plan was built for {plan.q_len} queries against "
+                       f"{plan.num_kv_tiles * plan.block_kv} keys, but inputs have "
+                       f"{q.shape[2]} and {k.shape[2]}")
+  elif q.shape[2] != plan.seq_len:
     raise ValueError(f"plan was built for seq_len {plan.seq_len}, but inputs have S = {q.shape[2]}")
 
 
