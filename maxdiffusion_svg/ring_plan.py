@@ -26,8 +26,21 @@ from maxdiffusion_svg.masks import Mask
 from maxdiffusion_svg.tiles import EMPTY, MASKED, TilePlan, TileStats
 
 
-def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def asks_for_ring(ulysses_shards: Any, context: int) -> bool:
+  """Whether ``ulysses_shards`` asks for fewer head-exchanging devices than the context axis
+  (unset, -1, 0 and the whole axis ask for none; any other value asks, and
+  :func:`check_ulysses_shards` judges it)."""
+  return not (ulysses_shards is None
+              or (_is_int(ulysses_shards) and (ulysses_shards <= 0 or ulysses_shards == context)))
+
+
+def working_ulysses_shards(context: int, heads: int) -> list[int]:
+  """The ``ulysses_shards`` a context axis of ``context`` devices and ``heads`` heads allow."""
+  return [u for u in range(1, context + 1) if context % u == 0 and heads % u == 0]
 
 
 def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple[int, int]:
@@ -37,15 +50,11 @@ def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple
   ``context`` itself mean Ulysses over the whole axis (``R = 1``); otherwise ``U`` devices
   exchange heads and ``R = context / U`` shards of the sequence form the ring.
   """
-  if ulysses_shards is None or (isinstance(ulysses_shards, (int, np.integer))
-                                and not isinstance(ulysses_shards, bool) and ulysses_shards <= 0):
-    ulysses = context
-  elif isinstance(ulysses_shards, bool) or not isinstance(ulysses_shards, (int, np.integer)):
+  if ulysses_shards is not None and not _is_int(ulysses_shards):
     raise ValueError(f"ulysses_shards must be an integer, got {ulysses_shards!r}")
-  else:
-    ulysses = int(ulysses_shards)
-  working = [u for u in _divisors(context) if heads % u == 0]
-  hint = f"values that work on this mesh: {', '.join(map(str, working))}"
+  ulysses = int(ulysses_shards) if asks_for_ring(ulysses_shards, context) else context
+  hint = ("values that work on this mesh: "
+          f"{', '.join(map(str, working_ulysses_shards(context, heads)))}")
   if heads % context == 0:
     hint += f", or -1 (Ulysses over all {context})"
   if context % ulysses:

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.ring_plan import check_ulysses_shards
+from maxdiffusion_svg.ring_plan import asks_for_ring, check_ulysses_shards, working_ulysses_shards
 from maxdiffusion_svg.ring_sharding import ring_svg_attention
 from maxdiffusion_svg.target import Target
 
@@ -85,11 +85,8 @@ def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "contex
   present = tuple(a for a in batch_axes if a in mesh.shape)
   batch, heads = q_shape[0], q_shape[1]
   n = mesh.shape[seq_axis]
-  ring_asked = ulysses_shards is not None and not (
-      isinstance(ulysses_shards, int) and not isinstance(ulysses_shards, bool)
-      and (ulysses_shards <= 0 or ulysses_shards == n))
-  if heads % n and not ring_asked:
-    working = [u for u in range(1, n) if n % u == 0 and heads % u == 0]
+  if heads % n and not asks_for_ring(ulysses_shards, n):
+    working = working_ulysses_shards(n, heads)
     raise ValueError(f"heads ({heads}) must be divisible by the {n} shards of mesh axis "
                      f"{seq_axis!r}: the head exchange gives each shard heads / {n} heads; "
                      f"or set ulysses_shards to one of {', '.join(map(str, working))} to "

@@ -152,23 +152,17 @@ def check_processes(job: Job, env: Mapping[str, str]) -> None:
         f"devices: JobSet parallelism and completions = {hosts}).")
 
 
-def _ring_asked(ulysses_shards: Any, context: int) -> bool:
-  """Whether ``ulysses_shards`` asks for fewer head-exchanging devices than the context axis
-  (unset, -1, 0 and the whole axis ask for none)."""
-  unset = ulysses_shards is None or (isinstance(ulysses_shards, int)
-                                     and not isinstance(ulysses_shards, bool)
-                                     and (ulysses_shards <= 0 or ulysses_shards == context))
-  return not unset
-
-
 def check_heads(job: Job) -> tuple[int, int]:
   """The head exchange gives each device of a Ulysses group ``heads / ulysses_shards`` heads;
   unset, the group is the whole context axis. Returns ``(ulysses, ring)``
   (:func:`maxdiffusion_svg.ring_plan.check_ulysses_shards`, as the kernel splits the axis)."""
+  # Imported here: ring_plan brings JAX, which the launcher's --help must not load.
+  from maxdiffusion_svg.ring_plan import (asks_for_ring, check_ulysses_shards,  # pylint: disable=import-outside-toplevel
+                                          working_ulysses_shards)
   context, heads = job.context_shards, job.heads
-  if heads % context and not _ring_asked(job.ulysses_shards, context):
+  if heads % context and not asks_for_ring(job.ulysses_shards, context):
     allowed = [n for n in range(1, heads + 1) if heads % n == 0]
-    groups = [u for u in range(1, context) if context % u == 0 and heads % u == 0]
+    groups = working_ulysses_shards(context, heads)
     raise ValueError(
         f"the mesh's context axis has {context} shards, which do not divide the model's "
         f"{heads} attention heads, and ulysses_shards ({job.ulysses_shards}) exchanges heads "
@@ -178,8 +172,6 @@ def check_heads(job: Job) -> tuple[int, int]:
         f"({', '.join(map(str, allowed))}): move the remaining devices to another axis, e.g. "
         f"ici_data_parallelism or ici_fsdp_parallelism (ici_context_parallelism: -1 takes the "
         f"rest).")
-  # Imported here: ring_plan brings JAX, which the launcher's --help must not load.
-  from maxdiffusion_svg.ring_plan import check_ulysses_shards  # pylint: disable=import-outside-toplevel
   return check_ulysses_shards(job.ulysses_shards, context, heads)
 
 
