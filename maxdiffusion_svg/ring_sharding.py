@@ -190,6 +190,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   spec = P(batch_spec, None, (RING, ULYSSES), None)
   head_spec = P(batch_spec, ULYSSES)
   outer_spec = P(batch_spec, None, seq_axis, None)
+  outer_axes, inner_axes = (seq_axis, *batch_axes), (RING, ULYSSES, *batch_axes)
   scheduled = step is not None
   extras = {"key": key, "step": step, "layer": layer}
   traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
@@ -261,14 +262,14 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
 
     def run(q, k, v, *values):
       pad = ((0, 0), (0, 0), (0, split.natural_len - seq_len), (0, 0))
-      q, k, v = (_place_on(_place_on(jnp.pad(x, pad), mesh, outer_spec), inner, spec)
-                 for x in (q, k, v))
+      q, k, v = (reshard_explicit(reshard_explicit(jnp.pad(x, pad), mesh, outer_spec, outer_axes),
+                                  inner, spec, inner_axes) for x in (q, k, v))
       # Under jax.set_mesh(mesh) the shard_map's mesh must be the one in context.
       with (jax.sharding.use_abstract_mesh(inner.abstract_mesh) if _in_context(mesh)
             else contextlib.nullcontext()):
         result = mapped(q, k, v, *values)
       out, info = result if return_info else (result, None)
-      out = _place_on(out, mesh, P(batch_spec))[:, :, :seq_len]
+      out = reshard_explicit(out, mesh, P(batch_spec), outer_axes)[:, :, :seq_len]
       return (out, info) if return_info else out
 
     return run
@@ -288,8 +289,11 @@ def _in_context(mesh: Mesh) -> bool:
   return not context.empty and context == mesh.abstract_mesh
 
 
-def _place_on(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
-  """On a mesh of explicit axes, moves ``x`` to ``spec``; on auto axes XLA propagates it."""
-  if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+def reshard_explicit(x: jax.Array, mesh: Mesh, spec: P, axes: Sequence[str]) -> jax.Array:
+  """Where ``mesh``'s ``axes`` (the sequence and batch axes of a call) are explicit, moves ``x``
+  to ``spec`` (shard_map requires its inputs there already); on auto axes XLA's propagation
+  does it, so ``x`` is returned as is."""
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if all(types[a] == jax.sharding.AxisType.Explicit for a in axes):
     return jax.reshard(x, NamedSharding(mesh, spec))
   return x

@@ -16,13 +16,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.ring_plan import asks_for_ring, check_ulysses_shards, working_ulysses_shards
-from maxdiffusion_svg.ring_sharding import ring_svg_attention
+from maxdiffusion_svg.ring_sharding import reshard_explicit, ring_svg_attention
 from maxdiffusion_svg.target import Target
 
 
@@ -62,13 +62,8 @@ class HeadExchange:
     return P(self.batch_axes or None, self.seq_axis)
 
   def reshard(self, x: jax.Array, spec: P) -> jax.Array:
-    """On a mesh of explicit axes, moves ``x`` to ``spec`` (shard_map requires its inputs
-    there already); on auto axes XLA's propagation does it, so ``x`` is returned as is."""
-    axes = (self.seq_axis, *self.batch_axes)
-    types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
-    if all(types[a] == AxisType.Explicit for a in axes):
-      return jax.reshard(x, NamedSharding(self.mesh, spec))
-    return x
+    """``x`` at ``spec`` where the exchange's axes are explicit (:func:`reshard_explicit`)."""
+    return reshard_explicit(x, self.mesh, spec, (self.seq_axis, *self.batch_axes))
 
 
 def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "context",
