@@ -36,6 +36,7 @@ from maxdiffusion_svg.attention import per_platform, profile_key
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid
 from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.kernels.splash import RING_REFUSAL
 from maxdiffusion_svg.masks import Mask, PlacedMask
 from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
@@ -198,10 +199,8 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   seq_len = grid.tokens
 
   def build(backend: str, target: Target) -> Callable[..., Any]:
-    if backend == "splash":
-      raise ValueError("svg_backend splash cannot run a ring shard's rows (ulysses_shards "
-                       "leaves a ring on this mesh): use svg_backend pallas (the TPU default) "
-                       "or xla")
+    if backend == "splash":  # refused before any plan is built for it
+      raise ValueError(RING_REFUSAL)
     tiles = config.tiles(target, backend)
     plan = config.plan(grid, expert, target, backend)
     split = ring_split(seq_len, ring, ulysses, tiles.block_q)

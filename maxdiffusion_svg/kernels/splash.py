@@ -98,6 +98,11 @@ def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]
   return info, mask_fn
 
 
+# Splash runs whole sequences; a ring shard's rows against its window of keys need ours or XLA.
+RING_REFUSAL = ("svg_backend splash cannot run a ring shard's rows (ulysses_shards leaves a ring "
+                "on this mesh): use svg_backend pallas (the TPU default) or xla")
+
+
 def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
                             scale: float, *, interpret: bool,
                             block_kv_compute: int | None = None) -> jax.Array:
@@ -105,8 +110,7 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   Unchecked: :func:`maxdiffusion_svg.kernels.sparse_attention` holds the compiled kernel to
   its target's VMEM and SMEM before calling this."""
   if plan.q_len is not None:
-    raise ValueError("svg_backend splash cannot run a ring shard's rows (ulysses_shards leaves "
-                     "a ring on this mesh): use svg_backend pallas (the TPU default) or xla")
+    raise ValueError(RING_REFUSAL)
   s = q.shape[2]
   info, mask_fn = plan_mask_info(plan)
   # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale
