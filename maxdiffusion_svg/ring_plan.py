@@ -327,20 +327,15 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
         moves.setdefault(int((r - o) % ring), {})[int(o)] = pair
     if not (owner == r).any():
       own.append((np.zeros(0, np.int64), np.zeros(0, np.int64)))
-  own_src, own_dst = _stack([own[r] for r in range(ring)], ring, per_chunk, limit,
-                            list(range(ring)))
+  shards = list(range(ring))
+  own_src, own_dst = _stack(own, ring, per_chunk, limit, shards, shards)
   hops = []
   for offset in sorted(moves, key=lambda d: (min(d, ring - d), d)):
     by_src = moves[offset]
-    width = max(p[0].size for p in by_src.values())
-    send = np.full((ring, width), per_chunk, np.int32)
-    recv = np.full((ring, width), limit, np.int32)
-    for o, (src, dst) in by_src.items():
-      send[o, :src.size] = src
-      recv[(o + offset) % ring, :dst.size] = dst
-    for a in (send, recv):
-      a.setflags(write=False)
-    hops.append(Hop(offset, tuple((o, (o + offset) % ring) for o in sorted(by_src)), send, recv))
+    sources = sorted(by_src)
+    targets = [(o + offset) % ring for o in sources]
+    send, recv = _stack([by_src[o] for o in sources], ring, per_chunk, limit, sources, targets)
+    hops.append(Hop(offset, tuple(zip(sources, targets)), send, recv))
   sink_src = np.flatnonzero(sink_taken).astype(np.int32)
   sink_dst = np.ascontiguousarray(sink_dst[:, sink_src])
   sources = [(own_dst, own_src, per_chunk)]
@@ -362,12 +357,14 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
                   tuple(parts))
 
 
-def _stack(pairs, ring, src_pad, dst_pad, order):
+def _stack(pairs, ring, src_pad, dst_pad, src_rows, dst_rows):
+  """``[R, width]`` tables of ``(source pieces, window pieces)`` pairs, each in its shard's row
+  (the sender's for the first, the receiver's for the second), padded out of range."""
   width = max(1, max(p[0].size for p in pairs))
   src = np.full((ring, width), src_pad, np.int32)
   dst = np.full((ring, width), dst_pad, np.int32)
-  for r, (s, d) in zip(order, pairs):
-    src[r, :s.size], dst[r, :d.size] = s, d
+  for (s, d), src_row, dst_row in zip(pairs, src_rows, dst_rows):
+    src[src_row, :s.size], dst[dst_row, :d.size] = s, d
   for a in (src, dst):
     a.setflags(write=False)
   return src, dst
