@@ -85,7 +85,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                      scale: float | None = None, backend: str = "auto",
                      block_kv_compute: int | None = None,
                      tiles_per_step: int | None = None,
-                     target: Target | None = None) -> jax.Array:
+                     target: Target | None = None,
+                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over the tiles ``plan`` visits, with ``q, k, v`` already in the plan's layout.
 
   Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
@@ -98,7 +99,9 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   device; :func:`maxdiffusion_svg.target.target_for_call`): on a TPU, the kernel's VMEM and
   SMEM needs are checked against its limits before anything compiles; where nothing names
   the platform, the TPU kernel still runs (held to the strictest known TPU) if the call is
-  lowered for a TPU.
+  lowered for a TPU. ``return_lse`` also returns each query's log-sum-exp of the logits it
+  kept (float32 ``[B, H, S]``, natural log; ``-inf`` or a large negative value where a row keeps
+  nothing), what merging another softmax over other keys needs (:mod:`maxdiffusion_svg.compensation`).
   """
   _check_inputs(q, k, v, plan)
   target = target_for_call(q, k, v, target=target)
@@ -114,12 +117,15 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
     if tpu_backend == "pallas":
       check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
       return lambda q, k, v: pallas_sparse_attention(
-          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute)
+          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
+          return_lse=return_lse)
     return lambda q, k, v: splash_sparse_attention(
-        q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute)
+        q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
+        return_lse=return_lse)
 
   def xla(q, k, v):
-    return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step)
+    return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step,
+                                return_lse=return_lse)
 
   def on_tpu():
     """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
@@ -130,7 +136,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
     except ValueError as err:
       if not tpu.speculative:
         raise
-      return refusal.refused_on_tpu(str(err))
+      return refusal.refused_on_tpu(str(err), return_lse)
 
   if target.is_tpu:  # compiled for a TPU (or the TPU branch of a call that may be)
     impl = on_tpu() if backend != "xla" else xla

@@ -60,8 +60,10 @@ def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
                      f"({plan.block_kv}), got {block_kv_compute}")
 
 
-def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, m_ref, l_ref, acc_ref, *,
-            plan: TilePlan, bkc: int):
+def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, *refs, plan: TilePlan,
+            bkc: int):
+  # With ``return_lse`` an output follows o: the row's log-sum-exp (natural log), lane-major.
+  lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if len(refs) == 4 else (None, refs)
   bq, bkv = plan.block_q, plan.block_kv
   chunks = bkv // bkc
   row, col, kind, first, last = unpack_work(work_ref[pl.program_id(1)])
@@ -144,6 +146,10 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, m_ref, l_
     l = l_ref[0:1]
     out = acc_ref[...] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = out.T.astype(o_ref.dtype)
+    if lse_ref is not None:
+      # Base-2 logits of q prescaled by log2(e): ln sum exp = (m + log2 l) ln 2.
+      lse = (m_ref[0:1] + jnp.log2(jnp.where(l > 0, l, 1.0))) * math.log(2.0)
+      lse_ref[...] = jnp.where(l > 0, lse, -jnp.inf)
 
 
 def _pad(x: jax.Array, length: int) -> jax.Array:
@@ -151,8 +157,11 @@ def _pad(x: jax.Array, length: int) -> jax.Array:
 
 
 def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
-                            scale: float, *, interpret: bool, block_kv_compute: int) -> jax.Array:
-  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel."""
+                            scale: float, *, interpret: bool, block_kv_compute: int,
+                            return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel; with
+  ``return_lse`` also each row's log-sum-exp (float32 ``[B, H, S]``, ``-inf`` where it keeps
+  nothing), written once per row beside the output."""
   b, h, s, d = q.shape
   dv = v.shape[-1]
   check_shapes(d, q.dtype, plan, block_kv_compute, dv)
@@ -181,16 +190,23 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
       num_scalar_prefetch=2, grid=(b * h, work.size),
       in_specs=[pl.BlockSpec((None, bq, d), at_row), pl.BlockSpec((None, bkv, d), at_col),
                 pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes)],
-      out_specs=pl.BlockSpec((None, bq, dv), at_row),
+      out_specs=[pl.BlockSpec((None, bq, dv), at_row),
+                 *([pl.BlockSpec((None, 1, bq), at_row_lanes)] if return_lse else [])],
       scratch_shapes=[pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # m: the row's offset
                       pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # l: the row's sum
                       pltpu.VMEM((dv, bq), jnp.float32)])  # the row's accumulator, transposed
-  out = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((b * h, plan.num_q_tiles * bq, dv), q.dtype)]
+  if return_lse:
+    out_shape.append(jax.ShapeDtypeStruct((b * h, 1, plan.num_q_tiles * bq), jnp.float32))
+  outs = pl.pallas_call(
       functools.partial(_kernel, plan=plan, bkc=block_kv_compute),
       grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((b * h, plan.num_q_tiles * bq, dv), q.dtype),
+      out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="svg_pallas_sparse",
   )(work, offsets.fixed, q_pad, k_pad, v_pad, m_pad)
-  return out[:, :s].reshape(b, h, s, dv)
+  out = outs[0][:, :s].reshape(b, h, s, dv)
+  if not return_lse:
+    return out
+  return out, outs[1][:, 0, :s].reshape(b, h, s)

@@ -31,8 +31,11 @@ mlir.register_lowering(_refused, _identity)
 mlir.register_lowering(_refused, _refuse, platform="tpu")
 
 
-def refused_on_tpu(message: str) -> Callable[..., Any]:
-  """An attention executor (``q, k, v -> out`` shaped like q) that cannot be lowered for a
-  TPU: lowering it there raises ``ValueError(message)``."""
-  return lambda q, k, v: _refused.bind(jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype),
-                                       message=message)
+def refused_on_tpu(message: str, return_lse: bool = False) -> Callable[..., Any]:
+  """An attention executor (``q, k, v -> out`` shaped like q, and with ``return_lse`` a
+  float32 ``[B, H, S]`` log-sum-exp) that cannot be lowered for a TPU: lowering it there
+  raises ``ValueError(message)``."""
+  def run(q, k, v):
+    out = _refused.bind(jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype), message=message)
+    return (out, jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)) if return_lse else out
+  return run

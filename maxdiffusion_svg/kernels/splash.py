@@ -105,8 +105,11 @@ RING_REFUSAL = ("svg_backend splash cannot run a ring shard's rows (ulysses_shar
 
 def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
                             scale: float, *, interpret: bool,
-                            block_kv_compute: int | None = None) -> jax.Array:
-  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles.
+                            block_kv_compute: int | None = None,
+                            return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles; with
+  ``return_lse`` also Splash's saved log-sum-exp (float32 ``[B, H, S]``, natural log; a row that
+  keeps nothing has a large negative value, which weighs nothing in a merge).
   Unchecked: :func:`maxdiffusion_svg.kernels.sparse_attention` holds the compiled kernel to
   its target's VMEM and SMEM before calling this."""
   if plan.q_len is not None:
@@ -119,7 +122,7 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                                block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
                                interpret=interpret, q_prescaled_log2e=True)
   kernel = splash.SplashAttentionKernel(
-      jax.tree.map(jnp.asarray, info), None, config=config, is_mqa=False, save_residuals=False,
+      jax.tree.map(jnp.asarray, info), None, config=config, is_mqa=False, save_residuals=return_lse,
       mask_value=splash_base.DEFAULT_MASK_VALUE, mask_function=mask_fn,
       fwd_mask_sparsity=plan.stats.visited_tile_fraction, dkv_mask_sparsity=1.0)
   pad_q = plan.num_q_tiles * plan.block_q - s
@@ -129,4 +132,7 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   ks = jnp.pad(k, ((0, 0), (0, 0), (0, pad_kv), (0, 0)))
   vs = jnp.pad(v, ((0, 0), (0, 0), (0, pad_kv), (0, 0)))
   out = jax.vmap(kernel)(qs, ks, vs)
-  return out[:, :, :s].astype(q.dtype)
+  if not return_lse:
+    return out[:, :, :s].astype(q.dtype)
+  out, stats = out
+  return out[:, :, :s].astype(q.dtype), stats["logsumexp"][:, :, :s].astype(jnp.float32)

@@ -48,8 +48,11 @@ def _work_steps(rows: np.ndarray, cols: np.ndarray, per_step: int, dummy_row: in
 
 
 def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
-                         scale: float, tiles_per_step: int | None = None) -> jax.Array:
-  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles only."""
+                         scale: float, tiles_per_step: int | None = None,
+                         return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles only; with
+  ``return_lse`` also each row's log-sum-exp of its kept logits (float32 ``[B, H, S]``,
+  natural log, ``-inf`` where a row keeps nothing)."""
   b, h, s, _ = q.shape
   dv = v.shape[-1]
   bq, bkv = plan.block_q, plan.block_kv
@@ -97,6 +100,10 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
     if pick.any():
       work = _work_steps(rows[pick], cols[pick], tiles_per_step, dummy_row=nq)
       state, _ = jax.lax.scan(lambda st, w, masked=kind == MASKED: step(st, w, masked), state, work)
-  _, l, acc = state
+  m, l, acc = state
   out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-  return out.reshape(b, h, nq * bq, dv)[:, :, :s].astype(q.dtype)
+  out = out.reshape(b, h, nq * bq, dv)[:, :, :s].astype(q.dtype)
+  if not return_lse:
+    return out
+  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  return out, lse.reshape(b, h, nq * bq)[:, :, :s]

@@ -1,0 +1,175 @@
+"""Compensation: what a sparse call skips, approximated by centroids and merged by log-sum-exp.
+
+A sparse call gives the key tiles it skips a weight of zero. SVG-EAR's observation is that a
+skipped block of keys is well summarised by its mean key and mean value: the block's share of
+a query's softmax is about ``count * exp(scale * q . k_mean)`` and what it adds is that share
+times ``v_mean``. So, per call and on device, in the placed layout:
+
+1. each key tile is cut into ``blocks`` sub-blocks; each gets its mean key, mean value and
+   real-token count (padding keys excluded): O(S * D), :func:`centroids`;
+2. each query tile row sees, as pseudo-keys, the centroids of the tiles *its row skips*, with
+   logit ``scale * q . k_mean + log(count)``: a small dense softmax over ``tiles * blocks``
+   pseudo-keys, :func:`centroid_attention`; its row table is static (:func:`skipped_bias`);
+3. the kernel's exact result over the visited tiles and the centroid result merge through
+   their log-sum-exps (:func:`merge`), which is exactly one softmax over both sets of keys.
+
+The second pass runs after the kernel rather than inside it, so every executor (our Pallas
+kernel, Splash, XLA) and every path (one device, the head exchange, the ring) shares it; its
+cost is measured by ``bench schedule --compensation``. Where a plan skips nothing (density 1,
+the schedule's dense branch) nothing is added: the output is the kernel's, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.tiles import TilePlan
+
+# Logits the centroid pass holds at once (bytes): it walks query tiles in chunks of this size.
+_CHUNK_LOGIT_BYTES = 64 * 2**20
+
+
+def check_compensation(enabled: Any, blocks: Any, block_kv: int | None = None) -> None:
+  """Refuses a non-boolean ``svg_compensation`` and a ``svg_compensation_blocks`` that is not a
+  positive divisor of the key tile (when the tile is known)."""
+  if not isinstance(enabled, bool):
+    raise ValueError(f"svg_compensation must be true or false, got {enabled!r}")
+  if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1:
+    raise ValueError(f"svg_compensation_blocks must be an integer >= 1 dividing the key tile "
+                     f"(svg_block_kv), got {blocks!r}")
+  if block_kv is not None and block_kv % blocks:
+    divisors = [d for d in (1, 2, 4, 8, 16, 32) if block_kv % d == 0]
+    raise ValueError(f"svg_compensation_blocks must divide the key tile svg_block_kv "
+                     f"({block_kv}), got {blocks}; e.g. {', '.join(map(str, divisors))}")
+
+
+class Centroids(NamedTuple):
+  """Per sub-block of each key tile: mean key ``k [B, H, N, D]``, mean value ``v [B, H, N, Dv]``
+  (q's and v's dtypes) and ``log_count [N]`` (static; ``-inf`` for an all-padding block)."""
+
+  k: jax.Array
+  v: jax.Array
+  log_count: np.ndarray
+
+
+def block_counts(seq_len: int, num_kv_tiles: int, block_kv: int, blocks: int) -> np.ndarray:
+  """Real keys in each of the ``num_kv_tiles * blocks`` sub-blocks (padding excluded)."""
+  size = block_kv // blocks
+  starts = np.arange(num_kv_tiles * blocks, dtype=np.int64) * size
+  return np.clip(seq_len - starts, 0, size)
+
+
+def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
+              seq_len: int | None = None) -> Centroids:
+  """Mean key and value of each sub-block of ``[B, H, S, D]`` keys cut into ``block_kv`` tiles
+  of ``blocks`` sub-blocks; ``seq_len`` real keys (default ``S``), the rest are padding."""
+  check_compensation(True, blocks, block_kv)
+  b, h, s, d = k.shape
+  seq_len = s if seq_len is None else seq_len
+  tiles = -(-s // block_kv)
+  n, size = tiles * blocks, block_kv // blocks
+  counts = block_counts(seq_len, tiles, block_kv, blocks)
+  real = (jnp.arange(tiles * block_kv) < seq_len)[None, None, :, None]
+
+  def mean(x):
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, tiles * block_kv - s), (0, 0)))
+    x = jnp.where(real, x.astype(jnp.float32), 0.0)
+    total = x.reshape(b, h, n, size, x.shape[-1]).sum(axis=3)
+    return total / np.maximum(counts, 1).astype(np.float32)[:, None]
+
+  with np.errstate(divide="ignore"):
+    log_count = np.log(counts.astype(np.float64)).astype(np.float32)
+  return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), log_count)
+
+
+@functools.lru_cache(maxsize=64)
+def _skipped(plan: TilePlan) -> np.ndarray:
+  skipped = plan.tile_map() == 0  # EMPTY
+  skipped.setflags(write=False)
+  return skipped
+
+
+def skips_any(plan: TilePlan) -> bool:
+  """Whether any query tile row of ``plan`` skips a key tile (a dense plan skips none)."""
+  return bool(_skipped(plan).any())
+
+
+def skipped_bias(skipped: np.ndarray, log_count: np.ndarray) -> np.ndarray:
+  """``float32 [rows, tiles * blocks]``: each pseudo-key's additive logit for each query tile
+  row, ``log(count)`` where the row skips the key tile, ``-inf`` where it visits it (its keys
+  are already exact) or the block holds only padding."""
+  blocks = log_count.size // skipped.shape[1]
+  return np.where(np.repeat(skipped, blocks, axis=1), log_count[None, :], -np.inf).astype(np.float32)
+
+
+def plan_bias(plan: TilePlan, log_count: np.ndarray) -> np.ndarray:
+  """:func:`skipped_bias` of ``plan``'s query tile rows."""
+  return skipped_bias(_skipped(plan), log_count)
+
+
+def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
+                       scale: float) -> tuple[jax.Array, jax.Array]:
+  """Softmax of ``[B, H, S, D]`` queries over the pseudo-keys their query tile row may see
+  (``bias [num_q_tiles, N]``): ``(out [B, H, S, Dv] float32, lse [B, H, S] float32)``, with
+  ``lse = -inf`` and ``out = 0`` where a row sees none. Chunked over query tiles, so its
+  logits stay within :data:`_CHUNK_LOGIT_BYTES`."""
+  b, h, s, d = q.shape
+  nq, n = bias.shape
+  dv = cents.v.shape[-1]
+  qt = jnp.pad(q, ((0, 0), (0, 0), (0, nq * block_q - s), (0, 0)))
+  qt = jnp.moveaxis(qt.reshape(b, h, nq, block_q, d), 2, 0)  # [nq, B, H, bq, D]
+  bias = jnp.asarray(bias)
+
+  def row(args):
+    qs, row_bias = args
+    logits = jnp.einsum("bhqd,bhnd->bhqn", qs, cents.k.astype(qs.dtype),
+                        preferred_element_type=jnp.float32) * scale + row_bias
+    peak = logits.max(axis=-1)
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.exp(logits - safe[..., None])
+    total = p.sum(axis=-1)
+    out = jnp.einsum("bhqn,bhnd->bhqd", p.astype(cents.v.dtype), cents.v,
+                     preferred_element_type=jnp.float32)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return out, lse
+
+  chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * n * 4)))
+  out, lse = jax.lax.map(row, (qt, bias), batch_size=chunk)
+  out = jnp.moveaxis(out, 0, 2).reshape(b, h, nq * block_q, dv)[:, :, :s]
+  lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * block_q)[:, :, :s]
+  return out, lse
+
+
+def merge(out: jax.Array, lse: jax.Array, extra: jax.Array, extra_lse: jax.Array) -> jax.Array:
+  """One softmax over two disjoint sets of keys from each set's normalised output and
+  log-sum-exp; in ``out``'s dtype, zeros where neither set kept anything."""
+  peak = jnp.maximum(lse, extra_lse)
+  safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  a, c = jnp.exp(lse - safe), jnp.exp(extra_lse - safe)
+  total = a + c
+  merged = (a[..., None] * out.astype(jnp.float32) + c[..., None] * extra.astype(jnp.float32))
+  merged = merged / jnp.where(total > 0, total, 1.0)[..., None]
+  return merged.astype(out.dtype)
+
+
+def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,
+                          blocks: int, scale: float | None = None, **kernel_kwargs: Any) -> jax.Array:
+  """:func:`maxdiffusion_svg.kernels.sparse_attention` over ``plan``'s tiles, plus the centroids
+  of the tiles each query tile row skips (``blocks`` per key tile), merged by log-sum-exp. With
+  nothing skipped (a dense plan) it is the kernel's output itself."""
+  check_compensation(True, blocks, plan.block_kv)
+  if not skips_any(plan):
+    return sparse_attention(q, k, v, plan, scale=scale, **kernel_kwargs)
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  out, lse = sparse_attention(q, k, v, plan, scale=scale, return_lse=True, **kernel_kwargs)
+  cents = centroids(k, v, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
+  extra, extra_lse = centroid_attention(q, cents, plan_bias(plan, cents.log_count),
+                                        plan.block_q, scale)
+  return merge(out, lse, extra, extra_lse)
