@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from maxdiffusion_svg.compensation import compensated_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
@@ -35,11 +36,16 @@ def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
 def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array, *,
                      grid: VideoGrid, plan: TilePlan, scale: float | None = None,
                      backend: str = "auto", block_kv_compute: int | None = None,
-                     target: Target | None = None) -> jax.Array:
-  """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing."""
-  out = sparse_attention(place(q, temporal, grid), place(k, temporal, grid),
-                         place(v, temporal, grid), plan, scale=scale, backend=backend,
-                         block_kv_compute=block_kv_compute, target=target)
+                     target: Target | None = None, compensation_blocks: int = 0) -> jax.Array:
+  """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
+  ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
+  the placed layout (:mod:`maxdiffusion_svg.compensation`)."""
+  placed = [place(x, temporal, grid) for x in (q, k, v)]
+  kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target)
+  if compensation_blocks:
+    out = compensated_attention(*placed, plan, blocks=compensation_blocks, **kwargs)
+  else:
+    out = sparse_attention(*placed, plan, **kwargs)
   return restore(out, temporal, grid)
 
 
@@ -94,12 +100,14 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   def build(backend: str, target: Target) -> Callable[..., Any]:
     plan = plans[backend] = config.plan(grid, expert, target, backend)
     compute = config.tiles(target, backend).block_kv_compute
+    blocks = config.compensation_for(target, backend)
 
     def run(q, k, v, key):
       routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                              plan=plan)
+                              plan=plan, compensation_blocks=blocks)
       out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
-                             backend=backend, block_kv_compute=compute, target=target)
+                             backend=backend, block_kv_compute=compute, target=target,
+                             compensation_blocks=blocks)
       return out, routing
     return run
 

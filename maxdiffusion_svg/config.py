@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import BACKENDS
 from maxdiffusion_svg.masks import check_density
@@ -53,6 +54,9 @@ class SvgConfig:
   sample_max_row: int = 10_000
   profile_masks: str = "execution"
   profile_seed: int = 0
+  # Skipped key tiles enter each row's softmax as centroids (maxdiffusion_svg.compensation).
+  compensation: bool = False
+  compensation_blocks: int = 8  # centroids per key tile; must divide the executor's block_kv
 
   def __post_init__(self):
     check_density(self.density, "svg_density")
@@ -81,6 +85,7 @@ class SvgConfig:
     if isinstance(self.profile_seed, bool) or not isinstance(self.profile_seed, int):
       raise ValueError(f"svg_profile_seed must be an integer, got {self.profile_seed!r}")
     _ = self.router  # validates the router keys
+    check_compensation(self.compensation, self.compensation_blocks, self.block_kv)
 
   @property
   def router(self) -> RouterConfig:
@@ -109,6 +114,14 @@ class SvgConfig:
     (:func:`maxdiffusion_svg.tiling.choose_tiles`, the one place tiles are decided)."""
     return choose_tiles(self.target(target=target), backend or self.backend, self.block_q,
                         self.block_kv, self.block_kv_compute)
+
+  def compensation_for(self, target: Target | None = None, backend: str | None = None) -> int:
+    """Centroids per key tile a call compensates with on ``target`` (0: compensation off),
+    checked against that executor's key tile (the one ``svg_block_kv`` leaves to the target)."""
+    if not self.compensation:
+      return 0
+    check_compensation(True, self.compensation_blocks, self.tiles(target, backend).block_kv)
+    return self.compensation_blocks
 
   def plan(self, grid: VideoGrid, expert: str | None = None, target: Target | None = None,
            backend: str | None = None) -> TilePlan:
@@ -203,4 +216,6 @@ KEYS = {
     "svg_sample_max_row": "sample_max_row",
     "svg_profile_masks": "profile_masks",
     "svg_profile_seed": "profile_seed",
+    "svg_compensation": "compensation",
+    "svg_compensation_blocks": "compensation_blocks",
 }

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.geometry import Layout, VideoGrid
+from maxdiffusion_svg.compensation import centroids, merge, plan_bias
+from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -83,10 +84,37 @@ def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> j
                     precision=jax.lax.Precision.HIGHEST)
 
 
+# (plan, centroids per key tile): the router judges the compensated call that plan will run.
+Compensated = tuple[TilePlan, int]
+
+
+def _compensated_output(qs: jax.Array, logits: jax.Array, k: jax.Array, v: jax.Array,
+                        keep: jax.Array, rows: jax.Array, grid: VideoGrid, layout: Layout,
+                        compensation: Compensated, scale: float) -> jax.Array:
+  """What a compensated call gives ``rows`` in ``layout``: exact over the kept keys, plus the
+  centroids of the key tiles each row's query tile skips in that layout, merged."""
+  plan, blocks = compensation
+  hi = jax.lax.Precision.HIGHEST
+  masked = jnp.where(keep, logits, -jnp.inf)
+  lse = jax.nn.logsumexp(masked, axis=-1)
+  exact = jnp.einsum("bhrk,bhkd->bhrd", jax.nn.softmax(masked, axis=-1), v, precision=hi)
+  placed = (lambda x: x) if layout is Layout.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
+  cents = centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
+  tiles = layout_positions(grid, layout, rows) // plan.block_q
+  bias = jnp.asarray(plan_bias(plan, cents.log_count))[tiles]  # [R, N]
+  extra_logits = jnp.einsum("bhrd,bhnd->bhrn", qs, cents.k.astype(jnp.float32), precision=hi)
+  extra_logits = extra_logits * scale + bias
+  extra = jnp.einsum("bhrn,bhnd->bhrd", jax.nn.softmax(extra_logits, axis=-1),
+                     cents.v.astype(jnp.float32), precision=hi)
+  return merge(exact, lse, jnp.nan_to_num(extra), jax.nn.logsumexp(extra_logits, axis=-1))
+
+
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
-                  mask: Mask, *, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+                  mask: Mask, *, scale: float | None = None,
+                  compensation: Compensated | None = None) -> tuple[jax.Array, jax.Array]:
   """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
-  temporal-major (temporal): ``[B, H]`` each."""
+  temporal-major (temporal): ``[B, H]`` each. With ``compensation`` (the plan and centroids
+  per key tile), each output is the compensated one that plan's call would give."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   f32 = jnp.float32
   qs = jnp.take(q, rows, axis=2).astype(f32)
@@ -98,7 +126,11 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   errors = []
   for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
     keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
-    errors.append(jnp.mean((_masked_output(logits, v32, keep) - dense) ** 2, axis=(2, 3)))
+    if compensation is None:
+      out = _masked_output(logits, v32, keep)
+    else:
+      out = _compensated_output(qs, logits, k, v32, keep, rows, grid, layout, compensation, scale)
+    errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
 
@@ -119,13 +151,15 @@ def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -
 
 def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
                   key: jax.Array, scale: float | None = None,
-                  plan: TilePlan | None = None, expert: str | None = None) -> Routing:
+                  plan: TilePlan | None = None, expert: str | None = None,
+                  compensation_blocks: int = 0) -> Routing:
   """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
   (e.g. ``SvgConfig``). Execution masks need the call's tile plan: ``plan`` when given, else
   the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
-  The same key gives the same flags.
+  The same key gives the same flags. With ``compensation_blocks`` (centroids per key tile, 0:
+  off) and execution masks, each layout is judged by the compensated output its call gives.
   """
   router = getattr(config, "router", config)
   if q.shape[2] != grid.tokens:
@@ -135,7 +169,11 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
     plan = config.plan(grid, expert)
   mask = routing_mask(grid, router, plan)
   rows = sample_rows(key, grid.tokens, router)
-  spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale)
+  compensation = None
+  if compensation_blocks and router.profile_masks == "execution":
+    compensation = (plan, compensation_blocks)
+  spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale,
+                                    compensation=compensation)
   return Routing(temporal < spatial, spatial, temporal)
 
 
