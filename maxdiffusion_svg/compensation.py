@@ -88,6 +88,28 @@ def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
   return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), log_count)
 
 
+def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, seq_len: int,
+                          num_kv_tiles: int, block_kv: int, blocks: int,
+                          axis_name: str | None = None) -> Centroids:
+  """:func:`centroids` of keys held out of order or split over devices: ``positions [L]`` are
+  the local keys' positions in the placed sequence (those ``>= seq_len`` are padding). Sums
+  are summed over ``axis_name`` where the sequence is split there (``N x D`` per head)."""
+  b, h, _, _ = k.shape
+  n, size = num_kv_tiles * blocks, block_kv // blocks
+  counts = block_counts(seq_len, num_kv_tiles, block_kv, blocks)
+  ids = jnp.where(positions < seq_len, positions // size, n)  # padding: a dropped segment
+
+  def mean(x):
+    total = jax.ops.segment_sum(jnp.moveaxis(x.astype(jnp.float32), 2, 0), ids, n + 1)[:n]
+    if axis_name is not None:
+      total = jax.lax.psum(total, axis_name)
+    return jnp.moveaxis(total, 0, 2) / np.maximum(counts, 1).astype(np.float32)[:, None]
+
+  with np.errstate(divide="ignore"):
+    log_count = np.log(counts.astype(np.float64)).astype(np.float32)
+  return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), log_count)
+
+
 @functools.lru_cache(maxsize=64)
 def _skipped(plan: TilePlan) -> np.ndarray:
   skipped = plan.tile_map() == 0  # EMPTY
@@ -113,35 +135,38 @@ def plan_bias(plan: TilePlan, log_count: np.ndarray) -> np.ndarray:
   return skipped_bias(_skipped(plan), log_count)
 
 
+def softmax_over(q: jax.Array, cents: Centroids, bias: Any,
+                 scale: float) -> tuple[jax.Array, jax.Array]:
+  """Softmax of ``[B, H, Q, D]`` queries over the pseudo-keys, with additive logits ``bias``
+  (broadcast to ``[B, H, Q, N]``; ``-inf``: not seen): ``(out float32, lse float32)``, with
+  ``lse = -inf`` and ``out = 0`` where a query sees none."""
+  logits = jnp.einsum("bhqd,bhnd->bhqn", q, cents.k.astype(q.dtype),
+                      preferred_element_type=jnp.float32) * scale + bias
+  peak = logits.max(axis=-1)
+  safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  p = jnp.exp(logits - safe[..., None])
+  total = p.sum(axis=-1)
+  out = jnp.einsum("bhqn,bhnd->bhqd", p.astype(cents.v.dtype), cents.v,
+                   preferred_element_type=jnp.float32)
+  out = out / jnp.where(total > 0, total, 1.0)[..., None]
+  lse = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  return out, lse
+
+
 def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
                        scale: float) -> tuple[jax.Array, jax.Array]:
-  """Softmax of ``[B, H, S, D]`` queries over the pseudo-keys their query tile row may see
-  (``bias [num_q_tiles, N]``): ``(out [B, H, S, Dv] float32, lse [B, H, S] float32)``, with
-  ``lse = -inf`` and ``out = 0`` where a row sees none. Chunked over query tiles, so its
-  logits stay within :data:`_CHUNK_LOGIT_BYTES`."""
+  """:func:`softmax_over` for ``[B, H, S, D]`` queries whose query tile row ``i`` sees the
+  pseudo-keys ``bias[i]`` admits (``bias [num_q_tiles, N]``): ``(out [B, H, S, Dv], lse
+  [B, H, S])``, float32. Chunked over query tiles, so its logits stay within
+  :data:`_CHUNK_LOGIT_BYTES`."""
   b, h, s, d = q.shape
   nq, n = bias.shape
   dv = cents.v.shape[-1]
   qt = jnp.pad(q, ((0, 0), (0, 0), (0, nq * block_q - s), (0, 0)))
   qt = jnp.moveaxis(qt.reshape(b, h, nq, block_q, d), 2, 0)  # [nq, B, H, bq, D]
-  bias = jnp.asarray(bias)
-
-  def row(args):
-    qs, row_bias = args
-    logits = jnp.einsum("bhqd,bhnd->bhqn", qs, cents.k.astype(qs.dtype),
-                        preferred_element_type=jnp.float32) * scale + row_bias
-    peak = logits.max(axis=-1)
-    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    p = jnp.exp(logits - safe[..., None])
-    total = p.sum(axis=-1)
-    out = jnp.einsum("bhqn,bhnd->bhqd", p.astype(cents.v.dtype), cents.v,
-                     preferred_element_type=jnp.float32)
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    return out, lse
-
+  row = lambda args: softmax_over(args[0], cents, args[1], scale)
   chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * n * 4)))
-  out, lse = jax.lax.map(row, (qt, bias), batch_size=chunk)
+  out, lse = jax.lax.map(row, (qt, jnp.asarray(bias)), batch_size=chunk)
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, nq * block_q, dv)[:, :, :s]
   lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * block_q)[:, :, :s]
   return out, lse

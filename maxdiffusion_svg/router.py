@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import centroids, merge, plan_bias
+from maxdiffusion_svg.compensation import Centroids, centroids, merge, plan_bias, softmax_over
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
 from maxdiffusion_svg.tiles import TilePlan
@@ -88,25 +88,23 @@ def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> j
 Compensated = tuple[TilePlan, int]
 
 
-def _compensated_output(qs: jax.Array, logits: jax.Array, k: jax.Array, v: jax.Array,
-                        keep: jax.Array, rows: jax.Array, grid: VideoGrid, layout: Layout,
-                        compensation: Compensated, scale: float) -> jax.Array:
-  """What a compensated call gives ``rows`` in ``layout``: exact over the kept keys, plus the
-  centroids of the key tiles each row's query tile skips in that layout, merged."""
-  plan, blocks = compensation
-  hi = jax.lax.Precision.HIGHEST
-  masked = jnp.where(keep, logits, -jnp.inf)
-  lse = jax.nn.logsumexp(masked, axis=-1)
-  exact = jnp.einsum("bhrk,bhkd->bhrd", jax.nn.softmax(masked, axis=-1), v, precision=hi)
-  placed = (lambda x: x) if layout is Layout.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
-  cents = centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
+def _compensated_output(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
+                        grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
+                        scale: float) -> jax.Array:
+  """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
+  its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
+  skips in ``layout`` (``cents``: that layout's)."""
   tiles = layout_positions(grid, layout, rows) // plan.block_q
   bias = jnp.asarray(plan_bias(plan, cents.log_count))[tiles]  # [R, N]
-  extra_logits = jnp.einsum("bhrd,bhnd->bhrn", qs, cents.k.astype(jnp.float32), precision=hi)
-  extra_logits = extra_logits * scale + bias
-  extra = jnp.einsum("bhrn,bhnd->bhrd", jax.nn.softmax(extra_logits, axis=-1),
-                     cents.v.astype(jnp.float32), precision=hi)
-  return merge(exact, lse, jnp.nan_to_num(extra), jax.nn.logsumexp(extra_logits, axis=-1))
+  extra, extra_lse = softmax_over(qs, cents, bias, scale)
+  return merge(exact, lse, extra, extra_lse)
+
+
+def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: Layout,
+                     plan: TilePlan, blocks: int) -> Centroids:
+  """Centroids of ``[B, H, S, D]`` frame-major keys as ``plan``'s call would see them placed."""
+  placed = (lambda x: x) if layout is Layout.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
+  return centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
 
 
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
@@ -126,10 +124,12 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   errors = []
   for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
     keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
-    if compensation is None:
-      out = _masked_output(logits, v32, keep)
-    else:
-      out = _compensated_output(qs, logits, k, v32, keep, rows, grid, layout, compensation, scale)
+    out = _masked_output(logits, v32, keep)
+    if compensation is not None:
+      plan, blocks = compensation
+      lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
+      out = _compensated_output(qs, out, lse, rows, grid, layout, plan,
+                                layout_centroids(k, v32, grid, layout, plan, blocks), scale)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
