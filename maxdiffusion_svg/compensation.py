@@ -65,6 +65,13 @@ def block_counts(seq_len: int, num_kv_tiles: int, block_kv: int, blocks: int) ->
   return np.clip(seq_len - starts, 0, size)
 
 
+def centroid_log_counts(plan: TilePlan, blocks: int) -> np.ndarray:
+  """``float32 [tiles * blocks]``: log of each sub-block's real keys (``-inf``: padding only)."""
+  counts = block_counts(plan.seq_len, plan.num_kv_tiles, plan.block_kv, blocks)
+  with np.errstate(divide="ignore"):
+    return np.log(counts.astype(np.float64)).astype(np.float32)
+
+
 def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
               seq_len: int | None = None) -> Centroids:
   """Mean key and value of each sub-block of ``[B, H, S, D]`` keys cut into ``block_kv`` tiles
@@ -75,12 +82,17 @@ def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
   tiles = -(-s // block_kv)
   n, size = tiles * blocks, block_kv // blocks
   counts = block_counts(seq_len, tiles, block_kv, blocks)
-  real = (jnp.arange(tiles * block_kv) < seq_len)[None, None, :, None]
+  whole = min(seq_len, s) // size  # sub-blocks of real keys only
 
   def mean(x):
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, tiles * block_kv - s), (0, 0)))
-    x = jnp.where(real, x.astype(jnp.float32), 0.0)
-    total = x.reshape(b, h, n, size, x.shape[-1]).sum(axis=3)
+    # Sums straight from the inputs, accumulated in float32: no padded or masked float32 copy
+    # of the keys is written (padding keys, past seq_len, are never read).
+    parts = [x[:, :, :whole * size].reshape(b, h, whole, size, x.shape[-1]).sum(
+        axis=3, dtype=jnp.float32)]
+    if whole < n and whole * size < seq_len:  # the block the real keys end in
+      parts.append(x[:, :, whole * size:seq_len].sum(axis=2, keepdims=True, dtype=jnp.float32))
+    total = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    total = jnp.pad(total, ((0, 0), (0, 0), (0, n - total.shape[2]), (0, 0)))
     return total / np.maximum(counts, 1).astype(np.float32)[:, None]
 
   with np.errstate(divide="ignore"):
@@ -158,15 +170,47 @@ def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
   """:func:`softmax_over` for ``[B, H, S, D]`` queries whose query tile row ``i`` sees the
   pseudo-keys ``bias[i]`` admits (``bias [num_q_tiles, N]``): ``(out [B, H, S, Dv], lse
   [B, H, S])``, float32. Chunked over query tiles, so its logits stay within
-  :data:`_CHUNK_LOGIT_BYTES`."""
+  :data:`_CHUNK_LOGIT_BYTES`.
+
+  A static ``bias`` (numpy) is how every call gives it: each row then gathers only the
+  pseudo-keys it sees (``m``, the most any row sees, rounded to 8), and its logits are
+  ``[m, block_q]``, queries on lanes as in our kernel: no lane padding of ``N``, reductions
+  over pseudo-keys across sublanes, and the log-sum-exp comes out lane-major like the
+  kernel's, so :func:`merge` needs no relayout of it."""
   b, h, s, d = q.shape
   nq, n = bias.shape
   dv = cents.v.shape[-1]
   qt = jnp.pad(q, ((0, 0), (0, 0), (0, nq * block_q - s), (0, 0)))
   qt = jnp.moveaxis(qt.reshape(b, h, nq, block_q, d), 2, 0)  # [nq, B, H, bq, D]
-  row = lambda args: softmax_over(args[0], cents, args[1], scale)
-  chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * n * 4)))
-  out, lse = jax.lax.map(row, (qt, jnp.asarray(bias)), batch_size=chunk)
+  if isinstance(bias, np.ndarray):
+    seen = np.isfinite(bias)
+    m = -(-max(1, int(seen.sum(axis=1).max())) // 8) * 8
+    order = np.argsort(~seen, axis=1, kind="stable")[:, :m]  # each row's seen pseudo-keys first
+    row_bias = np.take_along_axis(bias, order, axis=1)  # -inf past them
+    keys = jnp.moveaxis(cents.k.astype(q.dtype)[:, :, order], 2, 0)  # [nq, B, H, m, D]
+    values = jnp.moveaxis(cents.v[:, :, order], 2, 0)
+  else:
+    m, row_bias = n, bias
+    keys = jnp.broadcast_to(cents.k.astype(q.dtype), (nq, *cents.k.shape))
+    values = jnp.broadcast_to(cents.v, (nq, *cents.v.shape))
+
+  def row(args):
+    qs, ks, vs, rb = args
+    logits = jnp.einsum("bhnd,bhqd->bhnq", ks, qs,
+                        preferred_element_type=jnp.float32) * scale + rb[:, None]
+    peak = logits.max(axis=-2)
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.exp(logits - safe[..., None, :])
+    total = p.sum(axis=-2)
+    out = jnp.einsum("bhnq,bhnd->bhqd", p.astype(vs.dtype), vs,
+                     preferred_element_type=jnp.float32)
+    kept = total > 0
+    out = out * jnp.where(kept, 1.0 / jnp.where(kept, total, 1.0), 0.0)[..., None]
+    lse = jnp.where(kept, safe + jnp.log(jnp.where(kept, total, 1.0)), -jnp.inf)
+    return out, lse
+
+  chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * m * 4)))
+  out, lse = jax.lax.map(row, (qt, keys, values, jnp.asarray(row_bias)), batch_size=chunk)
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, nq * block_q, dv)[:, :, :s]
   lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * block_q)[:, :, :s]
   return out, lse
@@ -174,14 +218,14 @@ def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
 
 def merge(out: jax.Array, lse: jax.Array, extra: jax.Array, extra_lse: jax.Array) -> jax.Array:
   """One softmax over two disjoint sets of keys from each set's normalised output and
-  log-sum-exp; in ``out``'s dtype, zeros where neither set kept anything."""
-  peak = jnp.maximum(lse, extra_lse)
-  safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-  a, c = jnp.exp(lse - safe), jnp.exp(extra_lse - safe)
-  total = a + c
-  merged = (a[..., None] * out.astype(jnp.float32) + c[..., None] * extra.astype(jnp.float32))
-  merged = merged / jnp.where(total > 0, total, 1.0)[..., None]
-  return merged.astype(out.dtype)
+  log-sum-exp; in ``out``'s dtype, zeros where neither set kept anything.
+
+  As ``out + w * (extra - out)`` with one weight per query, ``w = 1 / (1 + exp(lse -
+  extra_lse))`` (the extra set's share): one value to broadcast over the head dim, not three."""
+  gap = lse - extra_lse
+  w = jnp.where(jnp.isnan(gap), 0.0, 1.0 / (1.0 + jnp.exp(gap)))  # nan: neither set kept any
+  base = out.astype(jnp.float32)
+  return (base + w[..., None] * (extra.astype(jnp.float32) - base)).astype(out.dtype)
 
 
 def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,

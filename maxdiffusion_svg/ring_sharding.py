@@ -30,21 +30,26 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxdiffusion_svg.attention import per_platform, profile_key
+from maxdiffusion_svg.compensation import (Centroids, centroid_attention, centroid_log_counts,
+                                           centroids_by_position, merge, plan_bias, skips_any)
 from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import Layout, VideoGrid
+from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL
 from maxdiffusion_svg.masks import Mask, PlacedMask
 from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
-from maxdiffusion_svg.router import routing_mask, sample_rows
+from maxdiffusion_svg.router import compensated_rows, routing_mask, sample_rows
 from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import TilePlan
 
 RING, ULYSSES = "svg_ring", "svg_ulysses"
+# The plan and each layout's whole-sequence centroids: the ring router's compensated outputs.
+RingCompensation = tuple[TilePlan, dict[Layout, Centroids]]
 
 
 def split_mesh(mesh: Mesh, seq_axis: str, ulysses: int) -> Mesh:
@@ -70,10 +75,12 @@ def _rows_of(x: jax.Array, rows: jax.Array, shard: jax.Array, chunk: int) -> jax
 
 def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
                        grid: VideoGrid, mask: Mask, shard: jax.Array, chunk: int,
-                       scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+                       scale: float | None = None,
+                       compensation: RingCompensation | None = None) -> tuple[jax.Array, jax.Array]:
   """:func:`maxdiffusion_svg.router.layout_errors` of a frame-major sequence split over the
   ring: each shard's keys give a partial softmax (its max, sum and weighted values), merged
-  over the ring. Moves ``rows x D`` values per head, never keys."""
+  over the ring. Moves ``rows x D`` values per head, never keys. With ``compensation`` (the
+  plan and each layout's centroids, already whole-sequence) outputs are the compensated ones."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   qs = _rows_of(q, rows, shard, chunk)
   keys = shard * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -81,20 +88,25 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
                       precision=jax.lax.Precision.HIGHEST) * scale
   v32 = v.astype(jnp.float32)
 
-  def output(keep: jax.Array) -> jax.Array:
+  def output(keep: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = jnp.where(keep, logits, -jnp.inf)
     m = jax.lax.pmax(x.max(axis=-1), RING)
-    p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(x - safe[..., None])
     total = jax.lax.psum(p.sum(axis=-1), RING)
     acc = jax.lax.psum(jnp.einsum("bhrk,bhkd->bhrd", p, v32,
                                   precision=jax.lax.Precision.HIGHEST), RING)
-    return acc / total[..., None]
+    return acc / jnp.where(total > 0, total, 1.0)[..., None], safe + jnp.log(total)
 
-  dense = output((keys < grid.tokens)[None, :])
+  dense, _ = output((keys < grid.tokens)[None, :])
   errors = []
   for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
     keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys[None, :])
-    errors.append(jnp.mean((output(keep) - dense) ** 2, axis=(2, 3)))
+    out, lse = output(keep)
+    if compensation is not None:
+      plan, cents = compensation
+      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, cents[layout], scale)
+    errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
 
@@ -165,13 +177,59 @@ def _take(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float | None,
-                   compute: int, target: Target) -> tuple[KeyFetch, Callable[..., Any]]:
-  """The fetch and ``run(shard, q, k_window, v_window)``: each shard's rows of ``plan``."""
+                   compute: int, target: Target,
+                   blocks: int = 0) -> tuple[KeyFetch, Callable[..., Any]]:
+  """The fetch and ``run(shard, q, k_window, v_window, centroids)``: each shard's rows of
+  ``plan``; with ``blocks``, compensated for every key tile a row skips, its own shard's and
+  the others' (``centroids``: the whole placed sequence's, :func:`ring_centroids`)."""
   fetch = key_fetch(plan, split)
-  branches = [functools.partial(sparse_attention, plan=window_plan(plan, split, r), scale=scale,
-                                backend=backend, block_kv_compute=compute, target=target)
-              for r in range(split.ring)]
-  return fetch, lambda shard, q, k, v: jax.lax.switch(shard, branches, q, k, v)
+  compensate = blocks and skips_any(plan)
+
+  def branch(r: int) -> Callable[..., Any]:
+    window = window_plan(plan, split, r)
+    kernel = functools.partial(sparse_attention, plan=window, scale=scale, backend=backend,
+                               block_kv_compute=compute, target=target)
+    if not compensate:
+      return lambda q, k, v, k_mean, v_mean: kernel(q, k, v)
+    row0, row1 = split.starts[r] // plan.block_q, split.starts[r + 1] // plan.block_q
+    log_count = centroid_log_counts(plan, blocks)
+    bias = np.full((window.num_q_tiles, log_count.size), -np.inf, np.float32)
+    own = plan_bias(plan, log_count)[row0:row1]
+    bias[:own.shape[0]] = own  # the buffer's rows past the sequence see nothing
+
+    def run(q, k, v, k_mean, v_mean):
+      call_scale = q.shape[-1] ** -0.5 if scale is None else scale
+      out, lse = kernel(q, k, v, return_lse=True)
+      extra, extra_lse = centroid_attention(q, Centroids(k_mean, v_mean, log_count), bias,
+                                            plan.block_q, call_scale)
+      return merge(out, lse, extra, extra_lse)
+    return run
+
+  branches = [branch(r) for r in range(split.ring)]
+  return fetch, lambda shard, q, k, v, cents: jax.lax.switch(shard, branches, q, k, v,
+                                                             cents.k, cents.v)
+
+
+def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, blocks: int,
+                   shard: jax.Array, natural: int) -> dict[Layout, Centroids]:
+  """Each layout's centroids of the whole sequence from the exchange's frame-major shards: each
+  shard sums its keys into the sub-blocks their placed positions fall in, summed over the ring
+  (``tiles x blocks x D`` per head: a remote tile's centroid costs its own size, not the tile)."""
+  frame_major = shard * natural + jnp.arange(natural, dtype=jnp.int32)
+  real = frame_major < grid.tokens
+  out = {}
+  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+    positions = jnp.where(real, layout_positions(grid, layout, frame_major), grid.tokens)
+    out[layout] = centroids_by_position(k, v, positions, seq_len=grid.tokens,
+                                        num_kv_tiles=plan.num_kv_tiles, block_kv=plan.block_kv,
+                                        blocks=blocks, axis_name=RING)
+  return out
+
+
+def _dummy_centroids(q: jax.Array) -> Centroids:
+  """What an uncompensated shard kernel is handed (and ignores)."""
+  return Centroids(jnp.zeros(q.shape[:2] + (1, q.shape[-1]), q.dtype),
+                   jnp.zeros(q.shape[:2] + (1, q.shape[-1]), q.dtype), np.zeros(1, np.float32))
 
 
 def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, seq_axis: str,
@@ -204,8 +262,9 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
     tiles = config.tiles(target, backend)
     plan = config.plan(grid, expert, target, backend)
     split = ring_split(seq_len, ring, ulysses, tiles.block_q)
+    blocks = config.compensation_for(target, backend)
     sparse_fetch, sparse_run = _shard_kernels(plan, split, backend, scale,
-                                              tiles.block_kv_compute, target)
+                                              tiles.block_kv_compute, target, blocks)
     if scheduled:
       dense_fetch, dense_run = _shard_kernels(config.dense_plan(grid, target, backend), split,
                                               backend, scale, tiles.block_kv_compute, target)
@@ -222,12 +281,21 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
 
       def sparse(q, k, v):
         rows = sample_rows(route_key, seq_len, config.router)
+        cents = (ring_centroids(k, v, grid, plan, blocks, shard, split.natural) if blocks
+                 else None)
+        judged = (plan, cents) if blocks and config.router.profile_masks == "execution" else None
         spatial, temporal_error = ring_layout_errors(q, k, v, rows, grid, router_mask, shard,
-                                                     split.natural, scale)
+                                                     split.natural, scale, judged)
         temporal = temporal_error < spatial
+        if cents is None:
+          run_cents = _dummy_centroids(q)
+        else:  # each head's centroids in the layout it runs in
+          pick = lambda fm, tm: jnp.where(temporal[:, :, None, None], tm, fm)
+          fm, tm = cents[Layout.FRAME_MAJOR], cents[Layout.TEMPORAL_MAJOR]
+          run_cents = Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
         q, k, v = (place(x, temporal, spatial_perm, temporal_perm, shard) for x in (q, k, v))
         out = sparse_run(shard, q, fetch_window(k, sparse_fetch, shard),
-                         fetch_window(v, sparse_fetch, shard))
+                         fetch_window(v, sparse_fetch, shard), run_cents)
         out = place(out, temporal, spatial_perm, temporal_perm, shard, inverse=True)
         return out, (temporal, spatial, temporal_error)
 
@@ -235,7 +303,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
         if spatial_perm is not None:
           q, k, v = (permute(x, spatial_perm, shard) for x in (q, k, v))
         out = dense_run(shard, q, fetch_window(k, dense_fetch, shard),
-                        fetch_window(v, dense_fetch, shard))
+                        fetch_window(v, dense_fetch, shard), _dummy_centroids(q))
         if spatial_perm is not None:
           out = permute(out, spatial_perm, shard, inverse=True)
         zeros = jnp.zeros(q.shape[:2], jnp.float32)
