@@ -88,7 +88,7 @@ def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> j
 Compensated = tuple[TilePlan, int]
 
 
-def _compensated_output(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
+def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
                         grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
                         scale: float) -> jax.Array:
   """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
@@ -128,7 +128,7 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
     if compensation is not None:
       plan, blocks = compensation
       lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
-      out = _compensated_output(qs, out, lse, rows, grid, layout, plan,
+      out = compensated_rows(qs, out, lse, rows, grid, layout, plan,
                                 layout_centroids(k, v32, grid, layout, plan, blocks), scale)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
