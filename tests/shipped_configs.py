@@ -25,5 +25,5 @@ OVERRIDES = {
     "svg_vmem_limit_kib": "65536", "svg_include_sink": "false", "svg_profile_queries": "32",
     "svg_profile_pool": "prefix", "svg_sample_max_row": "5000", "svg_profile_masks": "probe",
     "svg_profile_seed": "3", "svg_dense_kernel": "dot_product", "svg_min_seq_length": "1024",
-    "svg_run_summary": "false",
+    "svg_run_summary": "false", "svg_compensation": "true", "svg_compensation_blocks": "4",
 }

@@ -56,10 +56,17 @@ def refused(capsys, *argv: str) -> str:
     ("svg_active_steps=[5]", ["svg_active_steps must be a [start, end) pair", "[5]"]),
     ("svg_high_noise_density=2", ["svg_high_noise_density must be in (0, 1]"]),
     ("svg_min_seq_length=-1", ["svg_min_seq_length must be an integer >= 0"]),
+    ("svg_compensation_blocks=0", ["svg_compensation_blocks must be an integer >= 1 dividing "
+                                   "the key tile (svg_block_kv), got 0"]),
+    # With the key tile given, a block count that does not divide it is refused here too.
+    ("svg_compensation_blocks=5 svg_block_kv=1024", [
+        "svg_compensation_blocks must divide the key tile svg_block_kv (1024), got 5"]),
     # Text MaxDiffusion's pyconfig itself cannot type: named with the type it reads.
     ("svg_block_q=abc", ["svg_block_q=abc: MaxDiffusion reads svg_block_q as an integer"]),
     ("svg_include_sink=yes", ["svg_include_sink=yes: MaxDiffusion reads svg_include_sink as "
                               "true or false"]),
+    ("svg_compensation=on", ["svg_compensation=on: MaxDiffusion reads svg_compensation as "
+                             "true or false"]),
     ("num_inference_steps=2.5", ["reads num_inference_steps as an integer (the config holds 50)"]),
     ("num_inference_steps=0", ["num_inference_steps must be a positive integer, got 0"]),
     ("enable_profiler=1", ["reads enable_profiler as true or false"]),
@@ -70,7 +77,7 @@ def refused(capsys, *argv: str) -> str:
     ("lora_config=x", ["lora_config is None in the config", "set lora_config in a config"]),
 ])
 def test_a_bad_value_is_refused_in_one_line_naming_the_key(capsys, config, override, named):
-  err = refused(capsys, config, "svg_density=0.5", override)
+  err = refused(capsys, config, "svg_density=0.5", *override.split())
   for text in named:
     assert text in err, err
 

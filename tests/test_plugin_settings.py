@@ -88,3 +88,74 @@ def test_unset_words_and_unreadable_text_name_the_key():
   with pytest.raises(ValueError, match=r"svg_active_steps: cannot read '\[3, ' \(give a value, "
                                        r"or 'preset'\)"):
     PluginSettings.from_mapping({"svg_active_steps": "[3, "})
+
+
+# ------------------------------------------------ compensation in the settings and the logs
+
+
+def test_compensation_defaults_come_from_svg_config_alone():
+  """The YAML defaults are SvgConfig's, so flipping its default flips every merged config."""
+  defaults, svg = config_defaults(), SvgConfig()
+  assert (defaults["svg_compensation"], defaults["svg_compensation_blocks"]) == (
+      svg.compensation, svg.compensation_blocks)
+
+
+@pytest.mark.parametrize("mapping, message", [
+    ({"svg_compensation": "yes"}, "svg_compensation must be true or false, got 'yes'"),
+    ({"svg_compensation_blocks": 0}, "svg_compensation_blocks must be an integer >= 1"),
+    ({"svg_compensation_blocks": True}, "svg_compensation_blocks must be an integer >= 1"),
+    ({"svg_compensation": True, "svg_compensation_blocks": 3, "svg_block_kv": 1024},
+     r"svg_compensation_blocks must divide the key tile svg_block_kv \(1024\), got 3"),
+])
+def test_bad_compensation_keys_name_the_key(mapping, message):
+  with pytest.raises(ValueError, match=message):
+    PluginSettings.from_mapping(mapping)
+
+
+def test_the_settings_line_says_the_compensation():
+  from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
+  off = PluginSettings.from_mapping({})
+  on = PluginSettings.from_mapping({"svg_compensation": True, "svg_compensation_blocks": 4})
+  assert ", compensation off, " in off.summary() and ", compensation off, " in off.summary(
+      tpu_target("v6e", flags=""))
+  v6e = tpu_target("v6e", flags="")
+  assert ", compensation 4 centroids per key tile, " in on.summary()
+  assert ", compensation 4 centroids per key tile, dense kernel flash" in on.summary(v6e)
+  # 7 does not divide our kernel's 1536 key tile on a v6e: refused on the target (the
+  # create-transformer hook calls this before weights load).
+  bad = PluginSettings.from_mapping({"svg_compensation": True, "svg_compensation_blocks": 7})
+  assert "compensation 7 centroids" in bad.summary()  # the tile is not known without a target
+  with pytest.raises(ValueError, match=r"svg_compensation_blocks must divide the key tile "
+                                       r"svg_block_kv \(1536\), got 7"):
+    bad.summary(v6e)
+
+
+def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
+  """MaxDiffusion's AOT cache keys executables by ``meta``; the hook adds the settings, and a
+  compensated run's executable must not be taken for an uncompensated one's."""
+  import types  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
+  keys = {"attention": "svg"}
+  pyconfig = types.SimpleNamespace(config=types.SimpleNamespace(get_keys=lambda: keys))
+  monkeypatch.setitem(sys.modules, "maxdiffusion", types.SimpleNamespace(pyconfig=pyconfig))
+  install = hooks._aot_install(lambda cache_dir, meta, mesh: meta)  # pylint: disable=protected-access
+  metas = []
+  for value in (False, True):
+    keys["svg_compensation"] = value
+    metas.append(install("dir", {"attention": "svg"}, None)["svg"])
+  keys["svg_compensation_blocks"] = 4
+  metas.append(install("dir", {"attention": "svg"}, None)["svg"])
+  assert len(set(metas)) == 3 and "compensation=True" in metas[1]
+
+
+@pytest.mark.parametrize("spec, name, overrides", [
+    ("config+compensation", "svg +compensation", ("svg_compensation=true",)),
+    ("0.3+compensation=4", "svg density 0.3 +compensation=4",
+     ("svg_density=0.3", "svg_compensation=true", "svg_compensation_blocks=4")),
+    ("aggressive+compensation=off", "svg aggressive +compensation=off",
+     ("svg_schedule=aggressive", "svg_compensation=false")),
+])
+def test_compare_runs_can_set_the_compensation(spec, name, overrides):
+  from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
+  run = svg_run(spec)
+  assert (run.name, run.overrides) == (name, overrides)

@@ -55,3 +55,19 @@ def test_run_summary_key_is_validated():
   with pytest.raises(ValueError, match="svg_run_summary must be true or false"):
     PluginSettings.from_mapping({"svg_run_summary": "yes"})
   assert PluginSettings.from_mapping({"svg_run_summary": False}).run_summary is False
+
+
+@pytest.mark.parametrize("keys, says", [
+    ({}, "compensation off"),
+    ({"svg_compensation": True, "svg_compensation_blocks": 4}, "compensation 4 centroids per key tile"),
+])
+def test_the_kernel_part_of_the_line_says_the_compensation(keys, says):
+  """Both Wan 2.2 experts share one svg_compensation: said once, after their densities."""
+  import types  # pylint: disable=import-outside-toplevel
+  settings = PluginSettings.from_mapping({"svg_high_noise_density": 0.5, **keys})
+  models = [types.SimpleNamespace(svg_settings=settings, svg_expert=expert)
+            for expert in ("high_noise", "low_noise")]
+  text = run_summary._kernel(models, None)  # pylint: disable=protected-access
+  assert text.endswith(f"high_noise density 0.5, low_noise density 0.3, {says}")
+  line = run_summary.summary_line(run_summary.CallCounts(1, 1, True), 1, 2, text, None)
+  assert line.endswith(says)

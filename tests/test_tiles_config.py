@@ -246,3 +246,64 @@ def test_the_end_to_end_share_is_the_seed_designs_at_720p(tmp_path, capsys):
   for key in ("summary", "checks", "experts", "rows", "combined", "end_to_end",
               "block_kv_compute"):
     assert key in result
+
+
+# ------------------------------------------------ compensation
+
+
+def test_compensation_is_estimated_and_its_lse_block_counted_in_the_sparse_plans_vmem(
+    tmp_path, capsys):
+  """On a v6e-8: our kernel's 3328x1536/512 tiles, 8 centroids per key tile. The sparse plan
+  also writes its log-sum-exp, a (1, 3328) float32 block double-buffered on 8 sublanes; the
+  dense plan skips nothing, so it is not compensated and its need is unchanged."""
+  _, _, _, off = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8")
+  code, out, _, on = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8", "svg_compensation=true")
+  assert code == 0 and off["compensation"] is None
+  assert on["checks"]["compensation"] == "compensation 8 centroids per key tile"
+  fits = {fit["plan"]: fit for fit in on["checks"]["kernel"]}
+  before = {fit["plan"]: fit for fit in off["checks"]["kernel"]}
+  assert (fits["sparse"]["lse"], fits["dense"]["lse"]) == (True, False)
+  assert fits["sparse"]["vmem"] - before["sparse"]["vmem"] == 2 * 8 * 4 * 3328
+  assert fits["dense"]["vmem"] == before["dense"]["vmem"]
+  tiles_kv = 1536
+  assert on["compensation"] == {"blocks": 8, "pseudo_keys": -(-75_600 // tiles_kv) * 8,
+                                "score_work_vs_dense": 8 / tiles_kv}
+  assert "compensation 8 centroids per key tile, dense kernel" in on["summary"]
+  assert "sparse plan 14.3 of 32 MiB VMEM (log-sum-exp output included)" in out
+  assert "compensation 8 centroids per key tile: after the kernel, each query of a sparse " \
+         "call also scores the 400 centroids of the key tiles" in out
+  assert "0.52% of a dense call's scores" in out
+  # The speed-up bounds are the tiles' alone, as without compensation.
+  assert on["combined"] == off["combined"]
+
+
+def test_a_block_count_that_does_not_divide_the_chips_key_tile_is_refused(tmp_path, capsys):
+  """7 centroids in our kernel's 1536-key tile on a v6e; the same 7 pass the launcher (no tile
+  is known there) and are refused by the transformer's build on the mesh's chip."""
+  from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
+  code, out, err, _ = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8",
+                            "svg_compensation=true", "svg_compensation_blocks=7")
+  settings = PluginSettings.from_mapping({**WAN14B, "svg_compensation": True,
+                                          "svg_compensation_blocks": 7})
+  theirs = run_refusal(lambda: settings.compensation_text(
+      settings.svg.target(target=tpu_target("v6e", flags=""))))
+  assert code == 2 and out == ""
+  assert err.strip() == f"error: the run would stop before loading weights on a v6e-8: {theirs}"
+  assert "svg_compensation_blocks must divide the key tile svg_block_kv (1536), got 7" in theirs
+  # Off, the block count is not used, and not refused.
+  code, *_ = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8", "svg_compensation_blocks=7")
+  assert code == 0
+
+
+def test_the_lse_block_can_be_what_passes_the_vmem_limit(tmp_path, capsys):
+  """A scoped-VMEM limit between our kernel's need without and with the log-sum-exp block:
+  uncompensated it fits, compensated the sparse plan is refused, naming the compensation."""
+  limit_kib = 14_500  # 3328x1536/512 needs 14,811,136 bytes, and 15,024,128 with the block
+  code, *_ = tiles(tmp_path, capsys, WAN14B, "--chip", "v6e", f"svg_vmem_limit_kib={limit_kib}")
+  assert code == 0
+  code, out, err, _ = tiles(tmp_path, capsys, WAN14B, "--chip", "v6e",
+                            f"svg_vmem_limit_kib={limit_kib}", "svg_compensation=true")
+  assert code == 2 and out == ""
+  assert err.startswith("error: the run would stop at its first call (sparse plan): Pallas tiles "
+                        "3328x1536 with block_kv_compute 512 and the log-sum-exp output "
+                        "(svg_compensation) need about 14.3 MiB of VMEM on TPU v6e")

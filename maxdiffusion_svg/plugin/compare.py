@@ -51,7 +51,18 @@ class Run:
 
 
 def svg_run(spec: str) -> Run:
-  """A run from ``config`` (the config's own SVG keys), a preset name, or a band density."""
+  """A run from ``config`` (the config's own SVG keys), a preset name, or a band density,
+  optionally followed by ``+compensation`` (on, the config's blocks), ``+compensation=N`` (on,
+  ``N`` centroids per key tile) or ``+compensation=off``."""
+  base, plus, extra = spec.partition("+")
+  run = _base_run(base)
+  if not plus:
+    return run
+  keys = _compensation_keys(extra, spec)
+  return Run(f"{run.name} +{extra}", KERNEL_NAME, (*run.overrides, *keys))
+
+
+def _base_run(spec: str) -> Run:
   if spec == CONFIG_RUN:
     return Run("svg", KERNEL_NAME)
   if spec in PRESETS:
@@ -60,10 +71,25 @@ def svg_run(spec: str) -> Run:
     density = float(spec)
   except ValueError:
     raise ValueError(f"--svg takes {CONFIG_RUN}, a preset ({', '.join(PRESETS)}) or a band "
-                     f"density in (0, 1], got {spec!r}") from None
+                     f"density in (0, 1], each optionally +compensation[=N|off], got "
+                     f"{spec!r}") from None
   if not 0.0 < density <= 1.0:
     raise ValueError(f"--svg density must be in (0, 1], got {spec}")
   return Run(f"svg density {density:g}", KERNEL_NAME, (f"svg_density={density:g}",))
+
+
+def _compensation_keys(extra: str, spec: str) -> tuple[str, ...]:
+  """The ``svg_compensation*`` overrides of a run's ``+compensation[=N|off]``."""
+  name, _, value = extra.partition("=")
+  if name == "compensation" and value in ("", "on"):
+    return ("svg_compensation=true",)
+  if name == "compensation" and value == "off":
+    return ("svg_compensation=false",)
+  if name == "compensation" and value.isdigit() and int(value) > 0:
+    return ("svg_compensation=true", f"svg_compensation_blocks={int(value)}")
+  raise ValueError(f"--svg {spec}: after + a run takes compensation (on, the config's "
+                   f"svg_compensation_blocks), compensation=N (N >= 1 centroids per key tile) "
+                   f"or compensation=off, got {extra!r}")
 
 
 def base_attention(config_path: str) -> str | None:
@@ -263,6 +289,8 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
     run = current["run"]
     if KERNEL_NAME not in rules:  # the first call: the rules of the config as loaded
       rules[KERNEL_NAME] = pyconfig.config.logical_axis_rules
+      for settings in plan.settings.values():  # each run's blocks against the mesh's key tile
+        settings.compensation_text(settings.svg.target(mesh=getattr(pipeline, "mesh", None)))
     set_run(pipeline, run, plan.settings.get(run.name), rules[run.kernel])
 
   bar = _bar(len(plan.runs) * steps, progress)
@@ -300,6 +328,8 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
         layers = hooks.prepared_transformers(seen["pipeline"])[0].num_layers
         counts = call_counts(settings, steps, layers, grid)
         row.update(density=settings.svg.density, preset=settings.preset,
+                   compensation_blocks=settings.svg.compensation_blocks
+                   if settings.svg.compensation else 0,
                    sparse_calls=counts.sparse, dense_calls=counts.dense,
                    sparse_call_share=counts.sparse / (counts.sparse + counts.dense),
                    calls_counted=counts.counted, temporal_head_share=counts.temporal_share)
@@ -338,7 +368,7 @@ def format_comparison(result: dict[str, Any]) -> str:
   frames, height, width = result["video"]
   lines = [f"compare: {result['checkpoint']}, {frames}x{height}x{width} video "
            f"({result['tokens']:,} tokens), {result['steps']} steps, seed {result['seed']}",
-           f"{'run':<24}{'sparse calls':>13}{'temporal':>9}{'s/step':>10}{'speed-up':>10}"
+           f"{'run':<32}{'sparse calls':>13}{'temporal':>9}{'s/step':>10}{'speed-up':>10}"
            f"{'PSNR dB':>9}{'SSIM':>8}{'LPIPS':>8}"]
   for row in result["runs"]:
     share = f"{row['sparse_call_share']:.0%}" if "sparse_call_share" in row else "-"
@@ -346,7 +376,7 @@ def format_comparison(result: dict[str, Any]) -> str:
     temporal = "-" if temporal is None else f"{temporal:.0%}"
     psnr = "inf" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.2f}"
     lpips = "-" if row["lpips"] is None else f"{row['lpips']:.3f}"
-    lines.append(f"{row['name']:<24}{share:>13}{temporal:>9}{row['step_s']:>10.3f}"
+    lines.append(f"{row['name']:<32}{share:>13}{temporal:>9}{row['step_s']:>10.3f}"
                  f"{row['speedup_vs_dense']:>9.2f}x{psnr:>9}{row['ssim']:>8.3f}{lpips:>8}")
   lines.append(f"time: {result['time']}; quality: {result['metrics']}")
   lines.append(f"videos: {result['side_by_side']} (left to right: "

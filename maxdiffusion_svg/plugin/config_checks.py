@@ -12,8 +12,12 @@ when the run would pass it, and a refusal or warning carries the run's words:
   :func:`preflight.check_backend_on_ring` (``generate_wan.run``), for a ``--slice`` type;
 * an empty sparse window: :meth:`PluginSettings.empty_window` (logged at each build);
 * a sequence under ``svg_min_seq_length``: :meth:`PluginSettings.is_short` (the first call);
+* ``svg_compensation_blocks`` against the key tile on the chip:
+  :meth:`PluginSettings.compensation_text` (the create-transformer hook, before weights load);
 * the TPU kernel's shapes, VMEM and SMEM: :func:`kernels.api.check_tpu_call` on the sparse
-  plan of each model and on the schedule's dense plan (the first call, at trace time).
+  plan of each model and on the schedule's dense plan (the first call, at trace time); with
+  compensation, our kernel's sparse calls also write their log-sum-exp, whose output block
+  is counted in the VMEM need (:func:`kernels.tpu_memory.check_fits`, ``lse``).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Mapping
 
+from maxdiffusion_svg.compensation import skips_any
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import check_tpu_call
-from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
+from maxdiffusion_svg.kernels.tpu_memory import check_fits, kernel_smem, kernel_vmem
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
@@ -94,16 +99,22 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
   if backend not in TPU_BACKENDS:
     return []
   kv_compute = settings.svg.tiles(target, backend).block_kv_compute
+  # Our kernel's compensated calls write a log-sum-exp block (Splash's model counts none); a
+  # plan that skips nothing (the dense branch) is not compensated.
+  lse_kernel = backend == "pallas" and settings.svg.compensation_for(target, backend) > 0
   fits = []
   for name, plan in plans.items():
+    lse = lse_kernel and skips_any(plan)
     try:
       check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend)
+      if lse:
+        check_fits(plan, HEAD_DIM, dtype, kv_compute, target, backend, lse=True)
     except ValueError as err:
       raise _refused(f"at its first call ({name} plan)", err) from None
     fits.append({"plan": name, "vmem": kernel_vmem(plan, HEAD_DIM, dtype, kv_compute, target,
-                                                     backend),
+                                                     backend, lse),
                  "vmem_limit": target.vmem_limit, "smem": kernel_smem(plan, backend),
-                 "smem_limit": target.smem})
+                 "smem_limit": target.smem, "lse": lse})
   return fits
 
 
@@ -119,6 +130,11 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
   except ValueError as err:
     warnings.append(f"{err} (XPK and our JobSets set JOBSET_NAME; elsewhere the run stops here)")
   mesh = check_slice(keys, slice_type, heads) if slice_type else None
+  try:  # the key tile of the chip's executor: what the transformer's build checks
+    compensation = settings.compensation_text(target, backend)
+  except ValueError as err:
+    where = f"a {slice_type}" if slice_type else target.chip if target.is_tpu else target.platform
+    raise _refused(f"before loading weights on {where}", err) from None
   if empty := settings.empty_window(steps, layers):
     warnings.append(empty)
   if settings.is_short(grid.tokens):
@@ -127,7 +143,7 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
   dtype = str(keys.get("activations_dtype") or "bfloat16")
   fits = check_kernel(settings, plans, target, backend, dtype)
   return {"heads": heads, "heads_source": heads_source, "head_dim": HEAD_DIM, "dtype": dtype,
-          "slice": mesh, "kernel": fits, "warnings": warnings}
+          "slice": mesh, "compensation": compensation, "kernel": fits, "warnings": warnings}
 
 
 def slice_chip(slice_type: str | None, chip: str | None) -> str:
@@ -146,5 +162,7 @@ def slice_chip(slice_type: str | None, chip: str | None) -> str:
 
 
 def format_fit(fit: Mapping[str, Any]) -> str:
-  return (f"{fit['plan']} plan {fit['vmem'] / MIB:.1f} of {fit['vmem_limit'] / MIB:g} MiB VMEM, "
+  lse = " (log-sum-exp output included)" if fit.get("lse") else ""
+  return (f"{fit['plan']} plan {fit['vmem'] / MIB:.1f} of {fit['vmem_limit'] / MIB:g} MiB VMEM"
+          f"{lse}, "
           f"{fit['smem'] / 1024:.1f} of {fit['smem_limit'] // 1024} KiB SMEM")

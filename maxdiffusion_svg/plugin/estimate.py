@@ -141,6 +141,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
     priced.append(_against_fixed_m(plan, rows[-1].sparse_call_share, tiles, target, backend))
   combined = _combined(rows, priced)
   share, source = attention_share(grid.tokens, given_share)
+  blocks = svg.compensation_for(target, backend)  # checked by check_config above
   return {"kind": "computed from the tile plan", "target": target.describe(),
           "libtpu_note": libtpu_note() if backend == "splash" else "",
           "backend": backend, "tiles": [tiles.block_q, tiles.block_kv],
@@ -152,8 +153,19 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
           "experts": split.as_dict() if split else None,
           "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, priced)],
           "combined": combined,
+          "compensation": _compensation(blocks, next(iter(plans.values()))),
           "end_to_end": {"attention_share": share, "source": source,
                          "step_speedup_bound": amdahl(share, combined["work_vs_dense"])}}
+
+
+def _compensation(blocks: int, plan) -> dict[str, Any] | None:
+  """What a compensated sparse call adds after the kernel: every query scores each key tile's
+  ``blocks`` centroids (those of the tiles its row visits masked out), ``blocks / block_kv``
+  of a dense call's scores; None when compensation is off."""
+  if not blocks:
+    return None
+  return {"blocks": blocks, "pseudo_keys": plan.num_kv_tiles * blocks,
+          "score_work_vs_dense": blocks / plan.block_kv}
 
 
 def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, Any]:

@@ -92,6 +92,14 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"whole run, both experts: {combined['sparse_call_share']:.1%} of self-attention calls "
         f"sparse; work vs dense {combined['work_vs_dense']:.3f} -> attention speed-up at most "
         f"{combined['speedup_bound']:.2f}x{against}")
+  comp = result.get("compensation")
+  lines.append(
+      "compensation off: the tiles a sparse call skips get no weight (svg_compensation: false)"
+      if comp is None else
+      f"compensation {comp['blocks']} centroids per key tile: after the kernel, each query of a "
+      f"sparse call also scores the {comp['pseudo_keys']:,} centroids of the key tiles (those "
+      f"its row visits masked out), {comp['score_work_vs_dense']:.2%} of a dense call's "
+      f"scores, in XLA; not in the bounds here")
   e2e = result["end_to_end"]
   lines.append(
       f"end to end: a denoising step at most {e2e['step_speedup_bound']:.2f}x faster (Amdahl: "

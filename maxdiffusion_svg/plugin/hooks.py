@@ -265,6 +265,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
     settings = None
     if config.attention == KERNEL_NAME:
       settings = PluginSettings.from_mapping(config.get_keys())  # fails before weights load
+      settings.compensation_text(settings.svg.target(mesh=mesh))  # blocks vs the mesh's key tile
     model = original(devices_array, mesh, rngs, config, restored_checkpoint=restored_checkpoint,
                      subfolder=subfolder)
     if settings is not None:

@@ -130,7 +130,8 @@ def _steps(kwargs: dict[str, Any], call: Any) -> int:
 
 
 def _kernel(models: list[Any], mesh: Any) -> str:
-  """The kernel, executor and tiles of the prepared models, and each one's density."""
+  """The kernel, executor and tiles of the prepared models, each one's density, and the
+  compensation (the experts share it: one ``svg_compensation`` per run)."""
   settings = models[0].svg_settings
   target = settings.svg.target(mesh=mesh)
   backend = resolve_backend(settings.svg.backend, target)
@@ -140,7 +141,8 @@ def _kernel(models: list[Any], mesh: Any) -> str:
       f"{m.svg_settings.svg.density_for(m.svg_expert)}" for m in models)
   step = f" (kv step {tiles.block_kv_compute})" if backend in TPU_BACKENDS else ""
   return (f"kernel svg on {backend}, {settings.svg.tile_mode.value} tiles "
-          f"{tiles.block_q}x{tiles.block_kv}{step}, {densities}")
+          f"{tiles.block_q}x{tiles.block_kv}{step}, {densities}, "
+          f"{settings.compensation_text(target, backend)}")
 
 
 def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any], call: Any,

@@ -85,12 +85,23 @@ class PluginSettings:
       dense, where = self.resolved_dense_kernel(target.platform), f" on {target.describe()}"
       if backend == "splash" and (note := libtpu_note()):
         where += f" ({note})"
+    compensation = self.compensation_text(target, None if target is None else backend)
     return (f"SVG attention: preset {self.preset}, {densities}, sparse steps "
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
-            f"{svg.tile_mode.value} {tiles}, backend {backend}{where}, dense kernel "
+            f"{svg.tile_mode.value} {tiles}, backend {backend}{where}, {compensation}, "
+            f"dense kernel "
             f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
             f"dense below {self.min_seq_length} tokens")
+
+  def compensation_text(self, target: Target | None = None, backend: str | None = None) -> str:
+    """The compensation for the log lines; on ``target`` its block count is checked against
+    the executor's key tile there (the refusal names ``svg_compensation_blocks``)."""
+    if not self.svg.compensation:
+      return "compensation off"
+    blocks = (self.svg.compensation_blocks if target is None
+              else self.svg.compensation_for(target, backend))
+    return f"compensation {blocks} centroids per key tile"
 
   def is_short(self, tokens: int) -> bool:
     """Self-attention this short runs dense (the kernel's ``short`` calls)."""
