@@ -89,8 +89,8 @@ Compensated = tuple[TilePlan, int]
 
 
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
-                        grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
-                        scale: float) -> jax.Array:
+                     grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
+                     scale: float) -> jax.Array:
   """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
   its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
   skips in ``layout`` (``cents``: that layout's)."""
@@ -129,7 +129,7 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
       plan, blocks = compensation
       lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
       out = compensated_rows(qs, out, lse, rows, grid, layout, plan,
-                                layout_centroids(k, v32, grid, layout, plan, blocks), scale)
+                             layout_centroids(k, v32, grid, layout, plan, blocks), scale)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
