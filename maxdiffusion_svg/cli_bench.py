@@ -34,6 +34,13 @@ def _add_devices_arg(parser: argparse.ArgumentParser, help_text: str = "simulate
   parser.add_argument("--devices", type=int, default=8, help=help_text)
 
 
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+  return value
+
+
 def _progress(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
@@ -235,6 +242,16 @@ def _bench_schedule(args: argparse.Namespace) -> int:
   if any(given):
     defaults = default_tiles(args.chip, args.vmem_limit_kib, args.backend)
     tiles = tuple(g or d for g, d in zip(given, defaults))
+  if args.compensation:
+    # pylint: disable=import-outside-toplevel
+    from maxdiffusion_svg.bench.schedule_compensation import (format_compensation_bench,
+                                                              run_compensation_bench)
+    # pylint: enable=import-outside-toplevel
+    result = run_compensation_bench(args.chip, args.resolution, args.density, tiles,
+                                    args.vmem_limit_kib, args.backend, args.compensation_blocks,
+                                    log=_progress)
+    _report(args, format_compensation_bench(result), result)
+    return 0
   result = run_schedule_bench(args.chip, args.resolution, args.density, tiles,
                               args.vmem_limit_kib, args.maxdiffusion, args.backend, log=_progress)
   _report(args, format_schedule_bench(result), result)
@@ -380,6 +397,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   schedule.add_argument("--maxdiffusion", action="store_true",
                         help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "
                              "(needs MaxDiffusion on PYTHONPATH)")
+  schedule.add_argument("--compensation", action="store_true",
+                        help="instead: each mode's compensated call (kernel with its log-sum-exp, "
+                             "centroid pass, merge) against its plain one")
+  schedule.add_argument("--compensation-blocks", type=_positive_int, default=8,
+                        help="centroids per key tile with --compensation (svg_compensation_blocks)")
   _add_json_arg(schedule)
   schedule.set_defaults(run=_bench_schedule)
 

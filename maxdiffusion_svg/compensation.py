@@ -187,8 +187,13 @@ def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
     m = -(-max(1, int(seen.sum(axis=1).max())) // 8) * 8
     order = np.argsort(~seen, axis=1, kind="stable")[:, :m]  # each row's seen pseudo-keys first
     row_bias = np.take_along_axis(bias, order, axis=1)  # -inf past them
-    keys = jnp.moveaxis(cents.k.astype(q.dtype)[:, :, order], 2, 0)  # [nq, B, H, m, D]
-    values = jnp.moveaxis(cents.v[:, :, order], 2, 0)
+    # Selected by a static one-hot matmul, not a gather: exact (one 1.0 per output, float32
+    # accumulation) and a dense MXU op where a gather is a loop of small copies.
+    pick = np.zeros((nq, m, n), np.float32)
+    pick[np.arange(nq)[:, None], np.arange(m)[None, :], order] = 1.0
+    select = lambda x: jnp.einsum("tmn,bhnd->tbhmd", pick.astype(x.dtype), x,
+                                  preferred_element_type=jnp.float32).astype(x.dtype)
+    keys, values = select(cents.k.astype(q.dtype)), select(cents.v)  # [nq, B, H, m, D]
   else:
     m, row_bias = n, bias
     keys = jnp.broadcast_to(cents.k.astype(q.dtype), (nq, *cents.k.shape))

@@ -11,6 +11,7 @@ scheduled, a count, not time (no DMA or memory stalls, no clock).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ import yaml
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
+from maxdiffusion_svg.bench.schedule_xla import price_program
 from maxdiffusion_svg.tpu_aot import libtpu_version
 from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, SPLASH_LAYOUT,
                                            KernelSchedule, ScheduleFormatError, dump_flags,
@@ -80,6 +82,7 @@ class ScheduleCase:
   kernel: str = "svg"
   backend: str = "splash"  # svg only: "pallas" (ours, the TPU default) or "splash"
   block_kv_compute_in: int | None = None  # MaxDiffusion's custom kernel only
+  compensation_blocks: int = 0  # svg only: > 0 compiles the compensated call (compensation.py)
 
   def plan(self) -> TilePlan:
     include_sink = self.density < 1.0
@@ -193,8 +196,12 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
     target = target_for_devices(mesh.devices.flat, case.vmem_limit_kib)
     plan = case.plan()
     spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
+    call = sparse_attention
+    if case.compensation_blocks:
+      from maxdiffusion_svg.compensation import compensated_attention  # pylint: disable=import-outside-toplevel
+      call = functools.partial(compensated_attention, blocks=case.compensation_blocks)
     try:
-      lowered = jax.jit(lambda q, k, v: sparse_attention(
+      lowered = jax.jit(lambda q, k, v: call(
           q, k, v, plan, block_kv_compute=case.block_kv_compute, target=target,
           backend=case.backend)).lower(spec, spec, spec)
     except ValueError as err:  # our VMEM/SMEM refusal, before the compiler
@@ -231,8 +238,10 @@ def _tiles(case: ScheduleCase) -> tuple[int, int, int]:
   return plan.stats.full_tiles, plan.stats.masked_tiles, plan.num_q_tiles
 
 
-def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Compiles one case with its schedule dumped to a temporary folder (removed after)."""
+def run_case(case: ScheduleCase, log: Callable[[str], None] = print,
+             price_xla: bool = False) -> dict[str, Any]:
+  """Compiles one case with its schedule dumped to a temporary folder (removed after); with
+  ``price_xla``, also the XLA program around the kernel (``xla``: :func:`schedule_xla.price_program`)."""
   full, masked, rows = _tiles(case)
   row: dict[str, Any] = {"case": dataclasses.asdict(case), "tiles_full": full,
                          "tiles_masked": masked, "tiles_visited": full + masked, "rows": rows}
@@ -251,6 +260,11 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print) -> dict[str
           row["static_bundles_online"] = static_bundles(kernel, full, masked, rows, body="online")
         if case.kernel == "svg":
           row["masking"] = mask_strategy(case.plan())
+        if price_xla:
+          try:
+            row["xla"] = price_program(directory, dump_name(case)[0])
+          except ScheduleFormatError as err:
+            row.update(ok=False, error=f"XLA schedule not recognised: {err}")
   log(f"{case.chip} {case.mode} density {case.density} tiles {case.block_q}x{case.block_kv}/"
       f"{case.block_kv_compute}: " + (f"{row['static_bundles']:,} static bundles ({row['seconds']} s)"
                                       if row["ok"] else row["error"]))

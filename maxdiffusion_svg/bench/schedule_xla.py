@@ -1,0 +1,133 @@
+"""Static bundles of a whole compiled XLA program, from libtpu's schedule dump.
+
+A Mosaic kernel's cost is its plan's tiles times its bodies (:mod:`maxdiffusion_svg.bench.schedule`);
+the XLA around it (fusions, dots, copies) has no plan. libtpu dumps one final schedule per
+computation: the top-level program (``TLP``) ``call``s each fusion in order, and a fusion walks
+its data in at most a few flat loops whose exit test compares an iteration counter (from 0,
+step 1) with a literal trip count. A computation's bundles as issued are its listing's length
+plus ``(trips - 1)`` times each loop's; the program's are the TLP's plus each called
+computation's, times the trip count of any TLP loop around the call.
+
+Not exact either way: a predicated region (a software-pipelined loop's first and last steps, a
+bounds check) is counted as if it always ran (too many), and a loop nested in another (a gather's
+copies, whose trip count is not a literal) as if it ran once per outer step (too few: the
+centroid pass avoids gathers for this reason). And bundles are not time: a fusion that streams a
+large array from HBM waits on memory that no bundle shows.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+from maxdiffusion_svg.tpu_schedule import ScheduleFormatError, _bundles
+
+_EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
+_CALL = re.compile(r"\b(?:inlined_)?call\b[^;{}]*?/\* %([\w.\-]+) = ")
+_EMPTY = re.compile(r":\s*>?\s*\{\s*\}")
+_SUFFIX = "-final_bundles.txt"
+
+
+def loops(text: str, path: str = "listing") -> list[tuple[int, int, int]]:
+  """``(first, last, trips)`` of each loop in a listing: from its ``LB`` bundle through its back
+  edge and the empty delay slots after it, run ``trips`` times."""
+  bundles, _ = _bundles(text)
+  out, start = [], None
+  for i, (address, label, line) in enumerate(bundles):
+    if label == "LB" and start is None:
+      start = address  # a loop inside it (a gather's copy, trips not literal) runs once per step
+    match = _EXIT_TEST.search(line)
+    if match is None:
+      continue
+    if start is None:
+      raise ScheduleFormatError(f"{path}: a loop exit test at {address:#x} outside any loop")
+    j = i + 1
+    while j < len(bundles) and "sbr.rel" not in bundles[j - 1][2]:
+      j += 1  # the back edge, at or after the exit test
+    while j < len(bundles) and _EMPTY.search(bundles[j][2]) and "exit bundle" not in bundles[j][2]:
+      j += 1  # its delay slots
+    out.append((start, bundles[j - 1][0], int(match.group(1))))
+    start = None
+  if start is not None:
+    raise ScheduleFormatError(f"{path}: the loop at {start:#x} has no exit test this reader knows")
+  return out
+
+
+def issued_bundles(text: str, path: str = "listing") -> int:
+  """Bundles one run of a computation issues: its listing, each loop's body ``trips`` times."""
+  bundles, _ = _bundles(text)
+  if not bundles:
+    raise ScheduleFormatError(f"{path}: no bundles")
+  total = bundles[-1][0] + 1
+  return total + sum((trips - 1) * (last - first + 1) for first, last, trips in loops(text, path))
+
+
+def calls(text: str, path: str = "TLP") -> dict[str, int]:
+  """How many times the top-level program calls each computation (by name), counting the trip
+  count of a loop around the call."""
+  bundles, _ = _bundles(text)
+  spans = loops(text, path)
+  counts: dict[str, int] = {}
+  for address, _, line in bundles:
+    for name in _CALL.findall(line):
+      times = 1
+      for first, last, trips in spans:
+        if first <= address <= last:
+          times *= trips
+      counts[name] = counts.get(name, 0) + times
+  return counts
+
+
+def _listings(directory: str) -> dict[str, str]:
+  """Each dumped computation's final listing by name (its file's middle part)."""
+  out = {}
+  for path in glob.glob(os.path.join(directory, f"*{_SUFFIX}")):
+    base = os.path.basename(path)
+    if "schedule-analysis" in base:
+      continue
+    name = base[:-len(_SUFFIX)].split("-", 1)[1].rsplit("-", 1)[0]
+    out[name] = path
+  return out
+
+
+def price_program(directory: str, skip: str) -> dict[str, Any]:
+  """Static bundles of the dumped program, less every computation whose name contains ``skip``
+  (the kernel, priced from its plan): ``{bundles, top_level, computations, priced_as,
+  unpriced}``."""
+  listings = _listings(directory)
+  top = [n for n in listings if n == "TLP"]
+  if not top:
+    raise ScheduleFormatError(f"{directory}: no top-level program (TLP) schedule dumped")
+
+  def read(name: str) -> str:
+    with open(listings[name], encoding="utf-8") as f:
+      return f.read()
+
+  tlp = read("TLP")
+  priced = {name: 0 for name in ("<late-initialization>", "<late-finalization>") if name in listings}
+  for name in priced:
+    priced[name] = issued_bundles(read(name), listings[name])
+  top_level = issued_bundles(tlp, listings["TLP"])
+  unpriced, priced_as = [], {}
+  for name, times in calls(tlp, listings["TLP"]).items():
+    if skip in name or name in priced and name.startswith("<"):
+      continue
+    source = name
+    if name not in listings:
+      # libtpu dumps one listing for computations it compiled once and calls twice (k's and
+      # v's centroids): priced as a dumped one of the same kind (name less its .N), if any.
+      kin = sorted(n for n in listings if _kind(n) == _kind(name) and skip not in n)
+      if not kin:
+        unpriced.append(name)
+        continue
+      source = priced_as[name] = kin[0]
+    priced[name] = priced.get(name, 0) + times * issued_bundles(read(source), listings[source])
+  return {"bundles": top_level + sum(priced.values()), "top_level": top_level,
+          "computations": dict(sorted(priced.items(), key=lambda x: -x[1])),
+          "priced_as": priced_as, "unpriced": sorted(unpriced)}
+
+
+def _kind(name: str) -> str:
+  return re.sub(r"\.\d+$", "", name)
