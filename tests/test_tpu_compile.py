@@ -109,6 +109,20 @@ def test_scheduled_call_with_its_dense_branch_compiles(chip):
   assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
+def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backend="pallas"):
+  """svg_compensation on, v6e, 720p: the kernel returns its log-sum-exp, the centroid pass and the
+  merge follow it; the dense branch skips nothing, so it is the plain kernel."""
+  mesh = chip_mesh("v6e")
+  grid = grid_for_resolution("720p")
+  config = SvgConfig(compensation=True, backend=backend)
+  target = target_for_devices(mesh.devices.flat)
+  fn = lambda q, k, v, step, layer: scheduled_svg_attention(
+      q, k, v, grid=grid, config=config, step=step, layer=layer, target=target)
+  scalar = abstract((), jnp.int32, mesh)
+  result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
+  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
+
+
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_raised_vmem_limit_tiles_compile_under_that_limit(chip):
   mesh = chip_mesh(chip)
