@@ -192,7 +192,8 @@ def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
     pick = np.zeros((nq, m, n), np.float32)
     pick[np.arange(nq)[:, None], np.arange(m)[None, :], order] = 1.0
     select = lambda x: jnp.einsum("tmn,bhnd->tbhmd", pick.astype(x.dtype), x,
-                                  preferred_element_type=jnp.float32).astype(x.dtype)
+                                  preferred_element_type=jnp.float32,
+                                  precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
     keys, values = select(cents.k.astype(q.dtype)), select(cents.v)  # [nq, B, H, m, D]
   else:
     m, row_bias = n, bias
