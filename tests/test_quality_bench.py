@@ -16,7 +16,9 @@ TINY = QualityBenchConfig(grid=VideoGrid(6, 8, 16), head_types=("spatial", "temp
                           head_dim=32, densities=(0.35, 1.0), modes=("split", "aligned"),
                           block_q=128, block_kv=128, profile_queries=16, router_seeds=2,
                           router_head_types=("spatial", "temporal", "mixed50", "weak_temporal"),
-                          router_densities=(0.35,), timing_resolution=None, repeats=1)
+                          router_densities=(0.35,), timing_resolution=None, repeats=1,
+                          compensation_heads=1, compensation_densities=(0.35,),
+                          compensation_blocks=(4, 8))
 
 
 def test_tiny_quality_bench(tmp_path):
@@ -37,8 +39,16 @@ def test_tiny_quality_bench(tmp_path):
     assert routers[masks]["gap_db"] >= -1e-9
     assert routers[masks]["psnr_db"] <= routers["ideal_psnr_db"] + 1e-9
   assert routers["ideal_temporal"][:2] == [False, True]  # the clear heads
+  comp = result["compensation"]
+  assert comp["groups"] == ["spatial", "temporal", "moving", "soft_spatial", "soft_temporal",
+                            "soft_moving"]
+  row = comp["rows"]["0.35"]
+  assert {e["visited_tile_fraction"] for e in row.values()} == {row["off"]["visited_tile_fraction"]}
+  assert row["off"]["visited_tile_fraction"] < 1  # sparse: there is something to compensate
+  assert comp["recommended_blocks"] in (4, 8)
   text = format_quality_bench(result)
   assert "sampled, stratified" in text and "0.35/split" in text and "execution" in text
+  assert "recommended compensation_blocks" in text
   path = tmp_path / "quality.png"
   plot_quality(str(path), TINY, result)
   assert path.read_bytes()[:4] == b"\x89PNG"
@@ -54,3 +64,37 @@ def test_metrics():
 def test_planted_types_are_validated():
   with pytest.raises(ValueError, match="head types must be among"):
     planted_qkv(VideoGrid(2, 2, 2), ("diagonal",))
+
+
+def _attention_masses(grid, kind, seed):
+  """Mean softmax mass (self excluded) on the same place in other frames, on the query's and
+  adjacent frames, and on keys two or more frames away at another place."""
+  q, k, _ = planted_qkv(grid, (kind,), 64, seed=seed)
+  logits = q[0, 0] @ k[0, 0].T / 8.0
+  np.fill_diagonal(logits, -np.inf)  # a token's own key matches it in every head type
+  p = np.exp(logits - logits.max(axis=1, keepdims=True))
+  p /= p.sum(axis=1, keepdims=True)
+  frame, pos = np.divmod(np.arange(grid.tokens), grid.frame_size)
+  same_place = pos[:, None] == pos[None, :]
+  near = np.abs(frame[:, None] - frame[None, :]) <= 1
+  return [float((p * m).sum(axis=1).mean()) for m in (same_place, near, ~same_place & ~near)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_moving_heads_are_neither_spatial_nor_temporal(seed):
+  grid = VideoGrid(8, 8, 12)
+  spatial, temporal, moving = (_attention_masses(grid, kind, seed)
+                               for kind in ("spatial", "temporal", "moving"))
+  assert spatial[1] > 0.95 and temporal[0] > 0.95  # the planted heads are what they say
+  assert moving[0] < 0.6 and moving[1] < 0.6  # the moving head is neither
+  assert moving[2] > 0.25  # it reaches other places in distant frames: its objects moved
+  assert spatial[2] < 0.05 and temporal[2] < 0.05
+
+
+def test_moving_heads_are_deterministic_float32():
+  grid = VideoGrid(4, 6, 8)
+  a = planted_qkv(grid, ("moving", "moving"), 32, seed=3)
+  b = planted_qkv(grid, ("moving", "moving"), 32, seed=3)
+  for x, y in zip(a, b):
+    assert x.dtype == np.float32 and np.array_equal(x, y)
+  assert not np.array_equal(a[0][:, 0], a[0][:, 1])  # each head draws its own objects

@@ -2,7 +2,9 @@
 
 Reports routing accuracy (against the planted types and against an every-row oracle
 router), attention-output PSNR and relative L2 error against dense per density and mode,
-time against dense, and the router's share of the time, also at a 720p sequence length.
+PSNR with compensation off and on at equal visited tiles (on planted and moving-content
+heads, :mod:`maxdiffusion_svg.bench.compensation_quality`), time against dense, and the
+router's share of the time, also at a 720p sequence length.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.attention import placed_attention, svg_attention
+from maxdiffusion_svg.bench.compensation_quality import format_compensation, run_compensation
 from maxdiffusion_svg.bench.routers import ROUTER_HEADS, compare_routers, format_router_comparison
 from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
 from maxdiffusion_svg.bench.timing import time_call
@@ -45,6 +48,9 @@ class QualityBenchConfig:
   router_seeds: int = 5
   router_head_types: tuple[str, ...] = ROUTER_HEADS  # probe vs execution masks, against the ideal
   router_densities: tuple[float, ...] = (0.2, 0.35, 0.5)
+  compensation_heads: int = 2  # per kind and strength (compensation_quality); 0 skips
+  compensation_densities: tuple[float, ...] = (0.1, 0.15, 0.2, 0.35)
+  compensation_blocks: tuple[int, ...] = (8, 16, 32)  # centroids per key tile, each tried
   timing_density: float = 0.35
   timing_resolution: str | None = "720p"  # router share at a real length; None to skip
   repeats: int = 2
@@ -54,6 +60,9 @@ class QualityBenchConfig:
     for name in ("router_seeds", "repeats", "profile_queries"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.compensation_heads and not self.compensation_blocks:
+      raise ValueError("compensation_blocks must name at least one value when "
+                       "compensation_heads > 0")
 
   def svg_config(self, **overrides: Any) -> SvgConfig:
     kwargs: dict[str, Any] = dict(
@@ -221,6 +230,9 @@ def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
   result["routers"] = compare_routers(qr, kr, vr, np.asarray(jax.jit(dense_attention)(qr, kr, vr)),
                                       cfg.router_head_types, cfg.svg_config, cfg.grid,
                                       cfg.router_densities, cfg.router_seeds, psnr, log)
+  if cfg.compensation_heads:
+    log(f"compensation off and on at equal visited tiles ({6 * cfg.compensation_heads} heads)...")
+    result["compensation"] = run_compensation(cfg, psnr, log)
   log("timing...")
   result["timing"] = _timing_section(cfg, q, k, v, log)
   return result
@@ -252,6 +264,8 @@ def format_quality_bench(r: dict[str, Any]) -> str:
              f" {row['temporal_heads']:>15}" if "retained_pair_fraction" in row else
              "   (no routing)")
     lines.append(f"{name:<22} {row['psnr_db']:>8.2f} {row['rel_l2']:>8.4f} {extra}")
+  if "compensation" in r:
+    lines += ["", *format_compensation(r["compensation"])]
   t = r["timing"]
   lines += ["", f"time on the bench grid: dense {t['dense_s']:.3f} s, svg_attention {t['svg_s']:.3f} s "
             f"(ratio {t['svg_s'] / t['dense_s']:.2f}); router {t['router_s'] * 1e3:.1f} ms = "
