@@ -40,12 +40,13 @@ def _overrides(checkpoint):
 
 @pytest.fixture(scope="module")
 def compared(checkpoint, run_config, tmp_path_factory):
-  """dense (dot_product), the config's svg and svg at density 1, counting weight loads and
-  recording the svg kernel's calls."""
+  """dense (dot_product), the config's svg, svg at density 1 and the config's svg compensated,
+  counting weight loads and recording the svg kernel's calls."""
   import jax  # pylint: disable=import-outside-toplevel
   out = tmp_path_factory.mktemp("compare")
   plan = compare.plan_comparison(run_config, _overrides(checkpoint), "dot_product",
-                                 ["config", "1.0"], str(out), lpips=False)
+                                 ["config", "1.0", "config+compensation"], str(out),
+                                 lpips=False)
   loads, rules = [], {}
   prepare = hooks.prepare_transformer  # the hook calls it once per transformer it builds
   hooks.prepare_transformer = lambda *a, **k: loads.append(1) or prepare(*a, **k)
@@ -67,12 +68,13 @@ def compared(checkpoint, run_config, tmp_path_factory):
 
 def test_runs_share_one_load_and_each_runs_its_kernel(compared):
   plan, result, _, log, loads, _, _ = compared
-  assert [r.name for r in plan.runs] == ["dense (dot_product)", "svg", "svg density 1"]
+  assert [r.name for r in plan.runs] == ["dense (dot_product)", "svg", "svg density 1",
+                                         "svg +compensation"]
   assert len(loads) == 1  # one transformer built: the weights loaded once
   self_calls = [r for r in log if r["kind"] == "self"]
   # The dense run never enters the svg kernel; each svg run makes steps x layers calls in its
   # real call and 2 x layers in generate_wan's 2-step warm-up.
-  assert len(self_calls) == 2 * (2 + STEPS) * LAYERS
+  assert len(self_calls) == 3 * (2 + STEPS) * LAYERS
   sparse = [r for r in self_calls if r["sparse"]]
   assert {(r["step"], r["layer"]) for r in sparse} == {(1, 1), (2, 1)}
   assert {r["density"] for r in sparse} == {0.3, 1.0}  # each run's own settings
@@ -83,6 +85,9 @@ def test_runs_share_one_load_and_each_runs_its_kernel(compared):
   assert rows["svg"]["calls_counted"] and 0 <= rows["svg"]["temporal_head_share"] <= 1
   assert rows["svg"]["density"] == 0.3 and rows["svg density 1"]["density"] == 1.0
   assert "sparse_call_share" not in rows["dense (dot_product)"]
+  assert (rows["svg"]["compensation_blocks"], rows["svg +compensation"]["compensation_blocks"]) \
+      == (0, 8)
+  assert rows["svg +compensation"]["sparse_calls"] == 2
   assert all(r["step_s"] > 0 for r in rows.values())
 
 
@@ -107,6 +112,12 @@ def test_dense_run_is_maxdiffusions_own_and_figures_recompute(compared, checkpoi
   assert math.isfinite(rows["svg"]["psnr_db"])
   assert rows["svg density 1"]["psnr_db"] > rows["svg"]["psnr_db"]
   assert 0 < rows["svg"]["ssim"] < rows["svg density 1"]["ssim"] <= 1
+  # Compensated: the same sparse calls with their skipped tiles' centroids merged in, through
+  # generate_wan: a video of its own (not the uncompensated run's, not dense), every frame scored.
+  compensated = videos["svg +compensation"]
+  assert compensated.shape == dense.shape and (compensated != videos["svg"]).any()
+  assert math.isfinite(rows["svg +compensation"]["psnr_db"])
+  assert 0 < rows["svg +compensation"]["ssim"] < 1
   written = json.loads((out / "compare.json").read_text())
   assert [r["name"] for r in written["runs"]] == list(rows)
   assert (out / "side_by_side.mp4").stat().st_size > 0
@@ -140,6 +151,10 @@ def test_an_interrupted_comparison_keeps_the_finished_runs(checkpoint, run_confi
     ({"svg": ["fast"]}, "--svg takes config, a preset"),
     ({"svg": ["1.5"]}, "--svg density must be in (0, 1]"),
     ({"svg": ["0.5", "0.5"]}, "--svg names a run twice"),
+    ({"svg": ["0.5+comp"]}, "--svg 0.5+comp: after + a run takes compensation"),
+    ({"svg": ["config+compensation=0"]}, "compensation=N (N >= 1 centroids per key tile)"),
+    ({"svg": ["config+compensation=3", "0.5"], "extra": ["svg_block_kv=256"]},
+     "svg_compensation_blocks must divide the key tile svg_block_kv (256), got 3"),
     ({"extra": ["aot_cache_dir=/tmp/aot"]}, "aot_cache_dir is '/tmp/aot'"),
     ({"extra": ["prompt= "]}, "prompt is empty"),
     ({"extra": ["svg_density=0"]}, "svg_density"),
@@ -172,7 +187,8 @@ def test_each_run_gets_the_axis_rules_pyconfig_gives_its_kernel(compared, checkp
   argv = lambda kernel: compare.launcher.prepare_argv(
       ["compare", run_config, *_overrides(checkpoint), f"attention={kernel}"], str(tmp_path))[0]
   svg, dense, ulysses = (compare.axis_rules_for(argv(k)) for k in ("svg", "dot_product", "ulysses"))
-  assert rules == {"dense (dot_product)": dense, "svg": svg, "svg density 1": svg}
+  assert rules == {"dense (dot_product)": dense, "svg": svg, "svg density 1": svg,
+                   "svg +compensation": svg}
   as_tuples = lambda rules: {tuple(r) for r in rules}
   kv_rule = ("activation_self_attn_kv_length", "context")
   assert kv_rule in as_tuples(ulysses) and kv_rule not in as_tuples(svg)
