@@ -13,12 +13,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import compensated_attention
+from maxdiffusion_svg.compensation import Centroids, compensated_attention
 from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import lowering_tpu_target
-from maxdiffusion_svg.router import profile_heads
+from maxdiffusion_svg.router import layout_centroids, profile_heads
 from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -36,13 +36,19 @@ def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
 def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array, *,
                      grid: VideoGrid, plan: TilePlan, scale: float | None = None,
                      backend: str = "auto", block_kv_compute: int | None = None,
-                     target: Target | None = None, compensation_blocks: int = 0) -> jax.Array:
+                     target: Target | None = None, compensation_blocks: int = 0,
+                     cents: dict[Layout, Centroids] | None = None) -> jax.Array:
   """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
   ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
-  the placed layout (:mod:`maxdiffusion_svg.compensation`)."""
+  the placed layout (:mod:`maxdiffusion_svg.compensation`; ``cents``: each layout's centroids,
+  where the router has them, else computed from the placed keys)."""
   placed = [place(x, temporal, grid) for x in (q, k, v)]
   kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target)
   if compensation_blocks:
+    if cents is not None:  # each head's own layout's
+      fm, tm = cents[Layout.FRAME_MAJOR], cents[Layout.TEMPORAL_MAJOR]
+      pick = lambda a, b: jnp.where(temporal[:, :, None, None], b, a)
+      kwargs["cents"] = Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
     out = compensated_attention(*placed, plan, blocks=compensation_blocks, **kwargs)
   else:
     out = sparse_attention(*placed, plan, **kwargs)
@@ -103,11 +109,14 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
     blocks = config.compensation_for(target, backend)
 
     def run(q, k, v, key):
+      # One pass per layout: the router judges with these centroids, the kernel's merge uses them.
+      cents = ({layout: layout_centroids(k, v, grid, layout, plan, blocks) for layout in Layout}
+               if blocks else None)
       routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                              plan=plan, compensation_blocks=blocks)
+                              plan=plan, compensation_blocks=blocks, cents=cents)
       out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
                              backend=backend, block_kv_compute=compute, target=target,
-                             compensation_blocks=blocks)
+                             compensation_blocks=blocks, cents=cents)
       return out, routing
     return run
 

@@ -7,16 +7,16 @@ times ``v_mean``. So, per call and on device, in the placed layout:
 
 1. each key tile is cut into ``blocks`` sub-blocks; each gets its mean key, mean value and
    real-token count (padding keys excluded): O(S * D), :func:`centroids`;
-2. each query tile row sees, as pseudo-keys, the centroids of the tiles *its row skips*, with
-   logit ``scale * q . k_mean + log(count)``: a small dense softmax over ``tiles * blocks``
-   pseudo-keys, :func:`centroid_attention`; its row table is static (:func:`skipped_bias`);
-3. the kernel's exact result over the visited tiles and the centroid result merge through
-   their log-sum-exps (:func:`merge`), which is exactly one softmax over both sets of keys.
+2. each query tile row sees, as extra keys, the centroids of the tiles *its row skips*, with
+   logit ``scale * q . k_mean + log(count)``; which ones is a static table
+   (:func:`skipped_bias`), packed per row by :func:`row_keys`;
+3. they enter the row's one softmax beside its visited tiles: our Pallas kernel takes them as
+   one more chunk when it closes the row; Splash and the XLA path return their log-sum-exp
+   and a small pass merges them after (:mod:`maxdiffusion_svg.kernels.row_keys`).
 
-The second pass runs after the kernel rather than inside it, so every executor (our Pallas
-kernel, Splash, XLA) and every path (one device, the head exchange, the ring) shares it; its
-cost is measured by ``bench schedule --compensation``. Where a plan skips nothing (density 1,
-the schedule's dense branch) nothing is added: the output is the kernel's, unchanged.
+Every path shares this (one device, the head exchange, the ring: :mod:`ring_sharding`); its cost
+is measured by ``bench schedule --compensation``. Where a plan skips nothing (density 1, the
+schedule's dense branch) nothing is added: the output is the kernel's, unchanged.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.kernels.row_keys import RowKeys
 from maxdiffusion_svg.tiles import TilePlan
-
-# Logits the centroid pass holds at once (bytes): it walks query tiles in chunks of this size.
-_CHUNK_LOGIT_BYTES = 64 * 2**20
 
 
 def check_compensation(enabled: Any, blocks: Any, block_kv: int | None = None) -> None:
@@ -165,86 +163,35 @@ def softmax_over(q: jax.Array, cents: Centroids, bias: Any,
   return out, lse
 
 
-def centroid_attention(q: jax.Array, cents: Centroids, bias: Any, block_q: int,
-                       scale: float) -> tuple[jax.Array, jax.Array]:
-  """:func:`softmax_over` for ``[B, H, S, D]`` queries whose query tile row ``i`` sees the
-  pseudo-keys ``bias[i]`` admits (``bias [num_q_tiles, N]``): ``(out [B, H, S, Dv], lse
-  [B, H, S])``, float32. Chunked over query tiles, so its logits stay within
-  :data:`_CHUNK_LOGIT_BYTES`.
-
-  A static ``bias`` (numpy) is how every call gives it: each row then gathers only the
-  pseudo-keys it sees (``m``, the most any row sees, rounded to 8), and its logits are
-  ``[m, block_q]``, queries on lanes as in our kernel: no lane padding of ``N``, reductions
-  over pseudo-keys across sublanes, and the log-sum-exp comes out lane-major like the
-  kernel's, so :func:`merge` needs no relayout of it."""
-  b, h, s, d = q.shape
+def row_keys(cents: Centroids, bias: np.ndarray, dtype: Any) -> RowKeys:
+  """Each query tile row's pseudo-keys: the centroids ``bias [num_q_tiles, N]`` admits, packed
+  first (``m``: the most any row sees, rounded to 8; unused slots get ``-inf``). Picked by a
+  static one-hot matmul rather than a gather: exact (one 1.0 per output, float32 accumulation
+  at full precision) and one dense MXU op where a gather is a loop of small copies."""
   nq, n = bias.shape
-  dv = cents.v.shape[-1]
-  qt = jnp.pad(q, ((0, 0), (0, 0), (0, nq * block_q - s), (0, 0)))
-  qt = jnp.moveaxis(qt.reshape(b, h, nq, block_q, d), 2, 0)  # [nq, B, H, bq, D]
-  if isinstance(bias, np.ndarray):
-    seen = np.isfinite(bias)
-    m = -(-max(1, int(seen.sum(axis=1).max())) // 8) * 8
-    order = np.argsort(~seen, axis=1, kind="stable")[:, :m]  # each row's seen pseudo-keys first
-    row_bias = np.take_along_axis(bias, order, axis=1)  # -inf past them
-    # Selected by a static one-hot matmul, not a gather: exact (one 1.0 per output, float32
-    # accumulation) and a dense MXU op where a gather is a loop of small copies.
-    pick = np.zeros((nq, m, n), np.float32)
-    pick[np.arange(nq)[:, None], np.arange(m)[None, :], order] = 1.0
-    select = lambda x: jnp.einsum("tmn,bhnd->tbhmd", pick.astype(x.dtype), x,
-                                  preferred_element_type=jnp.float32,
-                                  precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
-    keys, values = select(cents.k.astype(q.dtype)), select(cents.v)  # [nq, B, H, m, D]
-  else:
-    m, row_bias = n, bias
-    keys = jnp.broadcast_to(cents.k.astype(q.dtype), (nq, *cents.k.shape))
-    values = jnp.broadcast_to(cents.v, (nq, *cents.v.shape))
-
-  def row(args):
-    qs, ks, vs, rb = args
-    logits = jnp.einsum("bhnd,bhqd->bhnq", ks, qs,
-                        preferred_element_type=jnp.float32) * scale + rb[:, None]
-    peak = logits.max(axis=-2)
-    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    p = jnp.exp(logits - safe[..., None, :])
-    total = p.sum(axis=-2)
-    out = jnp.einsum("bhnq,bhnd->bhqd", p.astype(vs.dtype), vs,
-                     preferred_element_type=jnp.float32)
-    kept = total > 0
-    out = out * jnp.where(kept, 1.0 / jnp.where(kept, total, 1.0), 0.0)[..., None]
-    lse = jnp.where(kept, safe + jnp.log(jnp.where(kept, total, 1.0)), -jnp.inf)
-    return out, lse
-
-  chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * m * 4)))
-  out, lse = jax.lax.map(row, (qt, keys, values, jnp.asarray(row_bias)), batch_size=chunk)
-  out = jnp.moveaxis(out, 0, 2).reshape(b, h, nq * block_q, dv)[:, :, :s]
-  lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * block_q)[:, :, :s]
-  return out, lse
-
-
-def merge(out: jax.Array, lse: jax.Array, extra: jax.Array, extra_lse: jax.Array) -> jax.Array:
-  """One softmax over two disjoint sets of keys from each set's normalised output and
-  log-sum-exp; in ``out``'s dtype, zeros where neither set kept anything.
-
-  As ``out + w * (extra - out)`` with one weight per query, ``w = 1 / (1 + exp(lse -
-  extra_lse))`` (the extra set's share): one value to broadcast over the head dim, not three."""
-  gap = lse - extra_lse
-  w = jnp.where(jnp.isnan(gap), 0.0, 1.0 / (1.0 + jnp.exp(gap)))  # nan: neither set kept any
-  base = out.astype(jnp.float32)
-  return (base + w[..., None] * (extra.astype(jnp.float32) - base)).astype(out.dtype)
+  seen = np.isfinite(bias)
+  m = -(-max(1, int(seen.sum(axis=1).max())) // 8) * 8
+  order = np.argsort(~seen, axis=1, kind="stable")[:, :m]  # each row's seen pseudo-keys first
+  pick = np.zeros((nq, m, n), np.float32)
+  pick[np.arange(nq)[:, None], np.arange(m)[None, :], order] = 1.0
+  select = lambda x: jnp.einsum("tmn,bhnd->bhtmd", pick.astype(x.dtype), x,
+                                preferred_element_type=jnp.float32,
+                                precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+  return RowKeys(select(cents.k.astype(dtype)), select(cents.v),
+                 np.take_along_axis(bias, order, axis=1))
 
 
 def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,
-                          blocks: int, scale: float | None = None, **kernel_kwargs: Any) -> jax.Array:
+                          blocks: int, scale: float | None = None,
+                          cents: Centroids | None = None, **kernel_kwargs: Any) -> jax.Array:
   """:func:`maxdiffusion_svg.kernels.sparse_attention` over ``plan``'s tiles, plus the centroids
-  of the tiles each query tile row skips (``blocks`` per key tile), merged by log-sum-exp. With
-  nothing skipped (a dense plan) it is the kernel's output itself."""
+  of the tiles each query tile row skips (``blocks`` per key tile) as that row's extra keys.
+  With nothing skipped (a dense plan) it is the kernel's output itself. ``cents``: the
+  centroids of ``k, v`` where the caller has them already (the router computes each layout's)."""
   check_compensation(True, blocks, plan.block_kv)
   if not skips_any(plan):
     return sparse_attention(q, k, v, plan, scale=scale, **kernel_kwargs)
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  out, lse = sparse_attention(q, k, v, plan, scale=scale, return_lse=True, **kernel_kwargs)
-  cents = centroids(k, v, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
-  extra, extra_lse = centroid_attention(q, cents, plan_bias(plan, cents.log_count),
-                                        plan.block_q, scale)
-  return merge(out, lse, extra, extra_lse)
+  if cents is None:
+    cents = centroids(k, v, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
+  extra = row_keys(cents, plan_bias(plan, cents.log_count), q.dtype)
+  return sparse_attention(q, k, v, plan, scale=scale, row_keys=extra, **kernel_kwargs)

@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxdiffusion_svg.attention import per_platform, profile_key
-from maxdiffusion_svg.compensation import (Centroids, centroid_attention, centroid_log_counts,
-                                           centroids_by_position, merge, plan_bias, skips_any)
+from maxdiffusion_svg.compensation import (Centroids, centroid_log_counts, centroids_by_position,
+                                           plan_bias, row_keys, skips_any)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.kernels import sparse_attention
@@ -198,11 +198,8 @@ def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float 
     bias[:own.shape[0]] = own  # the buffer's rows past the sequence see nothing
 
     def run(q, k, v, k_mean, v_mean):
-      call_scale = q.shape[-1] ** -0.5 if scale is None else scale
-      out, lse = kernel(q, k, v, return_lse=True)
-      extra, extra_lse = centroid_attention(q, Centroids(k_mean, v_mean, log_count), bias,
-                                            plan.block_q, call_scale)
-      return merge(out, lse, extra, extra_lse)
+      return kernel(q, k, v, row_keys=row_keys(Centroids(k_mean, v_mean, log_count), bias,
+                                               q.dtype))
     return run
 
   branches = [branch(r) for r in range(split.ring)]

@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import Centroids, centroids, merge, plan_bias, softmax_over
+from maxdiffusion_svg.compensation import Centroids, centroids, plan_bias, softmax_over
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
+from maxdiffusion_svg.kernels.row_keys import merge
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -109,10 +110,12 @@ def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: Layout
 
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
                   mask: Mask, *, scale: float | None = None,
-                  compensation: Compensated | None = None) -> tuple[jax.Array, jax.Array]:
+                  compensation: Compensated | None = None,
+                  cents: dict[Layout, Centroids] | None = None) -> tuple[jax.Array, jax.Array]:
   """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
   temporal-major (temporal): ``[B, H]`` each. With ``compensation`` (the plan and centroids
-  per key tile), each output is the compensated one that plan's call would give."""
+  per key tile), each output is the compensated one that plan's call would give (``cents``:
+  each layout's centroids, where the caller has them)."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   f32 = jnp.float32
   qs = jnp.take(q, rows, axis=2).astype(f32)
@@ -128,8 +131,8 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
     if compensation is not None:
       plan, blocks = compensation
       lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
-      out = compensated_rows(qs, out, lse, rows, grid, layout, plan,
-                             layout_centroids(k, v32, grid, layout, plan, blocks), scale)
+      layout_cents = (cents or {}).get(layout) or layout_centroids(k, v, grid, layout, plan, blocks)
+      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, layout_cents, scale)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
@@ -152,14 +155,16 @@ def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -
 def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
                   key: jax.Array, scale: float | None = None,
                   plan: TilePlan | None = None, expert: str | None = None,
-                  compensation_blocks: int = 0) -> Routing:
+                  compensation_blocks: int = 0,
+                  cents: dict[Layout, Centroids] | None = None) -> Routing:
   """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
   (e.g. ``SvgConfig``). Execution masks need the call's tile plan: ``plan`` when given, else
   the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
   The same key gives the same flags. With ``compensation_blocks`` (centroids per key tile, 0:
-  off) and execution masks, each layout is judged by the compensated output its call gives.
+  off) and execution masks, each layout is judged by the compensated output its call gives
+  (``cents``: each layout's centroids, where the caller has them).
   """
   router = getattr(config, "router", config)
   if q.shape[2] != grid.tokens:
@@ -173,7 +178,7 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   if compensation_blocks and router.profile_masks == "execution":
     compensation = (plan, compensation_blocks)
   spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale,
-                                    compensation=compensation)
+                                    compensation=compensation, cents=cents)
   return Routing(temporal < spatial, spatial, temporal)
 
 

@@ -10,7 +10,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxdiffusion_svg.attention import placed_attention, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.compensation import compensated_attention, merge
+from maxdiffusion_svg.compensation import compensated_attention
+from maxdiffusion_svg.kernels.row_keys import merge
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_temporal_major
 from maxdiffusion_svg.kernels import dense_attention, sparse_attention

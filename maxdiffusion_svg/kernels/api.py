@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels import refusal
 from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
+from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_keys
 # Imported with the package, not on the first call: tokamax registers JAX config values when
 # it loads, and a first trace that loaded it would leave later calls tracing in a different
 # context, so everything would compile twice.
@@ -86,7 +87,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                      block_kv_compute: int | None = None,
                      tiles_per_step: int | None = None,
                      target: Target | None = None,
-                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     return_lse: bool = False,
+                     row_keys: RowKeys | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over the tiles ``plan`` visits, with ``q, k, v`` already in the plan's layout.
 
   Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
@@ -101,9 +103,14 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   the platform, the TPU kernel still runs (held to the strictest known TPU) if the call is
   lowered for a TPU. ``return_lse`` also returns each query's log-sum-exp of the logits it
   kept (float32 ``[B, H, S]``, natural log; ``-inf`` or a large negative value where a row keeps
-  nothing), what merging another softmax over other keys needs (:mod:`maxdiffusion_svg.compensation`).
+  nothing), what merging another softmax over other keys needs. ``row_keys``: extra keys per
+  query tile row in the same softmax (compensation's centroids,
+  :mod:`maxdiffusion_svg.kernels.row_keys`): our kernel takes them as it closes each row, the
+  others merge them after their tiles by log-sum-exp.
   """
   _check_inputs(q, k, v, plan)
+  if row_keys is not None:
+    check_row_keys(row_keys, q.shape, plan.num_q_tiles)
   target = target_for_call(q, k, v, target=target)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   tpu = lowering_tpu_target(target)
@@ -113,19 +120,26 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   tpu_backend = backend if backend in TPU_BACKENDS else TPU_BACKENDS[0]
   kv_compute = block_kv_compute or default_kv_compute(plan.block_kv, tpu_backend)
 
+  def merged_after(run):
+    """An executor without row keys of its own: its log-sum-exp, then the row keys merged."""
+    if row_keys is None:
+      return lambda q, k, v: run(q, k, v, return_lse)
+    def call(q, k, v):
+      out, lse = with_row_keys(*run(q, k, v, True), q, row_keys, plan.block_q, scale)
+      return (out, lse) if return_lse else out
+    return call
+
   def kernel(interpret: bool):
     if tpu_backend == "pallas":
       check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
       return lambda q, k, v: pallas_sparse_attention(
           q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
-          return_lse=return_lse)
-    return lambda q, k, v: splash_sparse_attention(
-        q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
-        return_lse=return_lse)
+          return_lse=return_lse, row_keys=row_keys)
+    return merged_after(lambda q, k, v, lse: splash_sparse_attention(
+        q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute, return_lse=lse))
 
-  def xla(q, k, v):
-    return xla_sparse_attention(q, k, v, plan, scale, tiles_per_step=tiles_per_step,
-                                return_lse=return_lse)
+  xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
+      q, k, v, plan, scale, tiles_per_step=tiles_per_step, return_lse=lse))
 
   def on_tpu():
     """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that

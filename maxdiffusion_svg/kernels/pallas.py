@@ -25,11 +25,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
+from maxdiffusion_svg.kernels.row_keys import RowKeys
 from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
 from maxdiffusion_svg.masks import SvgMask
 from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
@@ -60,10 +62,17 @@ def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
                      f"({plan.block_kv}), got {block_kv_compute}")
 
 
-def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, *refs, plan: TilePlan,
-            bkc: int):
-  # With ``return_lse`` an output follows o: the row's log-sum-exp (natural log), lane-major.
-  lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if len(refs) == 4 else (None, refs)
+def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, *refs, plan: TilePlan, bkc: int,
+            row_keys: bool, lse: bool):
+  # With ``row_keys`` three inputs follow: the row's extra keys, values and base-2 logit bias
+  # (lane-replicated); with ``lse`` an output follows o: the row's log-sum-exp, lane-major.
+  rk_ref = rv_ref = rb_ref = lse_ref = None
+  if row_keys:
+    rk_ref, rv_ref, rb_ref, *refs = refs
+  o_ref, *refs = refs
+  if lse:
+    lse_ref, *refs = refs
+  m_ref, l_ref, acc_ref = refs
   bq, bkv = plan.block_q, plan.block_kv
   chunks = bkv // bkc
   row, col, kind, first, last = unpack_work(work_ref[pl.program_id(1)])
@@ -143,6 +152,17 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, o_ref, *refs, pl
 
   @pl.when(last == 1)
   def _close_row():
+    if row_keys:  # one more chunk of keys, the row's own, before the row is normalised
+      s = lax.dot_general(rk_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32)
+      s = s + rb_ref[:, 0:1]
+      m_prev = m_ref[...]
+      m_next = jnp.maximum(m_prev, s.max(axis=0, keepdims=True))
+      m_ref[...] = m_next
+      p = jnp.exp2(s - m_next[0:1])
+      alpha = jnp.exp2(m_prev - m_next)
+      l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
+      acc_ref[...] = alpha[0:1] * acc_ref[...] + lax.dot_general(
+          rv_ref[...], p.astype(rv_ref.dtype), _TN, preferred_element_type=jnp.float32)
     l = l_ref[0:1]
     out = acc_ref[...] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = out.T.astype(o_ref.dtype)
@@ -158,10 +178,12 @@ def _pad(x: jax.Array, length: int) -> jax.Array:
 
 def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
                             scale: float, *, interpret: bool, block_kv_compute: int,
-                            return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            return_lse: bool = False,
+                            row_keys: RowKeys | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel; with
   ``return_lse`` also each row's log-sum-exp (float32 ``[B, H, S]``, ``-inf`` where it keeps
-  nothing), written once per row beside the output."""
+  nothing), written once per row beside the output. ``row_keys``: each query tile row's extra
+  keys, taken into its softmax when the row closes (one more chunk of ``m`` keys per row)."""
   b, h, s, d = q.shape
   dv = v.shape[-1]
   check_shapes(d, q.dtype, plan, block_kv_compute, dv)
@@ -186,10 +208,31 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   def at_row_lanes(bh, t, work_ref, _):
     return bh, 0, unpack_work(work_ref[t])[0]
 
+  extra_specs, extra_args = [], []
+  if row_keys is not None:
+    m = row_keys.bias.shape[1]
+
+    def at_row_keys(bh, t, work_ref, _):
+      return bh, unpack_work(work_ref[t])[0], 0, 0
+
+    def at_row_bias(bh, t, work_ref, _):
+      return unpack_work(work_ref[t])[0], 0, 0
+
+    # Base-2 logits like the kernel's; an unused slot gets the mask value, not -inf.
+    bias = np.where(np.isfinite(row_keys.bias), row_keys.bias * math.log2(math.e), _MASK_VALUE)
+    extra_specs = [pl.BlockSpec((None, None, m, d), at_row_keys),
+                   pl.BlockSpec((None, None, m, dv), at_row_keys),
+                   pl.BlockSpec((None, m, 128), at_row_bias)]
+    fold_rows = lambda x: x.reshape(b * h, *x.shape[2:])
+    extra_args = [fold_rows(row_keys.k).astype(q.dtype), fold_rows(row_keys.v).astype(v.dtype),
+                  jnp.asarray(np.broadcast_to(bias.astype(np.float32)[:, :, None],
+                                              (*bias.shape, 128)))]
+
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2, grid=(b * h, work.size),
       in_specs=[pl.BlockSpec((None, bq, d), at_row), pl.BlockSpec((None, bkv, d), at_col),
-                pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes)],
+                pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes),
+                *extra_specs],
       out_specs=[pl.BlockSpec((None, bq, dv), at_row),
                  *([pl.BlockSpec((None, 1, bq), at_row_lanes)] if return_lse else [])],
       scratch_shapes=[pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # m: the row's offset
@@ -199,13 +242,14 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   if return_lse:
     out_shape.append(jax.ShapeDtypeStruct((b * h, 1, plan.num_q_tiles * bq), jnp.float32))
   outs = pl.pallas_call(
-      functools.partial(_kernel, plan=plan, bkc=block_kv_compute),
+      functools.partial(_kernel, plan=plan, bkc=block_kv_compute, row_keys=row_keys is not None,
+                        lse=return_lse),
       grid_spec=grid_spec,
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="svg_pallas_sparse",
-  )(work, offsets.fixed, q_pad, k_pad, v_pad, m_pad)
+  )(work, offsets.fixed, q_pad, k_pad, v_pad, m_pad, *extra_args)
   out = outs[0][:, :s].reshape(b, h, s, dv)
   if not return_lse:
     return out
