@@ -22,6 +22,7 @@ schedule's dense branch) nothing is added: the output is the kernel's, unchanged
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -80,17 +81,16 @@ def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
   tiles = -(-s // block_kv)
   n, size = tiles * blocks, block_kv // blocks
   counts = block_counts(seq_len, tiles, block_kv, blocks)
-  whole = min(seq_len, s) // size  # sub-blocks of real keys only
+
+  group = math.gcd(seq_len, size)  # a divisor of both: its reshape moves no data
 
   def mean(x):
-    # Sums straight from the inputs, accumulated in float32: no padded or masked float32 copy
-    # of the keys is written (padding keys, past seq_len, are never read).
-    parts = [x[:, :, :whole * size].reshape(b, h, whole, size, x.shape[-1]).sum(
-        axis=3, dtype=jnp.float32)]
-    if whole < n and whole * size < seq_len:  # the block the real keys end in
-      parts.append(x[:, :, whole * size:seq_len].sum(axis=2, keepdims=True, dtype=jnp.float32))
-    total = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-    total = jnp.pad(total, ((0, 0), (0, 0), (0, n - total.shape[2]), (0, 0)))
+    # Sums of ``group`` keys straight from the inputs (float32 accumulation), then of
+    # ``size / group`` of those: only the small partial sums are ever padded or copied.
+    part = x[:, :, :seq_len].reshape(b, h, seq_len // group, group, d).sum(axis=3,
+                                                                          dtype=jnp.float32)
+    part = jnp.pad(part, ((0, 0), (0, 0), (0, n * size // group - part.shape[2]), (0, 0)))
+    total = part.reshape(b, h, n, size // group, d).sum(axis=3)
     return total / np.maximum(counts, 1).astype(np.float32)[:, None]
 
   with np.errstate(divide="ignore"):
