@@ -156,7 +156,13 @@ def _utilisation(text: str, path: str) -> tuple[tuple[str, ...], tuple[int, ...]
 # ragged-last); MaxDiffusion's online kernel (full, then ragged-last, priced as masked).
 SPLASH_LAYOUT = ("full", "masked")
 FIXED_OFFSET_LAYOUT = ("full", "online", "masked")
+# Ours with row keys (compensation): the row's closing step has matmuls of its own, once per row.
+ROW_KEYS_LAYOUT = ("full", "online", "masked", "row_final")
 ONLINE_LAST_LAYOUT = ("full", "last")
+
+
+def children_of(bodies: list[Any], final: Any) -> list[Any]:
+  return [*bodies, *([final] if final is not None else [])]
 
 
 def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
@@ -177,19 +183,23 @@ def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
   elif len(bodies) != len(layout):
     raise ScheduleFormatError(f"{paths[0]}: expected {len(layout)} tile bodies {layout}, found "
                               f"{[(b.bundles, b.matmuls) for b in bodies]}")
-  parents = [r for r in regions if all(r.contains(b) for b in bodies)]
+  final = None
+  if layout[-1] == "row_final":  # a closing step with matmuls: priced once per row, not per tile
+    *bodies, final = bodies
+    layout = layout[:-1]
+  parents = [r for r in regions if all(r.contains(b) for b in (*bodies, *([final] if final else [])))]
   parent = min(parents, key=lambda r: r.bundles) if parents else None
   siblings = [r for r in regions if parent is not None and parent.contains(r)
               and not any(o.contains(r) and parent.contains(o) for o in regions)]
   before = [r for r in siblings if r.end <= bodies[0].start and not r.matmuls]
   after = [r for r in siblings if r.start >= bodies[-1].end and not r.matmuls]
   row_init = before[-1] if before else None
-  row_final = after[0] if after else None
+  row_final = final or (after[0] if after else None)
   # The loop: from its first bundle to the end of the smallest region holding it and the bodies,
   # else through its back edge's delay slots (the kernel's exit bundle runs once, not per step).
   last = bundles[-1][0] + (0 if "exit bundle" in bundles[-1][2] else 1)
   loop_end = min((r.end for r in regions if r.start <= loop and all(r.contains(b) or r == b
-                                                                     for b in bodies)),
+                                                                     for b in children_of(bodies, final))),
                  default=last)
   children = [r for r in (row_init, *bodies, row_final) if r is not None]
   overhead = loop_end - loop - sum(r.bundles for r in children)

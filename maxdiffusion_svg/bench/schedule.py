@@ -26,7 +26,8 @@ from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.bench.schedule_xla import price_program
 from maxdiffusion_svg.tpu_aot import libtpu_version
-from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, SPLASH_LAYOUT,
+from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
+                                           SPLASH_LAYOUT,
                                            KernelSchedule, ScheduleFormatError, dump_flags,
                                            read_dump)
 
@@ -172,7 +173,9 @@ def dump_name(case: ScheduleCase) -> tuple[str, tuple[str, ...]]:
     fixed = case.kernel.endswith("fixed_m")
     return "_splash_attention", FIXED_OFFSET_LAYOUT if fixed else ONLINE_LAST_LAYOUT
   if case.kernel == "svg" and case.backend == "pallas":
-    return "svg_pallas", FIXED_OFFSET_LAYOUT
+    # Compensated, the row's closing step runs the row keys' matmuls (once per row).
+    row_keys = case.compensation_blocks and case.density < 1
+    return "svg_pallas", ROW_KEYS_LAYOUT if row_keys else FIXED_OFFSET_LAYOUT
   return "splash", SPLASH_LAYOUT
 
 
