@@ -163,6 +163,19 @@ def softmax_over(q: jax.Array, cents: Centroids, bias: Any,
   return out, lse
 
 
+def row_key_count(bias: np.ndarray) -> int:
+  """The extra keys each query tile row is given: the most any row sees, rounded up to 8."""
+  return -(-max(1, int(np.isfinite(bias).sum(axis=1).max())) // 8) * 8
+
+
+def plan_row_keys(plan: TilePlan, blocks: int) -> int:
+  """:func:`row_key_count` of ``plan`` compensated with ``blocks`` centroids per key tile (0
+  where it skips nothing: nothing is compensated)."""
+  if not skips_any(plan):
+    return 0
+  return row_key_count(plan_bias(plan, centroid_log_counts(plan, blocks)))
+
+
 def row_keys(cents: Centroids, bias: np.ndarray, dtype: Any) -> RowKeys:
   """Each query tile row's pseudo-keys: the centroids ``bias [num_q_tiles, N]`` admits, packed
   first (``m``: the most any row sees, rounded to 8; unused slots get ``-inf``). Picked by a
@@ -170,7 +183,7 @@ def row_keys(cents: Centroids, bias: np.ndarray, dtype: Any) -> RowKeys:
   at full precision) and one dense MXU op where a gather is a loop of small copies."""
   nq, n = bias.shape
   seen = np.isfinite(bias)
-  m = -(-max(1, int(seen.sum(axis=1).max())) // 8) * 8
+  m = row_key_count(bias)
   order = np.argsort(~seen, axis=1, kind="stable")[:, :m]  # each row's seen pseudo-keys first
   pick = np.zeros((nq, m, n), np.float32)
   pick[np.arange(nq)[:, None], np.arange(m)[None, :], order] = 1.0

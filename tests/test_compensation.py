@@ -76,6 +76,14 @@ def test_bfloat16_rectangular_tiles_and_scale(backend):
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=TOLERANCE[jnp.bfloat16])
 
 
+def test_our_kernel_takes_more_row_keys_than_one_chunk():
+  """32 centroids per 128-key tile: up to 192 row keys, in chunks of the 128-key inner step."""
+  plan = plan_tiles(GRID, 0.2, 128, 128, "aligned")
+  q, k, v = qkv(dim=128, seed=4)
+  out = compensated_attention(q, k, v, plan, blocks=32, backend="pallas", block_kv_compute=128)
+  np.testing.assert_allclose(np.asarray(out), reference(q, k, v, plan, 32), atol=2e-5)
+
+
 def test_without_sink_and_one_block_per_tile():
   plan = plan_tiles(GRID, 0.25, 128, 128, "split", include_sink=False)
   q, k, v = qkv(seed=2)

@@ -251,28 +251,29 @@ def test_the_end_to_end_share_is_the_seed_designs_at_720p(tmp_path, capsys):
 # ------------------------------------------------ compensation
 
 
-def test_compensation_is_estimated_and_its_lse_block_counted_in_the_sparse_plans_vmem(
+def test_compensation_is_estimated_and_its_row_keys_counted_in_the_sparse_plans_vmem(
     tmp_path, capsys):
   """On a v6e-8: our kernel's 3328x1536/512 tiles, 8 centroids per key tile. The sparse plan
-  also writes its log-sum-exp, a (1, 3328) float32 block double-buffered on 8 sublanes; the
-  dense plan skips nothing, so it is not compensated and its need is unchanged."""
+  also reads each row's centroids (at most 328 of the 400 at density 0.3): keys and values
+  (328, 128) bfloat16 and their bias (328, 128) float32, double-buffered; the dense plan skips
+  nothing, so it is not compensated and its need is unchanged."""
   _, _, _, off = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8")
   code, out, _, on = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8", "svg_compensation=true")
   assert code == 0 and off["compensation"] is None
   assert on["checks"]["compensation"] == "compensation 8 centroids per key tile"
   fits = {fit["plan"]: fit for fit in on["checks"]["kernel"]}
   before = {fit["plan"]: fit for fit in off["checks"]["kernel"]}
-  assert (fits["sparse"]["lse"], fits["dense"]["lse"]) == (True, False)
-  assert fits["sparse"]["vmem"] - before["sparse"]["vmem"] == 2 * 8 * 4 * 3328
+  assert (fits["sparse"]["row_keys"], fits["dense"]["row_keys"]) == (328, 0)
+  assert fits["sparse"]["vmem"] - before["sparse"]["vmem"] == 2 * 328 * (2 * 128 * 2 + 128 * 4)
   assert fits["dense"]["vmem"] == before["dense"]["vmem"]
   tiles_kv = 1536
   assert on["compensation"] == {"blocks": 8, "pseudo_keys": -(-75_600 // tiles_kv) * 8,
-                                "score_work_vs_dense": 8 / tiles_kv}
+                                "row_keys": 328, "score_work_vs_dense": 328 / 75_600}
   assert "compensation 8 centroids per key tile, dense kernel" in on["summary"]
-  assert "sparse plan 14.3 of 32 MiB VMEM (log-sum-exp output included)" in out
-  assert "compensation 8 centroids per key tile: after the kernel, each query of a sparse " \
-         "call also scores the 400 centroids of the key tiles" in out
-  assert "0.52% of a dense call's scores" in out
+  assert "sparse plan 14.8 of 32 MiB VMEM (328 row keys included)" in out
+  assert "compensation 8 centroids per key tile: each query of a sparse call also scores the " \
+         "centroids of the key tiles its row skips (at most 328 of the 400" in out
+  assert "0.43% of a dense call's scores" in out
   # The speed-up bounds are the tiles' alone, as without compensation.
   assert on["combined"] == off["combined"]
 
@@ -295,15 +296,15 @@ def test_a_block_count_that_does_not_divide_the_chips_key_tile_is_refused(tmp_pa
   assert code == 0
 
 
-def test_the_lse_block_can_be_what_passes_the_vmem_limit(tmp_path, capsys):
-  """A scoped-VMEM limit between our kernel's need without and with the log-sum-exp block:
+def test_the_row_keys_can_be_what_passes_the_vmem_limit(tmp_path, capsys):
+  """A scoped-VMEM limit between our kernel's need without and with the row keys' blocks:
   uncompensated it fits, compensated the sparse plan is refused, naming the compensation."""
-  limit_kib = 14_500  # 3328x1536/512 needs 14,811,136 bytes, and 15,024,128 with the block
+  limit_kib = 14_800  # 3328x1536/512 needs 14,811,136 bytes, and 15,482,880 with 328 row keys
   code, *_ = tiles(tmp_path, capsys, WAN14B, "--chip", "v6e", f"svg_vmem_limit_kib={limit_kib}")
   assert code == 0
   code, out, err, _ = tiles(tmp_path, capsys, WAN14B, "--chip", "v6e",
                             f"svg_vmem_limit_kib={limit_kib}", "svg_compensation=true")
   assert code == 2 and out == ""
   assert err.startswith("error: the run would stop at its first call (sparse plan): Pallas tiles "
-                        "3328x1536 with block_kv_compute 512 and the log-sum-exp output "
-                        "(svg_compensation) need about 14.3 MiB of VMEM on TPU v6e")
+                        "3328x1536 with block_kv_compute 512 and 328 row keys "
+                        "(svg_compensation) need about 14.8 MiB of VMEM on TPU v6e")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels import refusal
 from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
-from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_keys
+from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, row_key_slots, with_row_keys
 # Imported with the package, not on the first call: tokamax registers JAX config values when
 # it loads, and a first trace that loaded it would leave later calls tracing in a different
 # context, so everything would compile twice.
@@ -35,13 +35,16 @@ def lowering_tpu_target(target: Target) -> Target:
 
 
 def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
-                   target: Target, backend: str, value_dim: int | None = None) -> None:
+                   target: Target, backend: str, value_dim: int | None = None,
+                   row_keys: int = 0) -> None:
   """What a TPU lowering of ``backend``'s kernel (``pallas`` or ``splash``) refuses before
   compiling: our kernel's shapes, then VMEM and SMEM on ``target``. One function for the run
-  (:func:`sparse_attention`) and the pre-flight (``tiles --config``), so both say the same."""
+  (:func:`sparse_attention`) and the pre-flight (``tiles --config``), so both say the same.
+  ``row_keys``: the extra keys per row a compensated call gives (before padding to chunks)."""
   if backend == "pallas":
     check_shapes(head_dim, dtype, plan, block_kv_compute, value_dim)
-  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend)
+  slots = row_key_slots(row_keys, block_kv_compute) if row_keys and backend == "pallas" else 0
+  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, slots)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
@@ -145,7 +148,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
     """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
     surfaces only if the call is lowered for one (runs on this host are unaffected)."""
     try:
-      check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1])
+      check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1],
+                     0 if row_keys is None else row_keys.bias.shape[1])
       return kernel(interpret=False)
     except ValueError as err:
       if not tpu.speculative:

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
-from maxdiffusion_svg.kernels.row_keys import RowKeys
+from maxdiffusion_svg.kernels.row_keys import RowKeys, pad_row_keys
 from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
 from maxdiffusion_svg.masks import SvgMask
 from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
@@ -152,17 +152,25 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, *refs, plan: Til
 
   @pl.when(last == 1)
   def _close_row():
-    if row_keys:  # one more chunk of keys, the row's own, before the row is normalised
-      s = lax.dot_general(rk_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32)
-      s = s + rb_ref[:, 0:1]
-      m_prev = m_ref[...]
-      m_next = jnp.maximum(m_prev, s.max(axis=0, keepdims=True))
-      m_ref[...] = m_next
-      p = jnp.exp2(s - m_next[0:1])
-      alpha = jnp.exp2(m_prev - m_next)
-      l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
-      acc_ref[...] = alpha[0:1] * acc_ref[...] + lax.dot_general(
-          rv_ref[...], p.astype(rv_ref.dtype), _TN, preferred_element_type=jnp.float32)
+    if row_keys:  # the row's own keys, in chunks like a tile's, before the row is normalised
+      chunk = min(rk_ref.shape[0], bkc)
+
+      def row_key_chunk(c, carry):
+        s = lax.dot_general(rk_ref[pl.ds(c * chunk, chunk), :], q_ref[...], _NT,
+                            preferred_element_type=jnp.float32)
+        s = s + rb_ref[pl.ds(c * chunk, chunk), 0:1]
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=0, keepdims=True))
+        m_ref[...] = m_next
+        p = jnp.exp2(s - m_next[0:1])
+        alpha = jnp.exp2(m_prev - m_next)
+        l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
+        acc_ref[...] = alpha[0:1] * acc_ref[...] + lax.dot_general(
+            rv_ref[pl.ds(c * chunk, chunk), :], p.astype(rv_ref.dtype), _TN,
+            preferred_element_type=jnp.float32)
+        return carry
+
+      lax.fori_loop(0, rk_ref.shape[0] // chunk, row_key_chunk, None, unroll=True)
     l = l_ref[0:1]
     out = acc_ref[...] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = out.T.astype(o_ref.dtype)
@@ -210,6 +218,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
 
   extra_specs, extra_args = [], []
   if row_keys is not None:
+    row_keys = pad_row_keys(row_keys, block_kv_compute)
     m = row_keys.bias.shape[1]
 
     def at_row_keys(bh, t, work_ref, _):

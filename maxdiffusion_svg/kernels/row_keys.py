@@ -40,6 +40,24 @@ def check_row_keys(rk: RowKeys, q_shape: tuple[int, ...], num_q_tiles: int) -> N
                      f"v {tuple(rk.v.shape)}, bias {rk.bias.shape}")
 
 
+def row_key_slots(count: int, chunk: int) -> int:
+  """Slots our kernel holds for ``count`` row keys: whole chunks of at most ``chunk`` (its inner
+  kv step), so the closing step's scores are no larger than a tile's."""
+  step = min(-(-count // 8) * 8, chunk)
+  return -(-count // step) * step
+
+
+def pad_row_keys(rk: RowKeys, chunk: int) -> RowKeys:
+  """``rk`` with unused slots appended up to :func:`row_key_slots` (their logit is ``-inf``)."""
+  m = rk.bias.shape[1]
+  pad = row_key_slots(m, chunk) - m
+  if not pad:
+    return rk
+  slots = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
+  return RowKeys(jnp.pad(rk.k, slots), jnp.pad(rk.v, slots),
+                 np.pad(rk.bias, ((0, 0), (0, pad)), constant_values=-np.inf))
+
+
 def row_softmax(q: jax.Array, rk: RowKeys, block_q: int,
                 scale: float) -> tuple[jax.Array, jax.Array]:
   """Softmax of ``[B, H, S, D]`` queries over their query tile row's keys: ``(out [B, H, S,

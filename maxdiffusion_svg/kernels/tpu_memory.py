@@ -75,19 +75,19 @@ def vmem_need(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int |
 # VMEM, which also holds the pipelined blocks: 3328x1536/768 needs 16.12 of its 16 MiB there.)
 PALLAS_VMEM_BASE = 6 * MIB
 PALLAS_VMEM_PER_SCORE = 5.0
-# With ``return_lse`` (compensation) the kernel writes one more output block per query tile
-# row, float32 ``(1, block_q)``: padded to 8 sublanes and double-buffered like ``o``'s, counted
-# on top of the bound. (libtpu 0.0.50.1, v6e, 5 heads, 720p, 3328x1536/512: its scoped need is
-# 11,649,679 bytes with the block and without it, so this is margin, not a measured growth.)
-PALLAS_LSE_BYTES_PER_QUERY = 2 * 8 * 4
+# With row keys (compensation) the kernel reads three more blocks per query tile row, each
+# double-buffered: the row's keys and values ``(m, D)`` and their logit bias ``(m, 128)``
+# float32; their scores run in chunks no larger than a tile's, inside the bound above.
+PALLAS_ROW_KEY_BIAS_BYTES = 128 * 4
 
 
 def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
-                      lse: bool = False) -> int:
+                      row_keys: int = 0) -> int:
   """Scoped-VMEM bytes our kernel needs at most for ``plan``'s tiles (see the figures above);
-  ``lse``: with its log-sum-exp output block (compensated sparse calls)."""
-  wide = max(1.0, jnp.dtype(dtype).itemsize / 2) * max(1.0, head_dim / 128)
-  extra = PALLAS_LSE_BYTES_PER_QUERY * plan.block_q if lse else 0
+  ``row_keys``: the slots of extra keys each row takes (compensated sparse calls)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  wide = max(1.0, itemsize / 2) * max(1.0, head_dim / 128)
+  extra = 2 * row_keys * (2 * head_dim * itemsize + PALLAS_ROW_KEY_BIAS_BYTES)
   return int(PALLAS_VMEM_BASE + PALLAS_VMEM_PER_SCORE * wide * plan.block_q * block_kv_compute
              + extra)
 
@@ -98,12 +98,12 @@ def pallas_smem_bytes(plan: TilePlan) -> int:
 
 
 def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
-                target: Target, backend: str = "splash", lse: bool = False) -> int:
-  """The scoped VMEM a TPU target holds ``backend``'s kernel for ``plan`` to (``lse``: our
-  kernel also writes its log-sum-exp; Splash keeps its residual either way)."""
+                target: Target, backend: str = "splash", row_keys: int = 0) -> int:
+  """The scoped VMEM a TPU target holds ``backend``'s kernel for ``plan`` to (``row_keys``: the
+  slots of extra keys per row our kernel takes; Splash merges them after, outside the kernel)."""
   bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
   if backend == "pallas":
-    return pallas_vmem_bound(plan, head_dim, dtype, bkc, lse)
+    return pallas_vmem_bound(plan, head_dim, dtype, bkc, row_keys)
   return vmem_need(plan, head_dim, dtype, bkc, target)
 
 
@@ -118,20 +118,20 @@ def _keys_to_change(plan: TilePlan) -> str:
 
 
 def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
-               target: Target, backend: str = "splash", lse: bool = False) -> None:
+               target: Target, backend: str = "splash", row_keys: int = 0) -> None:
   """Raises before compiling when ``plan`` cannot fit ``target``'s VMEM or SMEM.
 
   Any TPU target is checked: a known generation against its own limits, an unknown one
   against the strictest known. Off TPU there is no limit (interpreted kernels on CPU).
-  ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``; ``lse``: the call also
-  returns the log-sum-exp (compensation).
+  ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``; ``row_keys``: the slots of
+  extra keys per row our kernel takes (compensation).
   """
   if not target.is_tpu:
     return
   name = "Pallas" if backend == "pallas" else "Splash"
   bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
   try:
-    need = kernel_vmem(plan, head_dim, dtype, bkc, target, backend, lse)
+    need = kernel_vmem(plan, head_dim, dtype, bkc, target, backend, row_keys)
   except ValueError as err:  # outside the model's range: name the chip and the tile
     raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
   smem = kernel_smem(plan, backend)
@@ -139,7 +139,7 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
   if need > target.vmem_limit:
     raise ValueError(
         f"{name} tiles {plan.block_q}x{plan.block_kv} with block_kv_compute {bkc}"
-        f"{' and the log-sum-exp output (svg_compensation)' if lse and backend == 'pallas' else ''}"
+        f"{f' and {row_keys} row keys (svg_compensation)' if row_keys and backend == 'pallas' else ''}"
         f" need about "
         f"{need / MIB:.1f} MiB of VMEM on {target.chip} ({how}), over its "
         f"{target.vmem_limit / MIB:g} MiB scoped-VMEM limit ({target.vmem_source}): "

@@ -16,8 +16,8 @@ when the run would pass it, and a refusal or warning carries the run's words:
   :meth:`PluginSettings.compensation_text` (the create-transformer hook, before weights load);
 * the TPU kernel's shapes, VMEM and SMEM: :func:`kernels.api.check_tpu_call` on the sparse
   plan of each model and on the schedule's dense plan (the first call, at trace time); with
-  compensation, our kernel's sparse calls also write their log-sum-exp, whose output block
-  is counted in the VMEM need (:func:`kernels.tpu_memory.check_fits`, ``lse``).
+  compensation, our kernel's sparse calls also take each row's centroids as extra keys, whose
+  blocks are counted in the VMEM need (:func:`kernels.tpu_memory.check_fits`, ``row_keys``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Mapping
 
-from maxdiffusion_svg.compensation import skips_any
+from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import check_tpu_call
-from maxdiffusion_svg.kernels.tpu_memory import check_fits, kernel_smem, kernel_vmem
+from maxdiffusion_svg.kernels.row_keys import row_key_slots
+from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
@@ -99,22 +100,21 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
   if backend not in TPU_BACKENDS:
     return []
   kv_compute = settings.svg.tiles(target, backend).block_kv_compute
-  # Our kernel's compensated calls write a log-sum-exp block (Splash's model counts none); a
-  # plan that skips nothing (the dense branch) is not compensated.
-  lse_kernel = backend == "pallas" and settings.svg.compensation_for(target, backend) > 0
+  # Our kernel's compensated calls read each row's centroids as extra keys (Splash merges them
+  # after, outside its kernel); a plan that skips nothing (the dense branch) is not compensated.
+  blocks = settings.svg.compensation_for(target, backend)
   fits = []
   for name, plan in plans.items():
-    lse = lse_kernel and skips_any(plan)
+    row_keys = plan_row_keys(plan, blocks) if blocks else 0
+    slots = row_key_slots(row_keys, kv_compute) if row_keys and backend == "pallas" else 0
     try:
-      check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend)
-      if lse:
-        check_fits(plan, HEAD_DIM, dtype, kv_compute, target, backend, lse=True)
+      check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend, row_keys=row_keys)
     except ValueError as err:
       raise _refused(f"at its first call ({name} plan)", err) from None
     fits.append({"plan": name, "vmem": kernel_vmem(plan, HEAD_DIM, dtype, kv_compute, target,
-                                                     backend, lse),
+                                                     backend, slots),
                  "vmem_limit": target.vmem_limit, "smem": kernel_smem(plan, backend),
-                 "smem_limit": target.smem, "lse": lse})
+                 "smem_limit": target.smem, "row_keys": slots})
   return fits
 
 
@@ -162,7 +162,7 @@ def slice_chip(slice_type: str | None, chip: str | None) -> str:
 
 
 def format_fit(fit: Mapping[str, Any]) -> str:
-  lse = " (log-sum-exp output included)" if fit.get("lse") else ""
+  keys = f" ({fit['row_keys']} row keys included)" if fit.get("row_keys") else ""
   return (f"{fit['plan']} plan {fit['vmem'] / MIB:.1f} of {fit['vmem_limit'] / MIB:g} MiB VMEM"
-          f"{lse}, "
+          f"{keys}, "
           f"{fit['smem'] / 1024:.1f} of {fit['smem_limit'] // 1024} KiB SMEM")

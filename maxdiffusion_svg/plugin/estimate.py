@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
@@ -159,13 +160,15 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
 
 
 def _compensation(blocks: int, plan) -> dict[str, Any] | None:
-  """What a compensated sparse call adds after the kernel: every query scores each key tile's
-  ``blocks`` centroids (those of the tiles its row visits masked out), ``blocks / block_kv``
-  of a dense call's scores; None when compensation is off."""
+  """What a compensated sparse call adds: each query tile row also scores, in our kernel's
+  closing step (Splash and XLA: after the kernel), the ``blocks`` centroids of each key tile it
+  skips, at most ``row_keys`` of them (the slots every row holds), ``row_keys / S`` of a dense
+  call's scores; None when compensation is off."""
   if not blocks:
     return None
-  return {"blocks": blocks, "pseudo_keys": plan.num_kv_tiles * blocks,
-          "score_work_vs_dense": blocks / plan.block_kv}
+  row_keys = plan_row_keys(plan, blocks)
+  return {"blocks": blocks, "pseudo_keys": plan.num_kv_tiles * blocks, "row_keys": row_keys,
+          "score_work_vs_dense": row_keys / plan.seq_len}
 
 
 def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, Any]:

@@ -96,10 +96,10 @@ def format_estimate(result: dict[str, Any]) -> str:
   lines.append(
       "compensation off: the tiles a sparse call skips get no weight (svg_compensation: false)"
       if comp is None else
-      f"compensation {comp['blocks']} centroids per key tile: after the kernel, each query of a "
-      f"sparse call also scores the {comp['pseudo_keys']:,} centroids of the key tiles (those "
-      f"its row visits masked out), {comp['score_work_vs_dense']:.2%} of a dense call's "
-      f"scores, in XLA; not in the bounds here")
+      f"compensation {comp['blocks']} centroids per key tile: each query of a sparse call also "
+      f"scores the centroids of the key tiles its row skips (at most {comp['row_keys']:,} of the "
+      f"{comp['pseudo_keys']:,}; our kernel as it closes the row), "
+      f"{comp['score_work_vs_dense']:.2%} of a dense call's scores; not in the bounds here")
   e2e = result["end_to_end"]
   lines.append(
       f"end to end: a denoising step at most {e2e['step_speedup_bound']:.2f}x faster (Amdahl: "
