@@ -185,13 +185,16 @@ def row_keys(cents: Centroids, bias: np.ndarray, dtype: Any) -> RowKeys:
   seen = np.isfinite(bias)
   m = row_key_count(bias)
   order = np.argsort(~seen, axis=1, kind="stable")[:, :m]  # each row's seen pseudo-keys first
+  order = np.pad(order, ((0, 0), (0, m - order.shape[1])))  # m may exceed N (rounded up to 8)
+  used = np.arange(m)[None, :] < seen.sum(axis=1)[:, None]
   pick = np.zeros((nq, m, n), np.float32)
-  pick[np.arange(nq)[:, None], np.arange(m)[None, :], order] = 1.0
+  rows, slots = np.nonzero(used)
+  pick[rows, slots, order[rows, slots]] = 1.0
   select = lambda x: jnp.einsum("tmn,bhnd->bhtmd", pick.astype(x.dtype), x,
                                 preferred_element_type=jnp.float32,
                                 precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
   return RowKeys(select(cents.k.astype(dtype)), select(cents.v),
-                 np.take_along_axis(bias, order, axis=1))
+                 np.where(used, np.take_along_axis(bias, order, axis=1), -np.inf).astype(np.float32))
 
 
 def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,

@@ -84,6 +84,15 @@ def test_our_kernel_takes_more_row_keys_than_one_chunk():
   np.testing.assert_allclose(np.asarray(out), reference(q, k, v, plan, 32), atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_fewer_centroids_in_all_than_a_row_holds(backend):
+  """One centroid per 256-key tile, 4 tiles: the rows' slots (rounded up to 8) outnumber them."""
+  plan = plan_tiles(GRID, 0.2, 256, 256, "aligned")
+  q, k, v = qkv(dim=128, seed=5)
+  out = compensated_attention(q, k, v, plan, blocks=1, backend=backend)
+  np.testing.assert_allclose(np.asarray(out), reference(q, k, v, plan, 1), atol=2e-5)
+
+
 def test_without_sink_and_one_block_per_tile():
   plan = plan_tiles(GRID, 0.25, 128, 128, "split", include_sink=False)
   q, k, v = qkv(seed=2)
