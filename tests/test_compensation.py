@@ -66,7 +66,7 @@ def test_every_executor_and_mode_matches_the_float64_rule(backend, mode):
   assert np.abs(plain - want).max() > 100 * TOLERANCE[jnp.float32]  # it does compensate
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
 def test_bfloat16_rectangular_tiles_and_scale(backend):
   plan = plan_tiles(GRID, 0.2, 256, 128, "aligned")
   q, k, v = qkv(jnp.bfloat16, dim=128, seed=1)

@@ -302,6 +302,17 @@ def default_tiles(chip: str, vmem_limit_kib: int | None,
   return tiles.block_q, tiles.block_kv, tiles.block_kv_compute
 
 
+def mode_cases(chip: str, resolution: str, density: float, tiles: tuple[int, int, int] | None,
+               vmem_limit_kib: int | None, backend: str) -> list[tuple[str, ScheduleCase]]:
+  """Each traversal mode at ``density``, then the dense baseline (density 1, aligned), on the
+  same tiles: the cases every schedule bench prices."""
+  grid = grid_for_resolution(resolution)
+  block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib, backend)
+  return [(mode, ScheduleCase(chip, grid.shape, dens, "aligned" if mode == "dense" else mode,
+                              block_q, block_kv, kv_compute, vmem_limit_kib, backend=backend))
+          for mode, dens in [(m, density) for m in MODES] + [("dense", 1.0)]]
+
+
 def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: float = 0.35,
                        tiles: tuple[int, int, int] | None = None,
                        vmem_limit_kib: int | None = None, maxdiffusion: bool = False,
@@ -312,11 +323,8 @@ def run_schedule_bench(chip: str = "v6e", resolution: str = "720p", density: flo
   dense kernels as its Wan users run them (its Splash flash, its own fixed-m and online kernel)."""
   grid = grid_for_resolution(resolution)
   block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib, backend)
-  modes = {}
-  for mode, dens in [(m, density) for m in MODES] + [("dense", 1.0)]:
-    case = ScheduleCase(chip, grid.shape, dens, "aligned" if mode == "dense" else mode, block_q,
-                        block_kv, kv_compute, vmem_limit_kib, backend=backend)
-    modes[mode] = run_case(case, log)
+  modes = {mode: run_case(case, log)
+           for mode, case in mode_cases(chip, resolution, density, tiles, vmem_limit_kib, backend)}
   if maxdiffusion:
     for name, case in maxdiffusion_cases(chip, grid.shape).items():
       modes[name] = run_case(case, log)
