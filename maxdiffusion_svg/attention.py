@@ -13,7 +13,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import Centroids, compensated_attention
+from maxdiffusion_svg.compensation import Centroids, compensated_attention, per_head
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
@@ -46,9 +46,7 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
   kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target)
   if compensation_blocks:
     if cents is not None:  # each head's own layout's
-      fm, tm = cents[Layout.FRAME_MAJOR], cents[Layout.TEMPORAL_MAJOR]
-      pick = lambda a, b: jnp.where(temporal[:, :, None, None], b, a)
-      kwargs["cents"] = Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
+      kwargs["cents"] = per_head(cents, temporal)
     out = compensated_attention(*placed, plan, blocks=compensation_blocks, **kwargs)
   else:
     out = sparse_attention(*placed, plan, **kwargs)

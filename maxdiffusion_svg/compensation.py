@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxdiffusion_svg.geometry import Layout
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.row_keys import RowKeys
 from maxdiffusion_svg.tiles import TilePlan
@@ -64,11 +65,15 @@ def block_counts(seq_len: int, num_kv_tiles: int, block_kv: int, blocks: int) ->
   return np.clip(seq_len - starts, 0, size)
 
 
-def centroid_log_counts(plan: TilePlan, blocks: int) -> np.ndarray:
-  """``float32 [tiles * blocks]``: log of each sub-block's real keys (``-inf``: padding only)."""
-  counts = block_counts(plan.seq_len, plan.num_kv_tiles, plan.block_kv, blocks)
+def _log(counts: np.ndarray) -> np.ndarray:
+  """``float32`` log of key counts, ``-inf`` for none (a block of padding only)."""
   with np.errstate(divide="ignore"):
     return np.log(counts.astype(np.float64)).astype(np.float32)
+
+
+def centroid_log_counts(plan: TilePlan, blocks: int) -> np.ndarray:
+  """``float32 [tiles * blocks]``: log of each sub-block's real keys (``-inf``: padding only)."""
+  return _log(block_counts(plan.seq_len, plan.num_kv_tiles, plan.block_kv, blocks))
 
 
 def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
@@ -93,9 +98,7 @@ def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
     total = part.reshape(b, h, n, size // group, d).sum(axis=3)
     return total / np.maximum(counts, 1).astype(np.float32)[:, None]
 
-  with np.errstate(divide="ignore"):
-    log_count = np.log(counts.astype(np.float64)).astype(np.float32)
-  return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), log_count)
+  return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), _log(counts))
 
 
 def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, seq_len: int,
@@ -115,9 +118,15 @@ def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, s
       total = jax.lax.psum(total, axis_name)
     return jnp.moveaxis(total, 0, 2) / np.maximum(counts, 1).astype(np.float32)[:, None]
 
-  with np.errstate(divide="ignore"):
-    log_count = np.log(counts.astype(np.float64)).astype(np.float32)
-  return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), log_count)
+  return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), _log(counts))
+
+
+def per_head(cents: dict[Layout, Centroids], temporal: jax.Array) -> Centroids:
+  """Each head's centroids in the layout it runs in: ``temporal [B, H]`` picks between the
+  frame-major and the temporal-major layout's (same counts: both cut the same positions)."""
+  fm, tm = cents[Layout.FRAME_MAJOR], cents[Layout.TEMPORAL_MAJOR]
+  pick = lambda a, b: jnp.where(temporal[:, :, None, None], b, a)
+  return Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,24 +152,6 @@ def skipped_bias(skipped: np.ndarray, log_count: np.ndarray) -> np.ndarray:
 def plan_bias(plan: TilePlan, log_count: np.ndarray) -> np.ndarray:
   """:func:`skipped_bias` of ``plan``'s query tile rows."""
   return skipped_bias(_skipped(plan), log_count)
-
-
-def softmax_over(q: jax.Array, cents: Centroids, bias: Any,
-                 scale: float) -> tuple[jax.Array, jax.Array]:
-  """Softmax of ``[B, H, Q, D]`` queries over the pseudo-keys, with additive logits ``bias``
-  (broadcast to ``[B, H, Q, N]``; ``-inf``: not seen): ``(out float32, lse float32)``, with
-  ``lse = -inf`` and ``out = 0`` where a query sees none."""
-  logits = jnp.einsum("bhqd,bhnd->bhqn", q, cents.k.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * scale + bias
-  peak = logits.max(axis=-1)
-  safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-  p = jnp.exp(logits - safe[..., None])
-  total = p.sum(axis=-1)
-  out = jnp.einsum("bhqn,bhnd->bhqd", p.astype(cents.v.dtype), cents.v,
-                   preferred_element_type=jnp.float32)
-  out = out / jnp.where(total > 0, total, 1.0)[..., None]
-  lse = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-  return out, lse
 
 
 def row_key_count(bias: np.ndarray) -> int:

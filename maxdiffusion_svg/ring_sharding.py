@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxdiffusion_svg.attention import per_platform, profile_key
 from maxdiffusion_svg.compensation import (Centroids, centroid_log_counts, centroids_by_position,
-                                           plan_bias, row_keys, skips_any)
+                                           per_head, plan_bias, row_keys, skips_any)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.kernels import sparse_attention
@@ -179,9 +179,10 @@ def _take(x: jax.Array, index: jax.Array) -> jax.Array:
 def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float | None,
                    compute: int, target: Target,
                    blocks: int = 0) -> tuple[KeyFetch, Callable[..., Any]]:
-  """The fetch and ``run(shard, q, k_window, v_window, centroids)``: each shard's rows of
+  """The fetch and ``run(shard, q, k_window, v_window, centroids=None)``: each shard's rows of
   ``plan``; with ``blocks``, compensated for every key tile a row skips, its own shard's and
-  the others' (``centroids``: the whole placed sequence's, :func:`ring_centroids`)."""
+  the others' (``centroids``: each head's, of the whole placed sequence, :func:`ring_centroids`;
+  a plan that skips nothing takes none)."""
   fetch = key_fetch(plan, split)
   compensate = blocks and skips_any(plan)
 
@@ -190,7 +191,7 @@ def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float 
     kernel = functools.partial(sparse_attention, plan=window, scale=scale, backend=backend,
                                block_kv_compute=compute, target=target)
     if not compensate:
-      return lambda q, k, v, k_mean, v_mean: kernel(q, k, v)
+      return kernel
     row0, row1 = split.starts[r] // plan.block_q, split.starts[r + 1] // plan.block_q
     log_count = centroid_log_counts(plan, blocks)
     bias = np.full((window.num_q_tiles, log_count.size), -np.inf, np.float32)
@@ -203,8 +204,11 @@ def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float 
     return run
 
   branches = [branch(r) for r in range(split.ring)]
-  return fetch, lambda shard, q, k, v, cents: jax.lax.switch(shard, branches, q, k, v,
-                                                             cents.k, cents.v)
+
+  def run(shard, q, k, v, cents=None):
+    means = (cents.k, cents.v) if compensate else ()  # log counts are static, in each branch
+    return jax.lax.switch(shard, branches, q, k, v, *means)
+  return fetch, run
 
 
 def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, blocks: int,
@@ -221,12 +225,6 @@ def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, 
                                         num_kv_tiles=plan.num_kv_tiles, block_kv=plan.block_kv,
                                         blocks=blocks, axis_name=RING)
   return out
-
-
-def _dummy_centroids(q: jax.Array) -> Centroids:
-  """What an uncompensated shard kernel is handed (and ignores)."""
-  return Centroids(jnp.zeros(q.shape[:2] + (1, q.shape[-1]), q.dtype),
-                   jnp.zeros(q.shape[:2] + (1, q.shape[-1]), q.dtype), np.zeros(1, np.float32))
 
 
 def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, seq_axis: str,
@@ -284,12 +282,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
         spatial, temporal_error = ring_layout_errors(q, k, v, rows, grid, router_mask, shard,
                                                      split.natural, scale, judged)
         temporal = temporal_error < spatial
-        if cents is None:
-          run_cents = _dummy_centroids(q)
-        else:  # each head's centroids in the layout it runs in
-          pick = lambda fm, tm: jnp.where(temporal[:, :, None, None], tm, fm)
-          fm, tm = cents[Layout.FRAME_MAJOR], cents[Layout.TEMPORAL_MAJOR]
-          run_cents = Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
+        run_cents = None if cents is None else per_head(cents, temporal)
         q, k, v = (place(x, temporal, spatial_perm, temporal_perm, shard) for x in (q, k, v))
         out = sparse_run(shard, q, fetch_window(k, sparse_fetch, shard),
                          fetch_window(v, sparse_fetch, shard), run_cents)
@@ -300,7 +293,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
         if spatial_perm is not None:
           q, k, v = (permute(x, spatial_perm, shard) for x in (q, k, v))
         out = dense_run(shard, q, fetch_window(k, dense_fetch, shard),
-                        fetch_window(v, dense_fetch, shard), _dummy_centroids(q))
+                        fetch_window(v, dense_fetch, shard))
         if spatial_perm is not None:
           out = permute(out, spatial_perm, shard, inverse=True)
         zeros = jnp.zeros(q.shape[:2], jnp.float32)

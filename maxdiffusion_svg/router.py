@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import Centroids, centroids, plan_bias, softmax_over
+from maxdiffusion_svg.compensation import Centroids, centroids, plan_bias
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
-from maxdiffusion_svg.kernels.row_keys import merge
+from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -96,8 +96,8 @@ def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.
   its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
   skips in ``layout`` (``cents``: that layout's)."""
   tiles = layout_positions(grid, layout, rows) // plan.block_q
-  bias = jnp.asarray(plan_bias(plan, cents.log_count))[tiles]  # [R, N]
-  extra, extra_lse = softmax_over(qs, cents, bias, scale)
+  bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
+  extra, extra_lse = softmax_over(qs, cents.k, cents.v, bias, scale)
   return merge(exact, lse, extra, extra_lse)
 
 

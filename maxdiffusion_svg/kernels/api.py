@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels import refusal
 from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
-from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, row_key_slots, with_row_keys
+from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_keys
 # Imported with the package, not on the first call: tokamax registers JAX config values when
 # it loads, and a first trace that loaded it would leave later calls tracing in a different
 # context, so everything would compile twice.
@@ -40,11 +40,10 @@ def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: 
   """What a TPU lowering of ``backend``'s kernel (``pallas`` or ``splash``) refuses before
   compiling: our kernel's shapes, then VMEM and SMEM on ``target``. One function for the run
   (:func:`sparse_attention`) and the pre-flight (``tiles --config``), so both say the same.
-  ``row_keys``: the extra keys per row a compensated call gives (before padding to chunks)."""
+  ``row_keys``: the extra keys per row a compensated call gives."""
   if backend == "pallas":
     check_shapes(head_dim, dtype, plan, block_kv_compute, value_dim)
-  slots = row_key_slots(row_keys, block_kv_compute) if row_keys and backend == "pallas" else 0
-  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, slots)
+  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, row_keys)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:

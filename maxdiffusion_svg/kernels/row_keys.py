@@ -11,7 +11,7 @@ and :func:`merge` add them after the kernel.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,9 @@ def check_row_keys(rk: RowKeys, q_shape: tuple[int, ...], num_q_tiles: int) -> N
 
 def row_key_slots(count: int, chunk: int) -> int:
   """Slots our kernel holds for ``count`` row keys: whole chunks of at most ``chunk`` (its inner
-  kv step), so the closing step's scores are no larger than a tile's."""
+  kv step), so the closing step's scores are no larger than a tile's; none for none."""
+  if not count:
+    return 0
   step = min(-(-count // 8) * 8, chunk)
   return -(-count // step) * step
 
@@ -58,6 +60,26 @@ def pad_row_keys(rk: RowKeys, chunk: int) -> RowKeys:
                  np.pad(rk.bias, ((0, 0), (0, pad)), constant_values=-np.inf))
 
 
+def softmax_over(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any,
+                 scale: float) -> tuple[jax.Array, jax.Array]:
+  """Softmax of ``[B, H, Q, D]`` queries over keys ``k [B, H, N, D]`` (values ``[B, H, N, Dv]``)
+  with additive logits ``bias`` (broadcast to ``[B, H, N, Q]``; ``-inf``: not seen): ``(out
+  [B, H, Q, Dv], lse [B, H, Q])``, float32, ``lse = -inf`` and ``out = 0`` where a query sees
+  none. Logits are ``[N, Q]``, queries on lanes as in our kernel: reductions over keys run
+  across sublanes and the log-sum-exp comes out lane-major."""
+  logits = jnp.einsum("bhnd,bhqd->bhnq", k.astype(q.dtype), q,
+                      preferred_element_type=jnp.float32) * scale + bias
+  peak = logits.max(axis=-2)
+  safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  p = jnp.exp(logits - safe[..., None, :])
+  total = p.sum(axis=-2)
+  out = jnp.einsum("bhnq,bhnd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  kept = total > 0
+  out = out * jnp.where(kept, 1.0 / jnp.where(kept, total, 1.0), 0.0)[..., None]
+  lse = jnp.where(kept, safe + jnp.log(jnp.where(kept, total, 1.0)), -jnp.inf)
+  return out, lse
+
+
 def row_softmax(q: jax.Array, rk: RowKeys, block_q: int,
                 scale: float) -> tuple[jax.Array, jax.Array]:
   """Softmax of ``[B, H, S, D]`` queries over their query tile row's keys: ``(out [B, H, S,
@@ -71,18 +93,7 @@ def row_softmax(q: jax.Array, rk: RowKeys, block_q: int,
 
   def row(args):
     qs, ks, vs, rb = args
-    logits = jnp.einsum("bhnd,bhqd->bhnq", ks, qs,
-                        preferred_element_type=jnp.float32) * scale + rb[:, None]
-    peak = logits.max(axis=-2)
-    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    p = jnp.exp(logits - safe[..., None, :])
-    total = p.sum(axis=-2)
-    out = jnp.einsum("bhnq,bhnd->bhqd", p.astype(vs.dtype), vs,
-                     preferred_element_type=jnp.float32)
-    kept = total > 0
-    out = out * jnp.where(kept, 1.0 / jnp.where(kept, total, 1.0), 0.0)[..., None]
-    lse = jnp.where(kept, safe + jnp.log(jnp.where(kept, total, 1.0)), -jnp.inf)
-    return out, lse
+    return softmax_over(qs, ks, vs, rb[:, None], scale)
 
   chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * m * 4)))
   keys, values = jnp.moveaxis(rk.k, 2, 0), jnp.moveaxis(rk.v, 2, 0)  # [nq, B, H, m, D]

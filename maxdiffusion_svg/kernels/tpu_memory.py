@@ -15,6 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from maxdiffusion_svg.kernels.row_keys import row_key_slots
 from maxdiffusion_svg.kernels.vmem_model import fitted_bytes
 from maxdiffusion_svg.target import GENERATIONS, MIB, Target, VMEM_FLAG, VMEM_KEY
 from maxdiffusion_svg.tiles import MASKED, TilePlan
@@ -84,10 +85,12 @@ PALLAS_ROW_KEY_BIAS_BYTES = 128 * 4
 def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
                       row_keys: int = 0) -> int:
   """Scoped-VMEM bytes our kernel needs at most for ``plan``'s tiles (see the figures above);
-  ``row_keys``: the slots of extra keys each row takes (compensated sparse calls)."""
+  ``row_keys``: the extra keys each row takes (compensated sparse calls), held in whole chunks
+  (:func:`row_key_slots`)."""
   itemsize = jnp.dtype(dtype).itemsize
   wide = max(1.0, itemsize / 2) * max(1.0, head_dim / 128)
-  extra = 2 * row_keys * (2 * head_dim * itemsize + PALLAS_ROW_KEY_BIAS_BYTES)
+  slots = row_key_slots(row_keys, block_kv_compute)
+  extra = 2 * slots * (2 * head_dim * itemsize + PALLAS_ROW_KEY_BIAS_BYTES)
   return int(PALLAS_VMEM_BASE + PALLAS_VMEM_PER_SCORE * wide * plan.block_q * block_kv_compute
              + extra)
 
@@ -100,7 +103,7 @@ def pallas_smem_bytes(plan: TilePlan) -> int:
 def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
                 target: Target, backend: str = "splash", row_keys: int = 0) -> int:
   """The scoped VMEM a TPU target holds ``backend``'s kernel for ``plan`` to (``row_keys``: the
-  slots of extra keys per row our kernel takes; Splash merges them after, outside the kernel)."""
+  extra keys per row our kernel takes; Splash merges them after, outside the kernel)."""
   bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
   if backend == "pallas":
     return pallas_vmem_bound(plan, head_dim, dtype, bkc, row_keys)
@@ -123,8 +126,8 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
 
   Any TPU target is checked: a known generation against its own limits, an unknown one
   against the strictest known. Off TPU there is no limit (interpreted kernels on CPU).
-  ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``; ``row_keys``: the slots of
-  extra keys per row our kernel takes (compensation).
+  ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``; ``row_keys``: the extra keys
+  per row our kernel takes (compensation).
   """
   if not target.is_tpu:
     return

@@ -28,7 +28,6 @@ from typing import Any, Mapping
 from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import check_tpu_call
-from maxdiffusion_svg.kernels.row_keys import row_key_slots
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
@@ -105,16 +104,15 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
   blocks = settings.svg.compensation_for(target, backend)
   fits = []
   for name, plan in plans.items():
-    row_keys = plan_row_keys(plan, blocks) if blocks else 0
-    slots = row_key_slots(row_keys, kv_compute) if row_keys and backend == "pallas" else 0
+    row_keys = plan_row_keys(plan, blocks) if blocks and backend == "pallas" else 0
     try:
       check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend, row_keys=row_keys)
     except ValueError as err:
       raise _refused(f"at its first call ({name} plan)", err) from None
     fits.append({"plan": name, "vmem": kernel_vmem(plan, HEAD_DIM, dtype, kv_compute, target,
-                                                     backend, slots),
+                                                     backend, row_keys),
                  "vmem_limit": target.vmem_limit, "smem": kernel_smem(plan, backend),
-                 "smem_limit": target.smem, "row_keys": slots})
+                 "smem_limit": target.smem, "row_keys": row_keys})
   return fits
 
 
