@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from maxdiffusion_svg.cli import (_MODES, _add_grid_args, _add_json_arg, _density, _grid_from_args,
-                                  _report, _tile)
+from maxdiffusion_svg.cli_args import (_MODES, _add_grid_args, _add_json_arg, _density,
+                                       _grid_from_args, _report, _tile)
 from maxdiffusion_svg.geometry import RESOLUTIONS
 from maxdiffusion_svg.target import BACKENDS, GENERATIONS, TPU_BACKENDS, generation_named
 from maxdiffusion_svg.tiling import tiles_help

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from maxdiffusion_svg.cli import (_MODES, _add_grid_args, _add_json_arg, _density, _grid_from_args,
-                                  _report, _tile, _typed)
+from maxdiffusion_svg.cli_args import (_MODES, _add_grid_args, _add_json_arg, _density,
+                                       _grid_from_args, _report, _tile, _typed)
 from maxdiffusion_svg.geometry import RESOLUTIONS
 from maxdiffusion_svg.target import GENERATIONS, Target, generation_named, tpu_target
 from maxdiffusion_svg.tiling import choose_tiles, tiles_help
