@@ -76,28 +76,33 @@ def centroid_log_counts(plan: TilePlan, blocks: int) -> np.ndarray:
   return _log(block_counts(plan.seq_len, plan.num_kv_tiles, plan.block_kv, blocks))
 
 
+def block_means(x: jax.Array, *, block_kv: int, blocks: int, seq_len: int | None = None) -> jax.Array:
+  """float32 ``[B, H, tiles * blocks, D]``: the mean of each sub-block of ``[B, H, S, D]`` cut
+  into ``block_kv`` tiles of ``blocks`` sub-blocks, over its real tokens (``seq_len``, default
+  ``S``; the rest are padding)."""
+  b, h, s, d = x.shape
+  seq_len = s if seq_len is None else seq_len
+  tiles = -(-s // block_kv)
+  n, size = tiles * blocks, block_kv // blocks
+  counts = block_counts(seq_len, tiles, block_kv, blocks)
+  group = math.gcd(seq_len, size)  # a divisor of both: its reshape moves no data
+  # Sums of ``group`` keys straight from the inputs (float32 accumulation), then of
+  # ``size / group`` of those: only the small partial sums are ever padded or copied.
+  part = x[:, :, :seq_len].reshape(b, h, seq_len // group, group, d).sum(axis=3, dtype=jnp.float32)
+  part = jnp.pad(part, ((0, 0), (0, 0), (0, n * size // group - part.shape[2]), (0, 0)))
+  total = part.reshape(b, h, n, size // group, d).sum(axis=3)
+  return total / np.maximum(counts, 1).astype(np.float32)[:, None]
+
+
 def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
               seq_len: int | None = None) -> Centroids:
   """Mean key and value of each sub-block of ``[B, H, S, D]`` keys cut into ``block_kv`` tiles
   of ``blocks`` sub-blocks; ``seq_len`` real keys (default ``S``), the rest are padding."""
   check_compensation(True, blocks, block_kv)
-  b, h, s, d = k.shape
+  s = k.shape[2]
   seq_len = s if seq_len is None else seq_len
-  tiles = -(-s // block_kv)
-  n, size = tiles * blocks, block_kv // blocks
-  counts = block_counts(seq_len, tiles, block_kv, blocks)
-
-  group = math.gcd(seq_len, size)  # a divisor of both: its reshape moves no data
-
-  def mean(x):
-    # Sums of ``group`` keys straight from the inputs (float32 accumulation), then of
-    # ``size / group`` of those: only the small partial sums are ever padded or copied.
-    part = x[:, :, :seq_len].reshape(b, h, seq_len // group, group, d).sum(axis=3,
-                                                                          dtype=jnp.float32)
-    part = jnp.pad(part, ((0, 0), (0, 0), (0, n * size // group - part.shape[2]), (0, 0)))
-    total = part.reshape(b, h, n, size // group, d).sum(axis=3)
-    return total / np.maximum(counts, 1).astype(np.float32)[:, None]
-
+  mean = lambda x: block_means(x, block_kv=block_kv, blocks=blocks, seq_len=seq_len)
+  counts = block_counts(seq_len, -(-s // block_kv), block_kv, blocks)
   return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), _log(counts))
 
 

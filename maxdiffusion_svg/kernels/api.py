@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxdiffusion_svg.kernels import refusal
 from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
@@ -36,14 +37,15 @@ def lowering_tpu_target(target: Target) -> Target:
 
 def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
                    target: Target, backend: str, value_dim: int | None = None,
-                   row_keys: int = 0) -> None:
+                   row_keys: int = 0, tables: int = 1) -> None:
   """What a TPU lowering of ``backend``'s kernel (``pallas`` or ``splash``) refuses before
   compiling: our kernel's shapes, then VMEM and SMEM on ``target``. One function for the run
   (:func:`sparse_attention`) and the pre-flight (``tiles --config``), so both say the same.
-  ``row_keys``: the extra keys per row a compensated call gives."""
+  ``row_keys``: the extra keys per row a compensated call gives; ``tables``: heads walking
+  their own tile tables (semantic heads), else 1."""
   if backend == "pallas":
     check_shapes(head_dim, dtype, plan, block_kv_compute, value_dim)
-  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, row_keys)
+  check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, row_keys, tables)
 
 
 def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
@@ -70,6 +72,20 @@ def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
     raise ValueError(f"plan was built for seq_len {plan.seq_len}, but inputs have S = {q.shape[2]}")
 
 
+def _check_head_tiles(head_tiles: Any, q_shape: tuple[int, ...], plan: TilePlan,
+                      backend: str) -> None:
+  if backend == "splash":
+    raise ValueError("svg_layouts semantic (per-head tile tables computed on device) needs "
+                     "svg_backend pallas or xla: Splash's tile tables are static")
+  if plan.mode.value != "aligned" or plan.q_len is not None:
+    raise ValueError(f"per-head tile tables need an aligned plan of the whole call (svg_tile_mode "
+                     f"aligned), got {plan.mode.value}")
+  want = (*q_shape[:2], plan.num_q_tiles, plan.width)
+  if tuple(head_tiles.shape) != want:
+    raise ValueError(f"head_tiles must be int32 [B, H, q_tiles, width] = {want}, got "
+                     f"{tuple(head_tiles.shape)}")
+
+
 def _inference_only(fn):
   """Wraps ``fn`` so that any derivative raises instead of silently producing garbage."""
   guarded = jax.custom_jvp(fn)
@@ -90,7 +106,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                      tiles_per_step: int | None = None,
                      target: Target | None = None,
                      return_lse: bool = False,
-                     row_keys: RowKeys | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     row_keys: RowKeys | None = None,
+                     head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over the tiles ``plan`` visits, with ``q, k, v`` already in the plan's layout.
 
   Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
@@ -108,7 +125,11 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   nothing), what merging another softmax over other keys needs. ``row_keys``: extra keys per
   query tile row in the same softmax (compensation's centroids,
   :mod:`maxdiffusion_svg.kernels.row_keys`): our kernel takes them as it closes each row, the
-  others merge them after their tiles by log-sum-exp.
+  others merge them after their tiles by log-sum-exp (and ours too where their logit bias is
+  computed on device, per head). ``head_tiles [B, H, num_q_tiles, width]`` (int32, on device):
+  each head's own key tiles in place of the plan's, with the plan's counts per row (an
+  aligned plan; the semantic layout's tables): ``pallas`` and ``xla`` take them, Splash's
+  tables are static and it refuses them.
   """
   _check_inputs(q, k, v, plan)
   if row_keys is not None:
@@ -120,10 +141,16 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   given, backend = backend, resolve_backend(backend, target)
   # The kernel a TPU lowering runs: the one asked for, or with ``auto``, the TPU default.
   tpu_backend = backend if backend in TPU_BACKENDS else TPU_BACKENDS[0]
+  if head_tiles is not None:
+    _check_head_tiles(head_tiles, q.shape, plan, backend)
   kv_compute = block_kv_compute or default_kv_compute(plan.block_kv, tpu_backend)
 
+  tables = 1 if head_tiles is None else q.shape[0] * q.shape[1]
+  per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
+
   def merged_after(run):
-    """An executor without row keys of its own: its log-sum-exp, then the row keys merged."""
+    """An executor without row keys of its own (or with row keys it cannot take: a per-head
+    bias): its log-sum-exp, then the row keys merged."""
     if row_keys is None:
       return lambda q, k, v: run(q, k, v, return_lse)
     def call(q, k, v):
@@ -134,21 +161,24 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   def kernel(interpret: bool):
     if tpu_backend == "pallas":
       check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
-      return lambda q, k, v: pallas_sparse_attention(
+      run = lambda q, k, v, lse, rk: pallas_sparse_attention(
           q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
-          return_lse=return_lse, row_keys=row_keys)
+          return_lse=lse, row_keys=rk, head_tiles=head_tiles)
+      if per_head_bias:
+        return merged_after(lambda q, k, v, lse: run(q, k, v, lse, None))
+      return lambda q, k, v: run(q, k, v, return_lse, row_keys)
     return merged_after(lambda q, k, v, lse: splash_sparse_attention(
         q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute, return_lse=lse))
 
   xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
-      q, k, v, plan, scale, tiles_per_step=tiles_per_step, return_lse=lse))
+      q, k, v, plan, scale, tiles_per_step=tiles_per_step, return_lse=lse, head_tiles=head_tiles))
 
   def on_tpu():
     """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
     surfaces only if the call is lowered for one (runs on this host are unaffected)."""
     try:
       check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1],
-                     0 if row_keys is None else row_keys.bias.shape[1])
+                     0 if row_keys is None or per_head_bias else row_keys.bias.shape[-1], tables)
       return kernel(interpret=False)
     except ValueError as err:
       if not tpu.speculative:

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
 from maxdiffusion_svg.kernels.row_keys import RowKeys, pad_row_keys
-from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
+from maxdiffusion_svg.kernels.worklist import pack_head_work, pack_work, unpack_work
 from maxdiffusion_svg.masks import SvgMask
 from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
 
@@ -62,8 +62,14 @@ def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
                      f"({plan.block_kv}), got {block_kv_compute}")
 
 
+def _step(work_ref, bh, t, per_head: int):
+  """The packed work word of grid step ``(bh, t)``: the shared list's, or head ``bh``'s own
+  (``per_head`` steps each, head after head)."""
+  return work_ref[bh * per_head + t] if per_head else work_ref[t]
+
+
 def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, *refs, plan: TilePlan, bkc: int,
-            row_keys: bool, lse: bool):
+            row_keys: bool, lse: bool, per_head: int):
   # With ``row_keys`` three inputs follow: the row's extra keys, values and base-2 logit bias
   # (lane-replicated); with ``lse`` an output follows o: the row's log-sum-exp, lane-major.
   rk_ref = rv_ref = rb_ref = lse_ref = None
@@ -75,7 +81,8 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, *refs, plan: Til
   m_ref, l_ref, acc_ref = refs
   bq, bkv = plan.block_q, plan.block_kv
   chunks = bkv // bkc
-  row, col, kind, first, last = unpack_work(work_ref[pl.program_id(1)])
+  row, col, kind, first, last = unpack_work(_step(work_ref, pl.program_id(0), pl.program_id(1),
+                                                   per_head))
   fixed = fixed_ref[pl.program_id(0)] > 0
 
   rows = m_ref.shape[0]
@@ -187,11 +194,14 @@ def _pad(x: jax.Array, length: int) -> jax.Array:
 def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
                             scale: float, *, interpret: bool, block_kv_compute: int,
                             return_lse: bool = False,
-                            row_keys: RowKeys | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            row_keys: RowKeys | None = None,
+                            head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel; with
   ``return_lse`` also each row's log-sum-exp (float32 ``[B, H, S]``, ``-inf`` where it keeps
   nothing), written once per row beside the output. ``row_keys``: each query tile row's extra
-  keys, taken into its softmax when the row closes (one more chunk of ``m`` keys per row)."""
+  keys, taken into its softmax when the row closes (one more chunk of ``m`` keys per row).
+  ``head_tiles [B, H, num_q_tiles, width]``: each head's own key tiles (an aligned plan's
+  counts per row, columns computed on device): every head walks its own work list."""
   b, h, s, d = q.shape
   dv = v.shape[-1]
   check_shapes(d, q.dtype, plan, block_kv_compute, dv)
@@ -205,16 +215,22 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   k_pad = _pad(fold(k), plan.num_kv_tiles * bkv)
   v_pad = _pad(fold(v), plan.num_kv_tiles * bkv)
   m_pad = jnp.pad(offsets.m, ((0, 0), (0, 0), (0, plan.num_q_tiles * bq - s)))
-  work = jnp.asarray(pack_work(plan))
+  if head_tiles is None:
+    work, per_head = jnp.asarray(pack_work(plan)), 0
+  else:
+    work = pack_head_work(plan, head_tiles)
+    per_head = work.size // (b * h)
+  steps = per_head or work.size
+  word = lambda bh, t, work_ref: unpack_work(_step(work_ref, bh, t, per_head))
 
   def at_row(bh, t, work_ref, _):
-    return bh, unpack_work(work_ref[t])[0], 0
+    return bh, word(bh, t, work_ref)[0], 0
 
   def at_col(bh, t, work_ref, _):
-    return bh, unpack_work(work_ref[t])[1], 0
+    return bh, word(bh, t, work_ref)[1], 0
 
   def at_row_lanes(bh, t, work_ref, _):
-    return bh, 0, unpack_work(work_ref[t])[0]
+    return bh, 0, word(bh, t, work_ref)[0]
 
   extra_specs, extra_args = [], []
   if row_keys is not None:
@@ -222,10 +238,10 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
     m = row_keys.bias.shape[1]
 
     def at_row_keys(bh, t, work_ref, _):
-      return bh, unpack_work(work_ref[t])[0], 0, 0
+      return bh, word(bh, t, work_ref)[0], 0, 0
 
     def at_row_bias(bh, t, work_ref, _):
-      return unpack_work(work_ref[t])[0], 0, 0
+      return word(bh, t, work_ref)[0], 0, 0
 
     # Base-2 logits like the kernel's; an unused slot gets the mask value, not -inf.
     bias = np.where(np.isfinite(row_keys.bias), row_keys.bias * math.log2(math.e), _MASK_VALUE)
@@ -238,7 +254,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                                               (*bias.shape, 128)))]
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(b * h, work.size),
+      num_scalar_prefetch=2, grid=(b * h, steps),
       in_specs=[pl.BlockSpec((None, bq, d), at_row), pl.BlockSpec((None, bkv, d), at_col),
                 pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes),
                 *extra_specs],
@@ -252,7 +268,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
     out_shape.append(jax.ShapeDtypeStruct((b * h, 1, plan.num_q_tiles * bq), jnp.float32))
   outs = pl.pallas_call(
       functools.partial(_kernel, plan=plan, bkc=block_kv_compute, row_keys=row_keys is not None,
-                        lse=return_lse),
+                        lse=return_lse, per_head=per_head),
       grid_spec=grid_spec,
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),

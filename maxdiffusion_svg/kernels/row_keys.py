@@ -26,14 +26,16 @@ class RowKeys(NamedTuple):
 
   k: jax.Array  # [B, H, num_q_tiles, m, D], q's dtype
   v: jax.Array  # [B, H, num_q_tiles, m, Dv], v's dtype
-  bias: np.ndarray  # float32 [num_q_tiles, m]: log(weight), -inf for an unused slot
+  # float32 [num_q_tiles, m]: log(weight), -inf for an unused slot; static, or on device per
+  # head, [B, H, num_q_tiles, m], where each head has its own tiles (the semantic layout's)
+  bias: Any
 
 
 def check_row_keys(rk: RowKeys, q_shape: tuple[int, ...], num_q_tiles: int) -> None:
   """Shapes that agree with the call's queries and plan, or a message naming them."""
   b, h, _, d = q_shape
-  nq, m = rk.bias.shape
-  if (nq != num_q_tiles or rk.k.shape != (b, h, nq, m, d)
+  nq, m = rk.bias.shape[-2:]
+  if (rk.bias.ndim not in (2, 4) or rk.bias.shape[:-2] not in ((), (b, h)) or nq != num_q_tiles or rk.k.shape != (b, h, nq, m, d)
       or rk.v.shape[:4] != (b, h, nq, m)):
     raise ValueError(f"row keys must be k [B, H, q_tiles, m, D] = {(b, h, num_q_tiles, m, d)} "
                      f"with bias [q_tiles, m] = {(num_q_tiles, m)}, got k {tuple(rk.k.shape)}, "
@@ -51,7 +53,7 @@ def row_key_slots(count: int, chunk: int) -> int:
 
 def pad_row_keys(rk: RowKeys, chunk: int) -> RowKeys:
   """``rk`` with unused slots appended up to :func:`row_key_slots` (their logit is ``-inf``)."""
-  m = rk.bias.shape[1]
+  m = rk.bias.shape[-1]
   pad = row_key_slots(m, chunk) - m
   if not pad:
     return rk
@@ -86,18 +88,20 @@ def row_softmax(q: jax.Array, rk: RowKeys, block_q: int,
   Dv], lse [B, H, S])``, float32, ``lse = -inf`` and ``out = 0`` where a row has none. Chunked
   over query tiles; logits are ``[m, block_q]``, queries on lanes as in our kernel."""
   b, h, s, d = q.shape
-  nq, m = rk.bias.shape
+  nq, m = rk.bias.shape[-2:]
   dv = rk.v.shape[-1]
   qt = jnp.pad(q, ((0, 0), (0, 0), (0, nq * block_q - s), (0, 0)))
   qt = jnp.moveaxis(qt.reshape(b, h, nq, block_q, d), 2, 0)  # [nq, B, H, bq, D]
 
   def row(args):
     qs, ks, vs, rb = args
-    return softmax_over(qs, ks, vs, rb[:, None], scale)
+    return softmax_over(qs, ks, vs, rb[..., None], scale)  # rb: [m] or [B, H, m]
 
   chunk = max(1, min(nq, _CHUNK_LOGIT_BYTES // max(1, b * h * block_q * m * 4)))
   keys, values = jnp.moveaxis(rk.k, 2, 0), jnp.moveaxis(rk.v, 2, 0)  # [nq, B, H, m, D]
-  out, lse = jax.lax.map(row, (qt, keys, values, jnp.asarray(rk.bias)), batch_size=chunk)
+  bias = jnp.asarray(rk.bias)
+  bias = bias if bias.ndim == 2 else jnp.moveaxis(bias, 2, 0)  # [nq, m] or [nq, B, H, m]
+  out, lse = jax.lax.map(row, (qt, keys, values, bias), batch_size=chunk)
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, nq * block_q, dv)[:, :, :s]
   lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * block_q)[:, :, :s]
   return out, lse

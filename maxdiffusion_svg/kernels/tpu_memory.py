@@ -95,9 +95,10 @@ def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_comput
              + extra)
 
 
-def pallas_smem_bytes(plan: TilePlan) -> int:
-  """Our work list: one int32 per grid step (visited tiles, plus one per empty row)."""
-  return 4 * plan.work_list()[0].size + 1024
+def pallas_smem_bytes(plan: TilePlan, tables: int = 1) -> int:
+  """Our work list: one int32 per grid step (visited tiles, plus one per empty row), once, or
+  once per head where ``tables`` heads walk their own (the semantic layout's tables)."""
+  return 4 * plan.work_list()[0].size * tables + 1024
 
 
 def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
@@ -110,8 +111,8 @@ def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int
   return vmem_need(plan, head_dim, dtype, bkc, target)
 
 
-def kernel_smem(plan: TilePlan, backend: str = "splash") -> int:
-  return pallas_smem_bytes(plan) if backend == "pallas" else smem_estimate(plan)
+def kernel_smem(plan: TilePlan, backend: str = "splash", tables: int = 1) -> int:
+  return pallas_smem_bytes(plan, tables) if backend == "pallas" else smem_estimate(plan)
 
 
 def _keys_to_change(plan: TilePlan) -> str:
@@ -121,13 +122,15 @@ def _keys_to_change(plan: TilePlan) -> str:
 
 
 def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
-               target: Target, backend: str = "splash", row_keys: int = 0) -> None:
+               target: Target, backend: str = "splash", row_keys: int = 0,
+               tables: int = 1) -> None:
   """Raises before compiling when ``plan`` cannot fit ``target``'s VMEM or SMEM.
 
   Any TPU target is checked: a known generation against its own limits, an unknown one
   against the strictest known. Off TPU there is no limit (interpreted kernels on CPU).
   ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``; ``row_keys``: the extra keys
-  per row our kernel takes (compensation).
+  per row our kernel takes (compensation); ``tables``: the heads walking their own tile
+  tables (semantic heads: one work list each in SMEM), else 1.
   """
   if not target.is_tpu:
     return
@@ -137,7 +140,7 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
     need = kernel_vmem(plan, head_dim, dtype, bkc, target, backend, row_keys)
   except ValueError as err:  # outside the model's range: name the chip and the tile
     raise ValueError(f"Splash tiles {plan.block_q}x{plan.block_kv} on {target.chip}: {err}") from None
-  smem = kernel_smem(plan, backend)
+  smem = kernel_smem(plan, backend, tables)
   how = "bound from libtpu's allocations" if backend == "pallas" else "estimate fitted to libtpu"
   if need > target.vmem_limit:
     raise ValueError(
@@ -147,6 +150,12 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
         f"{need / MIB:.1f} MiB of VMEM on {target.chip} ({how}), over its "
         f"{target.vmem_limit / MIB:g} MiB scoped-VMEM limit ({target.vmem_source}): "
         f"{_keys_to_change(plan)}")
+  if smem > target.smem and tables > 1:
+    raise ValueError(
+        f"{name}'s per-head tile tables (svg_layouts semantic) for {tables} heads of "
+        f"{plan.num_q_tiles}x{plan.num_kv_tiles} tiles need about {smem / 1024:.0f} KiB of SMEM, "
+        f"over {target.chip}'s {target.smem // 1024} KiB: shard the heads over more devices "
+        f"(ulysses_shards), raise svg_block_q or svg_block_kv, or drop semantic from svg_layouts")
   if smem > target.smem:
     raise ValueError(
         f"{name}'s tile tables for {plan.num_q_tiles}x{plan.num_kv_tiles} tiles of "

@@ -10,9 +10,11 @@ do-nothing step reuses the kv column before it (:meth:`TilePlan.work_list`).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.tiles import TilePlan
+from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
 
 KIND_BITS, FIRST_BIT, LAST_BIT, COL_SHIFT, ROW_SHIFT = 2, 2, 3, 4, 18
 MAX_COLS, MAX_ROWS = 1 << (ROW_SHIFT - COL_SHIFT), 1 << (31 - ROW_SHIFT)
@@ -39,3 +41,26 @@ def unpack_work(word):
   """``(row, col, kind, first, last)`` of packed steps (numpy arrays or traced scalars)."""
   return (word >> ROW_SHIFT, (word >> COL_SHIFT) & (MAX_COLS - 1), word & ((1 << KIND_BITS) - 1),
           (word >> FIRST_BIT) & 1, (word >> LAST_BIT) & 1)
+
+
+def head_table_slots(plan: TilePlan) -> tuple[np.ndarray, np.ndarray]:
+  """``(rows, slots)`` of the plan's work-list steps in its packed ``[num_q_tiles, width]``
+  table: where each step of a per-head table (same rows, same counts) reads its column."""
+  if (plan.num_visited < 1).any():
+    raise ValueError("a per-head tile table needs every query tile row to visit a tile "
+                     "(aligned plans keep each row's diagonal)")
+  rows, slots = np.nonzero(plan.kind)
+  return rows.astype(np.int32), slots.astype(np.int32)
+
+
+def pack_head_work(plan: TilePlan, kv_index: jax.Array) -> jax.Array:
+  """``int32 [B * H * steps]``: each head's work list, where heads visit their own key tiles
+  (``kv_index [B, H, num_q_tiles, width]``, computed on device) with the plan's per-row counts:
+  rows, order and open/close flags are the plan's, columns the head's. A column holding
+  padding keys is ``MASKED`` (aligned rule), any other ``FULL``. Flat, head after head."""
+  rows, slots = head_table_slots(plan)
+  static = pack_work(plan) & ~np.int32((MAX_COLS - 1) << COL_SHIFT | ((1 << KIND_BITS) - 1))
+  cols = kv_index[:, :, rows, slots]  # [B, H, steps]
+  padded = plan.seq_len % plan.block_kv != 0
+  kinds = jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
+  return (static | cols << COL_SHIFT | kinds).astype(jnp.int32).reshape(-1)

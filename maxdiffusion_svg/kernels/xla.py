@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxdiffusion_svg.kernels.worklist import head_table_slots
 from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
 
 # Logits held per scan step (bytes); bounds memory while keeping matmuls large.
@@ -49,10 +50,14 @@ def _work_steps(rows: np.ndarray, cols: np.ndarray, per_step: int, dummy_row: in
 
 def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
                          scale: float, tiles_per_step: int | None = None,
-                         return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                         return_lse: bool = False,
+                         head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles only; with
   ``return_lse`` also each row's log-sum-exp of its kept logits (float32 ``[B, H, S]``,
-  natural log, ``-inf`` where a row keeps nothing)."""
+  natural log, ``-inf`` where a row keeps nothing). ``head_tiles [B, H, num_q_tiles, width]``:
+  each head's own key tiles with the (aligned) plan's counts per row; one scan then takes
+  every tile with the aligned rule (padding keys dropped), since which tiles hold padding
+  differs per head."""
   b, h, s, _ = q.shape
   dv = v.shape[-1]
   bq, bkv = plan.block_q, plan.block_kv
@@ -70,12 +75,15 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
     m, l, acc = state
     step_rows, c, slot, r = work
     qs = jnp.take(qt, r, axis=2, mode="clip")  # [B, H, C, bq, D]
-    ks = jnp.take(kt, c, axis=2)
-    vs = jnp.take(vt, c, axis=2)
+    if c.ndim == 1:  # the plan's columns, shared by every head
+      ks, vs = jnp.take(kt, c, axis=2), jnp.take(vt, c, axis=2)
+    else:  # each head's own: [B, H, C]
+      ks = jnp.take_along_axis(kt, c[..., None, None], axis=2)
+      vs = jnp.take_along_axis(vt, c[..., None, None], axis=2)
     logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks, preferred_element_type=jnp.float32) * scale
     if masked:
       qpos = (r[:, None] * bq + q_iota)[:, :, None]
-      kpos = (c[:, None] * bkv + k_iota)[:, None, :]
+      kpos = (c[..., None] * bkv + k_iota)[..., None, :]
       logits = jnp.where(plan.masked_tile_rule(qpos, kpos), logits, -jnp.inf)
     # Fold the step's tiles into the state of the rows they touch (a row may recur).
     m_old = jnp.take(m, step_rows, axis=2, mode="clip")  # [B, H, C, bq]
@@ -95,7 +103,15 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
   state = (jnp.full((b, h, nq, bq), -jnp.inf, jnp.float32),
            jnp.zeros((b, h, nq, bq), jnp.float32),
            jnp.zeros((b, h, nq, bq, dv), jnp.float32))
-  for kind in (FULL, MASKED):
+  if head_tiles is not None:
+    step_rows, _, slot, r = _work_steps(rows, cols, tiles_per_step, dummy_row=nq)
+    head_rows, head_slots = head_table_slots(plan)
+    pad = r.size - head_rows.size
+    per_head = jnp.pad(head_tiles[:, :, head_rows, head_slots], ((0, 0), (0, 0), (0, pad)))
+    per_head = jnp.moveaxis(per_head.reshape(b, h, *r.shape), 2, 0)  # [steps, B, H, per_step]
+    state, _ = jax.lax.scan(lambda st, w: step(st, w, plan.seq_len % bkv != 0), state,
+                            (step_rows, per_head, slot, r))
+  for kind in (FULL, MASKED) if head_tiles is None else ():
     pick = kinds == kind
     if pick.any():
       work = _work_steps(rows[pick], cols[pick], tiles_per_step, dummy_row=nq)

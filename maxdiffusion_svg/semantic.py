@@ -1,0 +1,243 @@
+"""The semantic layout (SVG2 on TPU): each head's tokens ordered by k-means cluster, and its own
+tile table, chosen on device within the band's budget.
+
+Attention that follows content as it moves is neither local in time (spatial) nor fixed in place
+(temporal): a band misses it at any density. Ordered by cluster, tokens that attend to each other
+sit in a few tiles. Per head and per call, on device and in fixed shapes:
+
+1. **Cluster**: k-means of the head's keys (:data:`CLUSTER_ON`, chosen by measurement), distances
+   as matrix products on the MXU, ``iterations`` updates from a deterministic start (evenly
+   spaced tokens), so runs are reproducible.
+2. **Order**: clusters placed along the principal direction of their centroids (similar clusters
+   next to each other), each cluster contiguous, frame-major inside it. Padding stays at the end.
+3. **Table**: each query tile row's key tiles ranked by an estimate of the attention mass it
+   puts on them, from its tile's mean query and each key tile's sub-block centroids (with
+   compensation on: by the error the centroids would leave, see :func:`tile_scores`); row ``i``
+   visits the top ``K_i`` tiles, ``K_i`` being what the band plan's row ``i`` visits, so a
+   semantic head costs what a spatial head costs in the kernel.
+
+The kernel runs the head's table like any plan (:func:`maxdiffusion_svg.kernels.sparse_attention`
+with ``head_tiles``); the output goes back to frame-major order by the inverse permutation.
+Nothing here depends on the data's values for shapes: new clusters never recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiffusion_svg.compensation import Centroids, block_means, centroids
+from maxdiffusion_svg.tiles import TileMode, TilePlan
+
+CLUSTER_ON = ("keys", "queries_and_keys", "separate")
+# Measured (docs/benchmarks.md, "The semantic layout"): one clustering of the keys, its order
+# applied to queries, keys and values alike.
+DEFAULT_CLUSTER_ON = "keys"
+CRITERIA = ("mass", "error")
+_POWER_STEPS = 8  # power iterations for the centroids' principal direction
+
+
+@dataclasses.dataclass(frozen=True)
+class SemanticConfig:
+  """How a semantic head is clustered and how its tiles are chosen."""
+
+  clusters: int = 32
+  iterations: int = 4
+  blocks: int = 8  # sub-blocks per key tile the estimate reads (compensation's, when on)
+  cluster_on: str = DEFAULT_CLUSTER_ON
+  criterion: str = "mass"  # "error" with compensation on: what the centroids leave
+
+  def __post_init__(self):
+    check_semantic(self.clusters, self.iterations)
+    if self.cluster_on not in CLUSTER_ON:
+      raise ValueError(f"cluster_on must be one of {', '.join(CLUSTER_ON)}, got {self.cluster_on!r}")
+    if self.criterion not in CRITERIA:
+      raise ValueError(f"criterion must be one of {', '.join(CRITERIA)}, got {self.criterion!r}")
+
+
+def check_semantic(clusters: Any, iterations: Any, tokens: int | None = None) -> None:
+  """Refuses clusters below 1 (or above the tokens, when known) and iterations below 1."""
+  if isinstance(clusters, bool) or not isinstance(clusters, (int, np.integer)) or clusters < 1 or (
+      tokens is not None and clusters > tokens):
+    most = f" and <= the tokens ({tokens})" if tokens is not None else ""
+    raise ValueError(f"svg_semantic_clusters must be an integer >= 1{most}, got {clusters!r}")
+  if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+    raise ValueError(f"svg_semantic_iterations must be an integer >= 1, got {iterations!r}")
+
+
+def check_plan(plan: TilePlan) -> None:
+  """A semantic table replaces an aligned plan's columns, row for row: aligned plans only."""
+  if plan.mode is not TileMode.ALIGNED:
+    raise ValueError(f"svg_layouts semantic needs svg_tile_mode aligned (its tiles run whole), "
+                     f"got {plan.mode.value}")
+  if plan.q_len is not None:
+    raise ValueError("a semantic table is per call, not per ring window")
+
+
+class SemanticLayout(NamedTuple):
+  """One call's semantic placement of every head. ``*_perm [B, H, S]``: the frame-major token at
+  each placed position; ``*_pos``: the placed position of each frame-major token (its inverse).
+  ``kv_index [B, H, num_q_tiles, width]``: each head's key tiles per query tile row, ascending
+  in the first ``plan.num_visited[i]`` slots. ``cents``: the placed keys' sub-block centroids."""
+
+  q_perm: jax.Array
+  q_pos: jax.Array
+  k_perm: jax.Array
+  k_pos: jax.Array
+  kv_index: jax.Array
+  cents: Centroids
+
+
+def kmeans(x: jax.Array, clusters: int, iterations: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """k-means of ``[B, H, S, D]`` points per head: ``(assign [B, H, S] int32, centroids [B, H, C,
+  D] float32, counts [B, H, C] float32)``. Starts from evenly spaced tokens; distances and
+  sums are matrix products in ``x``'s dtype with float32 accumulation; an empty cluster keeps
+  its centroid."""
+  b, h, s, d = x.shape
+  check_semantic(clusters, iterations, s)
+  f32 = jnp.float32
+  start = x[:, :, (np.arange(clusters) * s) // clusters].astype(f32)
+
+  def assign(c):
+    dots = jnp.einsum("bhsd,bhcd->bhsc", x, c.astype(x.dtype), preferred_element_type=f32)
+    return jnp.argmin(jnp.sum(c * c, axis=-1)[:, :, None, :] - 2.0 * dots, axis=-1).astype(jnp.int32)
+
+  def members(a):
+    onehot = jax.nn.one_hot(a, clusters, dtype=x.dtype)  # exact 0/1 in any float dtype
+    sums = jnp.einsum("bhsc,bhsd->bhcd", onehot, x, preferred_element_type=f32)
+    return sums, jnp.sum(onehot, axis=2, dtype=f32)
+
+  def update(_, c):
+    sums, counts = members(assign(c))
+    return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
+
+  c = jax.lax.fori_loop(0, iterations, update, start)
+  a = assign(c)
+  return a, c, members(a)[1]
+
+
+def cluster_ranks(cents: jax.Array, counts: jax.Array) -> jax.Array:
+  """``int32 [B, H, C]``: each cluster's place along the principal direction of the centroids
+  (count-weighted), so that similar clusters are placed next to each other."""
+  w = counts / jnp.maximum(counts.sum(axis=-1, keepdims=True), 1.0)
+  centered = cents - jnp.einsum("bhc,bhcd->bhd", w, cents)[:, :, None, :]
+  cov = jnp.einsum("bhc,bhcd,bhce->bhde", w, centered, centered)
+  vec = jnp.full(cents.shape[:2] + cents.shape[-1:], cents.shape[-1] ** -0.5, cents.dtype)
+  for _ in range(_POWER_STEPS):  # a fixed count: deterministic, no data-dependent loop
+    vec = jnp.einsum("bhde,bhe->bhd", cov, vec)
+    vec = vec / jnp.maximum(jnp.linalg.norm(vec, axis=-1, keepdims=True), 1e-30)
+  projection = jnp.einsum("bhcd,bhd->bhc", centered, vec)
+  return jnp.argsort(jnp.argsort(projection, axis=-1), axis=-1).astype(jnp.int32)
+
+
+def inverse_permutation(perm: jax.Array) -> jax.Array:
+  """``pos`` with ``pos[perm[i]] = i`` along the last axis."""
+  s = perm.shape[-1]
+  flat = perm.reshape(-1, s)
+  iota = jnp.arange(s, dtype=jnp.int32)
+  pos = jax.vmap(lambda p: jnp.zeros(s, jnp.int32).at[p].set(iota, unique_indices=True))(flat)
+  return pos.reshape(perm.shape)
+
+
+def cluster_order(x: jax.Array, clusters: int, iterations: int) -> tuple[jax.Array, jax.Array]:
+  """``(perm, pos)`` of ``[B, H, S, D]`` tokens ordered by cluster (see module docstring)."""
+  assign, cents, counts = kmeans(x, clusters, iterations)
+  rank = jnp.take_along_axis(cluster_ranks(cents, counts), assign, axis=-1)
+  s = x.shape[2]
+  perm = jnp.argsort(rank * s + jnp.arange(s, dtype=jnp.int32), axis=-1).astype(jnp.int32)
+  return perm, inverse_permutation(perm)
+
+
+def gather_tokens(x: jax.Array, perm: jax.Array) -> jax.Array:
+  """``[B, H, S, D]`` tokens taken in ``perm [B, H, S]`` order."""
+  return jnp.take_along_axis(x, perm[..., None], axis=2)
+
+
+def _tile_means(x: jax.Array, block: int, seq_len: int) -> jax.Array:
+  """float32 ``[B, H, tiles, ...]`` mean over each tile's real tokens of ``[B, H, S, ...]``."""
+  b, h, s = x.shape[:3]
+  tiles = -(-s // block)
+  pad = [(0, 0), (0, 0), (0, tiles * block - s)] + [(0, 0)] * (x.ndim - 3)
+  sums = jnp.pad(x.astype(jnp.float32), pad).reshape(b, h, tiles, block, *x.shape[3:]).sum(axis=3)
+  counts = np.clip(seq_len - np.arange(tiles) * block, 1, block).astype(np.float32)
+  return sums / counts.reshape((tiles,) + (1,) * (x.ndim - 3))
+
+
+def tile_scores(qp: jax.Array, kp: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
+                criterion: str = "mass") -> jax.Array:
+  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: the log of what each query tile row would
+  lose by skipping each key tile, estimated from its mean query ``q̄`` and the tile's
+  sub-block centroids ``k̄_b`` with ``n_b`` keys and per-coordinate key variance ``σ²_b``.
+  Treating a block's keys as Gaussian about ``k̄_b``, its mass is ``n_b exp(s q̄·k̄_b + s²
+  |q|² σ²_b / 2)``. ``mass``: that. ``error``: what compensation (which gives the block ``n_b
+  exp(s q̄·k̄_b)``) would miss, the mass times ``1 - exp(-s² |q|² σ²_b / 2)``."""
+  blocks = cents.log_count.size // plan.num_kv_tiles
+  qbar = _tile_means(qp, plan.block_q, plan.seq_len)  # [B, H, nq, D]
+  q_sq = _tile_means(jnp.sum(jnp.square(qp.astype(jnp.float32)), -1), plan.block_q, plan.seq_len)
+  k_sq = block_means(jnp.square(kp.astype(jnp.float32)), block_kv=plan.block_kv, blocks=blocks,
+                     seq_len=plan.seq_len)  # mean of k² per block: [B, H, N, D]
+  var = jnp.maximum(k_sq - jnp.square(cents.k.astype(jnp.float32)), 0.0).mean(-1)  # [B, H, N]
+  spread = 0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :]  # [B, H, nq, N]
+  logits = scale * jnp.einsum("bhqd,bhnd->bhqn", qbar, cents.k.astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST) + cents.log_count
+  if criterion == "mass":
+    score = logits + spread
+  else:  # log(mass * (1 - exp(-spread))) = logits + log(expm1(spread))
+    score = logits + jnp.log(jnp.maximum(jnp.expm1(spread), 1e-30))
+  b, h, nq, _ = score.shape
+  return jax.nn.logsumexp(score.reshape(b, h, nq, plan.num_kv_tiles, blocks), axis=-1)
+
+
+def top_tiles(scores: jax.Array, plan: TilePlan) -> jax.Array:
+  """``int32 [B, H, num_q_tiles, width]``: row ``i``'s ``plan.num_visited[i]`` best key tiles,
+  ascending, the remaining slots repeating the last (the plan's packing)."""
+  counts = plan.num_visited
+  width = min(plan.width, plan.num_kv_tiles)
+  _, top = jax.lax.top_k(scores, width)
+  valid = np.arange(plan.width)[None, :] < counts[:, None]  # [nq, width]
+  top = jnp.pad(top, ((0, 0), (0, 0), (0, 0), (0, plan.width - width)))
+  top = jnp.sort(jnp.where(valid, top, plan.num_kv_tiles), axis=-1)
+  last = jnp.take_along_axis(top, np.maximum(counts - 1, 0)[None, None, :, None], axis=-1)
+  return jnp.where(valid, top, last).astype(jnp.int32)
+
+
+def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, config: SemanticConfig,
+                    scale: float | None = None) -> SemanticLayout:
+  """The semantic placement and tile table of every head of frame-major ``[B, H, S, D]`` inputs,
+  sized by the band ``plan`` (aligned) every head shares."""
+  check_plan(plan)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if config.cluster_on == "queries_and_keys":  # one clustering of both: the token's q and k
+    k_perm, k_pos = cluster_order(jnp.concatenate([q, k], axis=-1), config.clusters,
+                                  config.iterations)
+  else:
+    k_perm, k_pos = cluster_order(k, config.clusters, config.iterations)
+  if config.cluster_on == "separate":  # SVG2's: queries and keys each by their own clusters
+    q_perm, q_pos = cluster_order(q, config.clusters, config.iterations)
+  else:
+    q_perm, q_pos = k_perm, k_pos
+  qp, kp, vp = gather_tokens(q, q_perm), gather_tokens(k, k_perm), gather_tokens(v, k_perm)
+  cents = centroids(kp, vp, block_kv=plan.block_kv, blocks=config.blocks, seq_len=plan.seq_len)
+  table = top_tiles(tile_scores(qp, kp, cents, plan, scale, config.criterion), plan)
+  return SemanticLayout(q_perm, q_pos, k_perm, k_pos, table, cents)
+
+
+def visited_table(kv_index: jax.Array, plan: TilePlan) -> jax.Array:
+  """``bool [B, H, num_q_tiles, num_kv_tiles]``: which key tiles each head's rows visit."""
+  valid = np.arange(plan.width)[None, :] < plan.num_visited[:, None]
+  onehot = kv_index[..., None] == np.arange(plan.num_kv_tiles)
+  return jnp.any(onehot & valid[..., None], axis=-2)
+
+
+def block_budget(plan: TilePlan, blocks: int) -> int:
+  """Row keys a per-head table needs: the most key sub-blocks any row skips, rounded up to 8."""
+  skipped = int(plan.num_kv_tiles - plan.num_visited.min())
+  return -(-max(1, skipped * blocks) // 8) * 8
+
+
+__all__ = ["CLUSTER_ON", "SemanticConfig", "SemanticLayout", "check_semantic", "cluster_order",
+           "kmeans", "semantic_layout", "tile_scores", "top_tiles", "visited_table"]
