@@ -13,12 +13,18 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import Centroids, compensated_attention, per_head
+import numpy as np
+
+from maxdiffusion_svg.compensation import (Centroids, centroids, compensated_attention, per_head,
+                                           table_row_keys)
 from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.geometry import (Layout, VideoGrid, frame_major_order, temporal_major_order,
+                                       to_frame_major, to_temporal_major)
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import lowering_tpu_target
+from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
 from maxdiffusion_svg.router import layout_centroids, profile_heads
+from maxdiffusion_svg.semantic import SemanticLayout, gather_tokens, semantic_layout, visited_table
 from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -37,11 +43,19 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
                      grid: VideoGrid, plan: TilePlan, scale: float | None = None,
                      backend: str = "auto", block_kv_compute: int | None = None,
                      target: Target | None = None, compensation_blocks: int = 0,
-                     cents: dict[Layout, Centroids] | None = None) -> jax.Array:
+                     cents: dict[Layout, Centroids] | None = None,
+                     semantic: SemanticLayout | None = None) -> jax.Array:
   """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
   ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
   the placed layout (:mod:`maxdiffusion_svg.compensation`; ``cents``: each layout's centroids,
-  where the router has them, else computed from the placed keys)."""
+  where the router has them, else computed from the placed keys). With ``semantic`` (each
+  head's semantic order and table), ``temporal`` holds layout ids instead (``int32 [B, H]``,
+  :data:`maxdiffusion_svg.layouts.LAYOUTS`): see :func:`semantic_placed_attention`."""
+  if semantic is not None:
+    return semantic_placed_attention(q, k, v, temporal, semantic, grid=grid, plan=plan,
+                                     scale=scale, backend=backend, block_kv_compute=block_kv_compute,
+                                     target=target, compensation_blocks=compensation_blocks,
+                                     cents=cents)
   placed = [place(x, temporal, grid) for x in (q, k, v)]
   kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target)
   if compensation_blocks:
@@ -51,6 +65,44 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
   else:
     out = sparse_attention(*placed, plan, **kwargs)
   return restore(out, temporal, grid)
+
+
+def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array,
+                              semantic: SemanticLayout, *, grid: VideoGrid, plan: TilePlan,
+                              scale: float | None = None, backend: str = "auto",
+                              block_kv_compute: int | None = None, target: Target | None = None,
+                              compensation_blocks: int = 0,
+                              cents: dict[Layout, Centroids] | None = None) -> jax.Array:
+  """SVG after routing among three layouts (``layout [B, H]`` ids): each head is placed by its
+  layout's order (one gather per input: identity, temporal-major, or its clusters'), its
+  kernel walks its layout's table (the shared plan's, or its own), and the output goes back
+  by the inverse order. With ``compensation_blocks`` each head's skipped tiles are compensated
+  by its layout's centroids."""
+  ids = layout[:, :, None]
+  semantic_head = ids == LAYOUTS.index(SEMANTIC)
+  temporal_head = ids == LAYOUTS.index(TEMPORAL)
+
+  def order(semantic_order, static_temporal):
+    identity = np.arange(grid.tokens, dtype=np.int32)
+    return jnp.where(semantic_head, semantic_order, jnp.where(temporal_head, static_temporal, identity))
+
+  q_perm = order(semantic.q_perm, temporal_major_order(grid))
+  k_perm = order(semantic.k_perm, temporal_major_order(grid))
+  q_pos = order(semantic.q_pos, frame_major_order(grid))
+  tables = jnp.where(semantic_head[..., None], semantic.kv_index, jnp.asarray(plan.kv_index))
+  qp, kp, vp = gather_tokens(q, q_perm), gather_tokens(k, k_perm), gather_tokens(v, k_perm)
+  kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target,
+                head_tiles=tables)
+  if compensation_blocks:
+    static = per_head(cents, layout == LAYOUTS.index(TEMPORAL)) if cents is not None else centroids(
+        kp, vp, block_kv=plan.block_kv, blocks=compensation_blocks, seq_len=plan.seq_len)
+    pick = lambda a, b: jnp.where(semantic_head[..., None], a, b)
+    head_cents = Centroids(pick(semantic.cents.k, static.k), pick(semantic.cents.v, static.v),
+                           static.log_count)
+    kwargs["row_keys"] = table_row_keys(head_cents, visited_table(tables, plan), plan,
+                                        compensation_blocks, q.dtype)
+  out = sparse_attention(qp, kp, vp, plan, **kwargs)
+  return gather_tokens(out, q_pos)
 
 
 def per_platform(config: SvgConfig, target: Target,
@@ -98,6 +150,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   check_qkv(q, k, v, grid)
   target = config.target(q, k, v, target=target)
   key = profile_key(config) if key is None else key
+  semantic_config = config.semantic
 
   plans = {}
 
@@ -110,21 +163,31 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
       # One pass per layout: the router judges with these centroids, the kernel's merge uses them.
       cents = ({layout: layout_centroids(k, v, grid, layout, plan, blocks) for layout in Layout}
                if blocks else None)
+      semantic = (None if semantic_config is None
+                  else semantic_layout(q, k, v, plan, semantic_config, scale))
       routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                              plan=plan, compensation_blocks=blocks, cents=cents)
-      out = placed_attention(q, k, v, routing.temporal, grid=grid, plan=plan, scale=scale,
-                             backend=backend, block_kv_compute=compute, target=target,
-                             compensation_blocks=blocks, cents=cents)
+                              plan=plan, compensation_blocks=blocks, cents=cents,
+                              semantic=semantic)
+      out = placed_attention(q, k, v, routing.temporal if semantic is None else routing.layouts,
+                             grid=grid, plan=plan, scale=scale, backend=backend,
+                             block_kv_compute=compute, target=target, compensation_blocks=blocks,
+                             cents=cents, semantic=semantic)
       return out, routing
     return run
 
   out, routing = per_platform(config, target, build)(q, k, v, key)
   if not return_info:
     return out
-  return out, {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
-               "temporal_error": routing.temporal_error,
-               # the plan the host's executor lowers (with auto off TPU, the XLA path's)
-               "plan": plans[resolve_backend(config.backend, target)].stats.as_dict()}
+  # the plan the host's executor lowers (with auto off TPU, the XLA path's)
+  plan = plans[resolve_backend(config.backend, target)]
+  info = {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
+          "temporal_error": routing.temporal_error, "layout": routing.layouts,
+          # every layout runs the band's count per query tile row: what the kernel visits
+          "visited_tiles": jnp.full(q.shape[:2], plan.stats.visited_tiles, jnp.int32),
+          "plan": plan.stats.as_dict()}
+  if routing.semantic_error is not None:
+    info["semantic_error"] = routing.semantic_error
+  return out, info
 
 
 def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,

@@ -207,3 +207,19 @@ def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePl
     cents = centroids(k, v, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
   extra = row_keys(cents, plan_bias(plan, cents.log_count), q.dtype)
   return sparse_attention(q, k, v, plan, scale=scale, row_keys=extra, **kernel_kwargs)
+
+
+def table_row_keys(cents: Centroids, visited: jax.Array, plan: TilePlan, blocks: int,
+                   dtype: Any) -> RowKeys:
+  """:func:`row_keys` where each head has its own tiles (``visited [B, H, num_q_tiles,
+  num_kv_tiles]``, on device: the semantic layout's tables, with the plan's counts per row):
+  each row's skipped sub-blocks packed first, their logit bias per head. ``cents``: each
+  head's own centroids (``[B, H, N, D]``)."""
+  seen = jnp.repeat(~visited, blocks, axis=-1) & np.isfinite(cents.log_count)  # [B, H, nq, N]
+  m = min(-(-max(1, int(plan.num_kv_tiles - plan.num_visited.min()) * blocks) // 8) * 8,
+          cents.log_count.size)
+  order = jnp.argsort(~seen, axis=-1, stable=True)[..., :m]  # [B, H, nq, m]: seen ones first
+  used = jnp.take_along_axis(seen, order, axis=-1)
+  pick = lambda x: jnp.take_along_axis(x[:, :, None], order[..., None], axis=3)
+  bias = jnp.where(used, jnp.asarray(cents.log_count)[order], -jnp.inf).astype(jnp.float32)
+  return RowKeys(pick(cents.k.astype(dtype)), pick(cents.v), bias)

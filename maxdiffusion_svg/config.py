@@ -11,9 +11,11 @@ import yaml
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import BACKENDS
+from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, SEMANTIC, check_layouts
 from maxdiffusion_svg.masks import check_density
 from maxdiffusion_svg.router import RouterConfig
 from maxdiffusion_svg.schedule import Interval, PRESETS, Schedule, get_preset
+from maxdiffusion_svg.semantic import SEMANTIC_CRITERION, SemanticConfig, check_semantic
 from maxdiffusion_svg.target import VMEM_FLAG, Target, target_for_call
 from maxdiffusion_svg.tiles import TileMode, TilePlan, check_block_size, plan_tiles
 from maxdiffusion_svg.tiling import SplashTiles, choose_tiles
@@ -57,6 +59,11 @@ class SvgConfig:
   # Skipped key tiles enter each row's softmax as centroids (maxdiffusion_svg.compensation).
   compensation: bool = False
   compensation_blocks: int = 8  # centroids per key tile; must divide the executor's block_kv
+  # The head layouts the router chooses among (maxdiffusion_svg.layouts); semantic: SVG2's
+  # clustered order with a tile table per head (maxdiffusion_svg.semantic).
+  layouts: tuple[str, ...] = DEFAULT_LAYOUTS
+  semantic_clusters: int = 32
+  semantic_iterations: int = 4
 
   def __post_init__(self):
     check_density(self.density, "svg_density")
@@ -86,6 +93,26 @@ class SvgConfig:
       raise ValueError(f"svg_profile_seed must be an integer, got {self.profile_seed!r}")
     _ = self.router  # validates the router keys
     check_compensation(self.compensation, self.compensation_blocks, self.block_kv)
+    object.__setattr__(self, "layouts", check_layouts(self.layouts))
+    check_semantic(self.semantic_clusters, self.semantic_iterations)
+    if SEMANTIC in self.layouts:
+      if self.tile_mode is not TileMode.ALIGNED:
+        raise ValueError(f"svg_layouts with semantic needs svg_tile_mode aligned (a semantic head's "
+                         f"tiles run whole), got {self.tile_mode.value}")
+      if self.backend == "splash":
+        raise ValueError("svg_layouts with semantic needs svg_backend pallas, xla or auto: Splash's "
+                         "tile tables are static, a semantic head's are computed on device")
+
+  @property
+  def semantic(self) -> SemanticConfig | None:
+    """How semantic heads are clustered and tiled (None where semantic is not a candidate).
+    The estimate reads compensation's centroids (same blocks); with compensation on, tiles are
+    chosen by the error the centroids would leave rather than by mass."""
+    if SEMANTIC not in self.layouts:
+      return None
+    return SemanticConfig(self.semantic_clusters, self.semantic_iterations,
+                          self.compensation_blocks,
+                          criterion=SEMANTIC_CRITERION[self.compensation])
 
   @property
   def router(self) -> RouterConfig:
@@ -218,4 +245,7 @@ KEYS = {
     "svg_profile_seed": "profile_seed",
     "svg_compensation": "compensation",
     "svg_compensation_blocks": "compensation_blocks",
+    "svg_layouts": "layouts",
+    "svg_semantic_clusters": "semantic_clusters",
+    "svg_semantic_iterations": "semantic_iterations",
 }

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from maxdiffusion_svg.compensation import Centroids, centroids, plan_bias
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
+from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
+from maxdiffusion_svg.semantic import SemanticLayout, visited_table
 from maxdiffusion_svg.tiles import TilePlan
 
 PROFILE_POOLS = ("prefix", "stratified")
@@ -53,15 +55,25 @@ class RouterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Router result: ``temporal[B, H]`` (True = temporal) and the two probe errors."""
+  """Router result: ``temporal[B, H]`` (True = temporal), each candidate layout's error
+  (``inf`` for a layout not among the candidates) and ``layout[B, H]``, each head's layout id
+  (an index into :data:`maxdiffusion_svg.layouts.LAYOUTS`)."""
 
   temporal: jax.Array
   spatial_error: jax.Array
   temporal_error: jax.Array
+  layout: jax.Array | None = None
+  semantic_error: jax.Array | None = None
+
+  @property
+  def layouts(self) -> jax.Array:
+    """``int32 [B, H]``: the layout ids (from the temporal flags where none were recorded)."""
+    return self.temporal.astype(jnp.int32) if self.layout is None else self.layout
 
 
-jax.tree_util.register_dataclass(Routing, data_fields=["temporal", "spatial_error", "temporal_error"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    Routing, data_fields=["temporal", "spatial_error", "temporal_error", "layout", "semantic_error"],
+    meta_fields=[])
 
 
 def sample_rows(key: jax.Array, seq_len: int, config: RouterConfig) -> jax.Array:
@@ -137,6 +149,45 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   return errors[0], errors[1]
 
 
+def semantic_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, plan: TilePlan,
+                    semantic: SemanticLayout, *, scale: float | None = None,
+                    compensation_blocks: int = 0) -> jax.Array:
+  """MSE against dense of ``rows``' outputs under each head's semantic order and tile table, as
+  its call will run them (compensated, with ``compensation_blocks``): ``[B, H]``. Membership
+  is a lookup of each row's and key's placed tile in the head's ``[q_tiles, kv_tiles]`` table."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  f32 = jnp.float32
+  qs = jnp.take(q, rows, axis=2).astype(f32)
+  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32), precision=jax.lax.Precision.HIGHEST)
+  logits = logits * scale
+  v32 = v.astype(f32)
+  dense = _masked_output(logits, v32, None)
+  visited = visited_table(semantic.kv_index, plan)  # [B, H, nq, nkv]
+  row_tiles = jnp.take(semantic.q_pos, rows, axis=2) // plan.block_q  # [B, H, R]
+  row_visits = jnp.take_along_axis(visited, row_tiles[..., None], axis=2)  # [B, H, R, nkv]
+  key_tiles = semantic.k_pos // plan.block_kv  # [B, H, S]
+  keep = jnp.take_along_axis(row_visits, jnp.broadcast_to(
+      key_tiles[:, :, None, :], row_visits.shape[:3] + key_tiles.shape[-1:]), axis=3)
+  out = _masked_output(logits, v32, keep)
+  if compensation_blocks:
+    cents = semantic.cents
+    lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    blocks = cents.log_count.size // plan.num_kv_tiles  # the layout's own centroids
+    skipped = jnp.repeat(~row_visits, blocks, axis=-1)  # [B, H, R, N]
+    bias = jnp.where(skipped, cents.log_count, -jnp.inf)
+    extra, extra_lse = softmax_over(qs, cents.k, cents.v, jnp.swapaxes(bias, -1, -2), scale)
+    out = merge(out, lse, extra, extra_lse)
+  return jnp.mean((out - dense) ** 2, axis=(2, 3))
+
+
+def choose_layouts(errors: dict[str, jax.Array], layouts: tuple[str, ...]) -> jax.Array:
+  """``int32 [B, H]``: each head's layout id, the candidate with the least error (ties: the
+  first in :data:`LAYOUTS` order, spatial before temporal before semantic)."""
+  stacked = jnp.stack([errors[name] if name in layouts else jnp.full_like(errors[SPATIAL], jnp.inf)
+                       for name in LAYOUTS[:max(LAYOUTS.index(n) for n in layouts) + 1]], axis=-1)
+  return jnp.argmin(stacked, axis=-1).astype(jnp.int32)
+
+
 def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
                  *, include_sink: bool = True, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
   """MSE against dense of the spatial and temporal probe outputs of ``rows``: ``[B, H]`` each."""
@@ -156,7 +207,9 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                   key: jax.Array, scale: float | None = None,
                   plan: TilePlan | None = None, expert: str | None = None,
                   compensation_blocks: int = 0,
-                  cents: dict[Layout, Centroids] | None = None) -> Routing:
+                  cents: dict[Layout, Centroids] | None = None,
+                  layouts: tuple[str, ...] | None = None,
+                  semantic: SemanticLayout | None = None) -> Routing:
   """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
@@ -164,7 +217,9 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
   The same key gives the same flags. With ``compensation_blocks`` (centroids per key tile, 0:
   off) and execution masks, each layout is judged by the compensated output its call gives
-  (``cents``: each layout's centroids, where the caller has them).
+  (``cents``: each layout's centroids, where the caller has them). ``layouts``: the candidate
+  layouts (default: the config's ``layouts``, else spatial and temporal); ``semantic`` (each
+  head's semantic order and table) is required where semantic is among them.
   """
   router = getattr(config, "router", config)
   if q.shape[2] != grid.tokens:
@@ -179,7 +234,21 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
     compensation = (plan, compensation_blocks)
   spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale,
                                     compensation=compensation, cents=cents)
-  return Routing(temporal < spatial, spatial, temporal)
+  layouts = getattr(config, "layouts", DEFAULT_LAYOUTS) if layouts is None else layouts
+  if layouts == (SPATIAL, TEMPORAL):  # today's router, unchanged
+    return Routing(temporal < spatial, spatial, temporal)
+  errors = {SPATIAL: spatial, TEMPORAL: temporal}
+  semantic_error = jnp.full_like(spatial, jnp.inf)
+  if SEMANTIC in layouts:
+    if semantic is None or plan is None:
+      raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
+    semantic_error = errors[SEMANTIC] = semantic_errors(
+        q, k, v, rows, plan, semantic, scale=scale,
+        compensation_blocks=compensation_blocks if compensation is not None else 0)
+  layout = choose_layouts(errors, layouts)
+  return Routing(layout == LAYOUTS.index(TEMPORAL),
+                 jnp.where(SPATIAL in layouts, spatial, jnp.inf),
+                 jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout, semantic_error)
 
 
 def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,

@@ -38,6 +38,8 @@ CLUSTER_ON = ("keys", "queries_and_keys", "separate")
 # applied to queries, keys and values alike.
 DEFAULT_CLUSTER_ON = "keys"
 CRITERIA = ("mass", "error")
+# The table's criterion without and with compensation (measured: docs/benchmarks.md).
+SEMANTIC_CRITERION = {False: "mass", True: "error"}
 _POWER_STEPS = 8  # power iterations for the centroids' principal direction
 
 
@@ -231,12 +233,6 @@ def visited_table(kv_index: jax.Array, plan: TilePlan) -> jax.Array:
   valid = np.arange(plan.width)[None, :] < plan.num_visited[:, None]
   onehot = kv_index[..., None] == np.arange(plan.num_kv_tiles)
   return jnp.any(onehot & valid[..., None], axis=-2)
-
-
-def block_budget(plan: TilePlan, blocks: int) -> int:
-  """Row keys a per-head table needs: the most key sub-blocks any row skips, rounded up to 8."""
-  skipped = int(plan.num_kv_tiles - plan.num_visited.min())
-  return -(-max(1, skipped * blocks) // 8) * 8
 
 
 __all__ = ["CLUSTER_ON", "SemanticConfig", "SemanticLayout", "check_semantic", "cluster_order",
