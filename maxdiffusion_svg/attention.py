@@ -13,18 +13,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-import numpy as np
-
 from maxdiffusion_svg.compensation import (Centroids, centroids, compensated_attention, per_head,
                                            table_row_keys)
 from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import (Layout, VideoGrid, frame_major_order, temporal_major_order,
-                                       to_frame_major, to_temporal_major)
+from maxdiffusion_svg.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import lowering_tpu_target
 from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
 from maxdiffusion_svg.router import layout_centroids, profile_heads
-from maxdiffusion_svg.semantic import SemanticLayout, gather_tokens, semantic_layout, visited_table
+from maxdiffusion_svg.semantic import (SemanticLayout, gather_tokens, group_size, semantic_layout,
+                                       visited_table)
 from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -78,31 +76,24 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
   kernel walks its layout's table (the shared plan's, or its own), and the output goes back
   by the inverse order. With ``compensation_blocks`` each head's skipped tiles are compensated
   by its layout's centroids."""
-  ids = layout[:, :, None]
-  semantic_head = ids == LAYOUTS.index(SEMANTIC)
-  temporal_head = ids == LAYOUTS.index(TEMPORAL)
-
-  def order(semantic_order, static_temporal):
-    identity = np.arange(grid.tokens, dtype=np.int32)
-    return jnp.where(semantic_head, semantic_order, jnp.where(temporal_head, static_temporal, identity))
-
-  q_perm = order(semantic.q_perm, temporal_major_order(grid))
-  k_perm = order(semantic.k_perm, temporal_major_order(grid))
-  q_pos = order(semantic.q_pos, frame_major_order(grid))
-  tables = jnp.where(semantic_head[..., None], semantic.kv_index, jnp.asarray(plan.kv_index))
-  qp, kp, vp = gather_tokens(q, q_perm), gather_tokens(k, k_perm), gather_tokens(v, k_perm)
+  semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
+  temporal = layout == LAYOUTS.index(TEMPORAL)
+  # Semantic heads by their groups' order (a gather of whole groups), the rest as before.
+  placed = lambda x, perm: jnp.where(semantic_head, gather_tokens(x, perm), place(x, temporal, grid))
+  tables = jnp.where(semantic_head, semantic.kv_index, jnp.asarray(plan.kv_index))
+  qp, kp, vp = placed(q, semantic.q_perm), placed(k, semantic.k_perm), placed(v, semantic.k_perm)
   kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target,
                 head_tiles=tables)
   if compensation_blocks:
     static = per_head(cents, layout == LAYOUTS.index(TEMPORAL)) if cents is not None else centroids(
         kp, vp, block_kv=plan.block_kv, blocks=compensation_blocks, seq_len=plan.seq_len)
-    pick = lambda a, b: jnp.where(semantic_head[..., None], a, b)
+    pick = lambda a, b: jnp.where(semantic_head, a, b)
     head_cents = Centroids(pick(semantic.cents.k, static.k), pick(semantic.cents.v, static.v),
                            static.log_count)
     kwargs["row_keys"] = table_row_keys(head_cents, visited_table(tables, plan), plan,
                                         compensation_blocks, q.dtype)
   out = sparse_attention(qp, kp, vp, plan, **kwargs)
-  return gather_tokens(out, q_pos)
+  return jnp.where(semantic_head, gather_tokens(out, semantic.q_pos), restore(out, temporal, grid))
 
 
 def per_platform(config: SvgConfig, target: Target,
@@ -164,7 +155,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
       cents = ({layout: layout_centroids(k, v, grid, layout, plan, blocks) for layout in Layout}
                if blocks else None)
       semantic = (None if semantic_config is None
-                  else semantic_layout(q, k, v, plan, semantic_config, scale))
+                  else semantic_layout(q, k, v, plan, semantic_config, scale, group_size(grid)))
       routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
                               plan=plan, compensation_blocks=blocks, cents=cents,
                               semantic=semantic)

@@ -112,7 +112,8 @@ class SvgConfig:
       return None
     return SemanticConfig(self.semantic_clusters, self.semantic_iterations,
                           self.compensation_blocks,
-                          criterion=SEMANTIC_CRITERION[self.compensation])
+                          criterion=SEMANTIC_CRITERION[self.compensation],
+                          compensated=self.compensation)
 
   @property
   def router(self) -> RouterConfig:

@@ -23,7 +23,7 @@ from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_te
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
 from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
-from maxdiffusion_svg.semantic import SemanticLayout, visited_table
+from maxdiffusion_svg.semantic import SemanticLayout, token_positions, visited_table
 from maxdiffusion_svg.tiles import TilePlan
 
 PROFILE_POOLS = ("prefix", "stratified")
@@ -163,9 +163,10 @@ def semantic_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, p
   v32 = v.astype(f32)
   dense = _masked_output(logits, v32, None)
   visited = visited_table(semantic.kv_index, plan)  # [B, H, nq, nkv]
-  row_tiles = jnp.take(semantic.q_pos, rows, axis=2) // plan.block_q  # [B, H, R]
+  q_pos = token_positions(semantic.q_pos, q.shape[2])
+  row_tiles = jnp.take(q_pos, rows, axis=2) // plan.block_q  # [B, H, R]
   row_visits = jnp.take_along_axis(visited, row_tiles[..., None], axis=2)  # [B, H, R, nkv]
-  key_tiles = semantic.k_pos // plan.block_kv  # [B, H, S]
+  key_tiles = token_positions(semantic.k_pos, k.shape[2]) // plan.block_kv  # [B, H, S]
   keep = jnp.take_along_axis(row_visits, jnp.broadcast_to(
       key_tiles[:, :, None, :], row_visits.shape[:3] + key_tiles.shape[-1:]), axis=3)
   out = _masked_output(logits, v32, keep)

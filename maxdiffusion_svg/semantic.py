@@ -24,13 +24,15 @@ Nothing here depends on the data's values for shapes: new clusters never recompi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.compensation import Centroids, block_means, centroids
+from maxdiffusion_svg.compensation import Centroids, block_means, centroid_log_counts, centroids
+from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.tiles import TileMode, TilePlan
 
 CLUSTER_ON = ("keys", "queries_and_keys", "separate")
@@ -41,6 +43,11 @@ CRITERIA = ("mass", "error")
 # The table's criterion without and with compensation (measured: docs/benchmarks.md).
 SEMANTIC_CRITERION = {False: "mass", True: "error"}
 _POWER_STEPS = 8  # power iterations for the centroids' principal direction
+SAMPLE_PER_CLUSTER = 256  # tokens per cluster the k-means updates read (a strided sample)
+_COUNT_BLOCK = 128  # tokens per block when counting placed positions
+# Tokens that move as one when placed (at most): 16 bf16 rows are one packed (16, 128) tile, so
+# a gather moves whole tiles; measured: docs/benchmarks.md, "The semantic layout".
+MAX_GROUP = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,7 @@ class SemanticConfig:
   blocks: int = 8  # sub-blocks per key tile the estimate reads (compensation's, when on)
   cluster_on: str = DEFAULT_CLUSTER_ON
   criterion: str = "mass"  # "error" with compensation on: what the centroids leave
+  compensated: bool = False  # the call compensates skipped tiles: value centroids are needed
 
   def __post_init__(self):
     check_semantic(self.clusters, self.iterations)
@@ -81,8 +89,9 @@ def check_plan(plan: TilePlan) -> None:
 
 
 class SemanticLayout(NamedTuple):
-  """One call's semantic placement of every head. ``*_perm [B, H, S]``: the frame-major token at
-  each placed position; ``*_pos``: the placed position of each frame-major token (its inverse).
+  """One call's semantic placement of every head, by groups of ``g = S / perm.shape[-1]``
+  consecutive tokens. ``*_perm [B, H, S / g]``: the frame-major group at each placed group
+  position; ``*_pos``: the placed position of each frame-major group (its inverse).
   ``kv_index [B, H, num_q_tiles, width]``: each head's key tiles per query tile row, ascending
   in the first ``plan.num_visited[i]`` slots. ``cents``: the placed keys' sub-block centroids."""
 
@@ -94,32 +103,35 @@ class SemanticLayout(NamedTuple):
   cents: Centroids
 
 
-def kmeans(x: jax.Array, clusters: int, iterations: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def kmeans(x: jax.Array, clusters: int, iterations: int,
+           sample: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """k-means of ``[B, H, S, D]`` points per head: ``(assign [B, H, S] int32, centroids [B, H, C,
-  D] float32, counts [B, H, C] float32)``. Starts from evenly spaced tokens; distances and
-  sums are matrix products in ``x``'s dtype with float32 accumulation; an empty cluster keeps
-  its centroid."""
+  D] float32, counts [B, H, C] float32)``. Starts from evenly spaced tokens; the ``iterations``
+  updates read every ``S // sample``-th token (default :data:`SAMPLE_PER_CLUSTER` per cluster),
+  the final assignment every token; ``counts`` are of the sample. Distances and sums are matrix
+  products in ``x``'s dtype with float32 accumulation; an empty cluster keeps its centroid."""
   b, h, s, d = x.shape
   check_semantic(clusters, iterations, s)
   f32 = jnp.float32
-  start = x[:, :, (np.arange(clusters) * s) // clusters].astype(f32)
+  stride = max(1, s // (sample or clusters * SAMPLE_PER_CLUSTER))
+  # Materialised once: fused into each step, the strided read would be redone every time.
+  points = jax.lax.optimization_barrier(x[:, :, ::stride])
+  start = points[:, :, (np.arange(clusters) * points.shape[2]) // clusters].astype(f32)
 
-  def assign(c):
+  def assign(x, c):
     dots = jnp.einsum("bhsd,bhcd->bhsc", x, c.astype(x.dtype), preferred_element_type=f32)
     return jnp.argmin(jnp.sum(c * c, axis=-1)[:, :, None, :] - 2.0 * dots, axis=-1).astype(jnp.int32)
 
   def members(a):
     onehot = jax.nn.one_hot(a, clusters, dtype=x.dtype)  # exact 0/1 in any float dtype
-    sums = jnp.einsum("bhsc,bhsd->bhcd", onehot, x, preferred_element_type=f32)
+    sums = jnp.einsum("bhsc,bhsd->bhcd", onehot, points, preferred_element_type=f32)
     return sums, jnp.sum(onehot, axis=2, dtype=f32)
 
-  def update(_, c):
-    sums, counts = members(assign(c))
-    return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
-
-  c = jax.lax.fori_loop(0, iterations, update, start)
-  a = assign(c)
-  return a, c, members(a)[1]
+  c = start
+  for _ in range(iterations):  # unrolled: a handful of static steps, no loop in the program
+    sums, counts = members(assign(points, c))
+    c = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
+  return assign(x, c), c, members(assign(points, c))[1]
 
 
 def cluster_ranks(cents: jax.Array, counts: jax.Array) -> jax.Array:
@@ -136,27 +148,66 @@ def cluster_ranks(cents: jax.Array, counts: jax.Array) -> jax.Array:
   return jnp.argsort(jnp.argsort(projection, axis=-1), axis=-1).astype(jnp.int32)
 
 
-def inverse_permutation(perm: jax.Array) -> jax.Array:
-  """``pos`` with ``pos[perm[i]] = i`` along the last axis."""
-  s = perm.shape[-1]
-  flat = perm.reshape(-1, s)
-  iota = jnp.arange(s, dtype=jnp.int32)
-  pos = jax.vmap(lambda p: jnp.zeros(s, jnp.int32).at[p].set(iota, unique_indices=True))(flat)
-  return pos.reshape(perm.shape)
+def placed_positions(slot: jax.Array, slots: int) -> jax.Array:
+  """``int32 [B, H, S]``: where each token goes when tokens are grouped by ``slot [B, H, S]``
+  (values in ``[0, slots)``), groups in slot order, tokens in their own order inside a group.
+  Counted, not sorted: a group's start, plus its tokens in earlier blocks of 128 (a cumulative
+  sum over blocks), plus those earlier in the token's own block (a triangular matrix product
+  with the one-hot slots, exact: counts of at most 128)."""
+  b, h, s = slot.shape
+  blocks = -(-s // _COUNT_BLOCK)
+  padded = jnp.pad(slot, ((0, 0), (0, 0), (0, blocks * _COUNT_BLOCK - s)), constant_values=slots)
+  onehot = jax.nn.one_hot(padded.reshape(b, h, blocks, _COUNT_BLOCK), slots, dtype=jnp.bfloat16)
+  per_block = jnp.sum(onehot, axis=3, dtype=jnp.int32)  # [B, H, blocks, slots]
+  before_block = jnp.cumsum(per_block, axis=2) - per_block
+  start = jnp.cumsum(per_block.sum(axis=2), axis=-1) - per_block.sum(axis=2)  # [B, H, slots]
+  earlier = np.tril(np.ones((_COUNT_BLOCK, _COUNT_BLOCK), np.float32), -1).astype(jnp.bfloat16)
+  in_block = jnp.einsum("ij,bhnjc->bhnic", earlier, onehot, preferred_element_type=jnp.float32)
+  own = lambda table: jnp.sum(table * onehot, axis=-1)  # each token's own slot's entry
+  pos = (own(in_block) + own(before_block[:, :, :, None, :].astype(jnp.float32))
+         + own(jnp.broadcast_to(start[:, :, None, None, :], onehot.shape).astype(jnp.float32)))
+  return pos.reshape(b, h, -1)[:, :, :s].astype(jnp.int32)
 
 
-def cluster_order(x: jax.Array, clusters: int, iterations: int) -> tuple[jax.Array, jax.Array]:
-  """``(perm, pos)`` of ``[B, H, S, D]`` tokens ordered by cluster (see module docstring)."""
-  assign, cents, counts = kmeans(x, clusters, iterations)
+def group_size(grid: VideoGrid, largest: int = MAX_GROUP) -> int:
+  """Tokens that move together: the largest divisor of the frame's width up to ``largest``, so a
+  group is a run of neighbours along one row of one frame."""
+  return math.gcd(grid.width, largest)
+
+
+def group_means(x: jax.Array, group: int) -> jax.Array:
+  """``[B, H, S / group, D]``: each group of consecutive tokens' mean, in ``x``'s dtype."""
+  b, h, s, d = x.shape
+  return x.reshape(b, h, s // group, group, d).mean(axis=3, dtype=jnp.float32).astype(x.dtype)
+
+
+def cluster_order(x: jax.Array, clusters: int, iterations: int,
+                  group: int = 1) -> tuple[jax.Array, jax.Array]:
+  """``(perm, pos)`` of ``[B, H, S, D]`` tokens ordered by cluster (see module docstring), by
+  groups of ``group`` consecutive tokens clustered by their mean (``[B, H, S / group]``):
+  ``perm`` by one sort, ``pos`` (its inverse) counted (:func:`placed_positions`)."""
+  points = group_means(x, group) if group > 1 else x
+  assign, cents, counts = kmeans(points, min(clusters, points.shape[2]), iterations)
   rank = jnp.take_along_axis(cluster_ranks(cents, counts), assign, axis=-1)
-  s = x.shape[2]
-  perm = jnp.argsort(rank * s + jnp.arange(s, dtype=jnp.int32), axis=-1).astype(jnp.int32)
-  return perm, inverse_permutation(perm)
+  n = points.shape[2]
+  perm = jnp.argsort(rank * n + jnp.arange(n, dtype=jnp.int32), axis=-1).astype(jnp.int32)
+  return perm, placed_positions(rank, cents.shape[2])
 
 
 def gather_tokens(x: jax.Array, perm: jax.Array) -> jax.Array:
-  """``[B, H, S, D]`` tokens taken in ``perm [B, H, S]`` order."""
-  return jnp.take_along_axis(x, perm[..., None], axis=2)
+  """``[B, H, S, D]`` tokens taken in ``perm [B, H, S / g]`` order, by groups of ``g`` consecutive
+  tokens (a gather of ``g``-row blocks: on a TPU a gather's cost is per moved block)."""
+  b, h, s, d = x.shape
+  group = s // perm.shape[-1]
+  blocks = x.reshape(b, h, s // group, group, d)
+  return jnp.take_along_axis(blocks, perm[..., None, None], axis=2).reshape(b, h, s, d)
+
+
+def token_positions(pos: jax.Array, seq_len: int) -> jax.Array:
+  """``int32 [B, H, S]``: each token's placed position, from its group's (``pos [B, H, S / g]``)."""
+  group = seq_len // pos.shape[-1]
+  within = np.arange(seq_len, dtype=np.int32) % group
+  return jnp.repeat(pos, group, axis=-1) * group + within
 
 
 def _tile_means(x: jax.Array, block: int, seq_len: int) -> jax.Array:
@@ -173,23 +224,22 @@ def tile_scores(qp: jax.Array, kp: jax.Array, cents: Centroids, plan: TilePlan, 
                 criterion: str = "mass") -> jax.Array:
   """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: the log of what each query tile row would
   lose by skipping each key tile, estimated from its mean query ``q̄`` and the tile's
-  sub-block centroids ``k̄_b`` with ``n_b`` keys and per-coordinate key variance ``σ²_b``.
-  Treating a block's keys as Gaussian about ``k̄_b``, its mass is ``n_b exp(s q̄·k̄_b + s²
-  |q|² σ²_b / 2)``. ``mass``: that. ``error``: what compensation (which gives the block ``n_b
-  exp(s q̄·k̄_b)``) would miss, the mass times ``1 - exp(-s² |q|² σ²_b / 2)``."""
+  sub-block centroids ``k̄_b`` with ``n_b`` keys. ``mass``: ``n_b exp(s q̄·k̄_b)``, what the
+  centroids say the block holds. ``error``: what compensation (which gives the block just that)
+  would miss: with the block's keys taken as Gaussian about ``k̄_b`` with per-coordinate
+  variance ``σ²_b``, the block holds ``exp(s² |q|² σ²_b / 2)`` times more, so the error is the
+  centroid mass times ``expm1(s² |q|² σ²_b / 2)`` (two more means over the sequence)."""
   blocks = cents.log_count.size // plan.num_kv_tiles
   qbar = _tile_means(qp, plan.block_q, plan.seq_len)  # [B, H, nq, D]
-  q_sq = _tile_means(jnp.sum(jnp.square(qp.astype(jnp.float32)), -1), plan.block_q, plan.seq_len)
-  k_sq = block_means(jnp.square(kp.astype(jnp.float32)), block_kv=plan.block_kv, blocks=blocks,
-                     seq_len=plan.seq_len)  # mean of k² per block: [B, H, N, D]
-  var = jnp.maximum(k_sq - jnp.square(cents.k.astype(jnp.float32)), 0.0).mean(-1)  # [B, H, N]
-  spread = 0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :]  # [B, H, nq, N]
-  logits = scale * jnp.einsum("bhqd,bhnd->bhqn", qbar, cents.k.astype(jnp.float32),
-                              precision=jax.lax.Precision.HIGHEST) + cents.log_count
-  if criterion == "mass":
-    score = logits + spread
-  else:  # log(mass * (1 - exp(-spread))) = logits + log(expm1(spread))
-    score = logits + jnp.log(jnp.maximum(jnp.expm1(spread), 1e-30))
+  score = scale * jnp.einsum("bhqd,bhnd->bhqn", qbar, cents.k.astype(jnp.float32),
+                             precision=jax.lax.Precision.HIGHEST) + cents.log_count
+  if criterion == "error":
+    q_sq = _tile_means(jnp.sum(jnp.square(qp.astype(jnp.float32)), -1), plan.block_q, plan.seq_len)
+    k_sq = block_means(jnp.square(kp.astype(jnp.float32)), block_kv=plan.block_kv, blocks=blocks,
+                       seq_len=plan.seq_len)  # mean of k² per block: [B, H, N, D]
+    var = jnp.maximum(k_sq - jnp.square(cents.k.astype(jnp.float32)), 0.0).mean(-1)  # [B, H, N]
+    spread = 0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :]  # [B, H, nq, N]
+    score = score + jnp.log(jnp.maximum(jnp.expm1(spread), 1e-30))
   b, h, nq, _ = score.shape
   return jax.nn.logsumexp(score.reshape(b, h, nq, plan.num_kv_tiles, blocks), axis=-1)
 
@@ -208,22 +258,31 @@ def top_tiles(scores: jax.Array, plan: TilePlan) -> jax.Array:
 
 
 def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, config: SemanticConfig,
-                    scale: float | None = None) -> SemanticLayout:
+                    scale: float | None = None, group: int = 1) -> SemanticLayout:
   """The semantic placement and tile table of every head of frame-major ``[B, H, S, D]`` inputs,
-  sized by the band ``plan`` (aligned) every head shares."""
+  sized by the band ``plan`` (aligned) every head shares; tokens move in groups of ``group``
+  (:func:`group_size` of the video grid; ``S`` must be a multiple)."""
   check_plan(plan)
+  if q.shape[2] % group:
+    raise ValueError(f"semantic groups of {group} tokens do not divide the sequence ({q.shape[2]})")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  order = lambda x: cluster_order(x, config.clusters, config.iterations, group)
   if config.cluster_on == "queries_and_keys":  # one clustering of both: the token's q and k
-    k_perm, k_pos = cluster_order(jnp.concatenate([q, k], axis=-1), config.clusters,
-                                  config.iterations)
+    k_perm, k_pos = order(jnp.concatenate([q, k], axis=-1))
   else:
-    k_perm, k_pos = cluster_order(k, config.clusters, config.iterations)
+    k_perm, k_pos = order(k)
   if config.cluster_on == "separate":  # SVG2's: queries and keys each by their own clusters
-    q_perm, q_pos = cluster_order(q, config.clusters, config.iterations)
+    q_perm, q_pos = order(q)
   else:
     q_perm, q_pos = k_perm, k_pos
-  qp, kp, vp = gather_tokens(q, q_perm), gather_tokens(k, k_perm), gather_tokens(v, k_perm)
-  cents = centroids(kp, vp, block_kv=plan.block_kv, blocks=config.blocks, seq_len=plan.seq_len)
+  qp, kp = gather_tokens(q, q_perm), gather_tokens(k, k_perm)
+  if config.compensated:  # the call merges these centroids: keys and values
+    cents = centroids(kp, gather_tokens(v, k_perm), block_kv=plan.block_kv, blocks=config.blocks,
+                      seq_len=plan.seq_len)
+  else:  # the estimate reads the keys' only
+    cents = Centroids(block_means(kp, block_kv=plan.block_kv, blocks=config.blocks,
+                                  seq_len=plan.seq_len).astype(k.dtype), None,
+                      centroid_log_counts(plan, config.blocks))
   table = top_tiles(tile_scores(qp, kp, cents, plan, scale, config.criterion), plan)
   return SemanticLayout(q_perm, q_pos, k_perm, k_pos, table, cents)
 

@@ -24,7 +24,7 @@ import yaml
 from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
-from maxdiffusion_svg.bench.schedule_xla import price_program
+from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
 from maxdiffusion_svg.tpu_aot import libtpu_version
 from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
                                            SPLASH_LAYOUT,
@@ -65,6 +65,9 @@ def _v6e_blocks(text: str, where: str) -> tuple[int, int, int]:
   return blocks["block_q"], blocks["block_kv"], blocks["block_kv_compute"]
 
 
+_HLO_ENV = "SVG_SCHEDULE_HLO"  # where the compile child writes the optimised module's text
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleCase:
   """One kernel to compile: a chip, a video grid, a plan's parameters, the VMEM limit."""
@@ -84,6 +87,12 @@ class ScheduleCase:
   backend: str = "splash"  # svg only: "pallas" (ours, the TPU default) or "splash"
   block_kv_compute_in: int | None = None  # MaxDiffusion's custom kernel only
   compensation_blocks: int = 0  # svg only: > 0 compiles the compensated call (compensation.py)
+  # svg only: "" the kernel alone; "band" the placed call (placement by a traced flag, the
+  # shared plan, restore); "semantic" a semantic head's whole call (clustering, order, table,
+  # kernel on its table, restore: maxdiffusion_svg.semantic)
+  call: str = ""
+  semantic_clusters: int = 32
+  semantic_iterations: int = 4
 
   def plan(self) -> TilePlan:
     include_sink = self.density < 1.0
@@ -97,7 +106,7 @@ def compile_case(case: ScheduleCase, directory: str) -> dict[str, Any]:
   if case.vmem_limit_kib:
     flags.append(f"--xla_tpu_scoped_vmem_limit_kib={case.vmem_limit_kib}")
   env = {**os.environ, "LIBTPU_INIT_ARGS": " ".join(f for f in flags if f),
-         "JAX_PLATFORMS": "cpu"}
+         "JAX_PLATFORMS": "cpu", _HLO_ENV: os.path.join(directory, HLO_FILE)}
   done = subprocess.run([sys.executable, "-m", __name__, json.dumps(dataclasses.asdict(case))],
                         env=env, capture_output=True, text=True, check=False)
   for line in done.stdout.splitlines():
@@ -200,7 +209,9 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
     plan = case.plan()
     spec = abstract((1, 1, plan.seq_len, case.head_dim), jnp.bfloat16, mesh)
     call = sparse_attention
-    if case.compensation_blocks:
+    if case.call:
+      call = functools.partial(_placed_call, case=case)
+    elif case.compensation_blocks:
       from maxdiffusion_svg.compensation import compensated_attention  # pylint: disable=import-outside-toplevel
       call = functools.partial(compensated_attention, blocks=case.compensation_blocks)
     try:
@@ -210,7 +221,30 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
     except ValueError as err:  # our VMEM/SMEM refusal, before the compiler
       return {"ok": False, "error": str(err).splitlines()[0], "seconds": 0.0}
   result = compile_lowered(lowered)
+  if result.ok and os.environ.get(_HLO_ENV):  # which fusions are twins (schedule_xla.twins)
+    with open(os.environ[_HLO_ENV], "w", encoding="utf-8") as f:
+      f.write(result.executable.as_text())
   return {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
+
+
+def _placed_call(q: Any, k: Any, v: Any, plan: TilePlan, *, case: ScheduleCase, **kwargs: Any) -> Any:
+  """A band or semantic head's whole call (``case.call``), as ``svg_attention`` runs it after
+  routing; the band's temporal flag is traced (from the data) so both orders are compiled."""
+  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+
+  from maxdiffusion_svg.attention import placed_attention, semantic_placed_attention
+  from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC
+  from maxdiffusion_svg.semantic import SemanticConfig, group_size, semantic_layout
+  # pylint: enable=import-outside-toplevel
+  grid = VideoGrid(*case.grid)
+  if case.call == "band":
+    return placed_attention(q, k, v, q[:, :, 0, 0] > 0, grid=grid, plan=plan, **kwargs)
+  config = SemanticConfig(case.semantic_clusters, case.semantic_iterations)
+  layout = jnp.full(q.shape[:2], LAYOUTS.index(SEMANTIC), jnp.int32)
+  return semantic_placed_attention(q, k, v, layout, semantic_layout(q, k, v, plan, config,
+                                                                                  group=group_size(grid)),
+                                   grid=grid, plan=plan, **kwargs)
 
 
 def static_bundles(kernel: KernelSchedule, full: int, masked: int, rows: int,

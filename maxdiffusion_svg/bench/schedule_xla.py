@@ -30,12 +30,30 @@ _EMPTY = re.compile(r":\s*>?\s*\{\s*\}")
 _SUFFIX = "-final_bundles.txt"
 
 
-def loops(text: str, path: str = "listing") -> list[tuple[int, int, int]]:
+_DEPTH = re.compile(r"^\s*0?x?[0-9a-f]+\s+\w*\s*:\s*(>*)\s*\{")
+
+
+def _depth(line: str) -> int:
+  """A bundle's loop depth: the ``>`` marks libtpu prints before it."""
+  match = _DEPTH.match(line)
+  return len(match.group(1)) if match else 0
+
+
+def loops(text: str, path: str = "listing", unknown: list[tuple[int, int]] | None = None
+          ) -> list[tuple[int, int, int]]:
   """``(first, last, trips)`` of each loop in a listing: from its ``LB`` bundle through its back
-  edge and the empty delay slots after it, run ``trips`` times."""
+  edge and the empty delay slots after it, run ``trips`` times. A loop whose exit test compares
+  addresses, not a counter with a literal (libtpu's fills and copies of a buffer), ends where
+  its bundles' loop depth falls back to 0: with ``unknown`` (a list) it is appended there as
+  ``(first, last)`` and priced as run once, else it is refused."""
   bundles, _ = _bundles(text)
   out, start = [], None
   for i, (address, label, line) in enumerate(bundles):
+    if (start is not None and unknown is not None and _depth(line) == 0
+        and not _EMPTY.search(line) and not _EXIT_TEST.search(line)):
+      last = max(j for j in range(i) if _depth(bundles[j][2]) > 0)
+      unknown.append((start, bundles[last][0]))  # left without a literal exit test
+      start = None
     if label == "LB" and start is None:
       start = address  # a loop inside it (a gather's copy, trips not literal) runs once per step
     match = _EXIT_TEST.search(line)
@@ -50,18 +68,23 @@ def loops(text: str, path: str = "listing") -> list[tuple[int, int, int]]:
       j += 1  # its delay slots
     out.append((start, bundles[j - 1][0], int(match.group(1))))
     start = None
-  if start is not None:
+  if start is not None and unknown is not None:
+    unknown.append((start, bundles[-1][0]))
+  elif start is not None:
     raise ScheduleFormatError(f"{path}: the loop at {start:#x} has no exit test this reader knows")
   return out
 
 
-def issued_bundles(text: str, path: str = "listing") -> int:
-  """Bundles one run of a computation issues: its listing, each loop's body ``trips`` times."""
+def issued_bundles(text: str, path: str = "listing",
+                   unknown: list[tuple[int, int]] | None = None) -> int:
+  """Bundles one run of a computation issues: its listing, each loop's body ``trips`` times
+  (``unknown``: see :func:`loops`)."""
   bundles, _ = _bundles(text)
   if not bundles:
     raise ScheduleFormatError(f"{path}: no bundles")
   total = bundles[-1][0] + 1
-  return total + sum((trips - 1) * (last - first + 1) for first, last, trips in loops(text, path))
+  return total + sum((trips - 1) * (last - first + 1)
+                     for first, last, trips in loops(text, path, unknown))
 
 
 def calls(text: str, path: str = "TLP") -> dict[str, int]:
@@ -92,10 +115,40 @@ def _listings(directory: str) -> dict[str, str]:
   return out
 
 
+HLO_FILE = "optimized_hlo.txt"  # the compiled module's text, beside the dumped schedules
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_FUSION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) fusion\(.*calls=%([\w.\-]+)")
+_NOISE = re.compile(r", (?:metadata|backend_config|frontend_attributes)=\{.*$|%[\w.\-]+")
+
+
+def twins(hlo: str) -> dict[str, str]:
+  """Each fusion of an optimised HLO module by a key equal for fusions that compute the same
+  thing (same result shape, same fused body up to names): libtpu compiles such twins once and
+  dumps one schedule for them all."""
+  bodies: dict[str, list[str]] = {}
+  current = None
+  for line in hlo.splitlines():
+    match = _COMPUTATION.match(line)
+    if match:
+      current = bodies.setdefault(match.group(1), [])
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(_NOISE.sub(lambda m: "" if m.group(0).startswith(",") else "%", line.strip()))
+  out = {}
+  for line in hlo.splitlines():
+    match = _FUSION.match(line)
+    if match:
+      name, shape, callee = match.groups()
+      out[name] = shape + "|" + "\n".join(sorted(bodies.get(callee, [callee])))
+  return out
+
+
 def price_program(directory: str, skip: str) -> dict[str, Any]:
   """Static bundles of the dumped program, less every computation whose name contains ``skip``
   (the kernel, priced from its plan): ``{bundles, top_level, computations, priced_as,
-  unpriced}``."""
+  unpriced, loops_priced_once}``; the last counts, per computation, the loops whose trip count
+  is not a literal (buffer fills and copies bounded by addresses), priced as run once."""
   listings = _listings(directory)
   top = [n for n in listings if n == "TLP"]
   if not top:
@@ -106,10 +159,24 @@ def price_program(directory: str, skip: str) -> dict[str, Any]:
       return f.read()
 
   tlp = read("TLP")
+  hlo_path = os.path.join(directory, HLO_FILE)
+  twin_of: dict[str, str] = {}
+  if os.path.exists(hlo_path):
+    with open(hlo_path, encoding="utf-8") as f:
+      twin_of = twins(f.read())
+  once: dict[str, int] = {}
+
+  def price(name: str) -> int:
+    unknown: list[tuple[int, int]] = []
+    bundles = issued_bundles(read(name), listings[name], unknown)
+    if unknown:
+      once[name] = len(unknown)
+    return bundles
+
   priced = {name: 0 for name in ("<late-initialization>", "<late-finalization>") if name in listings}
   for name in priced:
-    priced[name] = issued_bundles(read(name), listings[name])
-  top_level = issued_bundles(tlp, listings["TLP"])
+    priced[name] = price(name)
+  top_level = price("TLP")
   unpriced, priced_as = [], {}
   for name, times in calls(tlp, listings["TLP"]).items():
     if skip in name or name in priced and name.startswith("<"):
@@ -118,15 +185,18 @@ def price_program(directory: str, skip: str) -> dict[str, Any]:
     if name not in listings:
       # libtpu dumps one listing for computations it compiled once and calls twice (k's and
       # v's centroids): priced as a dumped one of the same kind (name less its .N), if any.
-      kin = sorted(n for n in listings if _kind(n) == _kind(name) and skip not in n)
+      key = twin_of.get(name)
+      kin = sorted(n for n in listings if key is not None and twin_of.get(n) == key)
+      if not kin and not twin_of:  # no module text: the first dumped one of the same kind
+        kin = sorted(n for n in listings if _kind(n) == _kind(name) and skip not in n)
       if not kin:
         unpriced.append(name)
         continue
       source = priced_as[name] = kin[0]
-    priced[name] = priced.get(name, 0) + times * issued_bundles(read(source), listings[source])
+    priced[name] = priced.get(name, 0) + times * price(source)
   return {"bundles": top_level + sum(priced.values()), "top_level": top_level,
           "computations": dict(sorted(priced.items(), key=lambda x: -x[1])),
-          "priced_as": priced_as, "unpriced": sorted(unpriced)}
+          "priced_as": priced_as, "unpriced": sorted(unpriced), "loops_priced_once": once}
 
 
 def _kind(name: str) -> str:
