@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.compensation import Centroids, block_means, centroid_log_counts, centroids
+from maxdiffusion_svg.compensation import (Centroids, block_counts, block_means, centroid_log_counts,
+                                           centroids)
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.tiles import TileMode, TilePlan
 
@@ -45,9 +46,12 @@ SEMANTIC_CRITERION = {False: "mass", True: "error"}
 _POWER_STEPS = 8  # power iterations for the centroids' principal direction
 SAMPLE_PER_CLUSTER = 256  # tokens per cluster the k-means updates read (a strided sample)
 _COUNT_BLOCK = 128  # tokens per block when counting placed positions
-# Tokens that move as one when placed (at most): 16 bf16 rows are one packed (16, 128) tile, so
-# a gather moves whole tiles; measured: docs/benchmarks.md, "The semantic layout".
-MAX_GROUP = 16
+# Tokens that move as one when placed (at most). A TPU gather's cost is per moved row: 720p on a
+# v6e, one semantic call by the static schedule is 1.36x the band call with single tokens, 1.15x
+# with 4, 1.06x with 8, 1.04x with 16; quality falls as groups grow (docs/benchmarks.md, "The
+# semantic layout"). 8: within the 1.15x budget with room.
+MAX_GROUP = 8
+QUERY_BLOCKS = 8  # sub-blocks per query tile the table's estimate reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +179,20 @@ def group_size(grid: VideoGrid, largest: int = MAX_GROUP) -> int:
   return math.gcd(grid.width, largest)
 
 
-def group_means(x: jax.Array, group: int) -> jax.Array:
-  """``[B, H, S / group, D]``: each group of consecutive tokens' mean, in ``x``'s dtype."""
+def _rows(x: jax.Array, group: int) -> jax.Array:
+  """``[B, H, S / group, group * D]``: each group of consecutive tokens as one row (no copy;
+  a ``[..., group, D]`` view would pad ``group`` sublanes out to a whole tile)."""
   b, h, s, d = x.shape
-  return x.reshape(b, h, s // group, group, d).mean(axis=3, dtype=jnp.float32).astype(x.dtype)
+  return x.reshape(b, h, s // group, group * d)
+
+
+def group_means(x: jax.Array, group: int) -> jax.Array:
+  """``[B, H, S / group, D]``: each group of consecutive tokens' mean, in ``x``'s dtype (a sum
+  of lane-aligned slices of its row)."""
+  d = x.shape[-1]
+  rows = _rows(x, group)
+  total = sum(rows[..., j * d:(j + 1) * d].astype(jnp.float32) for j in range(group))
+  return (total / group).astype(x.dtype)
 
 
 def cluster_order(x: jax.Array, clusters: int, iterations: int,
@@ -198,9 +212,8 @@ def gather_tokens(x: jax.Array, perm: jax.Array) -> jax.Array:
   """``[B, H, S, D]`` tokens taken in ``perm [B, H, S / g]`` order, by groups of ``g`` consecutive
   tokens (a gather of ``g``-row blocks: on a TPU a gather's cost is per moved block)."""
   b, h, s, d = x.shape
-  group = s // perm.shape[-1]
-  blocks = x.reshape(b, h, s // group, group, d)
-  return jnp.take_along_axis(blocks, perm[..., None, None], axis=2).reshape(b, h, s, d)
+  rows = _rows(x, s // perm.shape[-1])
+  return jnp.take_along_axis(rows, perm[..., None], axis=2).reshape(b, h, s, d)
 
 
 def token_positions(pos: jax.Array, seq_len: int) -> jax.Array:
@@ -210,38 +223,35 @@ def token_positions(pos: jax.Array, seq_len: int) -> jax.Array:
   return jnp.repeat(pos, group, axis=-1) * group + within
 
 
-def _tile_means(x: jax.Array, block: int, seq_len: int) -> jax.Array:
-  """float32 ``[B, H, tiles, ...]`` mean over each tile's real tokens of ``[B, H, S, ...]``."""
-  b, h, s = x.shape[:3]
-  tiles = -(-s // block)
-  pad = [(0, 0), (0, 0), (0, tiles * block - s)] + [(0, 0)] * (x.ndim - 3)
-  sums = jnp.pad(x.astype(jnp.float32), pad).reshape(b, h, tiles, block, *x.shape[3:]).sum(axis=3)
-  counts = np.clip(seq_len - np.arange(tiles) * block, 1, block).astype(np.float32)
-  return sums / counts.reshape((tiles,) + (1,) * (x.ndim - 3))
-
-
 def tile_scores(qp: jax.Array, kp: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
-                criterion: str = "mass") -> jax.Array:
-  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: the log of what each query tile row would
-  lose by skipping each key tile, estimated from its mean query ``q̄`` and the tile's
-  sub-block centroids ``k̄_b`` with ``n_b`` keys. ``mass``: ``n_b exp(s q̄·k̄_b)``, what the
-  centroids say the block holds. ``error``: what compensation (which gives the block just that)
-  would miss: with the block's keys taken as Gaussian about ``k̄_b`` with per-coordinate
-  variance ``σ²_b``, the block holds ``exp(s² |q|² σ²_b / 2)`` times more, so the error is the
-  centroid mass times ``expm1(s² |q|² σ²_b / 2)`` (two more means over the sequence)."""
+                criterion: str = "mass", query_blocks: int | None = None) -> jax.Array:
+  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: what each query tile row would lose by
+  skipping each key tile. Each query tile is cut into ``query_blocks`` sub-blocks (a tile holds
+  several clusters: its mean query would stand for none of them); each sub-block's mean query
+  ``q̄_r`` shares its attention over the key sub-blocks' centroids ``k̄_n`` (``n_n`` keys) as
+  ``softmax_n(s q̄_r·k̄_n + log n_n)``, and a row's score for a key tile is its sub-blocks' shares
+  of the tile's blocks, weighted by their queries. ``mass``: those shares. ``error``: the part
+  compensation (which gives each block its centroid's share) would miss: with a block's keys
+  Gaussian about ``k̄_n`` with per-coordinate variance ``σ²_n``, a share times ``expm1(s²
+  |q|² σ²_n / 2)`` (two more means over the sequence)."""
+  f32 = jnp.float32
+  query_blocks = query_blocks or QUERY_BLOCKS
   blocks = cents.log_count.size // plan.num_kv_tiles
-  qbar = _tile_means(qp, plan.block_q, plan.seq_len)  # [B, H, nq, D]
-  score = scale * jnp.einsum("bhqd,bhnd->bhqn", qbar, cents.k.astype(jnp.float32),
-                             precision=jax.lax.Precision.HIGHEST) + cents.log_count
+  b, h = qp.shape[:2]
+  means = lambda x, block, parts: block_means(x, block_kv=block, blocks=parts, seq_len=plan.seq_len)
+  qbar = means(qp, plan.block_q, query_blocks)  # [B, H, nq * query_blocks, D]
+  logits = scale * jnp.einsum("bhrd,bhnd->bhrn", qbar, cents.k.astype(f32),
+                              precision=jax.lax.Precision.HIGHEST) + cents.log_count
+  share = jax.nn.softmax(logits, axis=-1)  # [B, H, R, N]
   if criterion == "error":
-    q_sq = _tile_means(jnp.sum(jnp.square(qp.astype(jnp.float32)), -1), plan.block_q, plan.seq_len)
-    k_sq = block_means(jnp.square(kp.astype(jnp.float32)), block_kv=plan.block_kv, blocks=blocks,
-                       seq_len=plan.seq_len)  # mean of k² per block: [B, H, N, D]
-    var = jnp.maximum(k_sq - jnp.square(cents.k.astype(jnp.float32)), 0.0).mean(-1)  # [B, H, N]
-    spread = 0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :]  # [B, H, nq, N]
-    score = score + jnp.log(jnp.maximum(jnp.expm1(spread), 1e-30))
-  b, h, nq, _ = score.shape
-  return jax.nn.logsumexp(score.reshape(b, h, nq, plan.num_kv_tiles, blocks), axis=-1)
+    q_sq = means(jnp.sum(jnp.square(qp.astype(f32)), -1, keepdims=True), plan.block_q,
+                 query_blocks)[..., 0]  # [B, H, R]
+    k_sq = means(jnp.square(kp.astype(f32)), plan.block_kv, blocks)  # [B, H, N, D]
+    var = jnp.maximum(k_sq - jnp.square(cents.k.astype(f32)), 0.0).mean(-1)  # [B, H, N]
+    share = share * jnp.expm1(0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :])
+  weight = block_counts(plan.seq_len, plan.num_q_tiles, plan.block_q, query_blocks).astype(np.float32)
+  per_tile = share.reshape(b, h, -1, plan.num_kv_tiles, blocks).sum(-1) * weight[:, None]
+  return per_tile.reshape(b, h, plan.num_q_tiles, query_blocks, plan.num_kv_tiles).sum(3)
 
 
 def top_tiles(scores: jax.Array, plan: TilePlan) -> jax.Array:

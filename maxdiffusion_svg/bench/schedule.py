@@ -93,6 +93,7 @@ class ScheduleCase:
   call: str = ""
   semantic_clusters: int = 32
   semantic_iterations: int = 4
+  semantic_group: int = 0  # tokens moved as one; 0: the plugin's (semantic.group_size)
 
   def plan(self) -> TilePlan:
     include_sink = self.density < 1.0
@@ -243,7 +244,7 @@ def _placed_call(q: Any, k: Any, v: Any, plan: TilePlan, *, case: ScheduleCase, 
   config = SemanticConfig(case.semantic_clusters, case.semantic_iterations)
   layout = jnp.full(q.shape[:2], LAYOUTS.index(SEMANTIC), jnp.int32)
   return semantic_placed_attention(q, k, v, layout, semantic_layout(q, k, v, plan, config,
-                                                                                  group=group_size(grid)),
+                                                                                  group=case.semantic_group or group_size(grid)),
                                    grid=grid, plan=plan, **kwargs)
 
 

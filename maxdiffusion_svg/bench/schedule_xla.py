@@ -118,13 +118,15 @@ def _listings(directory: str) -> dict[str, str]:
 HLO_FILE = "optimized_hlo.txt"  # the compiled module's text, beside the dumped schedules
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
 _FUSION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) fusion\(.*calls=%([\w.\-]+)")
+_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\(")
 _NOISE = re.compile(r", (?:metadata|backend_config|frontend_attributes)=\{.*$|%[\w.\-]+")
 
 
 def twins(hlo: str) -> dict[str, str]:
-  """Each fusion of an optimised HLO module by a key equal for fusions that compute the same
-  thing (same result shape, same fused body up to names): libtpu compiles such twins once and
-  dumps one schedule for them all."""
+  """Each fusion (and plain op) of an optimised HLO module by a key equal for those that compute
+  the same thing (same result shape and layout, same fused body or attributes, up to names):
+  libtpu compiles such twins once and dumps one schedule for them all. A plain op's operands'
+  layouts are not in its line: two with the same result may differ there."""
   bodies: dict[str, list[str]] = {}
   current = None
   for line in hlo.splitlines():
@@ -141,6 +143,12 @@ def twins(hlo: str) -> dict[str, str]:
     if match:
       name, shape, callee = match.groups()
       out[name] = shape + "|" + "\n".join(sorted(bodies.get(callee, [callee])))
+      continue
+    match = _OP.match(line)
+    if match:  # a plain op (a copy, a reshape that moves data): its result and attributes
+      name, shape, op = match.groups()
+      out.setdefault(name, shape + "|" + op + "|" + _NOISE.sub(
+          lambda m: "" if m.group(0).startswith(",") else "%", line.split("=", 1)[1].strip()))
   return out
 
 
