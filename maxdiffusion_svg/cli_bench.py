@@ -242,6 +242,14 @@ def _bench_schedule(args: argparse.Namespace) -> int:
   if any(given):
     defaults = default_tiles(args.chip, args.vmem_limit_kib, args.backend)
     tiles = tuple(g or d for g, d in zip(given, defaults))
+  if args.semantic:
+    # pylint: disable=import-outside-toplevel
+    from maxdiffusion_svg.bench.schedule_semantic import format_semantic_bench, run_semantic_bench
+    # pylint: enable=import-outside-toplevel
+    result = run_semantic_bench(args.chip, args.resolution, args.density, tiles,
+                                args.vmem_limit_kib, groups=args.semantic_groups, log=_progress)
+    _report(args, format_semantic_bench(result), result)
+    return 0
   if args.compensation:
     # pylint: disable=import-outside-toplevel
     from maxdiffusion_svg.bench.schedule_compensation import (format_compensation_bench,
@@ -397,6 +405,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   schedule.add_argument("--maxdiffusion", action="store_true",
                         help="also MaxDiffusion's own flash attention at its v6e Wan block sizes "
                              "(needs MaxDiffusion on PYTHONPATH)")
+  schedule.add_argument("--semantic", action="store_true",
+                        help="one semantic head's call (svg_layouts semantic: clustering, order, "
+                             "table, kernel, restore) beside the band call and dense")
+  schedule.add_argument("--semantic-groups", type=_positive_int, nargs="*", default=[],
+                        metavar="N", help="with --semantic, also price these token groups")
   schedule.add_argument("--compensation", action="store_true",
                         help="instead: each mode's compensated call (kernel with its log-sum-exp, "
                              "centroid pass, merge) against its plain one")

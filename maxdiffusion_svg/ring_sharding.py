@@ -40,6 +40,7 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL
+from maxdiffusion_svg.layouts import SEMANTIC
 from maxdiffusion_svg.masks import Mask, PlacedMask
 from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
@@ -238,6 +239,11 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   with heads exchanged inside groups of ``ulysses`` devices (see the module docstring).
   Arguments as :func:`maxdiffusion_svg.sharding.sharded_svg_attention`, which validates them
   and calls this where ``ulysses_shards`` leaves a ring."""
+  if SEMANTIC in config.layouts:  # a head's clusters span the whole sequence, split here
+    raise ValueError(f"svg_layouts with semantic does not run on a ring yet (ulysses_shards "
+                     f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
+                     f"devices): set ulysses_shards to the context axis's size, or svg_layouts "
+                     f"to [spatial, temporal]")
   inner = split_mesh(mesh, seq_axis, ulysses)
   ring = inner.shape[RING]
   batch_spec = tuple(batch_axes) or None

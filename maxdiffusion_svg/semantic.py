@@ -273,6 +273,7 @@ def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, co
   sized by the band ``plan`` (aligned) every head shares; tokens move in groups of ``group``
   (:func:`group_size` of the video grid; ``S`` must be a multiple)."""
   check_plan(plan)
+  check_semantic(config.clusters, config.iterations, q.shape[2])
   if q.shape[2] % group:
     raise ValueError(f"semantic groups of {group} tokens do not divide the sequence ({q.shape[2]})")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
