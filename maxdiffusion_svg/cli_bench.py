@@ -77,6 +77,10 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from maxdiffusion_svg.plot import plot_quality  # pylint: disable=import-outside-toplevel
     plot_quality(args.plot, cfg, result)
     print(f"plot written to {args.plot}")
+  if args.semantic_plot and "semantic" in result:
+    from maxdiffusion_svg.bench.semantic_quality import plot_semantic  # pylint: disable=import-outside-toplevel
+    plot_semantic(args.semantic_plot, result["semantic"])
+    print(f"semantic plot written to {args.semantic_plot}")
   return 0
 
 
@@ -271,6 +275,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   _add_json_arg(bench)
   bench.add_argument("--plot", metavar="FILE.png", help="attention maps, masks, per-head routing")
   bench.add_argument("--seeds", type=int, default=5, help="router keys to average over")
+  bench.add_argument("--semantic-plot", metavar="FILE.png",
+                     help="PSNR against visited tiles per layout (docs/images/semantic_quality.png)")
   bench.add_argument("--no-large-timing", action="store_true",
                      help="skip timing the router against the kernel at 720p")
   bench.set_defaults(run=_bench_quality)

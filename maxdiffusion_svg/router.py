@@ -181,10 +181,20 @@ def semantic_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, p
   return jnp.mean((out - dense) ** 2, axis=(2, 3))
 
 
+# A semantic head must show at most this share of the best static layout's error on the sampled
+# rows: its errors sit in fewer rows (a cluster's edge), so a few samples flatter it (measured:
+# docs/benchmarks.md, "The semantic layout"; 0.25 = 6 dB).
+SEMANTIC_MARGIN = 0.25
+
+
 def choose_layouts(errors: dict[str, jax.Array], layouts: tuple[str, ...]) -> jax.Array:
-  """``int32 [B, H]``: each head's layout id, the candidate with the least error (ties: the
+  """``int32 [B, H]``: each head's layout id, the candidate with the least error, semantic's
+  counted as if :data:`SEMANTIC_MARGIN` times larger where a static layout competes (ties: the
   first in :data:`LAYOUTS` order, spatial before temporal before semantic)."""
-  stacked = jnp.stack([errors[name] if name in layouts else jnp.full_like(errors[SPATIAL], jnp.inf)
+  margin = SEMANTIC_MARGIN if set(layouts) - {SEMANTIC} else 1.0
+  weight = {SEMANTIC: 1.0 / margin}
+  stacked = jnp.stack([errors[name] * weight.get(name, 1.0) if name in layouts
+                       else jnp.full_like(errors[SPATIAL], jnp.inf)
                        for name in LAYOUTS[:max(LAYOUTS.index(n) for n in layouts) + 1]], axis=-1)
   return jnp.argmin(stacked, axis=-1).astype(jnp.int32)
 

@@ -46,11 +46,12 @@ SEMANTIC_CRITERION = {False: "mass", True: "error"}
 _POWER_STEPS = 8  # power iterations for the centroids' principal direction
 SAMPLE_PER_CLUSTER = 256  # tokens per cluster the k-means updates read (a strided sample)
 _COUNT_BLOCK = 128  # tokens per block when counting placed positions
-# Tokens that move as one when placed (at most). A TPU gather's cost is per moved row: 720p on a
-# v6e, one semantic call by the static schedule is 1.36x the band call with single tokens, 1.15x
-# with 4, 1.06x with 8, 1.04x with 16; quality falls as groups grow (docs/benchmarks.md, "The
-# semantic layout"). 8: within the 1.15x budget with room.
-MAX_GROUP = 8
+# Tokens that move as one when placed. A TPU gather's cost is per moved row: 720p on a v6e, one
+# semantic call by the static schedule is 1.38x the band call with single tokens, 1.21x with 4,
+# 1.11x with 8; quality falls as groups grow (docs/benchmarks.md, "The semantic layout"). So the
+# groups a placement moves are bounded (MAX_UNITS), which the kernel's cost (S^2) outgrows.
+MAX_GROUP = 16
+MAX_UNITS = 9_450  # groups a head's placement moves at most: 720p's 75,600 tokens in groups of 8
 QUERY_BLOCKS = 8  # sub-blocks per query tile the table's estimate reads
 
 
@@ -173,10 +174,15 @@ def placed_positions(slot: jax.Array, slots: int) -> jax.Array:
   return pos.reshape(b, h, -1)[:, :, :s].astype(jnp.int32)
 
 
-def group_size(grid: VideoGrid, largest: int = MAX_GROUP) -> int:
-  """Tokens that move together: the largest divisor of the frame's width up to ``largest``, so a
-  group is a run of neighbours along one row of one frame."""
-  return math.gcd(grid.width, largest)
+def group_size(grid: VideoGrid, largest: int = MAX_GROUP, units: int = MAX_UNITS) -> int:
+  """Tokens that move together: the least power of two that leaves at most ``units`` groups
+  (the placement's cost follows the groups it moves), up to ``largest`` and dividing the frame's
+  width, so a group is a run of neighbours along one row of one frame. 720p: 8; 480p: 4; a
+  sequence of at most ``units`` tokens: 1."""
+  group = 1
+  while grid.tokens > units * group and group < largest and grid.width % (2 * group) == 0:
+    group *= 2
+  return group
 
 
 def _rows(x: jax.Array, group: int) -> jax.Array:

@@ -12,6 +12,7 @@ from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.layouts import LAYOUTS, check_layouts
+from maxdiffusion_svg.router import SEMANTIC_MARGIN
 from maxdiffusion_svg.semantic import (SemanticConfig, cluster_order, gather_tokens, group_size,
                                        placed_positions, semantic_layout, token_positions,
                                        visited_table)
@@ -167,7 +168,8 @@ def test_router_takes_the_least_error_among_the_candidates_and_info_reports_it()
   config = SvgConfig(density=0.25, block_q=128, block_kv=128, backend="xla",
                      layouts=["spatial", "temporal", "semantic"], semantic_clusters=8)
   out, info = svg_attention(q, k, v, grid=grid, config=config, return_info=True)
-  errors = np.stack([info["spatial_error"], info["temporal_error"], info["semantic_error"]], -1)
+  errors = np.stack([info["spatial_error"], info["temporal_error"],
+                     np.asarray(info["semantic_error"]) / SEMANTIC_MARGIN], -1)
   np.testing.assert_array_equal(info["layout"], errors.argmin(-1))
   np.testing.assert_array_equal(info["temporal"], np.asarray(info["layout"]) == 1)
   plan = config.plan(grid, backend="xla")

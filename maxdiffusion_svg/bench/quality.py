@@ -19,6 +19,7 @@ import numpy as np
 
 from maxdiffusion_svg.attention import placed_attention, svg_attention
 from maxdiffusion_svg.bench.compensation_quality import format_compensation, run_compensation
+from maxdiffusion_svg.bench.semantic_quality import format_semantic, run_semantic
 from maxdiffusion_svg.bench.routers import ROUTER_HEADS, compare_routers, format_router_comparison
 from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
 from maxdiffusion_svg.bench.timing import time_call
@@ -51,6 +52,9 @@ class QualityBenchConfig:
   compensation_heads: int = 2  # per kind and strength (compensation_quality); 0 skips
   compensation_densities: tuple[float, ...] = (0.1, 0.15, 0.2, 0.35)
   compensation_blocks: tuple[int, ...] = (8, 16, 32)  # centroids per key tile, each tried
+  semantic_heads: int = 2  # per kind and strength (semantic_quality); 0 skips
+  semantic_densities: tuple[float, ...] = (0.1, 0.15, 0.2, 0.35)
+  semantic_clusters: int = 32
   timing_density: float = 0.35
   timing_resolution: str | None = "720p"  # router share at a real length; None to skip
   repeats: int = 2
@@ -233,6 +237,9 @@ def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
   if cfg.compensation_heads:
     log(f"compensation off and on at equal visited tiles ({6 * cfg.compensation_heads} heads)...")
     result["compensation"] = run_compensation(cfg, psnr, log)
+  if cfg.semantic_heads:
+    log(f"each layout at equal visited tiles ({6 * cfg.semantic_heads} heads)...")
+    result["semantic"] = run_semantic(cfg, psnr, log)
   log("timing...")
   result["timing"] = _timing_section(cfg, q, k, v, log)
   return result
@@ -266,6 +273,8 @@ def format_quality_bench(r: dict[str, Any]) -> str:
     lines.append(f"{name:<22} {row['psnr_db']:>8.2f} {row['rel_l2']:>8.4f} {extra}")
   if "compensation" in r:
     lines += ["", *format_compensation(r["compensation"])]
+  if "semantic" in r:
+    lines += ["", *format_semantic(r["semantic"])]
   t = r["timing"]
   lines += ["", f"time on the bench grid: dense {t['dense_s']:.3f} s, svg_attention {t['svg_s']:.3f} s "
             f"(ratio {t['svg_s'] / t['dense_s']:.2f}); router {t['router_s'] * 1e3:.1f} ms = "
