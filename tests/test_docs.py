@@ -61,6 +61,8 @@ def test_every_svg_key_is_in_the_reference_table_with_its_default():
   for key, default in config_defaults().items():
     shown = rows[key]
     text = str(default).lower() if isinstance(default, bool) else str(default)
+    if isinstance(default, tuple):  # a list key, shown as its YAML list
+      text = f"[{', '.join(default)}]"
     assert (f"`{text}`" in shown or shown.startswith(text) or
             (default == "" and "''" in shown)), (key, default, shown)
 
