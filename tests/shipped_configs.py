@@ -26,4 +26,5 @@ OVERRIDES = {
     "svg_profile_pool": "prefix", "svg_sample_max_row": "5000", "svg_profile_masks": "probe",
     "svg_profile_seed": "3", "svg_dense_kernel": "dot_product", "svg_min_seq_length": "1024",
     "svg_run_summary": "false", "svg_compensation": "true", "svg_compensation_blocks": "4",
+    "svg_layouts": "[spatial]", "svg_semantic_clusters": "16", "svg_semantic_iterations": "2",
 }

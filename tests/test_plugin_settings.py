@@ -120,7 +120,8 @@ def test_the_settings_line_says_the_compensation():
       tpu_target("v6e", flags=""))
   v6e = tpu_target("v6e", flags="")
   assert ", compensation 4 centroids per key tile, " in on.summary()
-  assert ", compensation 4 centroids per key tile, dense kernel flash" in on.summary(v6e)
+  assert (", compensation 4 centroids per key tile, layouts spatial, temporal, dense kernel flash"
+          in on.summary(v6e))
   # 7 does not divide our kernel's 1536 key tile on a v6e: refused on the target (the
   # create-transformer hook calls this before weights load).
   bad = PluginSettings.from_mapping({"svg_compensation": True, "svg_compensation_blocks": 7})

@@ -18,7 +18,8 @@ TINY = QualityBenchConfig(grid=VideoGrid(6, 8, 16), head_types=("spatial", "temp
                           router_head_types=("spatial", "temporal", "mixed50", "weak_temporal"),
                           router_densities=(0.35,), timing_resolution=None, repeats=1,
                           compensation_heads=1, compensation_densities=(0.35,),
-                          compensation_blocks=(4, 8))
+                          compensation_blocks=(4, 8), semantic_heads=1,
+                          semantic_densities=(0.35,), semantic_clusters=8)
 
 
 def test_tiny_quality_bench(tmp_path):
@@ -46,7 +47,19 @@ def test_tiny_quality_bench(tmp_path):
   assert {e["visited_tile_fraction"] for e in row.values()} == {row["off"]["visited_tile_fraction"]}
   assert row["off"]["visited_tile_fraction"] < 1  # sparse: there is something to compensate
   assert comp["recommended_blocks"] in (4, 8)
+  sem = result["semantic"]["rows"]["0.35"]
+  for kind in ("plain", "compensated"):  # today's router is [spatial, temporal] forced or routed
+    for group in ("spatial", "temporal"):
+      forced = sem[kind][group]["psnr_db"][group]
+      assert sem[kind]["router SVG1"]["psnr_db"][group] == pytest.approx(forced, abs=1e-6)
+    assert set(sem[kind]["semantic"]["layout"]) == {2}
+  assert np.isfinite(sem["plain"]["semantic"]["psnr_db"]["moving"])  # the moving heads were scored
+  path = tmp_path / "semantic.png"
+  from maxdiffusion_svg.bench.semantic_quality import plot_semantic  # pylint: disable=import-outside-toplevel
+  plot_semantic(str(path), result["semantic"])
+  assert path.read_bytes()[:4] == b"\x89PNG"
   text = format_quality_bench(result)
+  assert "semantic layout (measured on CPU)" in text
   assert "sampled, stratified" in text and "0.35/split" in text and "execution" in text
   assert "recommended compensation_blocks" in text
   path = tmp_path / "quality.png"

@@ -194,15 +194,18 @@ def test_one_compile_as_the_clusters_change():
   config = SvgConfig(density=0.3, block_q=128, block_kv=128, backend="xla",
                      layouts=["spatial", "temporal", "semantic"], semantic_clusters=4,
                      compensation=True, compensation_blocks=4)
+  plan = config.plan(grid, backend="xla")
   traces = []
 
   @jax.jit
   def run(q, k, v):
     traces.append(1)
-    return svg_attention(q, k, v, grid=grid, config=config, return_info=True)[1]["layout"]
+    table = semantic_layout(q, k, v, plan, config.semantic, group=group_size(grid)).kv_index
+    return svg_attention(q, k, v, grid=grid, config=config, return_info=True)[1]["layout"], table
 
-  layouts = {tuple(np.asarray(run(*qkv(grid=grid, heads=3, seed=seed))).ravel()) for seed in range(3)}
-  assert len(traces) == 1 and layouts
+  tables = {np.asarray(run(*qkv(grid=grid, heads=3, seed=seed))[1]).tobytes() for seed in range(3)}
+  assert len(tables) > 1  # the data changed each head's tiles...
+  assert len(traces) == 1 and run._cache_size() == 1  # ...and nothing traced or compiled again
 
 
 @pytest.mark.parametrize("ulysses", [None, 4])  # all 8 devices exchange heads; a ring of 2: refused
@@ -224,3 +227,11 @@ def test_head_exchange_equals_one_device_and_a_ring_is_refused(ulysses):
   want = svg_attention(q, k, v, grid=grid, config=config, key=key)
   np.testing.assert_allclose(np.asarray(run(*(jax.device_put(x, spec) for x in (q, k, v)))),
                              np.asarray(want), atol=2e-5)
+
+
+def test_the_settings_line_names_the_layouts():
+  from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
+  line = PluginSettings.from_mapping({"svg_layouts": "[spatial, temporal, semantic]",
+                                      "svg_semantic_clusters": 16}).summary()
+  assert ", layouts spatial, temporal, semantic (16 clusters, 4 iterations), " in line
+  assert ", layouts spatial, temporal, dense kernel" in PluginSettings.from_mapping({}).summary()

@@ -90,9 +90,17 @@ class PluginSettings:
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
             f"{svg.tile_mode.value} {tiles}, backend {backend}{where}, {compensation}, "
-            f"dense kernel "
+            f"{self.layouts_text()}, dense kernel "
             f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
             f"dense below {self.min_seq_length} tokens")
+
+  def layouts_text(self) -> str:
+    """The layouts the router chooses among, for the log lines."""
+    text = "layouts " + ", ".join(self.svg.layouts)
+    if self.svg.semantic is not None:
+      text += (f" ({self.svg.semantic_clusters} clusters, {self.svg.semantic_iterations} "
+               f"iterations)")
+    return text
 
   def compensation_text(self, target: Target | None = None, backend: str | None = None) -> str:
     """The compensation for the log lines; on ``target`` its block count is checked against
@@ -141,6 +149,8 @@ def config_defaults() -> dict[str, Any]:
   for key, field in KEYS.items():
     if key not in values:
       value = getattr(svg, field)
+      if isinstance(value, tuple):  # text, so a command line's [a, b] arrives as text to read
+        value = f"[{', '.join(value)}]"
       values[key] = 0 if value is None else value.value if isinstance(value, enum.Enum) else value
   return {**values, "svg_dense_kernel": "", "svg_min_seq_length": DEFAULT_MIN_SEQ_LENGTH,
           "svg_run_summary": True}
