@@ -13,7 +13,7 @@ permutation and no ``S x S`` array: its cost is ``rows x S`` per head.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +101,24 @@ def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> j
 Compensated = tuple[TilePlan, int]
 
 
+class Sampled(NamedTuple):
+  """The sampled rows' queries (float32), logits over every key, values and dense output: what
+  every candidate layout's error is measured against (computed once per call)."""
+
+  qs: jax.Array
+  logits: jax.Array
+  v32: jax.Array
+  dense: jax.Array
+
+
+def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scale: float) -> Sampled:
+  f32 = jnp.float32
+  qs = jnp.take(q, rows, axis=2).astype(f32)
+  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32), precision=jax.lax.Precision.HIGHEST)
+  v32 = v.astype(f32)
+  return Sampled(qs, logits * scale, v32, _masked_output(logits * scale, v32, None))
+
+
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
                      grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
                      scale: float) -> jax.Array:
@@ -123,18 +141,14 @@ def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: Layout
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
                   mask: Mask, *, scale: float | None = None,
                   compensation: Compensated | None = None,
-                  cents: dict[Layout, Centroids] | None = None) -> tuple[jax.Array, jax.Array]:
+                  cents: dict[Layout, Centroids] | None = None,
+                  sampled: Sampled | None = None) -> tuple[jax.Array, jax.Array]:
   """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
   temporal-major (temporal): ``[B, H]`` each. With ``compensation`` (the plan and centroids
   per key tile), each output is the compensated one that plan's call would give (``cents``:
   each layout's centroids, where the caller has them)."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  f32 = jnp.float32
-  qs = jnp.take(q, rows, axis=2).astype(f32)
-  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32), precision=jax.lax.Precision.HIGHEST)
-  logits = logits * scale
-  v32 = v.astype(f32)
-  dense = _masked_output(logits, v32, None)
+  qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
   errors = []
   for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
@@ -151,17 +165,12 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
 
 def semantic_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, plan: TilePlan,
                     semantic: SemanticLayout, *, scale: float | None = None,
-                    compensation_blocks: int = 0) -> jax.Array:
+                    compensation_blocks: int = 0, sampled: Sampled | None = None) -> jax.Array:
   """MSE against dense of ``rows``' outputs under each head's semantic order and tile table, as
   its call will run them (compensated, with ``compensation_blocks``): ``[B, H]``. Membership
   is a lookup of each row's and key's placed tile in the head's ``[q_tiles, kv_tiles]`` table."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  f32 = jnp.float32
-  qs = jnp.take(q, rows, axis=2).astype(f32)
-  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32), precision=jax.lax.Precision.HIGHEST)
-  logits = logits * scale
-  v32 = v.astype(f32)
-  dense = _masked_output(logits, v32, None)
+  qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
   visited = visited_table(semantic.kv_index, plan)  # [B, H, nq, nkv]
   q_pos = token_positions(semantic.q_pos, q.shape[2])
   row_tiles = jnp.take(q_pos, rows, axis=2) // plan.block_q  # [B, H, R]
@@ -243,8 +252,10 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   compensation = None
   if compensation_blocks and router.profile_masks == "execution":
     compensation = (plan, compensation_blocks)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  sampled = sample_dense(q, k, v, rows, scale)  # shared by every candidate
   spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale,
-                                    compensation=compensation, cents=cents)
+                                    compensation=compensation, cents=cents, sampled=sampled)
   layouts = getattr(config, "layouts", DEFAULT_LAYOUTS) if layouts is None else layouts
   if layouts == (SPATIAL, TEMPORAL):  # today's router, unchanged
     return Routing(temporal < spatial, spatial, temporal)
@@ -255,7 +266,8 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
       raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
     semantic_error = errors[SEMANTIC] = semantic_errors(
         q, k, v, rows, plan, semantic, scale=scale,
-        compensation_blocks=compensation_blocks if compensation is not None else 0)
+        compensation_blocks=compensation_blocks if compensation is not None else 0,
+        sampled=sampled)
   layout = choose_layouts(errors, layouts)
   return Routing(layout == LAYOUTS.index(TEMPORAL),
                  jnp.where(SPATIAL in layouts, spatial, jnp.inf),
