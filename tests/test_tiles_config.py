@@ -269,7 +269,7 @@ def test_compensation_is_estimated_and_its_row_keys_counted_in_the_sparse_plans_
   tiles_kv = 1536
   assert on["compensation"] == {"blocks": 8, "pseudo_keys": -(-75_600 // tiles_kv) * 8,
                                 "row_keys": 328, "score_work_vs_dense": 328 / 75_600}
-  assert "compensation 8 centroids per key tile, dense kernel" in on["summary"]
+  assert "compensation 8 centroids per key tile, layouts spatial, temporal, dense kernel" in on["summary"]
   assert "sparse plan 14.8 of 32 MiB VMEM (328 row keys included)" in out
   assert "compensation 8 centroids per key tile: each query of a sparse call also scores the " \
          "centroids of the key tiles its row skips (at most 328 of the 400" in out
