@@ -85,7 +85,7 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
   kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target,
                 head_tiles=tables)
   if compensation_blocks:
-    static = per_head(cents, layout == LAYOUTS.index(TEMPORAL)) if cents is not None else centroids(
+    static = per_head(cents, temporal) if cents is not None else centroids(
         kp, vp, block_kv=plan.block_kv, blocks=compensation_blocks, seq_len=plan.seq_len)
     pick = lambda a, b: jnp.where(semantic_head, a, b)
     head_cents = Centroids(pick(semantic.cents.k, static.k), pick(semantic.cents.v, static.v),

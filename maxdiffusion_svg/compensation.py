@@ -159,9 +159,14 @@ def plan_bias(plan: TilePlan, log_count: np.ndarray) -> np.ndarray:
   return skipped_bias(_skipped(plan), log_count)
 
 
+def _slots(count: int) -> int:
+  """Row-key slots for ``count`` keys: at least one, rounded up to 8 (a sublane tile)."""
+  return -(-max(1, count) // 8) * 8
+
+
 def row_key_count(bias: np.ndarray) -> int:
   """The extra keys each query tile row is given: the most any row sees, rounded up to 8."""
-  return -(-max(1, int(np.isfinite(bias).sum(axis=1).max())) // 8) * 8
+  return _slots(int(np.isfinite(bias).sum(axis=1).max()))
 
 
 def plan_row_keys(plan: TilePlan, blocks: int) -> int:
@@ -216,8 +221,7 @@ def table_row_keys(cents: Centroids, visited: jax.Array, plan: TilePlan, blocks:
   each row's skipped sub-blocks packed first, their logit bias per head. ``cents``: each
   head's own centroids (``[B, H, N, D]``)."""
   seen = jnp.repeat(~visited, blocks, axis=-1) & np.isfinite(cents.log_count)  # [B, H, nq, N]
-  m = min(-(-max(1, int(plan.num_kv_tiles - plan.num_visited.min()) * blocks) // 8) * 8,
-          cents.log_count.size)
+  m = min(_slots(int(plan.num_kv_tiles - plan.num_visited.min()) * blocks), cents.log_count.size)
   order = jnp.argsort(~seen, axis=-1, stable=True)[..., :m]  # [B, H, nq, m]: seen ones first
   used = jnp.take_along_axis(seen, order, axis=-1)
   pick = lambda x: jnp.take_along_axis(x[:, :, None], order[..., None], axis=3)

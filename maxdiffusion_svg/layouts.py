@@ -44,10 +44,6 @@ def check_layouts(value: Any) -> tuple[str, ...]:
   return tuple(n for n in LAYOUTS if n in names)
 
 
-def layout_id(name: str) -> int:
-  return LAYOUTS.index(name)
-
-
 def layout_names(ids: Any) -> list[str]:
   """Names of layout ids (any nested sequence or array of ints), for reports."""
   return np.asarray(LAYOUTS, dtype=object)[np.asarray(ids)].tolist()

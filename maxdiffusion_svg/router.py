@@ -114,9 +114,10 @@ class Sampled(NamedTuple):
 def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scale: float) -> Sampled:
   f32 = jnp.float32
   qs = jnp.take(q, rows, axis=2).astype(f32)
-  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32), precision=jax.lax.Precision.HIGHEST)
+  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32),
+                      precision=jax.lax.Precision.HIGHEST) * scale
   v32 = v.astype(f32)
-  return Sampled(qs, logits * scale, v32, _masked_output(logits * scale, v32, None))
+  return Sampled(qs, logits, v32, _masked_output(logits, v32, None))
 
 
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,

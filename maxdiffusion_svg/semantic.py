@@ -11,8 +11,9 @@ sit in a few tiles. Per head and per call, on device and in fixed shapes:
 2. **Order**: clusters placed along the principal direction of their centroids (similar clusters
    next to each other), each cluster contiguous, frame-major inside it. Padding stays at the end.
 3. **Table**: each query tile row's key tiles ranked by an estimate of the attention mass it
-   puts on them, from its tile's mean query and each key tile's sub-block centroids (with
-   compensation on: by the error the centroids would leave, see :func:`tile_scores`); row ``i``
+   puts on them, from its query sub-blocks' mean queries and each key tile's sub-block
+   centroids (with compensation on: by the error the centroids would leave, see
+   :func:`tile_scores`); row ``i``
    visits the top ``K_i`` tiles, ``K_i`` being what the band plan's row ``i`` visits, so a
    semantic head costs what a spatial head costs in the kernel.
 

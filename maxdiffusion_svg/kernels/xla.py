@@ -111,11 +111,13 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
     per_head = jnp.moveaxis(per_head.reshape(b, h, *r.shape), 2, 0)  # [steps, B, H, per_step]
     state, _ = jax.lax.scan(lambda st, w: step(st, w, plan.seq_len % bkv != 0), state,
                             (step_rows, per_head, slot, r))
-  for kind in (FULL, MASKED) if head_tiles is None else ():
-    pick = kinds == kind
-    if pick.any():
-      work = _work_steps(rows[pick], cols[pick], tiles_per_step, dummy_row=nq)
-      state, _ = jax.lax.scan(lambda st, w, masked=kind == MASKED: step(st, w, masked), state, work)
+  else:
+    for kind in (FULL, MASKED):
+      pick = kinds == kind
+      if pick.any():
+        work = _work_steps(rows[pick], cols[pick], tiles_per_step, dummy_row=nq)
+        state, _ = jax.lax.scan(lambda st, w, masked=kind == MASKED: step(st, w, masked), state,
+                                work)
   m, l, acc = state
   out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
   out = out.reshape(b, h, nq * bq, dv)[:, :, :s].astype(q.dtype)
