@@ -11,7 +11,7 @@ MD_VENV ?= .venv-maxdiffusion
 MD_PY := $(MD_VENV)/bin/python
 MD_STAMP := $(MD_VENV)/.installed-stamp
 
-.PHONY: test bench tiles venv clean test-maxdiffusion test-maxdiffusion-ci venv-maxdiffusion compile-tpu xpk
+.PHONY: test test-full bench tiles venv clean test-maxdiffusion test-maxdiffusion-ci venv-maxdiffusion compile-tpu xpk
 
 # The xpk CLI for tests/test_gke.py's dry runs, in its own venv (it pins protobuf and packaging).
 XPK_VENV ?= .venv-xpk
@@ -33,8 +33,13 @@ $(XPK_BIN):
 	$(XPK_VENV)/bin/python -m pip install -q 'xpk==$(XPK_VERSION)'
 
 # The test suite (what .ci/run calls): one worker per core (the TPU compiles are single-threaded).
+# Tests marked full (slow duplicates: more chips, modes and cases of what the suite checks) are
+# left out; make test-full runs everything.
 PYTEST_ARGS ?= -n auto --dist loadscope
 test: venv $(XPK_BIN)
+	MDSVG_XPK="$(abspath $(XPK_BIN))" $(PY) -m pytest -q -m "not full" $(PYTEST_ARGS)
+
+test-full: venv $(XPK_BIN)
 	MDSVG_XPK="$(abspath $(XPK_BIN))" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The main job on its default: the quality benchmark.

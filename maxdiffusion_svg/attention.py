@@ -21,8 +21,8 @@ from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
 from maxdiffusion_svg.kernels.api import lowering_tpu_target
 from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
 from maxdiffusion_svg.router import layout_centroids, profile_heads
-from maxdiffusion_svg.semantic import (SemanticLayout, gather_tokens, group_size, semantic_layout,
-                                       visited_table)
+from maxdiffusion_svg.semantic import (Seed, SemanticLayout, gather_tokens, group_size,
+                                       semantic_layout, visited_table)
 from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -130,13 +130,14 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
 def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                   config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
                   expert: str | None = None, return_info: bool = False,
-                  target: Target | None = None) -> Any:
+                  target: Target | None = None, seed: Seed | None = None) -> Any:
   """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
 
   ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
   and its tiles. With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``,
   the router's ``spatial_error``/``temporal_error``, and the shared plan's ``plan``
-  statistics (the target's plan).
+  statistics (the target's plan); with semantic among the layouts, also ``clusters``, the
+  keys' k-means centroids ``[B, H, C, D]`` (the next step's ``seed``: a warm start).
   """
   check_qkv(q, k, v, grid)
   target = config.target(q, k, v, target=target)
@@ -155,7 +156,8 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
       cents = ({layout: layout_centroids(k, v, grid, layout, plan, blocks) for layout in Layout}
                if blocks else None)
       semantic = (None if semantic_config is None
-                  else semantic_layout(q, k, v, plan, semantic_config, scale, group_size(grid)))
+                  else semantic_layout(q, k, v, plan, semantic_config, scale, group_size(grid),
+                                       seed))
       routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
                               plan=plan, compensation_blocks=blocks, cents=cents,
                               semantic=semantic)
@@ -163,10 +165,12 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                              grid=grid, plan=plan, scale=scale, backend=backend,
                              block_kv_compute=compute, target=target, compensation_blocks=blocks,
                              cents=cents, semantic=semantic)
-      return out, routing
+      return out, routing, None if semantic is None else semantic.clusters
     return run
 
-  out, routing = per_platform(config, target, build)(q, k, v, key)
+  if seed is not None and semantic_config is None:
+    raise ValueError("a warm start (seed) is for calls with semantic among svg_layouts")
+  out, routing, clusters = per_platform(config, target, build)(q, k, v, key)
   if not return_info:
     return out
   # the plan the host's executor lowers (with auto off TPU, the XLA path's)
@@ -178,6 +182,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
           "plan": plan.stats.as_dict()}
   if routing.semantic_error is not None:
     info["semantic_error"] = routing.semantic_error
+    info["clusters"] = clusters
   return out, info
 
 
@@ -197,28 +202,40 @@ def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Vid
 def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                             config: SvgConfig, step: Any, layer: Any,
                             scale: float | None = None, expert: str | None = None,
-                            key: jax.Array | None = None,
-                            target: Target | None = None, return_temporal: bool = False) -> Any:
+                            key: jax.Array | None = None, target: Target | None = None,
+                            return_layout: bool = False, seed: Seed | None = None) -> Any:
   """SVG inside the schedule's active steps and layers, dense outside.
 
   ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
   scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
   The router's key is ``key`` (default: the config's seed) folded with layer and step.
-  ``return_temporal`` also returns the heads routed temporal, ``[B, H]`` (none on a dense call).
+  With ``return_layout`` or ``seed`` returns ``(out, aux)``: ``aux["layout"]``, each head's
+  layout id ``[B, H]`` (:data:`maxdiffusion_svg.layouts.LAYOUTS`; spatial on a dense call), and
+  with ``seed`` (a warm start of the semantic clustering) ``aux["clusters"]``, this call's
+  centroids ``[B, H, C, D]`` (the seed's, unchanged, on a dense call).
   """
   check_qkv(q, k, v, grid)
   active = config.schedule.is_active(step, layer)
   key = profile_key(config, step, layer, key)
   target = config.target(q, k, v, target=target)
+  aux = return_layout or seed is not None
 
   def sparse(q, k, v):
     out, info = svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                              expert=expert, target=target, return_info=True)
-    return (out, info["temporal"]) if return_temporal else out
+                              expert=expert, target=target, return_info=True, seed=seed)
+    extra = {"layout": info["layout"]}
+    if seed is not None:
+      extra["clusters"] = info["clusters"]
+    return (out, extra) if aux else out
 
   def dense(q, k, v):
     out = dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale, target=target)
-    return (out, jnp.zeros(q.shape[:2], bool)) if return_temporal else out
+    extra = {"layout": jnp.zeros(q.shape[:2], jnp.int32)}
+    if seed is not None:
+      clusters = jnp.broadcast_to(seed.centroids.astype(jnp.float32),
+                                  q.shape[:2] + seed.centroids.shape[-2:])
+      extra["clusters"] = clusters
+    return (out, extra) if aux else out
 
   if isinstance(active, bool):
     return (sparse if active else dense)(q, k, v)

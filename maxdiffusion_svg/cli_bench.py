@@ -154,6 +154,14 @@ def _bench_collectives(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_semantic_warm(args: argparse.Namespace) -> int:
+  simulate_cpu_devices(args.devices)
+  from maxdiffusion_svg.bench.semantic_warm import format_warm_bench, run_warm_bench  # pylint: disable=import-outside-toplevel
+  result = run_warm_bench(args.steps, args.clusters, tuple(args.updates), log=_progress)
+  _report(args, format_warm_bench(result), result)
+  return 0
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
   simulate_cpu_devices(args.devices)
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -251,7 +259,8 @@ def _bench_schedule(args: argparse.Namespace) -> int:
     from maxdiffusion_svg.bench.schedule_semantic import format_semantic_bench, run_semantic_bench
     # pylint: enable=import-outside-toplevel
     result = run_semantic_bench(args.chip, args.resolution, args.density, tiles,
-                                args.vmem_limit_kib, groups=args.semantic_groups, log=_progress)
+                                args.vmem_limit_kib, groups=args.semantic_groups, log=_progress,
+                                warm_iterations=args.semantic_warm)
     _report(args, format_semantic_bench(result), result)
     return 0
   if args.compensation:
@@ -414,6 +423,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   schedule.add_argument("--semantic", action="store_true",
                         help="one semantic head's call (svg_layouts semantic: clustering, order, "
                              "table, kernel, restore) beside the band call and dense")
+  schedule.add_argument("--semantic-warm", type=_positive_int, nargs="*", default=[],
+                        metavar="N", help="with --semantic, also price the call at these k-means "
+                                          "iterations (a warm-started step's) and what each saves")
   schedule.add_argument("--semantic-groups", type=_positive_int, nargs="*", default=[],
                         metavar="N", help="with --semantic, also price these token groups")
   schedule.add_argument("--compensation", action="store_true",
@@ -433,3 +445,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                    help="SVG presets to run after dense")
   _add_json_arg(e2e)
   e2e.set_defaults(run=_bench_e2e)
+
+  warm = bench_sub.add_parser(
+      "semantic-warm", help="k-means updates a semantic head needs cold vs warm (from the previous "
+                            "step's centroids), on the tiny Wan's denoising loop (needs MaxDiffusion)")
+  _add_devices_arg(warm)
+  warm.add_argument("--steps", type=_positive_int, default=10, help="denoising steps")
+  warm.add_argument("--clusters", type=_positive_int, default=16, help="k-means clusters")
+  warm.add_argument("--updates", type=_positive_int, nargs="+", default=[1, 2, 4, 8],
+                    help="update counts to judge")
+  _add_json_arg(warm)
+  warm.set_defaults(run=_bench_semantic_warm)

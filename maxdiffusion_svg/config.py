@@ -11,7 +11,7 @@ import yaml
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import BACKENDS
-from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, SEMANTIC, check_layouts
+from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, SEMANTIC, check_layouts, ring_layouts
 from maxdiffusion_svg.masks import check_density
 from maxdiffusion_svg.router import RouterConfig
 from maxdiffusion_svg.schedule import Interval, PRESETS, Schedule, get_preset
@@ -63,7 +63,8 @@ class SvgConfig:
   # clustered order with a tile table per head (maxdiffusion_svg.semantic).
   layouts: tuple[str, ...] = DEFAULT_LAYOUTS
   semantic_clusters: int = 32
-  semantic_iterations: int = 4
+  semantic_iterations: int = 4  # k-means updates of a cold start (a run's first semantic call)
+  semantic_warm_iterations: int = 1  # ... from the previous step's centroids (the plugin's runs)
 
   def __post_init__(self):
     check_density(self.density, "svg_density")
@@ -94,7 +95,8 @@ class SvgConfig:
     _ = self.router  # validates the router keys
     check_compensation(self.compensation, self.compensation_blocks, self.block_kv)
     object.__setattr__(self, "layouts", check_layouts(self.layouts))
-    check_semantic(self.semantic_clusters, self.semantic_iterations)
+    check_semantic(self.semantic_clusters, self.semantic_iterations,
+                   warm_iterations=self.semantic_warm_iterations)
     if SEMANTIC in self.layouts:
       if self.tile_mode is not TileMode.ALIGNED:
         raise ValueError(f"svg_layouts with semantic needs svg_tile_mode aligned (a semantic head's "
@@ -102,6 +104,13 @@ class SvgConfig:
       if self.backend == "splash":
         raise ValueError("svg_layouts with semantic needs svg_backend pallas, xla or auto: Splash's "
                          "tile tables are static, a semantic head's are computed on device")
+
+  def on_ring(self, ulysses: int, ring: int) -> "SvgConfig":
+    """This config as a ring of ``ring`` sequence shards runs it: semantic left out of the
+    layouts (:func:`maxdiffusion_svg.layouts.ring_layouts`)."""
+    if ring <= 1 or SEMANTIC not in self.layouts:
+      return self
+    return dataclasses.replace(self, layouts=ring_layouts(self.layouts, ulysses, ring))
 
   @property
   def semantic(self) -> SemanticConfig | None:
@@ -111,7 +120,7 @@ class SvgConfig:
     if SEMANTIC not in self.layouts:
       return None
     return SemanticConfig(self.semantic_clusters, self.semantic_iterations,
-                          self.compensation_blocks,
+                          self.semantic_warm_iterations, self.compensation_blocks,
                           criterion=SEMANTIC_CRITERION[self.compensation],
                           compensated=self.compensation)
 
@@ -249,4 +258,5 @@ KEYS = {
     "svg_layouts": "layouts",
     "svg_semantic_clusters": "semantic_clusters",
     "svg_semantic_iterations": "semantic_iterations",
+    "svg_semantic_warm_iterations": "semantic_warm_iterations",
 }

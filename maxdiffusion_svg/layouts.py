@@ -44,6 +44,29 @@ def check_layouts(value: Any) -> tuple[str, ...]:
   return tuple(n for n in LAYOUTS if n in names)
 
 
+def ring_layouts(layouts: tuple[str, ...], ulysses: int, ring: int) -> tuple[str, ...]:
+  """The layouts a ring runs (``ulysses_shards`` below the context axis): a semantic head's
+  clusters span the whole sequence, which a ring splits over ``ring`` devices, so semantic is
+  left out of the router's choices there (the settings line, ``tiles --config`` and the
+  pre-flight say so). Refused where nothing would be left."""
+  kept = tuple(n for n in layouts if n != SEMANTIC)
+  if not kept:
+    raise ValueError(f"svg_layouts [semantic] cannot run on a ring (ulysses_shards {ulysses} "
+                     f"leaves the sequence split over {ring} devices): add spatial and temporal "
+                     f"to svg_layouts, or set ulysses_shards to the context axis's size")
+  return kept
+
+
+def ring_note(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
+  """What a ring changes in the layouts, for the settings line and the pre-flight ("" if
+  nothing)."""
+  if SEMANTIC not in layouts or ring <= 1:
+    return ""
+  kept = ring_layouts(layouts, ulysses, ring)
+  return (f"semantic left out on the ring (ulysses_shards {ulysses}, sequence split over {ring} "
+          f"devices): layouts [{', '.join(kept)}]")
+
+
 def layout_names(ids: Any) -> list[str]:
   """Names of layout ids (any nested sequence or array of ints), for reports."""
   return np.asarray(LAYOUTS, dtype=object)[np.asarray(ids)].tolist()

@@ -312,7 +312,8 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
         else:
           out, info = jax.lax.cond(active, sparse, dense, q, k, v)
         if on_routing is not None:
-          on_routing(info[0], active, given["step"], given["layer"])
+          # layout ids: the ring's heads are spatial (0) or temporal (1)
+          on_routing(info[0].astype(jnp.int32), active, given["step"], given["layer"])
       else:
         out, info = sparse(q, k, v)
       out = jax.lax.all_to_all(out, ULYSSES, split_axis=2, concat_axis=1, tiled=True)

@@ -61,28 +61,38 @@ class SemanticConfig:
   """How a semantic head is clustered and how its tiles are chosen."""
 
   clusters: int = 32
-  iterations: int = 4
+  iterations: int = 4  # k-means updates from the deterministic start (cold)
+  warm_iterations: int = 1  # ... from the previous denoising step's centroids (warm)
   blocks: int = 8  # sub-blocks per key tile the estimate reads (compensation's, when on)
   cluster_on: str = DEFAULT_CLUSTER_ON
   criterion: str = "mass"  # "error" with compensation on: what the centroids leave
   compensated: bool = False  # the call compensates skipped tiles: value centroids are needed
 
   def __post_init__(self):
-    check_semantic(self.clusters, self.iterations)
+    check_semantic(self.clusters, self.iterations, warm_iterations=self.warm_iterations)
     if self.cluster_on not in CLUSTER_ON:
       raise ValueError(f"cluster_on must be one of {', '.join(CLUSTER_ON)}, got {self.cluster_on!r}")
     if self.criterion not in CRITERIA:
       raise ValueError(f"criterion must be one of {', '.join(CRITERIA)}, got {self.criterion!r}")
 
 
-def check_semantic(clusters: Any, iterations: Any, tokens: int | None = None) -> None:
-  """Refuses clusters below 1 (or above the tokens, when known) and iterations below 1."""
-  if isinstance(clusters, bool) or not isinstance(clusters, (int, np.integer)) or clusters < 1 or (
+def _is_int(x: Any) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_semantic(clusters: Any, iterations: Any, tokens: int | None = None,
+                   warm_iterations: Any = 0) -> None:
+  """Refuses clusters below 1 (or above the tokens, when known), iterations below 1 and warm
+  iterations below 0 or above the cold ones (a warm start never costs more than a cold one)."""
+  if not _is_int(clusters) or clusters < 1 or (
       tokens is not None and clusters > tokens):
     most = f" and <= the tokens ({tokens})" if tokens is not None else ""
     raise ValueError(f"svg_semantic_clusters must be an integer >= 1{most}, got {clusters!r}")
-  if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+  if not _is_int(iterations) or iterations < 1:
     raise ValueError(f"svg_semantic_iterations must be an integer >= 1, got {iterations!r}")
+  if not _is_int(warm_iterations) or not 0 <= warm_iterations <= iterations:
+    raise ValueError(f"svg_semantic_warm_iterations must be an integer from 0 to "
+                     f"svg_semantic_iterations ({iterations}), got {warm_iterations!r}")
 
 
 def check_plan(plan: TilePlan) -> None:
@@ -99,7 +109,8 @@ class SemanticLayout(NamedTuple):
   consecutive tokens. ``*_perm [B, H, S / g]``: the frame-major group at each placed group
   position; ``*_pos``: the placed position of each frame-major group (its inverse).
   ``kv_index [B, H, num_q_tiles, width]``: each head's key tiles per query tile row, ascending
-  in the first ``plan.num_visited[i]`` slots. ``cents``: the placed keys' sub-block centroids."""
+  in the first ``plan.num_visited[i]`` slots. ``cents``: the placed keys' sub-block centroids.
+  ``clusters [B, H, C, D]`` float32: the keys' k-means centroids, the next step's warm start."""
 
   q_perm: jax.Array
   q_pos: jax.Array
@@ -107,17 +118,30 @@ class SemanticLayout(NamedTuple):
   k_pos: jax.Array
   kv_index: jax.Array
   cents: Centroids
+  clusters: jax.Array
 
 
-def kmeans(x: jax.Array, clusters: int, iterations: int,
-           sample: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+class Seed(NamedTuple):
+  """A warm start: ``centroids`` broadcastable to ``[B, H, C, D]`` (float32, the previous
+  denoising step's k-means centroids of the keys) and ``ready`` (a traced bool: False before
+  the first semantic call of a run, when the cold start runs instead)."""
+
+  centroids: jax.Array
+  ready: jax.Array
+
+
+def kmeans(x: jax.Array, clusters: int, iterations: int, sample: int | None = None,
+           seed: Seed | None = None,
+           warm_iterations: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
   """k-means of ``[B, H, S, D]`` points per head: ``(assign [B, H, S] int32, centroids [B, H, C,
-  D] float32, counts [B, H, C] float32)``. Starts from evenly spaced tokens; the ``iterations``
-  updates read every ``S // sample``-th token (default :data:`SAMPLE_PER_CLUSTER` per cluster),
-  the final assignment every token; ``counts`` are of the sample. Distances and sums are matrix
+  D] float32, counts [B, H, C] float32)``. Starts from evenly spaced tokens (``iterations``
+  updates), or where ``seed.ready`` from ``seed.centroids`` (``warm_iterations`` updates: the
+  two counts are branches of one ``lax.cond``, so a warm call runs only its own). The updates
+  read every ``S // sample``-th token (default :data:`SAMPLE_PER_CLUSTER` per cluster), the
+  final assignment every token; ``counts`` are of the sample. Distances and sums are matrix
   products in ``x``'s dtype with float32 accumulation; an empty cluster keeps its centroid."""
   b, h, s, d = x.shape
-  check_semantic(clusters, iterations, s)
+  check_semantic(clusters, iterations, s, warm_iterations if seed is not None else 0)
   f32 = jnp.float32
   stride = max(1, s // (sample or clusters * SAMPLE_PER_CLUSTER))
   # Materialised once: fused into each step, the strided read would be redone every time.
@@ -133,10 +157,18 @@ def kmeans(x: jax.Array, clusters: int, iterations: int,
     sums = jnp.einsum("bhsc,bhsd->bhcd", onehot, points, preferred_element_type=f32)
     return sums, jnp.sum(onehot, axis=2, dtype=f32)
 
-  c = start
-  for _ in range(iterations):  # unrolled: a handful of static steps, no loop in the program
-    sums, counts = members(assign(points, c))
-    c = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
+  def updates(c, count):
+    for _ in range(count):  # unrolled: a handful of static steps, no loop in the program
+      sums, counts = members(assign(points, c))
+      c = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], c)
+    return c
+
+  if seed is None:
+    c = updates(start, iterations)
+  else:
+    warm = jnp.broadcast_to(seed.centroids.astype(f32), start.shape)
+    c = jax.lax.cond(jnp.asarray(seed.ready, bool), lambda: updates(warm, warm_iterations),
+                     lambda: updates(start, iterations))
   return assign(x, c), c, members(assign(points, c))[1]
 
 
@@ -202,17 +234,20 @@ def group_means(x: jax.Array, group: int) -> jax.Array:
   return (total / group).astype(x.dtype)
 
 
-def cluster_order(x: jax.Array, clusters: int, iterations: int,
-                  group: int = 1) -> tuple[jax.Array, jax.Array]:
-  """``(perm, pos)`` of ``[B, H, S, D]`` tokens ordered by cluster (see module docstring), by
-  groups of ``group`` consecutive tokens clustered by their mean (``[B, H, S / group]``):
-  ``perm`` by one sort, ``pos`` (its inverse) counted (:func:`placed_positions`)."""
+def cluster_order(x: jax.Array, clusters: int, iterations: int, group: int = 1,
+                  seed: Seed | None = None,
+                  warm_iterations: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(perm, pos, centroids)`` of ``[B, H, S, D]`` tokens ordered by cluster (see module
+  docstring), by groups of ``group`` consecutive tokens clustered by their mean (``[B, H, S /
+  group]``): ``perm`` by one sort, ``pos`` (its inverse) counted (:func:`placed_positions`);
+  ``centroids [B, H, C, D]`` (float32) for the next call's ``seed`` (see :func:`kmeans`)."""
   points = group_means(x, group) if group > 1 else x
-  assign, cents, counts = kmeans(points, min(clusters, points.shape[2]), iterations)
+  assign, cents, counts = kmeans(points, min(clusters, points.shape[2]), iterations, seed=seed,
+                                 warm_iterations=warm_iterations)
   rank = jnp.take_along_axis(cluster_ranks(cents, counts), assign, axis=-1)
   n = points.shape[2]
   perm = jnp.argsort(rank * n + jnp.arange(n, dtype=jnp.int32), axis=-1).astype(jnp.int32)
-  return perm, placed_positions(rank, cents.shape[2])
+  return perm, placed_positions(rank, cents.shape[2]), cents
 
 
 def gather_tokens(x: jax.Array, perm: jax.Array) -> jax.Array:
@@ -275,22 +310,28 @@ def top_tiles(scores: jax.Array, plan: TilePlan) -> jax.Array:
 
 
 def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, config: SemanticConfig,
-                    scale: float | None = None, group: int = 1) -> SemanticLayout:
+                    scale: float | None = None, group: int = 1,
+                    seed: Seed | None = None) -> SemanticLayout:
   """The semantic placement and tile table of every head of frame-major ``[B, H, S, D]`` inputs,
   sized by the band ``plan`` (aligned) every head shares; tokens move in groups of ``group``
-  (:func:`group_size` of the video grid; ``S`` must be a multiple)."""
+  (:func:`group_size` of the video grid; ``S`` must be a multiple). ``seed``: the keys' k-means
+  starts from the previous denoising step's centroids (``config.warm_iterations`` updates)."""
   check_plan(plan)
   check_semantic(config.clusters, config.iterations, q.shape[2])
   if q.shape[2] % group:
     raise ValueError(f"semantic groups of {group} tokens do not divide the sequence ({q.shape[2]})")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  order = lambda x: cluster_order(x, config.clusters, config.iterations, group)
+  if seed is not None and config.cluster_on != "keys":
+    raise ValueError(f"a warm start seeds the clustering of the keys (cluster_on 'keys'), got "
+                     f"cluster_on {config.cluster_on!r}")
+  order = lambda x, seed=None: cluster_order(x, config.clusters, config.iterations, group, seed,
+                                             config.warm_iterations)
   if config.cluster_on == "queries_and_keys":  # one clustering of both: the token's q and k
-    k_perm, k_pos = order(jnp.concatenate([q, k], axis=-1))
+    k_perm, k_pos, clusters = order(jnp.concatenate([q, k], axis=-1))
   else:
-    k_perm, k_pos = order(k)
+    k_perm, k_pos, clusters = order(k, seed)
   if config.cluster_on == "separate":  # SVG2's: queries and keys each by their own clusters
-    q_perm, q_pos = order(q)
+    q_perm, q_pos, _ = order(q)
   else:
     q_perm, q_pos = k_perm, k_pos
   qp, kp = gather_tokens(q, q_perm), gather_tokens(k, k_perm)
@@ -302,7 +343,7 @@ def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, co
                                   seq_len=plan.seq_len).astype(k.dtype), None,
                       centroid_log_counts(plan, config.blocks))
   table = top_tiles(tile_scores(qp, kp, cents, plan, scale, config.criterion), plan)
-  return SemanticLayout(q_perm, q_pos, k_perm, k_pos, table, cents)
+  return SemanticLayout(q_perm, q_pos, k_perm, k_pos, table, cents, clusters)
 
 
 def visited_table(kv_index: jax.Array, plan: TilePlan) -> jax.Array:
@@ -312,5 +353,5 @@ def visited_table(kv_index: jax.Array, plan: TilePlan) -> jax.Array:
   return jnp.any(onehot & valid[..., None], axis=-2)
 
 
-__all__ = ["CLUSTER_ON", "SemanticConfig", "SemanticLayout", "check_semantic", "cluster_order",
+__all__ = ["CLUSTER_ON", "SemanticConfig", "SemanticLayout", "Seed", "check_semantic", "cluster_order",
            "kmeans", "semantic_layout", "tile_scores", "top_tiles", "visited_table"]

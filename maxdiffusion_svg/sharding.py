@@ -23,6 +23,7 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.ring_plan import asks_for_ring, check_ulysses_shards, working_ulysses_shards
 from maxdiffusion_svg.ring_sharding import reshard_explicit, ring_svg_attention
+from maxdiffusion_svg.semantic import Seed
 from maxdiffusion_svg.target import Target
 
 
@@ -191,7 +192,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           return_info: bool = False, fold_batch: bool = True,
                           target: Target | None = None, qkv_spec: P | None = None,
                           on_routing: Callable[..., None] | None = None,
-                          ulysses_shards: Any = None) -> Any:
+                          ulysses_shards: Any = None, seed: Seed | None = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
   Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
@@ -208,10 +209,14 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   ``target``: the hardware (default: the mesh's devices), which picks the executor and tiles.
   ``qkv_spec``: the inputs' layout as a partition spec (e.g. from MaxDiffusion's logical axis
   rules); when given it decides ``seq_axis`` and ``batch_axes`` (:func:`layout_axes`).
-  ``on_routing(temporal, active, step, layer)``, scheduled calls only: called on each device
-  inside the exchange with its heads' temporal flags ``[b, H/n]`` (none on a dense call) and
+  ``on_routing(layout, active, step, layer)``, scheduled calls only: called on each device
+  inside the exchange with its heads' layout ids ``[b, H/n]`` (spatial on a dense call) and
   the schedule's verdict, so a caller can count routing (e.g. by host callback) without a
   collective.
+  ``seed`` (scheduled calls with semantic among the layouts): the warm start of each head's
+  clustering, ``centroids [B, H, C, D]``; the call then returns ``(out, clusters)``, this
+  step's centroids ``[B, H, C, D]`` (the seed's on a dense call, and on a ring, which leaves
+  semantic out: :func:`maxdiffusion_svg.layouts.ring_layouts`).
   ``ulysses_shards``: MaxDiffusion's key. Where it is smaller than the context axis, heads are
   exchanged inside groups of that many devices and the sequence stays split over the rest, a
   ring whose shards fetch only the key tiles their rows visit
@@ -230,9 +235,13 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
         *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)), mesh=mesh, grid=grid,
         config=config, key=key, scale=scale, step=step, layer=layer, expert=expert,
         seq_axis=seq_axis, batch_axes=batch_axes, return_info=return_info, fold_batch=False,
-        target=target, on_routing=on_routing, ulysses_shards=ulysses_shards)
-    out, info = folded if return_info else (folded, None)
+        target=target, on_routing=on_routing, ulysses_shards=ulysses_shards,
+        seed=None if seed is None else seed._replace(
+            centroids=seed.centroids.reshape(1, batch * heads, *seed.centroids.shape[2:])))
+    out, info = folded if return_info or seed is not None else (folded, None)
     out = out.reshape(q.shape[:2] + out.shape[2:])
+    if seed is not None:
+      return out, info.reshape(q.shape[:2] + info.shape[2:])
     if not return_info:
       return out
     return out, {name: value.reshape(batch, heads) if name != "plan" else value
@@ -244,42 +253,57 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if scheduled and return_info:
     raise ValueError("return_info is for unscheduled calls (no step/layer): a dense step "
                      "has no routing to report")
+  if seed is not None and (not scheduled or config.semantic is None):
+    raise ValueError("a warm start (seed) is for scheduled calls (step and layer) with semantic "
+                     "among svg_layouts")
+  if seed is not None and seed.centroids.shape[:2] != q.shape[:2]:
+    raise ValueError(f"seed centroids must be [B, H, C, D] = {tuple(q.shape[:2])} + ..., got "
+                     f"{tuple(seed.centroids.shape)}")
   if ex.ring > 1:
+    config = config.on_ring(ex.ulysses, ex.ring)
     result = ring_svg_attention(q, k, v, mesh=mesh, seq_axis=ex.seq_axis,
                                 batch_axes=ex.batch_axes, ulysses=ex.ulysses, grid=grid,
                                 config=config, key=key, scale=scale, step=step, layer=layer,
                                 expert=expert, return_info=return_info, target=target,
                                 on_routing=on_routing)
+    if seed is not None:  # semantic is left out on a ring: the centroids stay
+      return result, seed.centroids.astype(jnp.float32)
     if not return_info:
       return result
     out, info = result
     return out, {**info, "plan": config.plan(grid, expert, target).stats.as_dict()}
   # Traced values enter as replicated operands; Python ints stay static (decided while tracing).
   extras = {"key": key, "step": step, "layer": layer}
+  if seed is not None:
+    extras["ready"] = jnp.asarray(seed.ready, bool)
   traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
   static = {name: x for name, x in extras.items() if name not in traced}
+  seeded = seed is not None
 
   def local(q, k, v, *values):
-    given = {**static, **dict(zip(traced, values))}
+    given = {**static, **dict(zip(traced, values[:len(traced)]))}
     if scheduled:
+      local_seed = Seed(values[len(traced)], given["ready"]) if seeded else None
       out = scheduled_svg_attention(q, k, v, grid=grid, config=config, step=given["step"],
                                     layer=given["layer"], key=given["key"], scale=scale,
                                     expert=expert, target=target,
-                                    return_temporal=on_routing is not None)
-      if on_routing is None:
+                                    return_layout=on_routing is not None, seed=local_seed)
+      if on_routing is None and not seeded:
         return out
-      out, temporal = out
-      on_routing(temporal, config.schedule.is_active(given["step"], given["layer"]),
-                 given["step"], given["layer"])
-      return out
+      out, aux = out
+      if on_routing is not None:
+        on_routing(aux["layout"], config.schedule.is_active(given["step"], given["layer"]),
+                   given["step"], given["layer"])
+      return (out, aux["clusters"]) if seeded else out
     out, info = svg_attention(q, k, v, grid=grid, config=config, key=given["key"], scale=scale,
                               expert=expert, return_info=True, target=target)
     info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}
     return (out, info) if return_info else out
 
-  run = exchange_heads(local, ex, extra_specs=(P(),) * len(traced),
-                       aux_spec=ex.head_spec if return_info else None)
-  result = run(q, k, v, *traced.values())
+  seed_in = (seed.centroids.astype(jnp.float32),) if seeded else ()
+  run = exchange_heads(local, ex, extra_specs=(P(),) * len(traced) + (ex.head_spec,) * seeded,
+                       aux_spec=ex.head_spec if return_info or seeded else None)
+  result = run(q, k, v, *traced.values(), *seed_in)
   if not return_info:
     return result
   out, info = result

@@ -147,6 +147,12 @@ def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
   keys["svg_compensation_blocks"] = 4
   metas.append(install("dir", {"attention": "svg"}, None)["svg"])
   assert len(set(metas)) == 3 and "compensation=True" in metas[1]
+  # ... nor a run with other layouts, or another clustering, for today's
+  for key, value in (("svg_layouts", "[spatial, temporal, semantic]"),
+                     ("svg_semantic_clusters", 16), ("svg_semantic_warm_iterations", 2)):
+    keys[key] = value
+    metas.append(install("dir", {"attention": "svg"}, None)["svg"])
+  assert len(set(metas)) == 6 and "'semantic')" in metas[-1]
 
 
 @pytest.mark.parametrize("spec, name, overrides", [
@@ -155,8 +161,19 @@ def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
      ("svg_density=0.3", "svg_compensation=true", "svg_compensation_blocks=4")),
     ("aggressive+compensation=off", "svg aggressive +compensation=off",
      ("svg_schedule=aggressive", "svg_compensation=false")),
+    ("0.25+semantic", "svg density 0.25 +semantic",
+     ("svg_density=0.25", "svg_layouts=[spatial, temporal, semantic]")),
+    ("config+layouts=semantic+compensation", "svg +layouts=semantic+compensation",
+     ("svg_layouts=[semantic]", "svg_compensation=true")),
 ])
-def test_compare_runs_can_set_the_compensation(spec, name, overrides):
+def test_compare_runs_can_set_the_compensation_and_layouts(spec, name, overrides):
   from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
   run = svg_run(spec)
   assert (run.name, run.overrides) == (name, overrides)
+
+
+def test_compare_refuses_an_unknown_layout_naming_the_allowed_ones():
+  from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"svg_layouts: unknown layout\(s\) 'moving'; allowed: "
+                                       r"spatial, temporal, semantic"):
+    svg_run("0.3+layouts=spatial/moving")

@@ -223,7 +223,11 @@ def _reference(grid_shape, batch, seed):
 
 
 @pytest.mark.parametrize("grid_shape,cases,processes", [
-    ((6, 8, 16), CASES, (1, 4)),
+    # make test: rings of 2 and 4 (batch 2) and the batch on data, in 1 and 4 processes (a ring
+    # of 8 in the 480-token case below); the other cases in the full tier
+    ((6, 8, 16), [CASES[1], CASES[3], CASES[6]], (1, 4)),
+    pytest.param((6, 8, 16), [CASES[0], CASES[2], CASES[4], CASES[5]], (1, 4),
+                 marks=pytest.mark.full),
     # 480 tokens: frames of 96 cross the 128-token tiles, and every split pads the ring
     ((5, 6, 16), [CASES[1], CASES[2], CASES[5]], (1,))])
 def test_sixteen_devices_and_four_processes_equal_one_device(tmp_path, grid_shape, cases,

@@ -181,7 +181,7 @@ def test_on_routing_reports_each_devices_heads_without_changing_the_output(shape
     assert len(reports) == 8 and {r[:3] for r in reports} == {(active, step, 0)}
     assert sum(r[4] for r in reports) == batch * len(TYPES)  # every (example, head) once
     want = scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, step=step, layer=0, key=KEY,
-                                   return_temporal=True)[1]
+                                   return_layout=True)[1]["layout"]
     assert sum(r[3] for r in reports) == int(np.asarray(want).sum())
     assert (int(np.asarray(want).sum()) > 0) == active  # planted temporal heads, when sparse
 

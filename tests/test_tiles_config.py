@@ -85,8 +85,8 @@ def test_context_shards_that_do_not_divide_the_heads_are_refused_on_the_slice(tm
   assert code == 0 and "40 heads over 8 context shards = 5 per device" in out
   assert result["checks"]["slice"] == {"type": "v6e-16", "devices": 16, "context_shards": 8,
                                        "ulysses_shards": 8, "ring": 1,
-                                       "heads_per_device": 5, "mesh": {"data": 2, "fsdp": 1,
-                                                                       "context": 8, "tensor": 1}}
+                                       "heads_per_device": 5, "layouts_note": "",
+                                       "mesh": {"data": 2, "fsdp": 1, "context": 8, "tensor": 1}}
   assert result["target"].startswith("TPU v6e")  # --slice implies the chip
 
 
@@ -105,11 +105,43 @@ def test_ulysses_shards_split_the_context_axis_on_the_slice(tmp_path, capsys):
                       heads=40)
   for keys, job_keys in (({"svg_backend": "splash"}, {"ulysses_shards": 8, "backend": "splash"}),
                          ({"ulysses_shards": 3}, {"ulysses_shards": 3}),
-                         ({"ulysses_shards": -1}, {"ulysses_shards": -1})):
+                         ({"ulysses_shards": -1}, {"ulysses_shards": -1}),
+                         ({"svg_layouts": "[semantic]"},
+                          {"ulysses_shards": 8, "layouts": ("semantic",)})):
     code, _, err, _ = tiles(tmp_path, capsys, {**v6e32, **keys}, "--slice", "v6e-32")
     theirs = run_refusal(lambda: preflight.check_job(dataclasses.replace(job, **job_keys), {}))
     assert code == 2
     assert err.strip() == f"error: the run would stop before loading weights on a v6e-32: {theirs}"
+
+
+def test_a_ring_leaves_semantic_out_and_says_so_and_the_clustering_is_priced(tmp_path, capsys):
+  """With semantic among the layouts: on v6e-32's ring the warning and the settings line name
+  what the ring runs (and the run's pre-flight agrees: no refusal); on v6e-8 (no ring) nothing is
+  left out; either way the clustering is priced, cold and warm, against the attention work."""
+  semantic = {"svg_layouts": "[spatial, temporal, semantic]"}
+  note = ("semantic left out on the ring (ulysses_shards 8, sequence split over 2 devices): "
+          "layouts [spatial, temporal]")
+  code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "ici_data_parallelism": 2,
+                                                   "ulysses_shards": 8, **semantic},
+                               "--slice", "v6e-32")
+  assert code == 0 and f"warning: {note}" in out and f"({note})" in result["summary"]
+  preflight.check_job(preflight.Job(process_count=8, device_count=32, local_device_count=4,
+                                    context_shards=16, heads=40, ulysses_shards=8,
+                                    layouts=("spatial", "temporal", "semantic")), {})
+  code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, **semantic}, "--slice", "v6e-8")
+  assert code == 0 and "left out" not in out
+  sem = result["semantic"]
+  assert (sem["clusters"], sem["group"], sem["cold_iterations"], sem["warm_iterations"]) == (
+      32, 8, 4, 1)
+  # by hand: 75,600 tokens in 9,450 groups; a strided sample of every stride-th group
+  stride = 9450 // (32 * 256)
+  sample = -(-9450 // stride)
+  assert sem["warm_vs_attention"] < sem["cold_vs_attention"]
+  assert sem["cold_vs_attention"] / sem["warm_vs_attention"] == pytest.approx(
+      (4 * 2 * sample * 32 + 9450 * 32) / (1 * 2 * sample * 32 + 9450 * 32))
+  assert "semantic layout: k-means of each head's keys (32 clusters, groups of 8 tokens)" in out
+  code, out, _, result = tiles(tmp_path, capsys, WAN14B)
+  assert result["semantic"] is None and "semantic layout" not in out
 
 
 def test_a_mesh_the_slice_cannot_build_is_refused_naming_the_key(tmp_path, capsys):

@@ -38,10 +38,19 @@ def compile_ok(fn, args, options=None):
   return result
 
 
-@pytest.mark.parametrize("mode", ["naive", "split", "aligned"])
-@pytest.mark.parametrize("backend,resolution", [("pallas", "720p"), ("pallas", "1440p"),
-                                                ("splash", "720p"), ("splash", "1440p")])
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def _tile_cases():
+  """Every chip, executor, resolution and tile mode; make test keeps the aligned mode of each
+  (the default) and every mode of our kernel at 720p on a v6e, the rest are in the full tier."""
+  for chip in ("v5e", "v6e"):
+    for backend, resolution in (("pallas", "720p"), ("pallas", "1440p"), ("splash", "720p"),
+                                ("splash", "1440p")):
+      for mode in ("naive", "split", "aligned"):
+        core = mode == "aligned" or (chip, backend, resolution) == ("v6e", "pallas", "720p")
+        yield pytest.param(chip, backend, resolution, mode, marks=() if core else pytest.mark.full,
+                           id=f"{chip}-{backend}-{resolution}-{mode}")
+
+
+@pytest.mark.parametrize("chip,backend,resolution,mode", _tile_cases())
 def test_default_tiles_compile_under_the_default_vmem_limit(chip, backend, resolution, mode):
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat)
@@ -55,7 +64,8 @@ def test_default_tiles_compile_under_the_default_vmem_limit(chip, backend, resol
   assert kernel in result.executable.as_text()
 
 
-@pytest.mark.parametrize("chip", ["v4", "v5p", "tpu7x"])
+@pytest.mark.parametrize("chip", [pytest.param("v4", marks=pytest.mark.full),
+                                  pytest.param("v5p", marks=pytest.mark.full), "tpu7x"])
 def test_our_kernel_compiles_on_the_other_generations(chip):
   """make compile-tpu covers every generation, resolution and mode; CI the rest of the matrix."""
   mesh = chip_mesh(chip)
@@ -95,7 +105,7 @@ def test_our_kernels_vmem_bound_holds_the_compilers_need_and_refuses_past_the_li
     assert not result.ok and "CompileTimeScopedVmemOom" in result.error
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.full), "v6e"])
 def test_scheduled_call_with_its_dense_branch_compiles(chip):
   """Traced step and layer: routing, placement, the sparse kernel and the dense branch."""
   mesh = chip_mesh(chip)
@@ -123,7 +133,7 @@ def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backen
   assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.full), "v6e"])
 def test_raised_vmem_limit_tiles_compile_under_that_limit(chip):
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat, vmem_limit_kib=65536)

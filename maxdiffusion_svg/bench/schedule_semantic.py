@@ -49,9 +49,13 @@ def run_semantic_bench(chip: str = "v6e", resolution: str = "720p", density: flo
                        tiles: tuple[int, int, int] | None = None,
                        vmem_limit_kib: int | None = None, clusters: int = 32,
                        iterations: int = 4, groups: Sequence[int] = (),
-                       log: Callable[[str], None] = print) -> dict[str, Any]:
+                       log: Callable[[str], None] = print,
+                       warm_iterations: Sequence[int] = ()) -> dict[str, Any]:
   """The band, semantic (at the default group and each of ``groups``) and dense calls of one
-  head on ``chip``: JSON-ready, with each semantic call's ratio to the band call."""
+  head on ``chip``: JSON-ready, with each semantic call's ratio to the band call.
+  ``warm_iterations``: also the semantic call (default group) at these k-means counts, as a
+  warm-started step runs it (a warm call is a cold call with fewer updates: the same program
+  bar the start), and what each saves against ``iterations``."""
   grid = grid_for_resolution(resolution)
   block_q, block_kv, kv_compute = tiles or default_tiles(chip, vmem_limit_kib, "pallas")
   base = ScheduleCase(chip, grid.shape, density, "aligned", block_q, block_kv, kv_compute,
@@ -63,6 +67,11 @@ def run_semantic_bench(chip: str = "v6e", resolution: str = "720p", density: flo
   for group in dict.fromkeys((default, *groups)):
     case = dataclasses.replace(base, call="semantic", semantic_group=group)
     calls[f"semantic g{group}"] = {**_row(run_case(case, log, price_xla=True)), "group": group}
+  for count in dict.fromkeys(warm_iterations):
+    case = dataclasses.replace(base, call="semantic", semantic_group=default,
+                               semantic_iterations=count)
+    calls[f"semantic i{count}"] = {**_row(run_case(case, log, price_xla=True)), "group": default,
+                                   "iterations": count}
   calls["dense"] = _row(run_case(dataclasses.replace(base, density=1.0), log, price_xla=True))
   band = calls["band"].get("static_bundles")
   for name, row in calls.items():
@@ -71,6 +80,10 @@ def run_semantic_bench(chip: str = "v6e", resolution: str = "720p", density: flo
   prices = PRICES.get(chip, {}).get("maxdiffusion_fixed_m")
   fixed_m = prices.dense_call(grid.tokens) if prices else None
   semantic = calls[f"semantic g{default}"]
+  for count in warm_iterations:
+    row = calls[f"semantic i{count}"]
+    if row.get("ok") and semantic.get("ok"):
+      row["saved_vs_cold"] = semantic["static_bundles"] - row["static_bundles"]
   return {"kind": "compiler-static schedule", "libtpu": libtpu_version(), "chip": chip,
           "resolution": resolution, "grid": list(grid.shape), "tokens": grid.tokens,
           "density": density, "tiles": [block_q, block_kv, kv_compute], "clusters": clusters,
@@ -93,8 +106,10 @@ def format_semantic_bench(result: dict[str, Any]) -> str:
     if not row.get("ok"):
       lines.append(f"{name:<14}  {row.get('error', '')}")
       continue
+    saved = (f"  (saves {row['saved_vs_cold'] / 1e6:.3f} Mb against {result['iterations']} "
+             f"iterations)" if "saved_vs_cold" in row else "")
     lines.append(f"{name:<14}{row['kernel_bundles'] / 1e6:>11.3f}{row['xla_bundles'] / 1e6:>9.3f}"
-                 f"{row['static_bundles'] / 1e6:>10.3f}{row.get('ratio_to_band', 0):>8.3f}x")
+                 f"{row['static_bundles'] / 1e6:>10.3f}{row.get('ratio_to_band', 0):>8.3f}x{saved}")
   fixed_m = result["maxdiffusion_fixed_m"]["static_bundles"]
   if fixed_m:
     lines.append(f"{'MaxDiffusion ulysses_custom_fixed_m (dense, computed)':<14} {fixed_m / 1e6:.3f} Mb")

@@ -30,6 +30,7 @@ import yaml
 
 from maxdiffusion_svg import video_metrics
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.layouts import check_layouts
 from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
@@ -52,14 +53,28 @@ class Run:
 
 def svg_run(spec: str) -> Run:
   """A run from ``config`` (the config's own SVG keys), a preset name, or a band density,
-  optionally followed by ``+compensation`` (on, the config's blocks), ``+compensation=N`` (on,
-  ``N`` centroids per key tile) or ``+compensation=off``."""
-  base, plus, extra = spec.partition("+")
+  optionally followed by options, each after a ``+``: ``compensation`` (on, the config's
+  blocks), ``compensation=N`` (on, ``N`` centroids per key tile), ``compensation=off``,
+  ``semantic`` (SVG2's clustered layout among the router's choices: ``svg_layouts [spatial,
+  temporal, semantic]``) or ``layouts=A/B`` (``svg_layouts`` as given, e.g. ``layouts=semantic``)."""
+  base, *extras = spec.split("+")
   run = _base_run(base)
-  if not plus:
+  if not extras:
     return run
-  keys = _compensation_keys(extra, spec)
-  return Run(f"{run.name} +{extra}", KERNEL_NAME, (*run.overrides, *keys))
+  keys = tuple(key for extra in extras for key in _option_keys(extra, spec))
+  return Run(f"{run.name} +{'+'.join(extras)}", KERNEL_NAME, (*run.overrides, *keys))
+
+
+def _option_keys(extra: str, spec: str) -> tuple[str, ...]:
+  """The ``svg_*`` overrides of one ``+option`` of a run."""
+  name, _, value = extra.partition("=")
+  if name == "semantic" and not value:
+    return ("svg_layouts=[spatial, temporal, semantic]",)
+  if name == "layouts" and value:
+    names = [n for n in value.split("/") if n]
+    check_layouts(names)  # refused here, naming the layouts, before any run starts
+    return (f"svg_layouts=[{', '.join(names)}]",)
+  return _compensation_keys(extra, spec)
 
 
 def _base_run(spec: str) -> Run:
@@ -88,8 +103,9 @@ def _compensation_keys(extra: str, spec: str) -> tuple[str, ...]:
   if name == "compensation" and value.isdigit() and int(value) > 0:
     return ("svg_compensation=true", f"svg_compensation_blocks={int(value)}")
   raise ValueError(f"--svg {spec}: after + a run takes compensation (on, the config's "
-                   f"svg_compensation_blocks), compensation=N (N >= 1 centroids per key tile) "
-                   f"or compensation=off, got {extra!r}")
+                   f"svg_compensation_blocks), compensation=N (N >= 1 centroids per key tile), "
+                   f"compensation=off, semantic or layouts=A/B (of spatial, temporal, "
+                   f"semantic), got {extra!r}")
 
 
 def base_attention(config_path: str) -> str | None:

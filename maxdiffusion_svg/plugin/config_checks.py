@@ -67,9 +67,11 @@ def _refused(where: str, err: ValueError) -> Refused:
   return Refused(f"the run would stop {where}: {err}")
 
 
-def check_slice(config: Mapping[str, Any], slice_type: str, heads: int) -> dict[str, Any]:
+def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
+                layouts: tuple[str, ...] = ()) -> dict[str, Any]:
   """The mesh MaxDiffusion builds on one ``slice_type`` slice and the job checks on its
-  context axis against the heads, its ``ulysses_shards`` and the ``svg_backend``."""
+  context axis against the heads, its ``ulysses_shards``, the ``svg_backend`` and the
+  ``svg_layouts`` (a ring leaves semantic out)."""
   devices = preflight.slice_devices(slice_type)
   if devices is None or preflight.slice_generation(slice_type) is None:
     raise ValueError(f"--slice must be a TPU slice type <generation>-<count> (e.g. v6e-8, "
@@ -82,14 +84,17 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int) -> dict[
   job = preflight.Job(process_count=1, device_count=devices, local_device_count=devices,
                       context_shards=context, heads=heads,
                       ulysses_shards=config.get("ulysses_shards", -1),
-                      backend=str(config.get("svg_backend", "auto")))
+                      backend=str(config.get("svg_backend", "auto")),
+                      layouts=tuple(layouts))
   try:
     ulysses, ring = preflight.check_heads(job)
     preflight.check_backend_on_ring(job.backend, ulysses, ring)
+    note = preflight.check_layouts_on_ring(job.layouts, ulysses, ring)
   except ValueError as err:
     raise _refused(f"before loading weights on a {slice_type}", err) from None
   return {"type": slice_type, "devices": devices, "mesh": mesh, "context_shards": context,
-          "ulysses_shards": ulysses, "ring": ring, "heads_per_device": heads // ulysses}
+          "ulysses_shards": ulysses, "ring": ring, "heads_per_device": heads // ulysses,
+          "layouts_note": note}
 
 
 def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Target,
@@ -127,7 +132,9 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
     preflight.check_run_name(str(keys.get("output_dir") or ""), str(keys.get("run_name") or ""))
   except ValueError as err:
     warnings.append(f"{err} (XPK and our JobSets set JOBSET_NAME; elsewhere the run stops here)")
-  mesh = check_slice(keys, slice_type, heads) if slice_type else None
+  mesh = check_slice(keys, slice_type, heads, settings.svg.layouts) if slice_type else None
+  if mesh and mesh["layouts_note"]:
+    warnings.append(mesh["layouts_note"])
   try:  # the key tile of the chip's executor: what the transformer's build checks
     compensation = settings.compensation_text(target, backend)
   except ValueError as err:

@@ -23,6 +23,7 @@ from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
+from maxdiffusion_svg.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.target import Target, resolve_backend
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
@@ -150,7 +151,10 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
           "tile_mode": svg.tile_mode.value, "video": [keys["num_frames"], keys["height"],
                                                        keys["width"]],
           "grid": list(grid.shape), "tokens": grid.tokens, "preset": settings.preset,
-          "summary": settings.summary(target), "checks": checks,
+          "summary": settings.summary(target, (checks["slice"]["ulysses_shards"],
+                                               checks["slice"]["ring"]) if checks["slice"]
+                                      else (0, 1)),
+          "checks": checks, "semantic": _semantic(svg, grid, next(iter(plans.values()))),
           "experts": split.as_dict() if split else None,
           "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, priced)],
           "combined": combined,
@@ -169,6 +173,28 @@ def _compensation(blocks: int, plan) -> dict[str, Any] | None:
   row_keys = plan_row_keys(plan, blocks)
   return {"blocks": blocks, "pseudo_keys": plan.num_kv_tiles * blocks, "row_keys": row_keys,
           "score_work_vs_dense": row_keys / plan.seq_len}
+
+
+def _semantic(svg: Any, grid: VideoGrid, plan: Any) -> dict[str, Any] | None:
+  """What a call's semantic layout adds, computed (multiply-adds): the k-means of the keys
+  (each update reads a strided sample: distances and sums, two matrix products; the final
+  assignment reads every token) cold and warm, against the call's attention work (its visited
+  tiles' two matrix products). The gathers, the order and the table are not counted (the
+  static schedule's figures, docs/benchmarks.md, count them). None when semantic is off."""
+  if svg.semantic is None:
+    return None
+  clusters, group = svg.semantic_clusters, group_size(grid)
+  points = grid.tokens // group
+  stride = max(1, points // (clusters * SAMPLE_PER_CLUSTER))
+  sample = -(-points // stride)
+  per_update = 2 * sample * clusters  # distances and sums, per head-dim
+  final = points * clusters
+  attention = 2 * plan.stats.visited_tiles * plan.block_q * plan.block_kv
+  cold = svg.semantic_iterations * per_update + final
+  warm = svg.semantic_warm_iterations * per_update + final
+  return {"clusters": clusters, "group": group, "cold_iterations": svg.semantic_iterations,
+          "warm_iterations": svg.semantic_warm_iterations, "cold_vs_attention": cold / attention,
+          "warm_vs_attention": warm / attention}
 
 
 def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, Any]:

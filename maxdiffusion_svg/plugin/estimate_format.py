@@ -100,6 +100,15 @@ def format_estimate(result: dict[str, Any]) -> str:
       f"scores the centroids of the key tiles its row skips (at most {comp['row_keys']:,} of the "
       f"{comp['pseudo_keys']:,}; our kernel as it closes the row), "
       f"{comp['score_work_vs_dense']:.2%} of a dense call's scores; not in the bounds here")
+  sem = result.get("semantic")
+  if sem is not None:
+    lines.append(
+        f"semantic layout: k-means of each head's keys ({sem['clusters']} clusters, groups of "
+        f"{sem['group']} tokens) costs {sem['cold_vs_attention']:.1%} of a sparse call's "
+        f"attention work cold ({sem['cold_iterations']} iterations, the run's first semantic "
+        f"call per layer), {sem['warm_vs_attention']:.1%} warm ({sem['warm_iterations']} from the "
+        f"previous step's centroids; multiply-adds, computed); the gathers and the table are "
+        f"priced in docs/benchmarks.md; not in the bounds here")
   e2e = result["end_to_end"]
   lines.append(
       f"end to end: a denoising step at most {e2e['step_speedup_bound']:.2f}x faster (Amdahl: "

@@ -24,7 +24,14 @@ by :func:`install` (MaxDiffusion's files are not modified):
   context shards against heads), after ``jax.distributed`` starts and before weights load.
 
 Values cross from a hook to the kernel through context variables, set only while the
-wrapped call runs (its trace, for jitted code).
+wrapped call runs (its trace, for jitted code). With semantic among the layouts, a prepared
+model also holds its layers' k-means centroids in mutable arrays (``jax.Ref``, nnx variables
+with ``ref=True``): they enter every jitted forward as inputs like the model's other state, a
+semantic call reads its layer's as the warm start and writes its own, so step t seeds step t+1
+in the Python loop and in ``scan_diffusion_loop``'s ``lax.scan``, and each Wan 2.2 expert keeps
+its own. Setting a run's timesteps marks them stale (the run starts cold). With MaxDiffusion's
+AOT cache (``aot_cache_dir``) the store is left out and every step clusters cold
+(:data:`NO_WARM_START_WITH_AOT`).
 """
 
 from __future__ import annotations
@@ -70,6 +77,19 @@ class SvgExpertTag(nnx.Variable):
 EXPERT_TAG_SIZE = {"high_noise": 1, "low_noise": 2}
 
 
+class SvgSemanticCentroids(nnx.Variable):
+  """Each layer's and head's k-means centroids of the keys, ``[num_layers, heads, clusters,
+  head_dim]`` float32, held in a mutable array (``jax.Ref``): a semantic call reads its
+  layer's as the warm start and writes its own (the mean over the batch), so step t seeds
+  step t+1 through the jitted forward, the ``lax.scan`` loop and every executable of the
+  pipeline without a change to their signatures."""
+
+
+class SvgSemanticReady(nnx.Variable):
+  """``[num_layers]`` int32: whether the layer's centroids are from this run (1) or not yet
+  (0: the cold start runs). Reset when a pipeline sets its timesteps (a new run)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
   """What a ``WanModel`` call tells the kernels it runs."""
@@ -80,6 +100,8 @@ class ModelCall:
   expert: str | None
   step: jax.Array | None  # traced int32; None when no schedule was set
   count_calls: bool = False  # report each self-attention call to run_summary
+  # (centroids, ready) refs of a model with semantic among its layouts, in a denoising run
+  semantic_store: tuple[Any, Any] | None = None
 
 
 _MODEL_CALL: contextvars.ContextVar[ModelCall | None] = contextvars.ContextVar(
@@ -141,11 +163,22 @@ def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
     yield op, layer
 
 
-def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None) -> Any:
+# Why a model's semantic clustering starts cold every step: MaxDiffusion's AOT cache describes an
+# executable by Lowered.out_info, which JAX cannot give for one whose inputs hold mutable arrays.
+NO_WARM_START_WITH_AOT = ("warm start off: aot_cache_dir is set (MaxDiffusion's AOT cache cannot "
+                          "hold the mutable arrays that carry the centroids), every step clusters "
+                          "cold")
+
+
+def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None,
+                        mesh: Any = None, warm_start: bool = True) -> Any:
   """Attaches what the ``svg`` kernel needs to a ``WanModel`` (in place; returns it).
 
   Done by the hooks for every transformer a Wan pipeline loads; call it yourself for a
   ``WanModel`` built another way. ``expert``: ``high_noise``/``low_noise`` for Wan 2.2.
+  With semantic among the layouts and ``warm_start``, the model also holds its semantic
+  centroids (a warm start across denoising steps; each Wan 2.2 expert its own), replicated over
+  ``mesh`` if given.
   """
   if not isinstance(settings, PluginSettings):
     raise ValueError(f"settings must be PluginSettings, got {type(settings).__name__}")
@@ -162,7 +195,30 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
+  if settings.svg.semantic is not None and warm_start:
+    heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
+    shape = (model.num_layers, heads, settings.svg.semantic_clusters, head_dim)
+    put = lambda x: x if mesh is None else jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    model.svg_semantic_centroids = SvgSemanticCentroids(put(jnp.zeros(shape, jnp.float32)),
+                                                        ref=True)
+    model.svg_semantic_ready = SvgSemanticReady(put(jnp.zeros((model.num_layers,), jnp.int32)),
+                                                ref=True)
   return model
+
+
+def semantic_store(model: Any) -> tuple[Any, Any] | None:
+  """The model's (centroids, ready) mutable arrays, if it holds them."""
+  if getattr(model, "svg_semantic_centroids", None) is None:
+    return None
+  return model.svg_semantic_centroids.get_raw_value(), model.svg_semantic_ready.get_raw_value()
+
+
+def reset_semantic(model: Any) -> None:
+  """Marks a model's semantic centroids stale: the next run starts cold (reproducible runs)."""
+  store = semantic_store(model)
+  if store is not None:
+    store[1][...] = jnp.zeros_like(store[1][...])
 
 
 def set_denoising_schedule(model: Any, timesteps: Any) -> None:
@@ -177,6 +233,7 @@ def set_denoising_schedule(model: Any, timesteps: Any) -> None:
   padded = jnp.full((MAX_STEPS,), -1.0, jnp.float32).at[:timesteps.size].set(timesteps)
   model.svg_timesteps[...] = padded
   model.svg_schedule_set = True  # static: set before the first compile, unchanged after
+  reset_semantic(model)  # a new run: its first semantic call clusters cold
 
 
 def is_prepared(model: Any) -> bool:
@@ -211,7 +268,9 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
       step = jnp.sum(self.svg_timesteps[...] > t).astype(jnp.int32)
     call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
                      getattr(self, "svg_expert", None), step,
-                     counts_calls(self))
+                     counts_calls(self),
+                     # centroids carry over steps of a denoising run only (a step is known)
+                     semantic_store(self) if step is not None else None)
     with model_call(call):
       return original(self, hidden_states, timestep, *args, **kwargs)
 
@@ -270,20 +329,30 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
                      subfolder=subfolder)
     if settings is not None:
       expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
-      prepare_transformer(model, settings, expert)
-      if settings.run_summary and getattr(config, "aot_cache_dir", ""):
+      aot = bool(getattr(config, "aot_cache_dir", ""))
+      prepare_transformer(model, settings, expert, mesh, warm_start=not aot)
+      if settings.run_summary and aot:
         # MaxDiffusion's AOT cache cannot serialise callbacks.
         model.svg_uncounted = "aot_cache_dir is set: its executables cannot hold host callbacks"
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
+      line = settings.summary(settings.svg.target(mesh=mesh), _ring(config, mesh, model))
+      if aot and settings.svg.semantic is not None:
+        line += f"; semantic {NO_WARM_START_WITH_AOT}"
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
-                      f"{f' ({expert} expert)' if expert else ''}: "
-                      f"{settings.summary(settings.svg.target(mesh=mesh))}")
+                      f"{f' ({expert} expert)' if expert else ''}: {line}")
       empty = settings.empty_window(config.get_keys().get("num_inference_steps"), model.num_layers)
       if empty:  # the same warning as `tiles --config`
         max_logging.log(f"maxdiffusion_svg: warning: {empty}")
     return model
 
   return wrapper
+
+
+def _ring(config: Any, mesh: Any, model: Any) -> tuple[int, int]:
+  """``(ulysses shards, ring shards)`` of the model's self-attention on ``mesh``."""
+  from maxdiffusion_svg.ring_plan import check_ulysses_shards  # pylint: disable=import-outside-toplevel
+  return check_ulysses_shards(config.get_keys().get("ulysses_shards", -1),
+                              dict(mesh.shape).get("context", 1), model.config.num_attention_heads)
 
 
 def _refusing(model_class: str) -> _Wrapper:
@@ -334,10 +403,10 @@ def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def job_of(config: Any, backend: str = "auto") -> preflight.Job:
+def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = ()) -> preflight.Job:
   """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
   build, its ``ulysses_shards``, the transformer's head count (no weights), and ``backend``
-  (the settings' ``svg_backend``)."""
+  and ``layouts`` (the settings' ``svg_backend`` and ``svg_layouts``)."""
   from maxdiffusion import max_utils  # pylint: disable=import-outside-toplevel
   mesh = jax.sharding.Mesh(max_utils.create_device_mesh(config, logging=False), config.mesh_axes)
   return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
@@ -345,7 +414,8 @@ def job_of(config: Any, backend: str = "auto") -> preflight.Job:
                        context_shards=mesh.shape.get("context", 1),
                        heads=preflight.transformer_heads(config.pretrained_model_name_or_path),
                        output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""),
-                       ulysses_shards=config.get_keys().get("ulysses_shards", -1), backend=backend)
+                       ulysses_shards=config.get_keys().get("ulysses_shards", -1), backend=backend,
+                       layouts=layouts)
 
 
 def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -354,7 +424,7 @@ def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
   def wrapper(config, pipeline=None, *args, **kwargs):
     if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
       settings = PluginSettings.from_mapping(config.get_keys())
-      preflight.check_job(job_of(config, settings.svg.backend), os.environ)
+      preflight.check_job(job_of(config, settings.svg.backend, settings.svg.layouts), os.environ)
     return original(config, pipeline, *args, **kwargs)
 
   return wrapper

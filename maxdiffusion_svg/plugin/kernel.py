@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from maxdiffusion_svg.plugin import hooks, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
 from maxdiffusion_svg.schedule import Interval
+from maxdiffusion_svg.semantic import Seed
 from maxdiffusion_svg.sharding import sharded_svg_attention
 
 
@@ -35,8 +36,9 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
   """Logs every ``svg`` kernel execution of the functions traced inside the block.
 
   A test and benchmark aid: each execution appends ``{"kind", "sparse", "step", "layer",
-  "expert", "density"}`` (``kind``: ``self``, or ``cross``/``masked``/``short`` for dense
-  calls; ``density``: the sparse branch's)
+  "expert", "density", "warm"}`` (``kind``: ``self``, or ``cross``/``masked``/``short`` for
+  dense calls; ``density``: the sparse branch's; ``warm``: the semantic clustering started from
+  the previous step's centroids)
   through ``jax.debug.callback``, so steps and layers are the traced values of that run.
   ``arrays``: self-attention entries also get ``"qkv_out"``, the call's global ``[B, H, S, D]``
   q, k, v and output as NumPy arrays, so a test can recompute the call independently.
@@ -53,20 +55,20 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
 
 def _record(kind: str, expert: str | None, sparse: Any = False, step: Any = -1,
             layer: Any = -1, density: float | None = None,
-            arrays: tuple[jax.Array, ...] = ()) -> None:
+            arrays: tuple[jax.Array, ...] = (), warm: Any = False) -> None:
   log = _CALL_LOG.get()
   if log is None:
     return
 
-  def append(sparse, step, layer, *values):
+  def append(sparse, step, layer, warm, *values):
     entry = {"kind": kind, "sparse": bool(sparse), "step": int(step), "layer": int(layer),
-             "expert": expert, "density": density}
+             "expert": expert, "density": density, "warm": bool(warm)}
     if values:
       entry["qkv_out"] = tuple(np.asarray(x) for x in values)
     log.append(entry)
 
   jax.debug.callback(append, jnp.asarray(sparse), jnp.asarray(step), jnp.asarray(layer),
-                     *(arrays if _CAPTURE.get() else ()))
+                     jnp.asarray(warm), *(arrays if _CAPTURE.get() else ()))
 
 
 def _is_everything(interval: Interval) -> bool:
@@ -148,12 +150,25 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if layer is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: a self-attention op of {call.model} has no "
                      f"layer index (prepare_transformer tags blocks[*].attn1 only)")
+  seed = None
+  if call.semantic_store is not None:  # the previous step's centroids of this layer
+    stored, ready = call.semantic_store
+    seed = Seed(jnp.broadcast_to(stored[layer][None], (q.shape[0], *stored.shape[1:])),
+                ready[layer] > 0)
   out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                               config=settings.svg, scale=context["scale"], step=step,
                               layer=layer, expert=call.expert,
                               qkv_spec=qkv_layout(context["axis_names_q"]),
                               ulysses_shards=context["ulysses_shards"],
-                              on_routing=run_summary.on_routing if call.count_calls else None)
+                              on_routing=run_summary.on_routing if call.count_calls else None,
+                              seed=seed)
+  if seed is not None:
+    out, clusters = out
+    stored, ready = call.semantic_store
+    stored[layer] = jnp.mean(clusters, axis=0)  # the batch shares a warm start (CFG: one video)
+    active = jnp.asarray(schedule.is_active(step, layer), jnp.int32)
+    ready[layer] = jnp.maximum(ready[layer], active)  # clustered once a sparse call ran
   _record("self", call.expert, schedule.is_active(step, layer), step, layer,
-          settings.svg.density_for(call.expert), arrays=(q, k, v, out))
+          settings.svg.density_for(call.expert), arrays=(q, k, v, out),
+          warm=False if seed is None else seed.ready)
   return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

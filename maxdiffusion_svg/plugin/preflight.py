@@ -35,6 +35,7 @@ class Job:
   run_name: str = ""
   ulysses_shards: Any = -1  # MaxDiffusion's key: devices exchanging heads (-1: all of context)
   backend: str = "auto"  # svg_backend
+  layouts: tuple[str, ...] = ()  # svg_layouts
 
 
 def declared_hosts(env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -184,6 +185,13 @@ def check_backend_on_ring(backend: str, ulysses: int, ring: int) -> None:
         f"pallas (our kernel, the TPU default), xla or auto.")
 
 
+def check_layouts_on_ring(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
+  """A ring leaves semantic out of the layouts (refused where nothing is left): the note the
+  run logs, or ""."""
+  from maxdiffusion_svg.layouts import ring_note  # pylint: disable=import-outside-toplevel
+  return ring_note(tuple(layouts), ulysses, ring)
+
+
 def check_run_name(output_dir: str, run_name: str) -> None:
   """A ``gs://`` output needs a run name: MaxDiffusion uploads each video to
   ``output_dir/run_name`` only after the whole generation, and an unset name fails there."""
@@ -197,4 +205,6 @@ def check_job(job: Job, env: Mapping[str, str]) -> None:
   """Every check, cheapest first."""
   check_run_name(job.output_dir, job.run_name)
   check_processes(job, env)
-  check_backend_on_ring(job.backend, *check_heads(job))
+  ulysses, ring = check_heads(job)
+  check_backend_on_ring(job.backend, ulysses, ring)
+  check_layouts_on_ring(job.layouts, ulysses, ring)

@@ -2,9 +2,10 @@
 
 Each self-attention call reports, from every device inside the head exchange, its step, layer,
 whether the schedule made it sparse and how many of the device's heads the router sent
-temporal (one host callback per call and device, four integers; no collective). The pipeline
-hook resets the tally before a call and logs the summary after it: sparse and dense calls,
-the temporal-head share per layer range, the kernel and tiles, and seconds per step.
+temporal and semantic (one host callback per call and device, five integers; no collective).
+The pipeline hook resets the tally before a call and logs the summary after it: sparse and
+dense calls, the temporal-head (and, with semantic among the layouts, semantic-head) share per
+layer range, the kernel and tiles, and seconds per step.
 
 ``svg_run_summary: false``, or MaxDiffusion's AOT cache (``aot_cache_dir``, which cannot
 serialise host callbacks), leaves the callbacks out; the calls are then counted from the
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import resolve_backend
+from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
 from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.target import TPU_BACKENDS
 
@@ -36,15 +38,17 @@ class _Tally:
 
   calls: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
   temporal: dict[int, int] = dataclasses.field(default_factory=dict)  # per layer, sparse calls
+  semantic: dict[int, int] = dataclasses.field(default_factory=dict)
   heads: dict[int, int] = dataclasses.field(default_factory=dict)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-  def add(self, active, step, layer, temporal, heads) -> None:
+  def add(self, active, step, layer, temporal, heads, semantic=0) -> None:
     step, layer, active = int(step), int(layer), bool(active)
     with self.lock:
       self.calls[(step, layer)] = active
       if active:
-        self.temporal[layer] = self.temporal.get(layer, 0) + int(temporal)
+        for tally, count in ((self.temporal, temporal), (self.semantic, semantic)):
+          tally[layer] = tally.get(layer, 0) + int(count)
         self.heads[layer] = self.heads.get(layer, 0) + int(heads)
 
 
@@ -56,12 +60,14 @@ def reset() -> None:
   _TALLY = _Tally()
 
 
-def on_routing(temporal: jax.Array, active: Any, step: Any, layer: Any) -> None:
-  """``sharded_svg_attention``'s ``on_routing``: one host callback with this device's counts."""
+def on_routing(layout: jax.Array, active: Any, step: Any, layer: Any) -> None:
+  """``sharded_svg_attention``'s ``on_routing``: one host callback with this device's counts
+  (``layout``: its heads' layout ids)."""
+  count = lambda name: jnp.sum((layout == LAYOUTS.index(name)).astype(jnp.int32))
   # The compiled call keeps this callback: it adds to whichever tally is current when it runs.
   jax.debug.callback(lambda *xs: _TALLY.add(*xs),
                      jnp.asarray(active), jnp.asarray(step), jnp.asarray(layer),
-                     jnp.sum(temporal.astype(jnp.int32)), jnp.int32(temporal.size))
+                     count(TEMPORAL), jnp.int32(layout.size), count(SEMANTIC))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +79,13 @@ class CallCounts:
   counted: bool  # False: from the schedule (no callbacks ran)
   temporal_share: float | None = None  # of the sparse calls' heads
   by_range: tuple[tuple[int, int, float], ...] = ()  # (first layer, last layer, share)
+  semantic_share: float | None = None  # None: semantic is not among the layouts
+  semantic_by_range: tuple[tuple[int, int, float], ...] = ()
 
 
-def counted_calls(layers: int) -> CallCounts:
-  """The tally of the pipeline call just finished (after ``jax.effects_barrier``)."""
-  tally = _TALLY
-  with tally.lock:
-    calls, temporal, heads = dict(tally.calls), dict(tally.temporal), dict(tally.heads)
-  sparse = sum(calls.values())
+def _shares(counts: dict[int, int], heads: dict[int, int],
+            layers: int) -> tuple[float | None, tuple[tuple[int, int, float], ...]]:
+  """A count's share of the sparse calls' heads, overall and per layer range."""
   total = sum(heads.values())
   ranges = []
   size = -(-layers // RANGES)
@@ -88,9 +93,21 @@ def counted_calls(layers: int) -> CallCounts:
     last = min(layers, first + size) - 1
     h = sum(heads.get(i, 0) for i in range(first, last + 1))
     if h:
-      ranges.append((first, last, sum(temporal.get(i, 0) for i in range(first, last + 1)) / h))
-  return CallCounts(sparse, len(calls) - sparse, True,
-                    sum(temporal.values()) / total if total else None, tuple(ranges))
+      ranges.append((first, last, sum(counts.get(i, 0) for i in range(first, last + 1)) / h))
+  return (sum(counts.values()) / total if total else None), tuple(ranges)
+
+
+def counted_calls(layers: int, semantic: bool = False) -> CallCounts:
+  """The tally of the pipeline call just finished (after ``jax.effects_barrier``);
+  ``semantic``: semantic is among the layouts (its share is reported)."""
+  tally = _TALLY
+  with tally.lock:
+    calls, heads = dict(tally.calls), dict(tally.heads)
+    temporal, semantic_heads = dict(tally.temporal), dict(tally.semantic)
+  sparse = sum(calls.values())
+  share, ranges = _shares(temporal, heads, layers)
+  sem_share, sem_ranges = _shares(semantic_heads, heads, layers) if semantic else (None, ())
+  return CallCounts(sparse, len(calls) - sparse, True, share, ranges, sem_share, sem_ranges)
 
 
 def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
@@ -115,6 +132,9 @@ def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
     spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in counts.by_range)
     parts.append(f"temporal heads {counts.temporal_share:.1%} of the sparse calls' heads "
                  f"({spans})")
+    if counts.semantic_share is not None:
+      spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in counts.semantic_by_range)
+      parts.append(f"semantic heads {counts.semantic_share:.1%} ({spans})")
   elif counts.counted and counts.sparse == 0:
     parts.append("no sparse call: SVG did not run in this call")
   parts.append(kernel)
@@ -164,7 +184,7 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
     why = f"{tokens:,} tokens is below svg_min_seq_length {settings.min_seq_length}: all dense"
   elif counted:
     jax.effects_barrier()  # every callback of the call has run
-    counts = counted_calls(layers)
+    counts = counted_calls(layers, settings.svg.semantic is not None)
     if counts.sparse + counts.dense == 0:
       return (f"run summary: {steps} steps: no self-attention call reached the svg kernel "
               f"(the model's self-attention runs another kernel)")

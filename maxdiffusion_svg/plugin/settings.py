@@ -14,6 +14,7 @@ import enum
 from maxdiffusion_svg.config import KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
+from maxdiffusion_svg.layouts import ring_note
 from maxdiffusion_svg.target import TPU_BACKENDS, Target
 
 SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) built by a MaxDiffusion Wan "
@@ -63,9 +64,10 @@ class PluginSettings:
                preset=mapping.get("svg_schedule", DEFAULT_PRESET),
                run_summary=mapping.get("svg_run_summary", True))
 
-  def summary(self, target: Target | None = None) -> str:
+  def summary(self, target: Target | None = None, ring: tuple[int, int] = (0, 1)) -> str:
     """One line for the run's log: what will be sparse, where, and how (on ``target``, the
-    hardware of the model's mesh; without it, the settings as given)."""
+    hardware of the model's mesh; without it, the settings as given; ``ring``: ``(ulysses
+    shards, ring shards)`` of the mesh, which may leave semantic out)."""
     svg = self.svg
     densities = f"density {svg.density}"
     if svg.high_noise_density is not None or svg.low_noise_density is not None:
@@ -90,16 +92,19 @@ class PluginSettings:
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
             f"{svg.tile_mode.value} {tiles}, backend {backend}{where}, {compensation}, "
-            f"{self.layouts_text()}, dense kernel "
+            f"{self.layouts_text(ring)}, dense kernel "
             f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
             f"dense below {self.min_seq_length} tokens")
 
-  def layouts_text(self) -> str:
-    """The layouts the router chooses among, for the log lines."""
+  def layouts_text(self, ring: tuple[int, int] = (0, 1)) -> str:
+    """The layouts the router chooses among, for the log lines (``ring``: see :meth:`summary`)."""
     text = "layouts " + ", ".join(self.svg.layouts)
     if self.svg.semantic is not None:
-      text += (f" ({self.svg.semantic_clusters} clusters, {self.svg.semantic_iterations} "
-               f"iterations)")
+      text += (f" ({self.svg.semantic_clusters} clusters, k-means {self.svg.semantic_iterations}"
+               f" iterations cold, {self.svg.semantic_warm_iterations} warm from the previous "
+               f"step's centroids)")
+    if note := ring_note(self.svg.layouts, *ring):
+      text += f" ({note})"
     return text
 
   def compensation_text(self, target: Target | None = None, backend: str | None = None) -> str:

@@ -20,6 +20,21 @@ def pytest_configure(config):
                                      "runs it)")
 
 
+@pytest.fixture
+def traced_kernels(monkeypatch):
+  """Counts traces of the svg kernel (each compile of a forward traces it once per call site)."""
+  from maxdiffusion.models import attention_flax  # pylint: disable=import-outside-toplevel
+  traces = []
+  kernel = attention_flax.KERNEL_REGISTRY["svg"]
+
+  def counting(q, k, v, context):
+    traces.append(context["residual_checkpoint_name"])
+    return kernel(q, k, v, context)
+
+  monkeypatch.setitem(attention_flax.KERNEL_REGISTRY, "svg", counting)
+  return traces
+
+
 def _fail_skips() -> bool:
   return os.environ.get("MDSVG_NO_SKIPS") == "1"
 

@@ -48,14 +48,20 @@ def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints
   cache. No call log here: its callbacks would keep the forwards from being serialized."""
   # One guidance scale for both experts: a different one (a static argument) would key their
   # executables apart by itself and hide the bug.
+  # With semantic among the layouts: the AOT cache leaves out the centroid store (every step
+  # clusters cold) and still compiles once per expert.
   argv = [wan22_config, f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
-          "guidance_scale_low=3.5", "guidance_scale_high=3.5", *TINY]
+          "guidance_scale_low=3.5", "guidance_scale_high=3.5",
+          "svg_layouts=[spatial, temporal, semantic]", "svg_semantic_clusters=8", *TINY]
   cache = tmp_path / "aot"
 
   def run(*extra):
     return wan_e2e.generate([*argv, *extra], str(tmp_path), record=False)["frames"]
 
   plain = run()
+  # the tiny random Wan routes no head semantic, so warm and cold clusterings give one video
+  captured = capfd.readouterr()
+  assert "semantic heads 0.0% (" in captured.out + captured.err
   try:
     first = run(f"aot_cache_dir={cache}")
     capfd.readouterr()
@@ -69,5 +75,6 @@ def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints
   assert sum(f"loaded {name}" in loaded.out + loaded.err for name in forwards) == 2
   # No counting callbacks under the cache: the run summary counts from the schedule.
   assert "(from the schedule, not counted (aot_cache_dir is set" in loaded.out + loaded.err
+  assert "semantic warm start off: aot_cache_dir is set" in loaded.out + loaded.err
   np.testing.assert_array_equal(first, plain)
   np.testing.assert_array_equal(second, plain)

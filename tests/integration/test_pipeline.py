@@ -9,8 +9,6 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion.models import attention_flax
-
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.attention import dense_tiled_attention, scheduled_svg_attention
 from maxdiffusion_svg.geometry import VideoGrid
@@ -22,20 +20,6 @@ GRID = VideoGrid(9, 8, 8)  # tiny_wan.VIDEO's latent, patchified
 @pytest.fixture(scope="module", autouse=True)
 def registered():
   plugin.register()
-
-
-@pytest.fixture
-def traced_kernels(monkeypatch):
-  """Counts traces of the svg kernel (each compile of a forward traces it once per call site)."""
-  traces = []
-  kernel = attention_flax.KERNEL_REGISTRY["svg"]
-
-  def counting(q, k, v, context):
-    traces.append(context["residual_checkpoint_name"])
-    return kernel(q, k, v, context)
-
-  monkeypatch.setitem(attention_flax.KERNEL_REGISTRY, "svg", counting)
-  return traces
 
 
 def self_calls(log):
