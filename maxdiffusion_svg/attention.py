@@ -79,9 +79,15 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
   semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
   temporal = layout == LAYOUTS.index(TEMPORAL)
   # Semantic heads by their groups' order (a gather of whole groups), the rest as before.
+  # (Gathering every head after the band's placement instead: 0.44 GiB more temporaries.)
   placed = lambda x, perm: jnp.where(semantic_head, gather_tokens(x, perm), place(x, temporal, grid))
   tables = jnp.where(semantic_head, semantic.kv_index, jnp.asarray(plan.kv_index))
-  qp, kp, vp = placed(q, semantic.q_perm), placed(k, semantic.k_perm), placed(v, semantic.k_perm)
+  # One input at a time: each gather's copy is dead before the next is made.
+  qp = placed(q, semantic.q_perm)
+  qp, k = jax.lax.optimization_barrier((qp, k))
+  kp = placed(k, semantic.k_perm)
+  kp, v = jax.lax.optimization_barrier((kp, v))
+  vp = placed(v, semantic.k_perm)
   kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target,
                 head_tiles=tables)
   if compensation_blocks:

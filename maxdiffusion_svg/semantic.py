@@ -225,13 +225,26 @@ def _rows(x: jax.Array, group: int) -> jax.Array:
   return x.reshape(b, h, s // group, group * d)
 
 
-def group_means(x: jax.Array, group: int) -> jax.Array:
-  """``[B, H, S / group, D]``: each group of consecutive tokens' mean, in ``x``'s dtype (a sum
-  of lane-aligned slices of its row)."""
+def group_means(x: jax.Array, group: int, dtype: Any = None) -> jax.Array:
+  """``[B, H, S / group, D]``: each group of consecutive tokens' mean, in ``dtype`` (default
+  ``x``'s; a float32 sum of lane-aligned slices of its row)."""
   d = x.shape[-1]
   rows = _rows(x, group)
   total = sum(rows[..., j * d:(j + 1) * d].astype(jnp.float32) for j in range(group))
-  return (total / group).astype(x.dtype)
+  return (total / group).astype(dtype or x.dtype)
+
+
+def placed_block_means(x: jax.Array, perm: jax.Array, *, block: int, blocks: int,
+                       seq_len: int) -> jax.Array:
+  """float32 ``[B, H, tiles * blocks, D]``: :func:`block_means` of ``x`` placed in ``perm``'s
+  order (groups of ``g = S / perm.shape[-1]`` tokens), from the groups' means where a sub-block
+  holds whole groups: the placed tokens themselves are never read. (Read from them, the means
+  of a 720p call's placed queries and keys took 0.9 GiB more temporaries on a v6e.)"""
+  group = x.shape[2] // perm.shape[-1]
+  if group == 1 or (block // blocks) % group or seq_len % group:
+    return block_means(gather_tokens(x, perm), block_kv=block, blocks=blocks, seq_len=seq_len)
+  placed = jnp.take_along_axis(group_means(x, group, jnp.float32), perm[..., None], axis=2)
+  return block_means(placed, block_kv=block // group, blocks=blocks, seq_len=seq_len // group)
 
 
 def cluster_order(x: jax.Array, clusters: int, iterations: int, group: int = 1,
@@ -265,30 +278,27 @@ def token_positions(pos: jax.Array, seq_len: int) -> jax.Array:
   return jnp.repeat(pos, group, axis=-1) * group + within
 
 
-def tile_scores(qp: jax.Array, kp: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
-                criterion: str = "mass", query_blocks: int | None = None) -> jax.Array:
+def tile_scores(qbar: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
+                criterion: str = "mass", q_sq: jax.Array | None = None,
+                k_sq: jax.Array | None = None) -> jax.Array:
   """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: what each query tile row would lose by
-  skipping each key tile. Each query tile is cut into ``query_blocks`` sub-blocks (a tile holds
-  several clusters: its mean query would stand for none of them); each sub-block's mean query
-  ``q̄_r`` shares its attention over the key sub-blocks' centroids ``k̄_n`` (``n_n`` keys) as
-  ``softmax_n(s q̄_r·k̄_n + log n_n)``, and a row's score for a key tile is its sub-blocks' shares
-  of the tile's blocks, weighted by their queries. ``mass``: those shares. ``error``: the part
-  compensation (which gives each block its centroid's share) would miss: with a block's keys
-  Gaussian about ``k̄_n`` with per-coordinate variance ``σ²_n``, a share times ``expm1(s²
-  |q|² σ²_n / 2)`` (two more means over the sequence)."""
+  skipping each key tile. Each query tile is cut into sub-blocks (a tile holds several clusters:
+  its mean query would stand for none of them); each sub-block's mean query ``q̄_r`` (``qbar
+  [B, H, num_q_tiles * query_blocks, D]``) shares its attention over the key sub-blocks'
+  centroids ``k̄_n`` (``n_n`` keys) as ``softmax_n(s q̄_r·k̄_n + log n_n)``, and a row's score
+  for a key tile is its sub-blocks' shares of the tile's blocks, weighted by their queries.
+  ``mass``: those shares. ``error``: the part compensation (which gives each block its
+  centroid's share) would miss: with a block's keys Gaussian about ``k̄_n`` with
+  per-coordinate variance ``σ²_n``, a share times ``expm1(s² |q|² σ²_n / 2)``; ``q_sq [B, H,
+  R]`` is each sub-block's mean ``|q|²``, ``k_sq [B, H, N, D]`` each key block's mean square."""
   f32 = jnp.float32
-  query_blocks = query_blocks or QUERY_BLOCKS
+  query_blocks = qbar.shape[2] // plan.num_q_tiles
   blocks = cents.log_count.size // plan.num_kv_tiles
-  b, h = qp.shape[:2]
-  means = lambda x, block, parts: block_means(x, block_kv=block, blocks=parts, seq_len=plan.seq_len)
-  qbar = means(qp, plan.block_q, query_blocks)  # [B, H, nq * query_blocks, D]
+  b, h = qbar.shape[:2]
   logits = scale * jnp.einsum("bhrd,bhnd->bhrn", qbar, cents.k.astype(f32),
                               precision=jax.lax.Precision.HIGHEST) + cents.log_count
   share = jax.nn.softmax(logits, axis=-1)  # [B, H, R, N]
   if criterion == "error":
-    q_sq = means(jnp.sum(jnp.square(qp.astype(f32)), -1, keepdims=True), plan.block_q,
-                 query_blocks)[..., 0]  # [B, H, R]
-    k_sq = means(jnp.square(kp.astype(f32)), plan.block_kv, blocks)  # [B, H, N, D]
     var = jnp.maximum(k_sq - jnp.square(cents.k.astype(f32)), 0.0).mean(-1)  # [B, H, N]
     share = share * jnp.expm1(0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :])
   weight = block_counts(plan.seq_len, plan.num_q_tiles, plan.block_q, query_blocks).astype(np.float32)
@@ -334,15 +344,22 @@ def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, co
     q_perm, q_pos, _ = order(q)
   else:
     q_perm, q_pos = k_perm, k_pos
-  qp, kp = gather_tokens(q, q_perm), gather_tokens(k, k_perm)
-  if config.compensated:  # the call merges these centroids: keys and values
-    cents = centroids(kp, gather_tokens(v, k_perm), block_kv=plan.block_kv, blocks=config.blocks,
-                      seq_len=plan.seq_len)
-  else:  # the estimate reads the keys' only
-    cents = Centroids(block_means(kp, block_kv=plan.block_kv, blocks=config.blocks,
-                                  seq_len=plan.seq_len).astype(k.dtype), None,
-                      centroid_log_counts(plan, config.blocks))
-  table = top_tiles(tile_scores(qp, kp, cents, plan, scale, config.criterion), plan)
+  # Every mean below is of placed tokens, read from the groups' means (placed_block_means).
+  key_means = lambda x: placed_block_means(x, k_perm, block=plan.block_kv, blocks=config.blocks,
+                                           seq_len=plan.seq_len)
+  query_means = lambda x: placed_block_means(x, q_perm, block=plan.block_q, blocks=QUERY_BLOCKS,
+                                             seq_len=plan.seq_len)
+  cents = Centroids(key_means(k).astype(k.dtype),
+                    # the call merges value centroids too where it compensates
+                    key_means(v).astype(v.dtype) if config.compensated else None,
+                    centroid_log_counts(plan, config.blocks))
+  q_sq = k_sq = None
+  if config.criterion == "error":
+    f32 = jnp.float32
+    q_sq = query_means(jnp.sum(jnp.square(q.astype(f32)), -1, keepdims=True))[..., 0]
+    k_sq = key_means(jnp.square(k.astype(f32)))
+  table = top_tiles(tile_scores(query_means(q), cents, plan, scale, config.criterion, q_sq, k_sq),
+                    plan)
   return SemanticLayout(q_perm, q_pos, k_perm, k_pos, table, cents, clusters)
 
 

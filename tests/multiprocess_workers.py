@@ -7,11 +7,32 @@ Every process builds the same NumPy inputs and places its own shards with
 import numpy as np
 
 
-def sharded_config():
+def sharded_config(semantic=False):
+  """The multi-process tests' config; ``semantic``: the three layouts, 4 clusters."""
   from maxdiffusion_svg.config import SvgConfig  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.schedule import Interval, Schedule  # pylint: disable=import-outside-toplevel
+  layouts = dict(layouts=["spatial", "temporal", "semantic"], semantic_clusters=4) if semantic else {}
   return SvgConfig(block_q=128, block_kv=128, backend="xla", profile_queries=16, density=0.3,
-                   schedule=Schedule(Interval(2, None), Interval(1, None)))
+                   schedule=Schedule(Interval(2, None), Interval(1, None)), **layouts)
+
+
+def carried_calls(run, arrays, calls, semantic, gather=np.asarray):
+  """``run(q, k, v, step, layer[, centroids, ready])`` over ``calls``; with ``semantic`` each
+  call's centroids seed the next, as the plugin carries them (the batch's mean, ready once a
+  sparse call ran). The outputs (and the last centroids), gathered."""
+  b, h = arrays[0].shape[:2]
+  # NumPy: a host value every process holds alike (a replicated input of the jitted call)
+  centroids, ready, outputs = np.zeros((b, h, 4, arrays[0].shape[3]), np.float32), False, []
+  for step, layer in calls:
+    if not semantic:
+      outputs.append(gather(run(*arrays, np.int32(step), np.int32(layer))))
+      continue
+    out, clusters = run(*arrays, np.int32(step), np.int32(layer), centroids, np.bool_(ready))
+    outputs.append(gather(out))
+    centroids = np.ascontiguousarray(np.broadcast_to(np.mean(gather(clusters), axis=0),
+                                                     clusters.shape))
+    ready = ready or (step >= 2 and layer >= 1)
+  return np.stack(outputs), (centroids if semantic else None)
 
 
 def sharded_inputs(grid_shape, batch, seed):
@@ -34,20 +55,23 @@ def sharded_svg(index, args):
   sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
   arrays = [jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]) for x in qkv]
   traces = []
-  config = sharded_config()
+  semantic = args.get("semantic", False)
+  config = sharded_config(semantic)
+  from maxdiffusion_svg.semantic import Seed  # pylint: disable=import-outside-toplevel
 
-  def fn(q, k, v, step, layer):
+  def fn(q, k, v, step, layer, *seed):
     traces.append(1)
     return sharded_svg_attention(q, k, v, mesh=mesh, grid=grid, config=config,
-                                 key=jax.random.key(7), step=step, layer=layer)
+                                 key=jax.random.key(7), step=step, layer=layer,
+                                 seed=Seed(*seed) if seed else None)
 
-  run = jax.jit(fn)
-  outputs = []
-  for step, layer in args["calls"]:
-    out = run(*arrays, np.int32(step), np.int32(layer))
-    outputs.append(np.asarray(multihost_utils.process_allgather(out, tiled=True)))
+  outputs, centroids = carried_calls(
+      jax.jit(fn), arrays, args["calls"], semantic,
+      lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)))
   if index == 0:
-    np.save(args["out"], np.stack(outputs))
+    np.save(args["out"], outputs)
+    if semantic:
+      np.save(args["out"] + ".centroids.npy", centroids)
   return {"traces": len(traces), "process_count": jax.process_count(),
           "devices": jax.device_count(), "local_devices": jax.local_device_count(),
           "addressable_shards": len(arrays[0].addressable_shards)}

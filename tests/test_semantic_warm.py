@@ -76,33 +76,37 @@ def config(layouts=("spatial", "temporal", "semantic"), iterations=3):
                    schedule=Schedule(Interval(1, None), Interval(0, None)))
 
 
-def inputs(batch):
-  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, ("moving", "spatial") * 4, 64, seed=5))
+def inputs(batch, grid=GRID):
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(grid, ("moving", "spatial") * 4, 64, seed=5))
   return [jnp.concatenate([x] * batch) * jnp.arange(1, batch + 1)[:, None, None, None]
           for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("batch,ulysses", [(1, None), (2, None), (1, 4)])
-def test_sharded_seed_equals_one_device_and_a_dense_step_keeps_it(batch, ulysses):
-  """8 devices (batch 2 folded into the heads), traced step and layer: the output and each
-  head's centroids equal one device's; a dense step returns the seed; a ring (ulysses 4) leaves
-  semantic out and keeps the seed."""
-  q, k, v = inputs(batch)
+@pytest.mark.parametrize("batch,ulysses,mesh_shape,grid", [
+    (1, None, (1, 1, 8, 1), GRID), (2, None, (1, 1, 8, 1), GRID),  # batch 2 folded into heads
+    (2, None, (2, 1, 4, 1), VideoGrid(5, 7, 15)),  # batch on data; 525 tokens padded to 528
+    (1, 4, (1, 1, 8, 1), GRID)])  # a ring of 2
+def test_sharded_seed_equals_one_device_and_a_dense_step_keeps_it(batch, ulysses, mesh_shape, grid):
+  """8 devices, traced step and layer: the output and each head's centroids equal one
+  device's; a dense step returns the seed; a ring (ulysses 4) leaves semantic out and keeps the
+  seed."""
+  q, k, v = inputs(batch, grid)
   cfg, key = config(), jax.random.key(3)
   rng = np.random.default_rng(2)
   stored = jnp.asarray(rng.standard_normal((batch, 8, CLUSTERS, 64)), jnp.float32)
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 1, 8, 1), ("data", "fsdp", "context", "tensor"))
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "fsdp", "context", "tensor"))
   spec = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
   run = jax.jit(lambda q, k, v, step, ready: sharded_svg_attention(
-      q, k, v, mesh=mesh, grid=GRID, config=cfg, key=key, step=step, layer=jnp.int32(0),
+      q, k, v, mesh=mesh, grid=grid, config=cfg, key=key, step=step, layer=jnp.int32(0),
       ulysses_shards=ulysses, seed=Seed(stored, ready)))
-  put = [jax.device_put(x, spec) for x in (q, k, v)]
+  # an uneven sequence enters whole (the call pads and shards it)
+  put = [x if grid.tokens % mesh.shape["context"] else jax.device_put(x, spec) for x in (q, k, v)]
   for step, ready in ((1, False), (1, True), (0, True)):
     out, clusters = run(*put, jnp.int32(step), jnp.bool_(ready))
     if ulysses is not None or step == 0:
       np.testing.assert_array_equal(np.asarray(clusters), np.asarray(stored))
       continue
-    want, aux = scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, step=step, layer=0,
+    want, aux = scheduled_svg_attention(q, k, v, grid=grid, config=cfg, step=step, layer=0,
                                         key=key, seed=Seed(stored, jnp.bool_(ready)))
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
     np.testing.assert_allclose(np.asarray(clusters), np.asarray(aux["clusters"]), atol=1e-5)

@@ -197,6 +197,28 @@ def abstract_tree(tree: Any, mesh) -> Any:
 # ---------------------------------------------------------------------------- compiling
 
 
+def _with_semantic_store(forward: Callable[..., Any]) -> Callable[..., Any]:
+  """``forward`` whose model state's semantic store (abstract values: a compile-only mesh
+  holds no arrays) becomes mutable arrays inside the trace, as a run's are, so the compiled
+  program reads and writes the centroids as a run does."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from flax import nnx
+
+  from maxdiffusion_svg.plugin import hooks
+  # pylint: enable=import-outside-toplevel
+  stores = (hooks.SvgSemanticCentroids, hooks.SvgSemanticReady)
+
+  def as_ref(var: Any) -> Any:
+    return type(var)(var[...], ref=True) if isinstance(var, stores) else var  # a new mutable array
+
+  def wrapped(graphdef, state, rest, *args, **kwargs):
+    rest = jax.tree.map(as_ref, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return forward(graphdef, state, rest, *args, **kwargs)
+
+  return jax.jit(wrapped, static_argnames=("do_classifier_free_guidance", "guidance_scale"))
+
+
 def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFIG,
                     topology: str = "v6e:2x4", latent: Sequence[int] = (16, 21, 90, 160),
                     batch: int = 2, text_len: int = 512, num_layers: int | None = None,
@@ -242,6 +264,8 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
   text = abstract((batch, text_len, WAN_14B["text_dim"]), jnp.float32, mesh)
   forward = getattr(wan_pipeline.transformer_forward_pass, "jitted",
                     wan_pipeline.transformer_forward_pass)
+  if hooks.semantic_store(model) is not None:
+    forward = _with_semantic_store(forward)
   with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
     lowered = forward.lower(graphdef, state, rest, latents, timestep, text,
                             do_classifier_free_guidance=batch > 1,

@@ -198,13 +198,25 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   if settings.svg.semantic is not None and warm_start:
     heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
     shape = (model.num_layers, heads, settings.svg.semantic_clusters, head_dim)
-    put = lambda x: x if mesh is None else jax.device_put(
-        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    put = _replicated(mesh)
     model.svg_semantic_centroids = SvgSemanticCentroids(put(jnp.zeros(shape, jnp.float32)),
                                                         ref=True)
     model.svg_semantic_ready = SvgSemanticReady(put(jnp.zeros((model.num_layers,), jnp.int32)),
                                                 ref=True)
   return model
+
+
+def _replicated(mesh: Any) -> Any:
+  """How a store's value is placed: on ``mesh``, replicated; on a compile-only topology's mesh
+  (ahead-of-time compiles for TPUs this host does not have), its shape alone: a compile lowers
+  the forward with the store as mutable arrays made from abstract inputs
+  (:func:`maxdiffusion_svg.bench.wan_aot.compile_forward`)."""
+  if mesh is None:
+    return lambda x: x
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if not set(mesh.devices.flat) <= set(jax.devices()):
+    return lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  return lambda x: jax.device_put(x, sharding)
 
 
 def semantic_store(model: Any) -> tuple[Any, Any] | None:
@@ -217,7 +229,7 @@ def semantic_store(model: Any) -> tuple[Any, Any] | None:
 def reset_semantic(model: Any) -> None:
   """Marks a model's semantic centroids stale: the next run starts cold (reproducible runs)."""
   store = semantic_store(model)
-  if store is not None:
+  if store is not None and isinstance(store[1], jax.Ref):  # not a compile's shapes
     store[1][...] = jnp.zeros_like(store[1][...])
 
 

@@ -52,6 +52,26 @@ def test_density_one_gives_the_dense_video(checkpoints, run_config, dense_video,
   assert any(r["sparse"] for r in log)
 
 
+@pytest.mark.parametrize("density", [1.0, pytest.param(0.3, marks=pytest.mark.full)])
+def test_semantic_heads_through_generate_wan(checkpoints, run_config, dense_video, tmp_path,
+                                             density):
+  """Every head forced semantic (its clusters, order and tile table, warm from step to step):
+  at density 1 its tables visit every tile and the video is the dense one; sparse, it differs
+  and stays finite."""
+  video, log = launch(tmp_path, [
+      run_config, f"pretrained_model_name_or_path={checkpoints['wan21']}",
+      f"svg_density={density}", "svg_layouts=[semantic]", "svg_semantic_clusters=8", *TINY])
+  sparse = [r for r in log if r["kind"] == "self" and r["sparse"]][-(STEPS - 1):]  # the run's
+  assert [r["warm"] for r in sparse] == [False] + [True] * (STEPS - 2)  # layer 1, steps 1, 2
+  diff = np.abs(video.astype(int) - dense_video.astype(int))
+  if density == 1.0:
+    assert diff.max() <= 1 and diff.mean() < 1e-3, (diff.max(), diff.mean())  # rounding only
+  else:
+    quality = wan_e2e.psnr(video, dense_video)
+    print(f"tiny Wan 2.1, every head semantic, density 0.3: video PSNR {quality:.1f} dB")
+    assert 15 < quality < 80 and np.isfinite(video).all()
+
+
 @pytest.fixture(scope="module")
 def sparse_run(checkpoints, run_config, tmp_path_factory):
   """The launcher at density 0.3: its frames, its MP4 and its call log."""
