@@ -64,7 +64,9 @@ class SvgConfig:
   layouts: tuple[str, ...] = DEFAULT_LAYOUTS
   semantic_clusters: int = 32
   semantic_iterations: int = 4  # k-means updates of a cold start (a run's first semantic call)
-  semantic_warm_iterations: int = 1  # ... from the previous step's centroids (the plugin's runs)
+  # ... from the previous step's centroids (the plugin's runs); 0: every step cold. Measured
+  # (docs/benchmarks.md, "Warm starts across denoising steps"): no gain yet, so off.
+  semantic_warm_iterations: int = 0
 
   def __post_init__(self):
     check_density(self.density, "svg_density")

@@ -62,7 +62,7 @@ class SemanticConfig:
 
   clusters: int = 32
   iterations: int = 4  # k-means updates from the deterministic start (cold)
-  warm_iterations: int = 1  # ... from the previous denoising step's centroids (warm)
+  warm_iterations: int = 0  # ... from the previous step's centroids (warm); 0: no warm start
   blocks: int = 8  # sub-blocks per key tile the estimate reads (compensation's, when on)
   cluster_on: str = DEFAULT_CLUSTER_ON
   criterion: str = "mass"  # "error" with compensation on: what the centroids leave
@@ -83,7 +83,8 @@ def _is_int(x: Any) -> bool:
 def check_semantic(clusters: Any, iterations: Any, tokens: int | None = None,
                    warm_iterations: Any = 0) -> None:
   """Refuses clusters below 1 (or above the tokens, when known), iterations below 1 and warm
-  iterations below 0 or above the cold ones (a warm start never costs more than a cold one)."""
+  iterations below 0 (0: no warm start) or above the cold ones (a warm start never costs more
+  than a cold one)."""
   if not _is_int(clusters) or clusters < 1 or (
       tokens is not None and clusters > tokens):
     most = f" and <= the tokens ({tokens})" if tokens is not None else ""
@@ -91,7 +92,7 @@ def check_semantic(clusters: Any, iterations: Any, tokens: int | None = None,
   if not _is_int(iterations) or iterations < 1:
     raise ValueError(f"svg_semantic_iterations must be an integer >= 1, got {iterations!r}")
   if not _is_int(warm_iterations) or not 0 <= warm_iterations <= iterations:
-    raise ValueError(f"svg_semantic_warm_iterations must be an integer from 0 to "
+    raise ValueError(f"svg_semantic_warm_iterations must be an integer from 0 (no warm start) to "
                      f"svg_semantic_iterations ({iterations}), got {warm_iterations!r}")
 
 
@@ -142,6 +143,8 @@ def kmeans(x: jax.Array, clusters: int, iterations: int, sample: int | None = No
   products in ``x``'s dtype with float32 accumulation; an empty cluster keeps its centroid."""
   b, h, s, d = x.shape
   check_semantic(clusters, iterations, s, warm_iterations if seed is not None else 0)
+  if seed is not None and warm_iterations < 1:
+    raise ValueError("a warm start (seed) needs svg_semantic_warm_iterations >= 1 (0: none)")
   f32 = jnp.float32
   stride = max(1, s // (sample or clusters * SAMPLE_PER_CLUSTER))
   # Materialised once: fused into each step, the strided read would be redone every time.

@@ -236,10 +236,13 @@ def test_the_settings_line_names_the_layouts():
   from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
   line = PluginSettings.from_mapping({"svg_layouts": "[spatial, temporal, semantic]",
                                       "svg_semantic_clusters": 16}).summary()
-  assert (", layouts spatial, temporal, semantic (16 clusters, k-means 4 iterations cold, 1 warm "
-          "from the previous step's centroids), ") in line
+  assert ", layouts spatial, temporal, semantic (16 clusters, k-means 4 iterations every step), " in line
+  warm = PluginSettings.from_mapping({"svg_layouts": "[spatial, temporal, semantic]",
+                                      "svg_semantic_warm_iterations": 1}).summary()
+  assert ("semantic (32 clusters, k-means 4 iterations cold, 1 warm from the previous step's "
+          "centroids), ") in warm
   assert ", layouts spatial, temporal, dense kernel" in PluginSettings.from_mapping({}).summary()
   on_ring = PluginSettings.from_mapping({"svg_layouts": "[spatial, temporal, semantic]"}).summary(
       ring=(8, 2))
-  assert ("warm from the previous step's centroids) (semantic left out on the ring "
+  assert ("iterations every step) (semantic left out on the ring "
           "(ulysses_shards 8, sequence split over 2 devices): layouts [spatial, temporal]), ") in on_ring

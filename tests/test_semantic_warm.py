@@ -58,8 +58,8 @@ def test_a_warm_start_reaches_the_converged_assignment_in_one_update():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(semantic_warm_iterations=-1), "svg_semantic_warm_iterations must be an integer from 0 "
-                                        "to svg_semantic_iterations"),
+    (dict(semantic_warm_iterations=-1), r"svg_semantic_warm_iterations must be an integer from 0 "
+                                        r"\(no warm start\) to svg_semantic_iterations"),
     (dict(semantic_iterations=2, semantic_warm_iterations=3), r"svg_semantic_iterations \(2\), "
                                                               r"got 3"),
     (dict(semantic_warm_iterations=True), "svg_semantic_warm_iterations must be an integer"),

@@ -90,11 +90,12 @@ def run_warm_bench(steps: int = 10, clusters: int = 16, counts: tuple[int, ...] 
     with plugin.record_calls(arrays=True) as calls:
       tiny_wan.generate(pipeline, steps, text, guidance_scale=5.0)
       jax.effects_barrier()
-  layers = sorted({r["layer"] for r in calls if r["kind"] == "self"})
+  calls = [r for r in calls if r["kind"] == "self"]
+  layers = sorted({r["layer"] for r in calls})
   per_layer = {}
   for layer in layers:
-    keys = [r["qkv_out"][1] for r in sorted((r for r in calls if r["kind"] == "self"
-                                              and r["layer"] == layer), key=lambda r: r["step"])]
+    keys = [r["qkv_out"][1] for r in sorted((r for r in calls if r["layer"] == layer),
+                                            key=lambda r: r["step"])]
     log(f"layer {layer}: clustering {len(keys)} steps' keys cold and warm...")
     per_layer[layer] = compare_counts(keys, clusters, counts)
   table = {how: {n: float(np.mean([per_layer[l]["agreement"][how][n] for l in layers]))

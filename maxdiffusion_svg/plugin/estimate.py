@@ -191,7 +191,7 @@ def _semantic(svg: Any, grid: VideoGrid, plan: Any) -> dict[str, Any] | None:
   final = points * clusters
   attention = 2 * plan.stats.visited_tiles * plan.block_q * plan.block_kv
   cold = svg.semantic_iterations * per_update + final
-  warm = svg.semantic_warm_iterations * per_update + final
+  warm = svg.semantic_warm_iterations * per_update + final if svg.semantic_warm_iterations else cold
   return {"clusters": clusters, "group": group, "cold_iterations": svg.semantic_iterations,
           "warm_iterations": svg.semantic_warm_iterations, "cold_vs_attention": cold / attention,
           "warm_vs_attention": warm / attention}

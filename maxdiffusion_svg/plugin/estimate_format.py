@@ -7,6 +7,10 @@ from typing import Any
 
 from maxdiffusion_svg.plugin.config_checks import format_fit
 
+# The measured price of a semantic head (docs/benchmarks.md, "The semantic layout: what it costs").
+SEMANTIC_CALL_NOTE = ("1.11x a band head's call at 720p on a v6e, density 0.35 (1.19x at 0.15; "
+                      "compiler-static schedule, docs/benchmarks.md)")
+
 
 def _checks(result: dict[str, Any]) -> list[str]:
   checks = result["checks"]
@@ -102,13 +106,14 @@ def format_estimate(result: dict[str, Any]) -> str:
       f"{comp['score_work_vs_dense']:.2%} of a dense call's scores; not in the bounds here")
   sem = result.get("semantic")
   if sem is not None:
+    warm = (f"the run's first call per layer; later steps {sem['warm_iterations']} from the "
+            f"previous step's centroids, {sem['warm_vs_attention']:.2%}" if sem["warm_iterations"]
+            else "every step")
     lines.append(
-        f"semantic layout: k-means of each head's keys ({sem['clusters']} clusters, groups of "
-        f"{sem['group']} tokens) costs {sem['cold_vs_attention']:.1%} of a sparse call's "
-        f"attention work cold ({sem['cold_iterations']} iterations, the run's first semantic "
-        f"call per layer), {sem['warm_vs_attention']:.1%} warm ({sem['warm_iterations']} from the "
-        f"previous step's centroids; multiply-adds, computed); the gathers and the table are "
-        f"priced in docs/benchmarks.md; not in the bounds here")
+        f"semantic layout ({sem['clusters']} clusters, tokens in groups of {sem['group']}): its "
+        f"k-means is {sem['cold_vs_attention']:.2%} of a sparse call's attention multiply-adds "
+        f"({sem['cold_iterations']} iterations, {warm}; computed); what a semantic head costs is "
+        f"its placement gathers: {SEMANTIC_CALL_NOTE}; not in the bounds here")
   e2e = result["end_to_end"]
   lines.append(
       f"end to end: a denoising step at most {e2e['step_speedup_bound']:.2f}x faster (Amdahl: "

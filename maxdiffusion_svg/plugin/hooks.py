@@ -176,7 +176,8 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
 
   Done by the hooks for every transformer a Wan pipeline loads; call it yourself for a
   ``WanModel`` built another way. ``expert``: ``high_noise``/``low_noise`` for Wan 2.2.
-  With semantic among the layouts and ``warm_start``, the model also holds its semantic
+  With semantic among the layouts, ``svg_semantic_warm_iterations`` above 0 and
+  ``warm_start``, the model also holds its semantic
   centroids (a warm start across denoising steps; each Wan 2.2 expert its own), replicated over
   ``mesh`` if given.
   """
@@ -195,7 +196,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
-  if settings.svg.semantic is not None and warm_start:
+  if settings.svg.semantic is not None and settings.svg.semantic_warm_iterations and warm_start:
     heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
     shape = (model.num_layers, heads, settings.svg.semantic_clusters, head_dim)
     put = _replicated(mesh)
@@ -348,7 +349,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
         model.svg_uncounted = "aot_cache_dir is set: its executables cannot hold host callbacks"
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       line = settings.summary(settings.svg.target(mesh=mesh), _ring(config, mesh, model))
-      if aot and settings.svg.semantic is not None:
+      if aot and settings.svg.semantic is not None and settings.svg.semantic_warm_iterations:
         line += f"; semantic {NO_WARM_START_WITH_AOT}"
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
                       f"{f' ({expert} expert)' if expert else ''}: {line}")

@@ -100,9 +100,10 @@ class PluginSettings:
     """The layouts the router chooses among, for the log lines (``ring``: see :meth:`summary`)."""
     text = "layouts " + ", ".join(self.svg.layouts)
     if self.svg.semantic is not None:
+      warm = self.svg.semantic_warm_iterations
       text += (f" ({self.svg.semantic_clusters} clusters, k-means {self.svg.semantic_iterations}"
-               f" iterations cold, {self.svg.semantic_warm_iterations} warm from the previous "
-               f"step's centroids)")
+               + (f" iterations cold, {warm} warm from the previous step's centroids)" if warm
+                  else " iterations every step)"))
     if note := ring_note(self.svg.layouts, *ring):
       text += f" ({note})"
     return text

@@ -52,7 +52,8 @@ def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints
   # clusters cold) and still compiles once per expert.
   argv = [wan22_config, f"pretrained_model_name_or_path={checkpoints['wan22']}", "flow_shift=3.0",
           "guidance_scale_low=3.5", "guidance_scale_high=3.5",
-          "svg_layouts=[spatial, temporal, semantic]", "svg_semantic_clusters=8", *TINY]
+          "svg_layouts=[spatial, temporal, semantic]", "svg_semantic_clusters=8",
+          "svg_semantic_warm_iterations=1", *TINY]
   cache = tmp_path / "aot"
 
   def run(*extra):
