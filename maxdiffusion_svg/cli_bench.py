@@ -204,7 +204,7 @@ def _bench_wan_forward(args: argparse.Namespace) -> int:
   kernels = [k for k in args.kernels.split(",") if k]
   result = compile_wan_forwards(kernels=kernels, config_path=args.config, topology=args.topology,
                                 frames=frames, height=height, width=width,
-                                num_layers=args.layers, log=_progress)
+                                num_layers=args.layers, log=_progress, subfolder=args.subfolder)
   _report(args, format_wan_forwards(result), result)
   return 0
 
@@ -379,6 +379,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                         "ulysses, ulysses_custom_fixed_m, ulysses_ring_custom, ...)")
   wan.add_argument("--layers", type=int, default=None,
                    help="transformer layers (default: the model's 40; one scanned body either way)")
+  wan.add_argument("--subfolder", default="transformer", choices=["transformer", "transformer_2"],
+                   help="with a Wan 2.2 config, the expert: transformer (high noise) or "
+                        "transformer_2 (low noise)")
   _add_json_arg(wan)
   wan.set_defaults(run=_bench_wan_forward)
 

@@ -162,9 +162,10 @@ def weightless_loaders(num_layers: int):
     yield
 
 
-def weightless_transformer(config, mesh_devices, num_layers: int):
+def weightless_transformer(config, mesh_devices, num_layers: int, subfolder: str = "transformer"):
   """The pipeline's ``WanModel`` for ``config`` (prepared by the hooks when ``attention`` is
-  ``svg``), its parameters abstract and sharded on the mesh."""
+  ``svg``), its parameters abstract and sharded on the mesh; ``subfolder``: Wan 2.2's experts
+  are ``transformer`` (high noise) and ``transformer_2`` (low noise)."""
   # pylint: disable=import-outside-toplevel
   from flax import nnx
   from maxdiffusion.pipelines.wan import wan_pipeline
@@ -173,7 +174,7 @@ def weightless_transformer(config, mesh_devices, num_layers: int):
   with weightless_loaders(num_layers), mesh:
     return wan_pipeline.create_sharded_logical_transformer(
         devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config,
-        subfolder="transformer")
+        subfolder=subfolder)
 
 
 def abstract_tree(tree: Any, mesh) -> Any:
@@ -225,7 +226,8 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
                     options: dict[str, str] | None = None,
                     log: Callable[[str], None] = print,
                     hlo_dir: str | pathlib.Path | None = None,
-                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                    overrides: dict[str, Any] | None = None,
+                    subfolder: str = "transformer") -> dict[str, Any]:
   """One kernel's row (see :func:`compile_wan_forwards`)."""
   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp
@@ -249,7 +251,7 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
                          "text_len": text_len,
                          "flash_min_seq_length": config.flash_min_seq_length}
   start = time.perf_counter()
-  model = weightless_transformer(config, mesh_devices, layers)
+  model = weightless_transformer(config, mesh_devices, layers, subfolder)
   if kernel == plugin.KERNEL_NAME:
     if not hooks.is_prepared(model):
       raise RuntimeError("the svg transformer was not prepared by the create-transformer hook")
@@ -296,8 +298,10 @@ def compile_wan_forwards(kernels: Sequence[str] = KERNELS,
                          num_layers: int | None = None, options: dict[str, str] | None = None,
                          log: Callable[[str], None] = print,
                          hlo_dir: str | pathlib.Path | None = None,
-                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-  """Wan 2.1 14B's forward compiled for ``topology`` with each attention kernel.
+                         overrides: dict[str, Any] | None = None,
+                         subfolder: str = "transformer") -> dict[str, Any]:
+  """Wan 2.1 14B's forward compiled for ``topology`` with each attention kernel (with a Wan 2.2
+  config, the expert of ``subfolder``: ``transformer`` high noise, ``transformer_2`` low noise).
 
   ``batch`` 2 is classifier-free guidance's pair; ``num_layers`` (default: the model's 40)
   reduces depth, the layers still one scanned body; ``options`` are XLA TPU compiler flags
@@ -316,13 +320,14 @@ def compile_wan_forwards(kernels: Sequence[str] = KERNELS,
       "topology": topology, "config": str(config_path), "video": (frames, height, width),
       "latent": latent, "batch": batch, "text_len": text_len, "num_layers": layers,
       "full_depth": layers == WAN_14B["num_layers"], "options": dict(options or {}),
-      "overrides": dict(overrides or {}),
+      "overrides": dict(overrides or {}), "subfolder": subfolder,
       "kernels": {}}
   for kernel in kernels:
     log(f"Wan 2.1 14B forward, attention={kernel}, {layers} layers, latent "
         f"{'x'.join(map(str, latent))}, batch {batch}, on {topology}:")
     row = compile_forward(kernel, config_path, topology, latent, batch, text_len, layers,
-                          options, log, hlo_dir, {**(overrides or {}), **KERNEL_KEYS.get(kernel, {})})
+                          options, log, hlo_dir, {**(overrides or {}), **KERNEL_KEYS.get(kernel, {})},
+                          subfolder)
     result["kernels"][kernel] = row
     result["mesh"] = row["mesh"]
   return result
