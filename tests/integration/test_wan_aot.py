@@ -78,3 +78,19 @@ def test_each_shipped_slice_config_builds_its_mesh_on_the_slices_topology(config
   from maxdiffusion_svg.bench.wan_aot import REPO, init_config, topology_mesh  # pylint: disable=import-outside-toplevel
   _, built = topology_mesh(init_config(REPO / "configs" / config, "svg"), topology)
   assert {axis: built.shape[axis] for axis in mesh} == mesh
+
+
+@pytest.mark.full  # a third 2-layer compile (about 4 minutes here)
+def test_the_semantic_layout_compiles_in_the_forward_within_the_bound(compiled):
+  """With semantic among the layouts and the centroid store in the model's state (a warm start),
+  the forward holds our kernel and compiles, temporaries within the bound of svg's own."""
+  semantic = compile_wan_forwards(
+      kernels=("svg",), num_layers=LAYERS, log=lambda _: None,
+      overrides={"flash_min_seq_length": 0, "svg_layouts": "[spatial, temporal, semantic]",
+                 "svg_semantic_warm_iterations": 1})["kernels"]["svg"]
+  assert semantic["ok"], semantic["error"]
+  assert "layouts spatial, temporal, semantic" in semantic["svg"]
+  assert sum("svg_pallas_sparse" in name for name in semantic["mosaic_kernel_names"]) == 2
+  base = compiled["kernels"]["svg"]["memory"]
+  assert semantic["memory"]["temp"] <= TEMP_RATIO_BOUND * base["temp"], (semantic["memory"], base)
+  assert semantic["memory"]["argument"] > base["argument"]  # the store: layers x heads x C x D
