@@ -206,12 +206,11 @@ def _with_semantic_store(forward: Callable[..., Any]) -> Callable[..., Any]:
   import jax
   from flax import nnx
 
-  from maxdiffusion_svg.plugin import hooks
+  from maxdiffusion_svg.plugin import semantic_store
   # pylint: enable=import-outside-toplevel
-  stores = (hooks.SvgSemanticCentroids, hooks.SvgSemanticReady)
 
-  def as_ref(var: Any) -> Any:
-    return type(var)(var[...], ref=True) if isinstance(var, stores) else var  # a new mutable array
+  def as_ref(var: Any) -> Any:  # a new mutable array
+    return type(var)(var[...], ref=True) if isinstance(var, semantic_store.STORES) else var  # a new mutable array
 
   def wrapped(graphdef, state, rest, *args, **kwargs):
     rest = jax.tree.map(as_ref, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -236,7 +235,7 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
   from maxdiffusion.pipelines.wan import wan_pipeline
 
   from maxdiffusion_svg import plugin
-  from maxdiffusion_svg.plugin import hooks
+  from maxdiffusion_svg.plugin import hooks, semantic_store
   from maxdiffusion_svg.tpu_aot import abstract, compile_lowered
   # pylint: enable=import-outside-toplevel
   plugin.register()
@@ -266,7 +265,7 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
   text = abstract((batch, text_len, WAN_14B["text_dim"]), jnp.float32, mesh)
   forward = getattr(wan_pipeline.transformer_forward_pass, "jitted",
                     wan_pipeline.transformer_forward_pass)
-  if hooks.semantic_store(model) is not None:
+  if semantic_store.refs(model) is not None:
     forward = _with_semantic_store(forward)
   with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
     lowered = forward.lower(graphdef, state, rest, latents, timestep, text,

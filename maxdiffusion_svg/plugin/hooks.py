@@ -24,14 +24,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
   context shards against heads), after ``jax.distributed`` starts and before weights load.
 
 Values cross from a hook to the kernel through context variables, set only while the
-wrapped call runs (its trace, for jitted code). With semantic among the layouts, a prepared
-model also holds its layers' k-means centroids in mutable arrays (``jax.Ref``, nnx variables
-with ``ref=True``): they enter every jitted forward as inputs like the model's other state, a
-semantic call reads its layer's as the warm start and writes its own, so step t seeds step t+1
-in the Python loop and in ``scan_diffusion_loop``'s ``lax.scan``, and each Wan 2.2 expert keeps
-its own. Setting a run's timesteps marks them stale (the run starts cold). With MaxDiffusion's
-AOT cache (``aot_cache_dir``) the store is left out and every step clusters cold
-(:data:`NO_WARM_START_WITH_AOT`).
+wrapped call runs (its trace, for jitted code). A model with semantic warm starts also holds
+its layers' centroids in mutable arrays (:mod:`semantic_store`), which the kernel reads and writes.
 """
 
 from __future__ import annotations
@@ -48,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import contract, preflight, run_summary
+from maxdiffusion_svg.plugin import contract, preflight, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -77,19 +71,6 @@ class SvgExpertTag(nnx.Variable):
 EXPERT_TAG_SIZE = {"high_noise": 1, "low_noise": 2}
 
 
-class SvgSemanticCentroids(nnx.Variable):
-  """Each layer's and head's k-means centroids of the keys, ``[num_layers, heads, clusters,
-  head_dim]`` float32, held in a mutable array (``jax.Ref``): a semantic call reads its
-  layer's as the warm start and writes its own (the mean over the batch), so step t seeds
-  step t+1 through the jitted forward, the ``lax.scan`` loop and every executable of the
-  pipeline without a change to their signatures."""
-
-
-class SvgSemanticReady(nnx.Variable):
-  """``[num_layers]`` int32: whether the layer's centroids are from this run (1) or not yet
-  (0: the cold start runs). Reset when a pipeline sets its timesteps (a new run)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
   """What a ``WanModel`` call tells the kernels it runs."""
@@ -100,7 +81,7 @@ class ModelCall:
   expert: str | None
   step: jax.Array | None  # traced int32; None when no schedule was set
   count_calls: bool = False  # report each self-attention call to run_summary
-  # (centroids, ready) refs of a model with semantic among its layouts, in a denoising run
+  # (centroids, ready) refs of a model holding a semantic store, in a denoising run
   semantic_store: tuple[Any, Any] | None = None
 
 
@@ -163,13 +144,6 @@ def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
     yield op, layer
 
 
-# Why a model's semantic clustering starts cold every step: MaxDiffusion's AOT cache describes an
-# executable by Lowered.out_info, which JAX cannot give for one whose inputs hold mutable arrays.
-NO_WARM_START_WITH_AOT = ("warm start off: aot_cache_dir is set (MaxDiffusion's AOT cache cannot "
-                          "hold the mutable arrays that carry the centroids), every step clusters "
-                          "cold")
-
-
 def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None,
                         mesh: Any = None, warm_start: bool = True) -> Any:
   """Attaches what the ``svg`` kernel needs to a ``WanModel`` (in place; returns it).
@@ -196,42 +170,9 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
-  if settings.svg.semantic is not None and settings.svg.semantic_warm_iterations and warm_start:
-    heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
-    shape = (model.num_layers, heads, settings.svg.semantic_clusters, head_dim)
-    put = _replicated(mesh)
-    model.svg_semantic_centroids = SvgSemanticCentroids(put(jnp.zeros(shape, jnp.float32)),
-                                                        ref=True)
-    model.svg_semantic_ready = SvgSemanticReady(put(jnp.zeros((model.num_layers,), jnp.int32)),
-                                                ref=True)
+  if warm_start:
+    semantic_store.attach(model, settings, mesh)
   return model
-
-
-def _replicated(mesh: Any) -> Any:
-  """How a store's value is placed: on ``mesh``, replicated; on a compile-only topology's mesh
-  (ahead-of-time compiles for TPUs this host does not have), its shape alone: a compile lowers
-  the forward with the store as mutable arrays made from abstract inputs
-  (:func:`maxdiffusion_svg.bench.wan_aot.compile_forward`)."""
-  if mesh is None:
-    return lambda x: x
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  if not set(mesh.devices.flat) <= set(jax.devices()):
-    return lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  return lambda x: jax.device_put(x, sharding)
-
-
-def semantic_store(model: Any) -> tuple[Any, Any] | None:
-  """The model's (centroids, ready) mutable arrays, if it holds them."""
-  if getattr(model, "svg_semantic_centroids", None) is None:
-    return None
-  return model.svg_semantic_centroids.get_raw_value(), model.svg_semantic_ready.get_raw_value()
-
-
-def reset_semantic(model: Any) -> None:
-  """Marks a model's semantic centroids stale: the next run starts cold (reproducible runs)."""
-  store = semantic_store(model)
-  if store is not None and isinstance(store[1], jax.Ref):  # not a compile's shapes
-    store[1][...] = jnp.zeros_like(store[1][...])
 
 
 def set_denoising_schedule(model: Any, timesteps: Any) -> None:
@@ -246,7 +187,7 @@ def set_denoising_schedule(model: Any, timesteps: Any) -> None:
   padded = jnp.full((MAX_STEPS,), -1.0, jnp.float32).at[:timesteps.size].set(timesteps)
   model.svg_timesteps[...] = padded
   model.svg_schedule_set = True  # static: set before the first compile, unchanged after
-  reset_semantic(model)  # a new run: its first semantic call clusters cold
+  semantic_store.reset(model)  # a new run: its first semantic call clusters cold
 
 
 def is_prepared(model: Any) -> bool:
@@ -283,7 +224,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
                      getattr(self, "svg_expert", None), step,
                      counts_calls(self),
                      # centroids carry over steps of a denoising run only (a step is known)
-                     semantic_store(self) if step is not None else None)
+                     semantic_store.refs(self) if step is not None else None)
     with model_call(call):
       return original(self, hidden_states, timestep, *args, **kwargs)
 
@@ -350,7 +291,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       line = settings.summary(settings.svg.target(mesh=mesh), _ring(config, mesh, model))
       if aot and settings.svg.semantic is not None and settings.svg.semantic_warm_iterations:
-        line += f"; semantic {NO_WARM_START_WITH_AOT}"
+        line += f"; semantic {semantic_store.NO_WARM_START_WITH_AOT}"
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
                       f"{f' ({expert} expert)' if expert else ''}: {line}")
       empty = settings.empty_window(config.get_keys().get("num_inference_steps"), model.num_layers)

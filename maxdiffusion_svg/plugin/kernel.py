@@ -19,10 +19,9 @@ from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
-from maxdiffusion_svg.plugin import hooks, run_summary
+from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
 from maxdiffusion_svg.schedule import Interval
-from maxdiffusion_svg.semantic import Seed
 from maxdiffusion_svg.sharding import sharded_svg_attention
 
 
@@ -150,11 +149,9 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if layer is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: a self-attention op of {call.model} has no "
                      f"layer index (prepare_transformer tags blocks[*].attn1 only)")
-  seed = None
-  if call.semantic_store is not None:  # the previous step's centroids of this layer
-    stored, ready = call.semantic_store
-    seed = Seed(jnp.broadcast_to(stored[layer][None], (q.shape[0], *stored.shape[1:])),
-                ready[layer] > 0)
+  # the previous step's centroids of this layer, where the model keeps them
+  seed = (None if call.semantic_store is None
+          else semantic_store.seed(call.semantic_store, layer, q.shape[0]))
   out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                               config=settings.svg, scale=context["scale"], step=step,
                               layer=layer, expert=call.expert,
@@ -164,10 +161,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
                               seed=seed)
   if seed is not None:
     out, clusters = out
-    stored, ready = call.semantic_store
-    stored[layer] = jnp.mean(clusters, axis=0)  # the batch shares a warm start (CFG: one video)
-    active = jnp.asarray(schedule.is_active(step, layer), jnp.int32)
-    ready[layer] = jnp.maximum(ready[layer], active)  # clustered once a sparse call ran
+    semantic_store.write(call.semantic_store, layer, clusters, schedule.is_active(step, layer))
   _record("self", call.expert, schedule.is_active(step, layer), step, layer,
           settings.svg.density_for(call.expert), arrays=(q, k, v, out),
           warm=False if seed is None else seed.ready)
