@@ -289,7 +289,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
         # MaxDiffusion's AOT cache cannot serialise callbacks.
         model.svg_uncounted = "aot_cache_dir is set: its executables cannot hold host callbacks"
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
-      line = settings.summary(settings.svg.target(mesh=mesh), _ring(config, mesh, model))
+      line = settings.summary(settings.svg.target(mesh=mesh), _ring(config, mesh))
       if aot and settings.svg.semantic is not None and settings.svg.semantic_warm_iterations:
         line += f"; semantic {semantic_store.NO_WARM_START_WITH_AOT}"
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
@@ -302,11 +302,14 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _ring(config: Any, mesh: Any, model: Any) -> tuple[int, int]:
-  """``(ulysses shards, ring shards)`` of the model's self-attention on ``mesh``."""
-  from maxdiffusion_svg.ring_plan import check_ulysses_shards  # pylint: disable=import-outside-toplevel
-  return check_ulysses_shards(config.get_keys().get("ulysses_shards", -1),
-                              dict(mesh.shape).get("context", 1), model.config.num_attention_heads)
+def _ring(config: Any, mesh: Any) -> tuple[int, int]:
+  """``(ulysses shards, ring shards)`` of self-attention on ``mesh``, for the settings line;
+  (0, 1) where there is no ring or the split is invalid (the kernel's check names that)."""
+  from maxdiffusion_svg.ring_plan import asks_for_ring  # pylint: disable=import-outside-toplevel
+  ulysses, context = config.get_keys().get("ulysses_shards", -1), dict(mesh.shape).get("context", 1)
+  if not asks_for_ring(ulysses, context) or not isinstance(ulysses, int) or context % ulysses:
+    return 0, 1
+  return ulysses, context // ulysses
 
 
 def _refusing(model_class: str) -> _Wrapper:
