@@ -306,6 +306,8 @@ def _ring(config: Any, mesh: Any) -> tuple[int, int]:
   """``(ulysses shards, ring shards)`` of self-attention on ``mesh``, for the settings line;
   (0, 1) where there is no ring or the split is invalid (the kernel's check names that)."""
   from maxdiffusion_svg.ring_plan import asks_for_ring  # pylint: disable=import-outside-toplevel
+  if mesh is None:
+    return 0, 1
   ulysses, context = config.get_keys().get("ulysses_shards", -1), dict(mesh.shape).get("context", 1)
   if not asks_for_ring(ulysses, context) or not isinstance(ulysses, int) or context % ulysses:
     return 0, 1
