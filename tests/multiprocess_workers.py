@@ -11,7 +11,8 @@ def sharded_config(semantic=False):
   """The multi-process tests' config; ``semantic``: the three layouts, 4 clusters."""
   from maxdiffusion_svg.config import SvgConfig  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.schedule import Interval, Schedule  # pylint: disable=import-outside-toplevel
-  layouts = dict(layouts=["spatial", "temporal", "semantic"], semantic_clusters=4) if semantic else {}
+  layouts = dict(layouts=["spatial", "temporal", "semantic"], semantic_clusters=4,
+                 semantic_warm_iterations=1) if semantic else {}
   return SvgConfig(block_q=128, block_kv=128, backend="xla", profile_queries=16, density=0.3,
                    schedule=Schedule(Interval(2, None), Interval(1, None)), **layouts)
 
