@@ -61,7 +61,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("name", ["wan_svg.yml", "wan22_svg.yml"])
+@pytest.mark.parametrize("name", ["wan_svg.yml",  # the Wan 2.2 config's run: full tier
+                                  pytest.param("wan22_svg.yml", marks=pytest.mark.full)])
 def test_a_patched_maxdiffusion_takes_every_key_from_the_plugins_defaults(
     name, patched_maxdiffusion):
   config = CONFIGS / name
