@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.kernels import refusal
+from maxdiffusion_svg.kernels.gradient import differentiable
 from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
 from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_keys
 # Imported with the package, not on the first call: tokamax registers JAX config values when
@@ -86,20 +87,6 @@ def _check_head_tiles(head_tiles: Any, q_shape: tuple[int, ...], plan: TilePlan,
                      f"{tuple(head_tiles.shape)}")
 
 
-def _inference_only(fn):
-  """Wraps ``fn`` so that any derivative raises instead of silently producing garbage."""
-  guarded = jax.custom_jvp(fn)
-
-  @guarded.defjvp
-  def _no_derivative(primals, tangents):
-    del primals, tangents
-    raise NotImplementedError(
-        "sparse_attention is inference-only: it has no gradient. Use dense attention for "
-        "training or fine-tuning.")
-
-  return guarded
-
-
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,
                      scale: float | None = None, backend: str = "auto",
                      block_kv_compute: int | None = None,
@@ -148,48 +135,55 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   tables = 1 if head_tiles is None else q.shape[0] * q.shape[1]
   per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
 
-  def merged_after(run):
-    """An executor without row keys of its own (or with row keys it cannot take: a per-head
-    bias): its log-sum-exp, then the row keys merged."""
-    if row_keys is None:
-      return lambda q, k, v: run(q, k, v, return_lse)
-    def call(q, k, v):
-      out, lse = with_row_keys(*run(q, k, v, True), q, row_keys, plan.block_q, scale)
-      return (out, lse) if return_lse else out
-    return call
+  def executor(return_lse: bool, row_keys: RowKeys | None, head_tiles: jax.Array | None):
+    """The call's executor for these row keys and tables, with or without its log-sum-exp."""
 
-  def kernel(interpret: bool):
-    if tpu_backend == "pallas":
-      check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
-      run = lambda q, k, v, lse, rk: pallas_sparse_attention(
-          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
-          return_lse=lse, row_keys=rk, head_tiles=head_tiles)
-      if per_head_bias:
-        return merged_after(lambda q, k, v, lse: run(q, k, v, lse, None))
-      return lambda q, k, v: run(q, k, v, return_lse, row_keys)
-    return merged_after(lambda q, k, v, lse: splash_sparse_attention(
-        q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute, return_lse=lse))
+    def merged_after(run):
+      """An executor without row keys of its own (or with row keys it cannot take: a per-head
+      bias): its log-sum-exp, then the row keys merged."""
+      if row_keys is None:
+        return lambda q, k, v: run(q, k, v, return_lse)
+      def call(q, k, v):
+        out, lse = with_row_keys(*run(q, k, v, True), q, row_keys, plan.block_q, scale)
+        return (out, lse) if return_lse else out
+      return call
 
-  xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
-      q, k, v, plan, scale, tiles_per_step=tiles_per_step, return_lse=lse, head_tiles=head_tiles))
+    def kernel(interpret: bool):
+      if tpu_backend == "pallas":
+        check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
+        run = lambda q, k, v, lse, rk: pallas_sparse_attention(
+            q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
+            return_lse=lse, row_keys=rk, head_tiles=head_tiles)
+        if per_head_bias:
+          return merged_after(lambda q, k, v, lse: run(q, k, v, lse, None))
+        return lambda q, k, v: run(q, k, v, return_lse, row_keys)
+      return merged_after(lambda q, k, v, lse: splash_sparse_attention(
+          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute, return_lse=lse))
 
-  def on_tpu():
-    """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
-    surfaces only if the call is lowered for one (runs on this host are unaffected)."""
-    try:
-      check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1],
-                     0 if row_keys is None or per_head_bias else row_keys.bias.shape[-1], tables)
-      return kernel(interpret=False)
-    except ValueError as err:
-      if not tpu.speculative:
-        raise
-      return refusal.refused_on_tpu(str(err), return_lse)
+    xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
+        q, k, v, plan, scale, tiles_per_step=tiles_per_step, return_lse=lse,
+        head_tiles=head_tiles))
 
-  if target.is_tpu:  # compiled for a TPU (or the TPU branch of a call that may be)
-    impl = on_tpu() if backend != "xla" else xla
-  elif given == "xla" or not follows_lowering_platform(target):  # the host's executor only
-    impl = kernel(interpret=True) if backend != "xla" else xla
-  else:  # nothing names the platform: held to the strictest known TPU where lowered for one
-    impl = lambda q, k, v: jax.lax.platform_dependent(
+    def on_tpu():
+      """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
+      surfaces only if the call is lowered for one (runs on this host are unaffected)."""
+      try:
+        check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1],
+                       0 if row_keys is None or per_head_bias else row_keys.bias.shape[-1], tables)
+        return kernel(interpret=False)
+      except ValueError as err:
+        if not tpu.speculative:
+          raise
+        return refusal.refused_on_tpu(str(err), return_lse)
+
+    if target.is_tpu:  # compiled for a TPU (or the TPU branch of a call that may be)
+      return on_tpu() if backend != "xla" else xla
+    if given == "xla" or not follows_lowering_platform(target):  # the host's executor only
+      return kernel(interpret=True) if backend != "xla" else xla
+    # nothing names the platform: held to the strictest known TPU where lowered for one
+    return lambda q, k, v: jax.lax.platform_dependent(
         q, k, v, tpu=on_tpu(), default=kernel(interpret=True) if backend != "xla" else xla)
-  return _inference_only(impl)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+
+  executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing
+  attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles)
+  return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))

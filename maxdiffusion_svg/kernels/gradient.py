@@ -1,0 +1,79 @@
+"""``sparse_attention``'s derivative: any executor's forward, the flash-style backward.
+
+A ``jax.custom_vjp`` around the call's executor. Undifferentiated, the primal runs as
+before (no log-sum-exp unless asked). Differentiated, the forward also returns each query's
+log-sum-exp and saves ``q, k, v``, the output and the log-sum-exp (``O(S)`` per head, the
+residuals a flash kernel keeps); the backward recomputes the visited tiles
+(:mod:`maxdiffusion_svg.kernels.backward`). What decides which tiles are visited (the plan, a
+head's table, the router's flags upstream) gets no derivative: tables are integers, and the
+row keys' logit bias (a log of key counts) is a constant. Row keys' keys and values (the
+compensation's centroids, means of ``k`` and ``v``) do get theirs, so the chain reaches
+``k`` and ``v`` through them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiffusion_svg.kernels.backward import (Cotangents, row_delta, row_keys_backward,
+                                               sparse_attention_backward)
+from maxdiffusion_svg.kernels.row_keys import RowKeys
+from maxdiffusion_svg.tiles import TilePlan
+
+# A residual name MaxDiffusion's remat policies can save or offload (jax.checkpoint_policies
+# by name): the attention's output and its log-sum-exp, the flash backward's residuals.
+RESIDUAL_NAMES = ("svg_attention_out", "svg_attention_lse")
+
+Executor = Callable[[bool, "RowKeys | None", "jax.Array | None"], Callable[..., Any]]
+
+
+def _named(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+  name = jax.ad_checkpoint.checkpoint_name
+  return name(out, RESIDUAL_NAMES[0]), name(lse, RESIDUAL_NAMES[1])
+
+
+def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse: bool,
+                   row_keys: RowKeys | None, head_tiles: jax.Array | None) -> Callable[..., Any]:
+  """``f(q, k, v)``: ``executor(return_lse, row_keys, head_tiles)`` with a derivative in ``q``,
+  ``k``, ``v`` and the row keys' ``k`` and ``v``. Traced row keys and tables are passed as
+  arguments (a custom VJP must not close over tracers); a static bias is closed over."""
+  static_bias = row_keys is not None and isinstance(row_keys.bias, np.ndarray)
+
+  def keys_of(rk_k, rk_v, rk_bias):
+    if rk_k is None:
+      return None
+    return RowKeys(rk_k, rk_v, row_keys.bias if static_bias else rk_bias)
+
+  @jax.custom_vjp
+  def attend(q, k, v, rk_k, rk_v, rk_bias, tables):
+    return executor(return_lse, keys_of(rk_k, rk_v, rk_bias), tables)(q, k, v)
+
+  def forward(q, k, v, rk_k, rk_v, rk_bias, tables):
+    out, lse = executor(True, keys_of(rk_k, rk_v, rk_bias), tables)(q, k, v)
+    out, lse = _named(out, lse)
+    return ((out, lse) if return_lse else out), (q, k, v, rk_k, rk_v, rk_bias, tables, out, lse)
+
+  def backward(res, ct):
+    q, k, v, rk_k, rk_v, rk_bias, tables, out, lse = res
+    ct = Cotangents(*ct) if return_lse else Cotangents(ct, None)
+    delta = row_delta(out, ct)
+    dq, dk, dv = sparse_attention_backward(q, k, v, lse, delta, ct.dout, plan, scale,
+                                           head_tiles=tables)
+    d_rk_k = d_rk_v = None
+    rk = keys_of(rk_k, rk_v, rk_bias)
+    if rk is not None:
+      dq_rows, d_rk_k, d_rk_v = row_keys_backward(q, rk, lse, delta, ct.dout, plan.block_q, scale)
+      dq = dq + dq_rows
+      d_rk_k, d_rk_v = d_rk_k.astype(rk_k.dtype), d_rk_v.astype(rk_v.dtype)
+    zero_bias = None if rk_bias is None else jnp.zeros_like(rk_bias)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_rk_k, d_rk_v,
+            zero_bias, None)
+
+  attend.defvjp(forward, backward)
+  rk_args = ((None, None, None) if row_keys is None
+             else (row_keys.k, row_keys.v, None if static_bias else row_keys.bias))
+  return lambda q, k, v: attend(q, k, v, *rk_args, head_tiles)
