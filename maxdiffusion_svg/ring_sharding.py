@@ -44,7 +44,7 @@ from maxdiffusion_svg.layouts import SEMANTIC
 from maxdiffusion_svg.masks import Mask, PlacedMask
 from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
-from maxdiffusion_svg.router import compensated_rows, routing_mask, sample_rows
+from maxdiffusion_svg.router import compensated_rows, constants, routing_mask, sample_rows
 from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import TilePlan
 
@@ -285,8 +285,9 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
         cents = (ring_centroids(k, v, grid, plan, blocks, shard, split.natural) if blocks
                  else None)
         judged = (plan, cents) if blocks and config.router.profile_masks == "execution" else None
-        spatial, temporal_error = ring_layout_errors(q, k, v, rows, grid, router_mask, shard,
-                                                     split.natural, scale, judged)
+        spatial, temporal_error = ring_layout_errors(*constants((q, k, v)), rows, grid,
+                                                     router_mask, shard, split.natural, scale,
+                                                     constants(judged))
         temporal = temporal_error < spatial
         run_cents = None if cents is None else per_head(cents, temporal)
         q, k, v = (place(x, temporal, spatial_perm, temporal_perm, shard) for x in (q, k, v))

@@ -224,6 +224,17 @@ def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -
   return plan.computed_mask
 
 
+def constants(tree: Any) -> Any:
+  """``tree`` with no derivative through its arrays: what decides a layout or a tile is a
+  choice, not a function to differentiate (a gradient sees the chosen mask as fixed)."""
+  if isinstance(tree, dict):  # by hand: layouts key the centroids, and enums do not sort
+    return {key: constants(value) for key, value in tree.items()}
+  if isinstance(tree, tuple):
+    values = [constants(value) for value in tree]
+    return type(tree)(*values) if hasattr(tree, "_fields") else tuple(values)
+  return jax.lax.stop_gradient(tree) if isinstance(tree, jax.Array) else tree
+
+
 def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
                   key: jax.Array, scale: float | None = None,
                   plan: TilePlan | None = None, expert: str | None = None,
@@ -243,6 +254,7 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   head's semantic order and table) is required where semantic is among them.
   """
   router = getattr(config, "router", config)
+  q, k, v, cents, semantic = constants((q, k, v, cents, semantic))
   if q.shape[2] != grid.tokens:
     raise ValueError(f"sequence length {q.shape[2]} does not match grid {grid} "
                      f"({grid.tokens} tokens)")

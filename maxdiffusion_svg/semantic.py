@@ -337,7 +337,10 @@ def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, co
   if seed is not None and config.cluster_on != "keys":
     raise ValueError(f"a warm start seeds the clustering of the keys (cluster_on 'keys'), got "
                      f"cluster_on {config.cluster_on!r}")
-  order = lambda x, seed=None: cluster_order(x, config.clusters, config.iterations, group, seed,
+  # The clusters and the table are choices: no derivative flows through them (the means the
+  # compensation merges, below, keep theirs).
+  order = lambda x, seed=None: cluster_order(jax.lax.stop_gradient(x), config.clusters,
+                                             config.iterations, group, seed,
                                              config.warm_iterations)
   if config.cluster_on == "queries_and_keys":  # one clustering of both: the token's q and k
     k_perm, k_pos, clusters = order(jnp.concatenate([q, k], axis=-1))
@@ -361,8 +364,8 @@ def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, co
     f32 = jnp.float32
     q_sq = query_means(jnp.sum(jnp.square(q.astype(f32)), -1, keepdims=True))[..., 0]
     k_sq = key_means(jnp.square(k.astype(f32)))
-  table = top_tiles(tile_scores(query_means(q), cents, plan, scale, config.criterion, q_sq, k_sq),
-                    plan)
+  table = top_tiles(jax.lax.stop_gradient(
+      tile_scores(query_means(q), cents, plan, scale, config.criterion, q_sq, k_sq)), plan)
   return SemanticLayout(q_perm, q_pos, k_perm, k_pos, table, cents, clusters)
 
 

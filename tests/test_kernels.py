@@ -131,15 +131,6 @@ def test_one_compilation_per_shape_and_plan():
   assert len(traces) == 1
 
 
-@pytest.mark.parametrize("backend", ["xla", "splash"])
-def test_differentiating_raises_a_clear_error(backend):
-  grid = GRIDS["s210"]
-  plan = plan_tiles(grid, 0.3, 128, 128, "split")
-  q, k, v = qkv(grid)
-  with pytest.raises(NotImplementedError, match="inference-only"):
-    jax.grad(lambda q: sparse_attention(q, k, v, plan, backend=backend).sum())(q)
-
-
 def test_bad_input_names_expected_and_actual():
   grid = GRIDS["s210"]
   plan = plan_tiles(grid, 0.3, 128, 128, "split")

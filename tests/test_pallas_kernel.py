@@ -155,8 +155,3 @@ def test_shapes_it_cannot_take_are_refused_naming_the_key():
     sparse_attention(ints, ints, ints, plan, backend="pallas")
 
 
-def test_differentiating_raises():
-  plan = plan_tiles(GRID, 0.3, 128, 128, "split")
-  q, k, v = (normal((1, 1, GRID.tokens, 128), seed) for seed in range(3))
-  with pytest.raises(NotImplementedError, match="inference-only"):
-    jax.grad(lambda q: sparse_attention(q, k, v, plan, backend="pallas").sum())(q)

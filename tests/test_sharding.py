@@ -206,14 +206,6 @@ def test_one_sequence_shard_compiles_no_collective(shape):
   assert collective_stats(lowered.compile().as_text()) == {}
 
 
-def test_inference_only():
-  mesh = mesh_of((1, 1, 8, 1))
-  q, k, v = planted(batch=1)
-  with pytest.raises(NotImplementedError, match="inference-only"):
-    jax.jit(jax.grad(lambda q: sharded_svg_attention(q, k, v, mesh=mesh, grid=GRID,
-                                                     config=config()).sum()))(q)
-
-
 def test_bad_input_names_the_problem():
   mesh = mesh_of((1, 1, 8, 1))
   cfg = config()
