@@ -13,7 +13,9 @@ compensation's centroids, means of ``k`` and ``v``) do get theirs, so the chain 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +26,31 @@ from maxdiffusion_svg.kernels.backward import (Cotangents, row_delta, row_keys_b
 from maxdiffusion_svg.kernels.row_keys import RowKeys
 from maxdiffusion_svg.tiles import TilePlan
 
-# A residual name MaxDiffusion's remat policies can save or offload (jax.checkpoint_policies
-# by name): the attention's output and its log-sum-exp, the flash backward's residuals.
+# Names a remat policy can save or offload (``jax.checkpoint_policies`` by name): the
+# attention's output and its log-sum-exp, what the flash backward keeps beside q, k and v.
 RESIDUAL_NAMES = ("svg_attention_out", "svg_attention_lse")
+# A caller's name for both as well: MaxDiffusion's (``self_attn``), which its policies name.
+_CALLER_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("svg_residual_name",
+                                                                          default=None)
 
 Executor = Callable[[bool, "RowKeys | None", "jax.Array | None"], Callable[..., Any]]
 
 
-def _named(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+@contextlib.contextmanager
+def residuals_named(name: str | None) -> Iterator[None]:
+  """Calls traced inside also name their residuals ``name`` (e.g. MaxDiffusion's
+  ``residual_checkpoint_name``, so that ``HIDDEN_STATE_WITH_OFFLOAD`` offloads them)."""
+  token = _CALLER_NAME.set(name)
+  try:
+    yield
+  finally:
+    _CALLER_NAME.reset(token)
+
+
+def _named(out: jax.Array, lse: jax.Array, caller: str | None) -> tuple[jax.Array, jax.Array]:
   name = jax.ad_checkpoint.checkpoint_name
-  return name(out, RESIDUAL_NAMES[0]), name(lse, RESIDUAL_NAMES[1])
+  out, lse = name(out, RESIDUAL_NAMES[0]), name(lse, RESIDUAL_NAMES[1])
+  return (out, lse) if caller is None else (name(out, caller), name(lse, caller))
 
 
 def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse: bool,
@@ -42,6 +59,8 @@ def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse:
   ``k``, ``v`` and the row keys' ``k`` and ``v``. Traced row keys and tables are passed as
   arguments (a custom VJP must not close over tracers); a static bias is closed over."""
   static_bias = row_keys is not None and isinstance(row_keys.bias, np.ndarray)
+  # Read now: the forward rule may be traced later (a remat traces it when it differentiates).
+  caller = _CALLER_NAME.get()
 
   def keys_of(rk_k, rk_v, rk_bias):
     if rk_k is None:
@@ -54,7 +73,7 @@ def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse:
 
   def forward(q, k, v, rk_k, rk_v, rk_bias, tables):
     out, lse = executor(True, keys_of(rk_k, rk_v, rk_bias), tables)(q, k, v)
-    out, lse = _named(out, lse)
+    out, lse = _named(out, lse, caller)
     return ((out, lse) if return_lse else out), (q, k, v, rk_k, rk_v, rk_bias, tables, out, lse)
 
   def backward(res, ct):

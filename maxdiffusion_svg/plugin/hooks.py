@@ -13,7 +13,7 @@ by :func:`install` (MaxDiffusion's files are not modified):
   the step as a *traced* function of the timestep it receives: the number of schedule
   timesteps above it. The jitted forward is compiled once and reused for every step, the
   warm-up and ``lax.scan`` loops included, so nothing step-dependent is a trace constant.
-* ``NNXAttentionOp.apply_attention``: the running op, whose layer variable is sliced per
+* ``NNXAttentionOp.apply_attention``: the running op, whose layer index is sliced per
   layer by ``nnx.scan`` (``scan_layers: True``) or set per block (``False``).
 * every Wan pipeline's ``__call__`` and the scheduler's ``set_timesteps``: when a pipeline
   sets its timesteps, they are written into its transformers' schedule variables, which
@@ -49,10 +49,6 @@ from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, Plug
 MAX_STEPS = 1000
 EXPERT_OF_SUBFOLDER = {"transformer": "high_noise", "transformer_2": "low_noise"}
 _PIPELINE_TRANSFORMERS = ("transformer", "high_noise_transformer", "low_noise_transformer")
-
-
-class SvgLayerIndex(nnx.Variable):
-  """A self-attention op's layer index (stacked ``[num_layers]`` under ``scan_layers``)."""
 
 
 class SvgTimesteps(nnx.Variable):
@@ -163,7 +159,10 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   model.svg_expert = expert
   for op, layer in ops:
     index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
-    op.svg_layer = SvgLayerIndex(index)
+    # A plain array leaf (``[num_layers]`` under ``scan_layers``, sliced per layer by
+    # ``nnx.scan``), not a Variable: MaxDiffusion's trainer closes over the model's non-Param
+    # state inside ``nnx.value_and_grad``, and ``nnx.scan`` refuses a Variable of another trace.
+    op.svg_layer = nnx.data(index)
   model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
   model.svg_schedule_set = False
   # Why the run summary does not count this model's calls ("": it does).

@@ -19,6 +19,7 @@ from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
+from maxdiffusion_svg.kernels.gradient import residuals_named
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
 from maxdiffusion_svg.schedule import Interval
@@ -143,7 +144,8 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
       raise ValueError(f"attention={KERNEL_NAME!r}: svg_active_steps is "
                        f"{schedule.active_steps} but the denoising step is unknown: run the "
                        f"model through a Wan pipeline, or call "
-                       f"maxdiffusion_svg.plugin.set_denoising_schedule(model, timesteps)")
+                       f"maxdiffusion_svg.plugin.set_denoising_schedule(model, timesteps); "
+                       f"a training step has none: set svg_active_steps: [0, -1] to train")
     step = 0
   layer = hooks.layer_index(hooks.current_attention_op())
   if layer is None:
@@ -152,13 +154,16 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   # the previous step's centroids of this layer, where the model keeps them
   seed = (None if call.semantic_store is None
           else semantic_store.seed(call.semantic_store, layer, q.shape[0]))
-  out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
-                              config=settings.svg, scale=context["scale"], step=step,
-                              layer=layer, expert=call.expert,
-                              qkv_spec=qkv_layout(context["axis_names_q"]),
-                              ulysses_shards=context["ulysses_shards"],
-                              on_routing=run_summary.on_routing if call.count_calls else None,
-                              seed=seed)
+  # Under a gradient, the kernel's residuals carry MaxDiffusion's name for this attention
+  # (self_attn), which its remat policies save or offload.
+  with residuals_named(context["residual_checkpoint_name"]):
+    out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
+                                config=settings.svg, scale=context["scale"], step=step,
+                                layer=layer, expert=call.expert,
+                                qkv_spec=qkv_layout(context["axis_names_q"]),
+                                ulysses_shards=context["ulysses_shards"],
+                                on_routing=run_summary.on_routing if call.count_calls else None,
+                                seed=seed)
   if seed is not None:
     out, clusters = out
     semantic_store.write(call.semantic_store, layer, clusters, schedule.is_active(step, layer))

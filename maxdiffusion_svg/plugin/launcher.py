@@ -1,9 +1,10 @@
 """``python -m maxdiffusion_svg.generate CONFIG [key=value ...]``: Wan generation with SVG, on
-an unmodified MaxDiffusion.
+an unmodified MaxDiffusion; ``python -m maxdiffusion_svg.train ...``: its Wan 2.1 trainer.
 
 Merges the config's ``base_config`` chain into one complete YAML (in a temporary folder,
 kept for the run) over every ``svg_*`` key's default, registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
-way its own ``__main__`` does. The SVG summary line is logged when each transformer is built.
+way its own ``__main__`` does (``train_wan``'s for training, after the training checks of
+:mod:`training`). The SVG summary line is logged when each transformer is built.
 Before any of that (and before MaxDiffusion or JAX is imported, for ``--help`` and the form of
 the arguments) every mistake it can see is refused in one line with exit status 2.
 """
@@ -11,6 +12,7 @@ the arguments) every mistake it can see is refused in one line with exit status 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import json
 import os
@@ -22,29 +24,57 @@ from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
 
-USAGE_LINE = "usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]"
-USAGE = f"""{USAGE_LINE}
 
-Runs MaxDiffusion's Wan generation (generate_wan) with Sparse VideoGen attention (attention: svg)
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """A MaxDiffusion main the launcher runs: generation or training."""
+
+  name: str  # our module: python -m maxdiffusion_svg.<name>
+  maxdiffusion_main: str  # MaxDiffusion's module whose main it runs
+  what: str  # the sentence of the usage text
+  example: str  # a shipped config
+  training: bool = False
+
+  @property
+  def usage_line(self) -> str:
+    return f"usage: python -m maxdiffusion_svg.{self.name} CONFIG.yml [key=value ...]"
+
+  @property
+  def usage(self) -> str:
+    return f"""{self.usage_line}
+
+{self.what}
 on an unmodified MaxDiffusion: merges CONFIG's base_config chain into one YAML over every svg_*
-key's default, checks the overrides, registers the plugin and starts generate_wan.
+key's default, checks the overrides, registers the plugin and starts {self.maxdiffusion_main}.
 
-  CONFIG.yml   a config, e.g. configs/wan_svg.yml; its base_config is looked up beside it, then
+  CONFIG.yml   a config, e.g. {self.example}; its base_config is looked up beside it, then
                among the installed MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)
   key=value    overrides any key of the merged config, MaxDiffusion's or svg_* (e.g.
-               num_inference_steps=30 svg_density=0.25), typed as MaxDiffusion types it
+               {"max_train_steps=100" if self.training else "num_inference_steps=30"} svg_density=0.25), typed as MaxDiffusion types it
 
-Keys: docs/reference.md ("Config keys"); guide: docs/getting-started.md."""
+Keys: docs/reference.md ("Config keys"); guide: docs/{"fine-tuning" if self.training else "getting-started"}.md."""
+
+
+GENERATE = Entry("generate", "generate_wan",
+                 "Runs MaxDiffusion's Wan generation (generate_wan) with Sparse VideoGen attention "
+                 "(attention: svg)", "configs/wan_svg.yml")
+TRAIN = Entry("train", "train_wan",
+              "Fine-tunes Wan 2.1 with MaxDiffusion's own trainer (train_wan) and Sparse VideoGen "
+              "attention\n(attention: svg): every training step sparse in svg_active_layers",
+              "configs/wan_svg_train.yml", training=True)
+USAGE_LINE, USAGE = GENERATE.usage_line, GENERATE.usage
 HELP = ("-h", "--help")
 
 
-def checked_config(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[str, Any], list[str]]:
   """The merged config of ``[prog, config.yml, *overrides]`` over every ``svg_*`` default, and
-  its chain of files, after checking the overrides (form, key, value) and the run name."""
+  its chain of files, after checking the overrides (form, key, value) and the run name (and for
+  training, :func:`training.check_training`)."""
   if len(argv) < 2 or "=" in argv[1]:
-    raise ValueError(USAGE_LINE)
+    raise ValueError(entry.usage_line)
   if argv[1].startswith("-"):
-    raise ValueError(f"{argv[1]} is not an option of the launcher (only -h, --help); {USAGE_LINE}")
+    raise ValueError(f"{argv[1]} is not an option of the launcher (only -h, --help); "
+                     f"{entry.usage_line}")
   check_form(argv[2:])
   from maxdiffusion_svg.plugin.settings import config_defaults  # pylint: disable=import-outside-toplevel
   config, chain = overlay.load_config(argv[1])
@@ -52,6 +82,9 @@ def checked_config(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
   check_overrides(config, argv[2:], chain)
   check_values(config, argv[2:])
   check_run_name(config, argv[2:])
+  if entry.training:
+    from maxdiffusion_svg.plugin.training import check_training  # pylint: disable=import-outside-toplevel
+    check_training(with_overrides(config, argv[2:]))
   return config, chain
 
 
@@ -117,10 +150,11 @@ def with_overrides(config: Mapping[str, Any], overrides: Sequence[str]) -> dict[
   return keys
 
 
-def prepare_argv(argv: Sequence[str], directory: str) -> tuple[list[str], list[str]]:
+def prepare_argv(argv: Sequence[str], directory: str,
+                 entry: Entry = GENERATE) -> tuple[list[str], list[str]]:
   """``[prog, merged.yml, *overrides]`` for MaxDiffusion from ``[prog, config.yml, *overrides]``,
   and the chain of config files merged."""
-  config, chain = checked_config(argv)
+  config, chain = checked_config(argv, entry)
   merged = overlay.write_config(config, f"{directory}/merged_config.yml")
   return [argv[0], merged, *argv[2:]], chain
 
@@ -149,32 +183,35 @@ def check_run_name(config: Mapping[str, Any], overrides: Sequence[str],
                            str(keys.get("run_name") or env.get("JOBSET_NAME") or ""))
 
 
-def run(argv: Sequence[str]) -> None:
+def run(argv: Sequence[str], entry: Entry = GENERATE) -> None:
   """Everything ``main`` does but the absl app wrapper (which exits): for tests and scripts."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion import generate_wan, max_logging
+  import importlib
+
+  from maxdiffusion import max_logging
 
   from maxdiffusion_svg import plugin
   # pylint: enable=import-outside-toplevel
+  maxdiffusion_main = importlib.import_module(f"maxdiffusion.{entry.maxdiffusion_main}")
   plugin.register()
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_") as directory:
-    maxdiffusion_argv, chain = prepare_argv(argv, directory)
+    maxdiffusion_argv, chain = prepare_argv(argv, directory, entry)
     max_logging.log(f"maxdiffusion_svg: config {' -> '.join(chain)} merged into "
                     f"{maxdiffusion_argv[1]}")
-    generate_wan.main(maxdiffusion_argv)
+    maxdiffusion_main.main(maxdiffusion_argv)
 
 
 @quiet_on_broken_pipe  # `... | head` ends quietly, whatever MaxDiffusion prints
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
   argv = list(sys.argv if argv is None else argv)
   if any(a in HELP for a in argv[1:]):
-    print(USAGE)
+    print(entry.usage)
     sys.exit(0)
   if len(argv) < 2:
-    print(USAGE, file=sys.stderr)
+    print(entry.usage, file=sys.stderr)
     sys.exit(2)
   try:  # the config, the overrides and the run name, checked before MaxDiffusion starts
-    checked_config(argv)
+    checked_config(argv, entry)
   except (OSError, ValueError) as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
@@ -186,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   except ImportError as err:
     print(f"error: MaxDiffusion is not importable ({err}); install its runtime packages and put "
           f"its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src), then run "
-          f"python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...] again", file=sys.stderr)
+          f"python -m maxdiffusion_svg.{entry.name} CONFIG.yml [key=value ...] again",
+          file=sys.stderr)
     sys.exit(2)
   with transformer_engine_context():
-    app.run(run, argv=argv)
+    app.run(lambda maxdiffusion_argv: run(maxdiffusion_argv, entry), argv=argv)
