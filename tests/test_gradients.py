@@ -5,6 +5,9 @@ head's own table, a routed head's placed mask), written as masked dense softmax 
 and differentiated by JAX; ours is the custom VJP's flash-style backward over visited tiles.
 """
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,3 +231,25 @@ def test_semantic_heads_differentiate_with_clusters_and_tables_held_fixed():
       minus = loss(*(x - s for x, s in zip((q, k, v), step)))
       np.testing.assert_allclose(float((plus - minus) / 2e-3), float((grads[i] * d).sum()),
                                  rtol=2e-2)
+
+
+def test_remat_policies_see_the_residuals_by_name():
+  # A policy that saves only the named residuals keeps the output and log-sum-exp, under our
+  # names and under the caller's (MaxDiffusion's self_attn, which its policies name).
+  from maxdiffusion_svg.kernels.gradient import residuals_named
+  plan = plan_tiles(GRID, 0.3, 128, 128, "aligned")
+  q = qkvw(batch=1, heads=2)[0]
+
+  def loss(q):
+    with residuals_named("self_attn"):
+      return jnp.sin(sparse_attention(jnp.cos(q), q, q, plan, backend="xla")).sum()
+
+  for name in ("self_attn", "svg_attention_lse"):
+    policy = jax.checkpoint_policies.save_only_these_names(name)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=policy), q)
+    named = [line for line in printed.getvalue().splitlines() if f"named '{name}'" in line]
+    named = [tuple(int(n) for n in line.split("[", 1)[1].split("]")[0].split(",")) for line in named]
+    assert (1, 2, GRID.tokens) in named  # the log-sum-exp
+    assert name != "self_attn" or (1, 2, GRID.tokens, 64) in named  # and the output

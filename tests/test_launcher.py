@@ -181,3 +181,50 @@ def test_a_reader_that_closes_early_gets_no_traceback(command):
     os.close(write)
   assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
   assert done.returncode == 1  # Python's own status for EPIPE, as with SIGPIPE ignored
+
+
+def train(capsys, *argv: str) -> tuple[int, str, str]:
+  with pytest.raises(SystemExit) as done:
+    launcher.main(["prog", *argv], launcher.TRAIN)
+  out, err = capsys.readouterr()
+  return done.value.code, out, err
+
+
+def test_train_help_names_the_trainer_and_its_config(capsys):
+  code, out, _ = train(capsys, "--help")
+  assert code == 0
+  assert out.startswith("usage: python -m maxdiffusion_svg.train CONFIG.yml")
+  assert "train_wan" in out and "configs/wan_svg_train.yml" in out
+
+
+@pytest.mark.parametrize("override, named", [
+    ("svg_active_steps=[10, -1]", ["svg_active_steps=(10, -1)", "a training step has no "
+                                   "denoising step", "svg_active_steps: [0, -1]"]),
+    ("svg_semantic_warm_iterations=1", ["svg_semantic_warm_iterations=1",
+                                        "svg_semantic_warm_iterations: 0"]),
+])
+def test_training_refuses_what_a_training_step_cannot_mean(capsys, config, override, named):
+  keys = [override, "svg_active_steps=[0, -1]"] if "active_steps" not in override else [override]
+  if "semantic" in override:
+    keys.append("svg_layouts=[spatial, temporal, semantic]")
+  code, out, err = train(capsys, config, *keys)
+  assert (code, out) == (2, "") and err.count("\n") == 1, err
+  for text in named:
+    assert text in err
+
+
+def test_training_checks_apply_to_svg_only(capsys, config):
+  # Another kernel trains as MaxDiffusion would: the svg step schedule is not its concern.
+  launcher.checked_config(["prog", config, "attention=flash", "svg_active_steps=[10, -1]"],
+                          launcher.TRAIN)
+  code, _, err = train(capsys, config, "svg_active_steps=[10, -1]")
+  assert code == 2 and "a training step has no denoising step" in err
+
+
+def test_the_shipped_training_config_passes_the_training_checks():
+  from maxdiffusion_svg.plugin.settings import config_defaults
+  from maxdiffusion_svg.plugin.training import check_training
+  from shipped_configs import own_chain
+  settings = check_training({**config_defaults(),
+                             **own_chain(ROOT / "configs" / "wan_svg_train.yml")})
+  assert settings is not None and settings.svg.schedule.active_steps.start == 0
