@@ -141,7 +141,7 @@ def compensated_loss64(plan, blocks, w):
   return loss
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
 def test_compensation_differentiates_through_the_centroid_means(backend):
   plan = plan_tiles(VideoGrid(5, 6, 7), 0.3, 128, 128, "aligned")
   q, k, v, w = qkvw(dim=128 if backend == "pallas" else 64, heads=2, batch=1)

@@ -17,6 +17,7 @@ from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_
 # it loads, and a first trace that loaded it would leave later calls tracing in a different
 # context, so everything would compile twice.
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
+from maxdiffusion_svg.kernels.splash_backward import splash_sparse_attention_backward
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
 from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, TPU_BACKENDS, Target, follows_lowering_platform,
@@ -184,6 +185,22 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
     return lambda q, k, v: jax.lax.platform_dependent(
         q, k, v, tpu=on_tpu(), default=kernel(interpret=True) if backend != "xla" else xla)
 
+  def tile_backward():
+    """Splash's calls differentiate by tokamax's own backward kernel on the transposed table
+    (:mod:`splash_backward`); the others by the portable one, whatever ran forward."""
+    if backend == "xla" or tpu_backend != "splash" or head_tiles is not None:
+      return None
+    run = lambda interpret: lambda *xs: splash_sparse_attention_backward(
+        *xs, plan, scale, interpret=interpret, block_kv_compute=kv_compute)
+    if target.is_tpu:
+      pick = run(False)
+    elif not follows_lowering_platform(target):
+      pick = run(True)
+    else:
+      pick = lambda *xs: jax.lax.platform_dependent(*xs, tpu=run(False), default=run(True))
+    return lambda q, k, v, lse, delta, dout, _: pick(q, k, v, lse, delta, dout)
+
   executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing
-  attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles)
+  attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles,
+                          tile_backward())
   return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))

@@ -53,11 +53,24 @@ def _named(out: jax.Array, lse: jax.Array, caller: str | None) -> tuple[jax.Arra
   return (out, lse) if caller is None else (name(out, caller), name(lse, caller))
 
 
+# The tiles' backward: ``(q, k, v, lse, delta, dout, head_tiles) -> (dq, dk, dv)`` in float32.
+TileBackward = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def xla_backward(plan: TilePlan, scale: float) -> TileBackward:
+  """The portable backward (:func:`sparse_attention_backward`), for any executor's forward."""
+  return lambda q, k, v, lse, delta, dout, tables: sparse_attention_backward(
+      q, k, v, lse, delta, dout, plan, scale, head_tiles=tables)
+
+
 def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse: bool,
-                   row_keys: RowKeys | None, head_tiles: jax.Array | None) -> Callable[..., Any]:
+                   row_keys: RowKeys | None, head_tiles: jax.Array | None,
+                   tile_backward: TileBackward | None = None) -> Callable[..., Any]:
   """``f(q, k, v)``: ``executor(return_lse, row_keys, head_tiles)`` with a derivative in ``q``,
-  ``k``, ``v`` and the row keys' ``k`` and ``v``. Traced row keys and tables are passed as
+  ``k``, ``v`` and the row keys' ``k`` and ``v``; the tiles' part of the backward is
+  ``tile_backward`` (default :func:`xla_backward`). Traced row keys and tables are passed as
   arguments (a custom VJP must not close over tracers); a static bias is closed over."""
+  tile_backward = tile_backward or xla_backward(plan, scale)
   static_bias = row_keys is not None and isinstance(row_keys.bias, np.ndarray)
   # Read now: the forward rule may be traced later (a remat traces it when it differentiates).
   caller = _CALLER_NAME.get()
@@ -80,8 +93,7 @@ def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse:
     q, k, v, rk_k, rk_v, rk_bias, tables, out, lse = res
     ct = Cotangents(*ct) if return_lse else Cotangents(ct, None)
     delta = row_delta(out, ct)
-    dq, dk, dv = sparse_attention_backward(q, k, v, lse, delta, ct.dout, plan, scale,
-                                           head_tiles=tables)
+    dq, dk, dv = tile_backward(q, k, v, lse, delta, ct.dout, tables)
     d_rk_k = d_rk_v = None
     rk = keys_of(rk_k, rk_v, rk_bias)
     if rk is not None:

@@ -1,0 +1,207 @@
+"""TPU backward through tokamax's Splash kernel, driven by tables built from a TilePlan.
+
+tokamax has one Splash backward kernel (``SplashConfig`` refuses ``use_fused_bwd_kernel=False``):
+the fused dkv kernel (``_splash_attention_bwd_dkv``), which walks a kv-major work list, keeps
+``dk``/``dv`` of one kv tile in VMEM while it runs over that tile's q tiles, and accumulates
+``dq`` in HBM through three rotating copies (``dq_reduction_steps = 3``, summed after). Its
+``MaskInfo`` is the forward's table transposed: per kv tile its q tiles (``active_rows`` are kv
+tiles, ``active_cols`` q tiles), a kv tile no query visits still gets one kind-0 step so its
+``dk``/``dv`` are written (zeros), and stored partial blocks are ``[block_kv, block_q]``. Built
+here from the plan's visited tiles in O(tiles) with numpy (no ``S x S`` mask), with backward
+tiles that divide the forward's: each visited forward tile becomes its sub-tiles.
+
+The kernel takes the log-sum-exp and ``di`` as arguments rather than computing them, so it
+accepts any executor's forward: our natural-log ``lse`` becomes its base-2 residual
+(``lse * log2(e)``; ``q`` is prescaled by ``scale * log2(e)`` as in the forward, and
+``SplashConfig(q_prescaled_log2e=True)``), and ``delta = rowsum(dout * out) - dlse`` is passed
+as ``di``, so a returned log-sum-exp's cotangent is folded in. Masked tiles take their rule computed
+in-kernel (``plan.masked_tile_rule``: the SVG rule, or for ``aligned`` plans padding keys); an
+aligned plan may instead store one padding-key block per backward kv sub-column, as its forward
+does, at more VMEM (:func:`backward_mask_strategy`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tokamax._src.ops.experimental.tpu.splash_attention import base as splash_base
+from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
+from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
+
+from maxdiffusion_svg.kernels.splash import RING_REFUSAL, _smallest_int
+from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
+from maxdiffusion_svg.tiles import EMPTY, FULL, MASKED, TilePlan
+from maxdiffusion_svg.tiling import default_kv_compute
+
+LOG2E = math.log2(math.e)
+# A log-sum-exp at or below this (natural log) marks a row that kept no key (Splash's is about
+# its mask value, -0.7 * float32 max; others give -inf): it gets +inf, so its p is 0.
+_EMPTY_ROW_LSE = -1e30
+
+
+def backward_blocks(plan: TilePlan, block_kv_compute: int | None = None,
+                    bwd_blocks: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+  """``(block_q_dkv, block_kv_dkv, block_kv_dkv_compute)``: ``bwd_blocks`` checked, or the
+  forward's tiles (and its ``block_kv_compute``). Backward tiles must divide the forward's."""
+  if bwd_blocks is None:
+    bkv_compute = block_kv_compute or default_kv_compute(plan.block_kv)
+    return plan.block_q, plan.block_kv, bkv_compute
+  bq, bkv, bkv_compute = (int(b) for b in bwd_blocks)
+  if bq <= 0 or plan.block_q % bq:
+    raise ValueError(f"backward block_q {bq} must divide the plan's block_q {plan.block_q}")
+  if bkv <= 0 or plan.block_kv % bkv:
+    raise ValueError(f"backward block_kv {bkv} must divide the plan's block_kv {plan.block_kv}")
+  if bkv_compute <= 0 or bkv % bkv_compute:
+    raise ValueError(f"backward block_kv_compute {bkv_compute} must divide block_kv {bkv}")
+  return bq, bkv, bkv_compute
+
+
+def _sub_tiles(rows: np.ndarray, cols: np.ndarray, kinds: np.ndarray, a: int, b: int):
+  """Each ``(row, col, kind)`` tile as its ``a x b`` sub-tiles (row-major within a tile)."""
+  i, j = np.divmod(np.arange(a * b, dtype=np.int64), b)
+  rows = (rows.astype(np.int64)[:, None] * a + i).reshape(-1)
+  cols = (cols.astype(np.int64)[:, None] * b + j).reshape(-1)
+  return rows, cols, np.repeat(kinds, a * b)
+
+
+def backward_mask_strategy(plan: TilePlan, stored: bool = False) -> str | None:
+  """How the backward masks masked tiles: ``function`` (the plan's masked-tile rule computed
+  in-kernel; its ``q_sequence`` is one ``[8, block_q]`` int32 block per step, so unlike the
+  forward's it costs next to no HBM traffic) unless ``stored`` asks, for an aligned plan, for
+  stored ``[block_kv, block_q]`` int8 blocks (double-buffered in VMEM: on v6e at 720p, 3328x1536
+  tiles, they take the kernel from 17 to 28 MB of scoped VMEM). None: no masked tile."""
+  strategy = mask_strategy(plan)
+  if stored and strategy == "function":
+    raise ValueError("stored backward masks need an aligned plan (one padding pattern)")
+  return "function" if strategy == "stored" and not stored else strategy
+
+
+def plan_dkv_mask_info(plan: TilePlan, bq: int, bkv: int, stored: bool = False
+                       ) -> tuple[MaskInfo, Callable[..., Any] | None]:
+  """Splash's backward (dkv) MaskInfo, kv-major, and in-kernel mask function for ``plan`` with
+  backward tiles ``bq x bkv`` (dividing the plan's); masks by :func:`backward_mask_strategy`."""
+  a, b = plan.block_q // bq, plan.block_kv // bkv
+  rows, cols, kinds = plan.visited_tiles()
+  rows, cols, kinds = _sub_tiles(rows, cols, kinds.astype(np.int8), a, b)
+  nkv = plan.num_kv_tiles * b
+  strategy = backward_mask_strategy(plan, stored)
+  blocks = mask_next = q_sequence = mask_fn = None
+  if strategy == "stored":
+    # Aligned: a masked tile drops only padding keys, which lie in the last forward kv column;
+    # its sub-column j keeps keys below seq_len - k0_j: one stored block per sub-column, a
+    # sub-tile of only real keys is full, one of only padding keys computes nothing.
+    first = (plan.num_kv_tiles - 1) * b
+    if ((cols[kinds == MASKED] < first)).any():
+      raise ValueError("an aligned plan's masked tiles must lie in its last kv column")
+    k0 = (first + np.arange(b)) * bkv
+    real = np.clip(plan.seq_len - k0, 0, bkv)
+    masked = kinds == MASKED
+    sub = np.where(masked, cols - first, 0)
+    kinds = np.where(masked & (real[sub] == bkv), FULL, kinds)
+    kinds = np.where(masked & (real[sub] == 0), EMPTY, kinds).astype(np.int8)
+    mask_next = sub
+    # [b, bkv, bq] (kv-major: the dkv kernel's tile is [kv, q]); built with jnp so that, under
+    # jit, it is computed per call rather than embedded as a constant.
+    keep = jnp.arange(bkv)[None, :] < jnp.asarray(real)[:, None]
+    blocks = jnp.broadcast_to(keep[:, :, None], (b, bkv, bq)).astype(jnp.int8)
+  elif strategy == "function":
+    q_sequence = jnp.arange(plan.num_q_tiles * plan.block_q, dtype=jnp.int32)
+    # naive/split: the SVG rule (the forward's ``plan.mask.contains``); aligned: padding keys.
+    mask_fn = plan.masked_tile_rule
+  # kv-major; a kv tile no query visits still takes one step (kind 0) so its dk/dv are written.
+  unvisited = np.setdiff1d(np.arange(nkv), cols)
+  rows = np.concatenate([rows, np.zeros(unvisited.size, np.int64)])
+  kinds = np.concatenate([kinds, np.full(unvisited.size, EMPTY, np.int8)])
+  if mask_next is not None:
+    mask_next = np.concatenate([mask_next, np.zeros(unvisited.size, np.int64)])
+  cols = np.concatenate([cols, unvisited])
+  order = np.lexsort((rows, cols))
+  info = MaskInfo(
+      mask_next=None if mask_next is None else _smallest_int(mask_next[order]),
+      active_rows=_smallest_int(cols[order]),  # kv tiles
+      active_cols=_smallest_int(rows[order]),  # q tiles
+      block_mask=kinds[order].astype(np.int8),
+      num_active_blocks=np.array([order.size], np.int32),
+      partial_mask_blocks=blocks,
+      q_sequence=q_sequence,
+  )
+  return info, mask_fn
+
+
+def dkv_table_entries(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = None) -> int:
+  """Work-list entries (grid steps per head) of the backward kernel: visited backward sub-tiles
+  plus one per kv sub-tile no query visits."""
+  bq, bkv, _ = backward_blocks(plan, None, bwd_blocks)
+  a, b = plan.block_q // bq, plan.block_kv // bkv
+  rows, cols, _ = plan.visited_tiles()
+  visited_cols = np.unique((cols.astype(np.int64)[:, None] * b + np.arange(b)).reshape(-1))
+  return rows.size * a * b + plan.num_kv_tiles * b - visited_cols.size
+
+
+def dkv_smem_bytes(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = None,
+                   stored: bool = False) -> int:
+  """SMEM bytes of the backward kernel's tables (its scalar prefetch, like the forward's
+  :func:`maxdiffusion_svg.kernels.tpu_memory.smem_estimate`): per entry its kv and q tile (as
+  narrow as they fit), its kind (int8), two int32 row bounds and, for a stored mask, its block."""
+  bq, bkv, _ = backward_blocks(plan, None, bwd_blocks)
+  width = lambda n: 1 if n <= 127 else 2 if n <= 32767 else 4
+  per_entry = (width(plan.num_kv_tiles * (plan.block_kv // bkv))
+               + width(plan.num_q_tiles * (plan.block_q // bq)) + 1 + 8
+               + (1 if backward_mask_strategy(plan, stored) == "stored" else 0))
+  return dkv_table_entries(plan, bwd_blocks) * per_entry + 4
+
+
+def splash_sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax.Array,
+                                     delta: jax.Array, dout: jax.Array, plan: TilePlan,
+                                     scale: float, *, interpret: bool,
+                                     block_kv_compute: int | None = None,
+                                     bwd_blocks: tuple[int, int, int] | None = None,
+                                     stored_mask: bool = False
+                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(dq, dk, dv)`` (float32, at the precision of the inputs' dtype) of the attention over
+  ``plan``'s visited tiles through Splash's backward kernel, given any executor's natural-log
+  ``lse [B, H, S]`` and ``delta = rowsum(dout * out) - dlse`` (:func:`row_delta`). Arguments
+  as :func:`maxdiffusion_svg.kernels.backward.sparse_attention_backward` (no ``head_tiles``:
+  Splash runs one table). ``bwd_blocks``: ``(block_q, block_kv, block_kv_compute)`` of the
+  backward, dividing the plan's tiles (default: the forward's, ``block_kv_compute`` its
+  compute block). ``stored_mask``: see :func:`backward_mask_strategy`. Unchecked against
+  VMEM/SMEM, like the forward."""
+  if plan.q_len is not None:
+    raise ValueError(RING_REFUSAL)
+  s = q.shape[2]
+  bq, bkv, bkv_compute = backward_blocks(plan, block_kv_compute, bwd_blocks)
+  info, mask_fn = plan_dkv_mask_info(plan, bq, bkv, stored_mask)
+  config = splash.SplashConfig(
+      block_q=plan.block_q, block_kv=plan.block_kv,
+      block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
+      block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv_compute,
+      interpret=interpret, q_prescaled_log2e=True)
+  pad_q = plan.num_q_tiles * plan.block_q - s
+  pad_kv = plan.num_kv_tiles * plan.block_kv - s
+  seq = lambda x, n, value=0.0: jnp.pad(x, [(0, 0), (0, 0), (0, n)] + [(0, 0)] * (x.ndim - 3),
+                                        constant_values=value)
+  # As the forward: q in base 2, rounded once. Padding queries and rows that kept no key get
+  # an infinite log-sum-exp, so their p = exp2(qk - inf) = 0 (their dout and delta are 0 too).
+  qs = seq((q.astype(jnp.float32) * (scale * LOG2E)).astype(q.dtype), pad_q)
+  lse2 = jnp.where(lse > _EMPTY_ROW_LSE, lse.astype(jnp.float32) * LOG2E, jnp.inf)
+  lse2 = seq(lse2, pad_q, jnp.inf)
+  di = seq(delta.astype(jnp.float32), pad_q)
+  do = seq(dout.astype(q.dtype), pad_q)
+  ks, vs = seq(k, pad_kv), seq(v, pad_kv)
+  info = jax.tree.map(jnp.asarray, info)
+
+  def one(q1, k1, v1, lse1, do1, di1):
+    return splash._splash_attention_bwd_dkv(
+        q1, k1, v1, None, lse1, do1, di1, bq=bq, bkv=bkv, bkv_compute=bkv_compute,
+        is_mqa=False, mask_info=info, mask_value=splash_base.DEFAULT_MASK_VALUE,
+        mask_function=mask_fn, config=config,
+        dkv_mask_sparsity=plan.stats.visited_tile_fraction)
+
+  dqs, dk, dv = jax.vmap(one)(qs, ks, vs, lse2, do, di)
+  # The kernel's dq is the derivative by the prescaled q (divided by log2(e)), its dk by k.
+  dq = dqs[:, :, :s].astype(jnp.float32) * (scale * LOG2E)
+  return dq, dk[:, :, :s].astype(jnp.float32), dv[:, :, :s].astype(jnp.float32)
