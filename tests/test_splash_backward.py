@@ -76,9 +76,13 @@ def test_matches_xla_backward_on_padded_grid(mode):
   assert_close(got, want, 2e-5)
 
 
+FULL = pytest.mark.full  # slow duplicates (CI time)
+
+
 @pytest.mark.parametrize("mode,stored,bwd_blocks", [
-    ("naive", False, None), ("naive", False, (64, 64, 64)), ("split", False, (128, 64, 32)),
-    ("aligned", False, None), ("aligned", False, (128, 64, 32)), ("aligned", True, None),
+    pytest.param("naive", False, None, marks=FULL), ("naive", False, (64, 64, 64)),
+    ("split", False, (128, 64, 32)), pytest.param("aligned", False, None, marks=FULL),
+    ("aligned", False, (128, 64, 32)), pytest.param("aligned", True, None, marks=FULL),
     ("aligned", True, (64, 64, 64))])
 def test_sparse_plan_and_backward_tiles_dividing_forward_tiles(mode, stored, bwd_blocks):
   plan = plan_tiles(SPARSE, 0.1, 128, 128, mode)
@@ -218,6 +222,7 @@ def test_backward_blocks_must_divide_forward_tiles():
       backward_blocks(plan, None, bad)
 
 
+@FULL  # tests/test_gradients.py differentiates Splash calls through sparse_attention itself
 def test_under_jit_as_a_custom_vjp_backward():
   """Wired as gradient.py would: Splash forward, this backward, traced under jit and grad."""
   from maxdiffusion_svg.kernels.splash import splash_sparse_attention

@@ -39,13 +39,16 @@ def compile_ok(fn, args, options=None):
 
 
 def _tile_cases():
-  """Every chip, executor, resolution and tile mode; make test keeps the aligned mode of each
-  (the default) and every mode of our kernel at 720p on a v6e, the rest are in the full tier."""
+  """Every chip, executor, resolution and tile mode; make test keeps the default (our kernel,
+  aligned) on both chips at 720p and on a v6e at 1440p, and Splash aligned on a v6e at 720p; the
+  rest are in the full tier (CI time)."""
+  core_cases = {("v5e", "pallas", "720p"), ("v6e", "pallas", "720p"), ("v6e", "pallas", "1440p"),
+                ("v6e", "splash", "720p")}
   for chip in ("v5e", "v6e"):
     for backend, resolution in (("pallas", "720p"), ("pallas", "1440p"), ("splash", "720p"),
                                 ("splash", "1440p")):
       for mode in ("naive", "split", "aligned"):
-        core = mode == "aligned" or (chip, backend, resolution) == ("v6e", "pallas", "720p")
+        core = mode == "aligned" and (chip, backend, resolution) in core_cases
         yield pytest.param(chip, backend, resolution, mode, marks=() if core else pytest.mark.full,
                            id=f"{chip}-{backend}-{resolution}-{mode}")
 
@@ -119,6 +122,7 @@ def test_scheduled_call_with_its_dense_branch_compiles(chip):
   assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
+@pytest.mark.full  # bench schedule --compensation compiles the same call (CI time)
 def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backend="pallas"):
   """svg_compensation on, v6e, 720p: the kernel returns its log-sum-exp, the centroid pass and the
   merge follow it; the dense branch skips nothing, so it is the plain kernel."""
@@ -213,7 +217,7 @@ def a2a_layouts(hlo_text):
   return re.findall(r"= \w+\[[\d,]+\]\{([^}]*)\} all-to-all\(", hlo_text)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.full), 2])
 def test_sharded_svg_compiles_for_a_v6e_2x4_slice(batch):
   mesh = Mesh(np.array(topology_devices("v6e:2x4")).reshape(1, 8), ("data", "context"))
   grid = grid_for_resolution("720p")

@@ -162,7 +162,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
     # A plain array leaf (``[num_layers]`` under ``scan_layers``, sliced per layer by
     # ``nnx.scan``), not a Variable: MaxDiffusion's trainer closes over the model's non-Param
     # state inside ``nnx.value_and_grad``, and ``nnx.scan`` refuses a Variable of another trace.
-    op.svg_layer = nnx.data(index)
+    op.svg_layer = nnx.data(index) if isinstance(op, nnx.Module) else index
   model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
   model.svg_schedule_set = False
   # Why the run summary does not count this model's calls ("": it does).
