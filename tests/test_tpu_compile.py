@@ -302,3 +302,24 @@ def test_sharded_svg_on_a_ulysses_by_ring_split_compiles_for_a_v6e_32_slice():
   text = compile_ok(fn, args + (jax.ShapeDtypeStruct((), jnp.int32),) * 2).executable.as_text()
   assert text.count('custom_call_target="tpu_custom_call"') == 2 * 2
   assert "collective-permute" in text and "all-gather" not in text
+
+
+@pytest.mark.parametrize("chip,backend", [("v6e", "pallas"), ("v5e", "splash")])
+def test_the_gradient_of_a_call_compiles(chip, backend):
+  """Training: our kernel's forward with the XLA backward (the default), and Splash with its own
+  backward kernel, at 720p; on a v5e (16 MiB of scoped VMEM) Splash's backward takes half the
+  query tile, which its forward tiles' backward would need 27.8 MB to run."""
+  mesh = chip_mesh(chip)
+  target = target_for_devices(mesh.devices.flat)
+  config = SvgConfig(tile_mode="aligned", density=0.3, backend=backend)
+  grid = grid_for_resolution("720p")
+  plan, tiles = config.plan(grid, target=target), config.tiles(target)
+
+  def loss(q, k, v):
+    return sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target,
+                            backend=backend).astype(jnp.float32).sum()
+
+  result = compile_ok(jax.grad(loss, argnums=(0, 1, 2)), qkv(mesh, grid))
+  text = result.executable.as_text()
+  assert ("svg_pallas_sparse" if backend == "pallas" else "splash_mha_fwd") in text
+  assert backend != "splash" or "dkv" in text  # tokamax's backward kernel
