@@ -209,6 +209,26 @@ def _bench_wan_forward(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_wan_train(args: argparse.Namespace) -> int:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+  import yaml  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.wan_train_aot import compile_wan_train_steps, format_wan_train_steps  # pylint: disable=import-outside-toplevel
+  kernels = [k for word in args.kernels for k in word.split(",") if k]
+  overrides = {}
+  for item in args.set or []:
+    if "=" not in item:
+      raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+    key, text = item.split("=", 1)
+    overrides[key] = yaml.safe_load(text)
+  result = compile_wan_train_steps(kernels=kernels, config_path=args.config,
+                                   topology=args.topology, num_layers=args.layers, step=args.step,
+                                   per_device_batch_size=args.per_device_batch_size,
+                                   backward_step_mib=args.backward_step_mib, log=_progress,
+                                   overrides=overrides, hlo_dir=args.hlo_dir)
+  _report(args, format_wan_train_steps(result), result)
+  return 0
+
+
 def _bench_vmem(args: argparse.Namespace) -> int:
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
@@ -384,6 +404,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                         "transformer_2 (low noise)")
   _add_json_arg(wan)
   wan.set_defaults(run=_bench_wan_forward)
+
+  train = bench_sub.add_parser(
+      "wan-train", help="compile MaxDiffusion's Wan 2.1 14B training step (loss, gradients, "
+                        "AdamW) for a TPU slice with libtpu (no weights, no TPU): per-device "
+                        "memory per attention kernel (needs MaxDiffusion on PYTHONPATH)")
+  train.add_argument("--config", default="configs/wan_svg_train.yml",
+                     help="the run's config (its base_config chain, mesh and batch keys)")
+  train.add_argument("--topology", default="v6e:2x4", help="the slice, e.g. v6e:2x4 (v6e-8)")
+  train.add_argument("--kernels", nargs="+", default=["svg", "flash"],
+                     help="attention kernels (svg, or MaxDiffusion's: flash, ...)")
+  train.add_argument("--layers", type=int, default=2,
+                     help="transformer layers (40: the model's; one scanned body either way)")
+  train.add_argument("--step", choices=["trainer", "grads"], default="trainer",
+                     help="trainer: MaxDiffusion's train_step (loss, gradients, AdamW update); "
+                          "grads: the loss and its gradients only")
+  train.add_argument("--per-device-batch-size", type=float, default=None,
+                     help="instead of the config's (the batch must divide data x fsdp)")
+  train.add_argument("--backward-step-mib", type=float, default=None,
+                     help="svg's XLA backward: float32 logits per scan step, MiB (default 32)")
+  train.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="a config key for every kernel (YAML value), e.g. ici_fsdp_parallelism=2")
+  train.add_argument("--hlo-dir", metavar="DIR", help="keep each compiled HLO text in DIR")
+  _add_json_arg(train)
+  train.set_defaults(run=_bench_wan_train)
 
   vmem = bench_sub.add_parser(
       "vmem", help="the scoped VMEM libtpu allocates per Splash kernel and generation: the "
