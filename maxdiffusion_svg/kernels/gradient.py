@@ -87,6 +87,10 @@ def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse:
   def forward(q, k, v, rk_k, rk_v, rk_bias, tables):
     out, lse = executor(True, keys_of(rk_k, rk_v, rk_bias), tables)(q, k, v)
     out, lse = _named(out, lse, caller)
+    # The inputs are kept too (placed copies a remat would otherwise hold on the device): named
+    # so that a policy offloading the caller's name offloads them with the output.
+    if caller is not None:
+      q, k, v = (jax.ad_checkpoint.checkpoint_name(x, caller) for x in (q, k, v))
     return ((out, lse) if return_lse else out), (q, k, v, rk_k, rk_v, rk_bias, tables, out, lse)
 
   def backward(res, ct):
