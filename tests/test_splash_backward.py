@@ -76,13 +76,13 @@ def test_matches_xla_backward_on_padded_grid(mode):
   assert_close(got, want, 2e-5)
 
 
-FULL = pytest.mark.full  # slow duplicates (CI time)
+SLOW = pytest.mark.full  # slow duplicates, left to the full tier (CI time)
 
 
 @pytest.mark.parametrize("mode,stored,bwd_blocks", [
-    pytest.param("naive", False, None, marks=FULL), ("naive", False, (64, 64, 64)),
-    ("split", False, (128, 64, 32)), pytest.param("aligned", False, None, marks=FULL),
-    ("aligned", False, (128, 64, 32)), pytest.param("aligned", True, None, marks=FULL),
+    pytest.param("naive", False, None, marks=SLOW), ("naive", False, (64, 64, 64)),
+    ("split", False, (128, 64, 32)), pytest.param("aligned", False, None, marks=SLOW),
+    ("aligned", False, (128, 64, 32)), pytest.param("aligned", True, None, marks=SLOW),
     ("aligned", True, (64, 64, 64))])
 def test_sparse_plan_and_backward_tiles_dividing_forward_tiles(mode, stored, bwd_blocks):
   plan = plan_tiles(SPARSE, 0.1, 128, 128, mode)
@@ -222,7 +222,7 @@ def test_backward_blocks_must_divide_forward_tiles():
       backward_blocks(plan, None, bad)
 
 
-@FULL  # tests/test_gradients.py differentiates Splash calls through sparse_attention itself
+@SLOW  # tests/test_gradients.py differentiates Splash calls through sparse_attention itself
 def test_under_jit_as_a_custom_vjp_backward():
   """Wired as gradient.py would: Splash forward, this backward, traced under jit and grad."""
   from maxdiffusion_svg.kernels.splash import splash_sparse_attention
