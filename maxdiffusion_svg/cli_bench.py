@@ -229,6 +229,17 @@ def _bench_wan_train(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_backward(args: argparse.Namespace) -> int:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.backward import format_backward_bench, run_backward_bench
+  # pylint: enable=import-outside-toplevel
+  result = run_backward_bench(args.chip, args.backends.split(","), args.resolution, args.density,
+                              args.heads, log=_progress)
+  _report(args, format_backward_bench(result), result)
+  return 0
+
+
 def _bench_vmem(args: argparse.Namespace) -> int:
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
@@ -428,6 +439,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   train.add_argument("--hlo-dir", metavar="DIR", help="keep each compiled HLO text in DIR")
   _add_json_arg(train)
   train.set_defaults(run=_bench_wan_train)
+
+  backward = bench_sub.add_parser(
+      "backward", help="compile one call's gradient for a TPU with libtpu: tokamax's backward "
+                       "kernel against the XLA scan behind each forward kernel (temporaries, "
+                       "static bundles)")
+  backward.add_argument("--chip", choices=list(GENERATIONS), default="v6e")
+  backward.add_argument("--backends", default="pallas",
+                        help="forward kernels, comma-separated: pallas, splash")
+  backward.add_argument("--resolution", choices=list(RESOLUTIONS), default="720p")
+  backward.add_argument("--density", type=_density, default=0.3, help="band density in (0, 1]")
+  backward.add_argument("--heads", type=_positive_int, default=5, help="heads per call")
+  _add_json_arg(backward)
+  backward.set_defaults(run=_bench_backward)
 
   vmem = bench_sub.add_parser(
       "vmem", help="the scoped VMEM libtpu allocates per Splash kernel and generation: the "

@@ -69,6 +69,20 @@ def test_every_executor_and_mode_matches_the_float64_reference(backend, mode):
                                           q, k, v), TOLERANCE[jnp.float32])
 
 
+def test_our_kernel_differentiates_by_tokamaxs_backward_kernel_or_the_portable_one():
+  # backward="auto": tokamax's Splash dkv kernel fed our kernel's log-sum-exp; "xla": the scan.
+  plan = plan_tiles(GRID, 0.3, 128, 128, "aligned")
+  q, k, v, w = qkvw(dim=128)
+  grad = lambda backward: jax.grad(lambda q, k, v: (sparse_attention(
+      q, k, v, plan, backend="pallas", backward=backward) * w).sum(), argnums=(0, 1, 2))
+  assert "dkv" in str(jax.make_jaxpr(grad("auto"))(q, k, v))
+  assert "dkv" not in str(jax.make_jaxpr(grad("xla"))(q, k, v))
+  assert_grads_close(grad("xla")(q, k, v), reference_grads(
+      masked_loss64(np.asarray(plan.dense_mask()), w), q, k, v), TOLERANCE[jnp.float32])
+  with pytest.raises(ValueError, match="backward must be one of"):
+    sparse_attention(q, k, v, plan, backend="pallas", backward="splash")
+
+
 @pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
 def test_bfloat16_inputs_give_bfloat16_gradients_near_the_reference(backend):
   plan = plan_tiles(GRID, 0.3, 128, 128, "aligned")

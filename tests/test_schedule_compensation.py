@@ -97,6 +97,27 @@ def test_the_xla_reader_runs_each_loop_its_trip_count(tmp_path):
   assert priced["bundles"] == 5 * 23 + issued_bundles(TLP)
 
 
+# A scan's loop: its exit test compares two registers (no literal trip count).
+SCAN_TLP = """  0x0   :  { %1 = inlined_call %s1 /* %f = fusion() */ }
+  0x1 LB: > { %2 = inlined_call %s2 /* %f = fusion() */ }
+  0x2   : > { %p3 = scmp.lt.s32.totalorder %s9, %s8 }
+  0x3   : > { %4 = sbr.rel (%p3) target = $region2 }
+  0x4   :  { %5 = inlined_call %s3 /* %kernel_call = custom-call() */ }
+"""
+
+
+def test_a_scan_loop_runs_the_trip_count_its_caller_knows(tmp_path):
+  from maxdiffusion_svg.tpu_schedule import ScheduleFormatError  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ScheduleFormatError, match="no exit test"):
+    calls(SCAN_TLP)
+  assert calls(SCAN_TLP, loop_trips=6) == {"f": 7, "kernel_call": 1}
+  for name, text in (("TLP", SCAN_TLP), ("f", FUSION), ("kernel_call", FUSION)):
+    (tmp_path / f"1-{name}-02-final_bundles.txt").write_text(text)
+  priced = price_program(str(tmp_path), ("kernel", "other"), loop_trips=6)
+  assert priced["computations"] == {"f": 7 * 23}
+  assert priced["top_level"] == 5 + 5 * 3 and priced["bundles"] == 7 * 23 + 20
+
+
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
 def test_a_small_compensated_call_is_priced_whole(tmp_path_factory):
   """Ours on a v6e, 5x8x16 tokens in 256-token tiles: the compensated call costs more than the

@@ -259,3 +259,24 @@ def test_under_jit_as_a_custom_vjp_backward():
   want = loss(lambda q, k, v: sparse_attention(q, k, v, plan, backend="xla", return_lse=True))(
       q, k, v)
   assert_close(got, want, 3e-5)
+
+
+def test_a_backward_whose_tables_overflow_smem_is_refused_when_differentiated():
+  """At 1440p, 512x512 tiles: our kernel's forward tables fit a v6e's 1 MiB of SMEM (474 KB),
+  the backward's kv-major list (1.5 MB) does not; the refusal comes when a gradient is traced,
+  naming the keys, and inference is unaffected."""
+  from maxdiffusion_svg.geometry import grid_for_resolution
+  from maxdiffusion_svg.kernels.splash_backward import check_backward_fits
+  from maxdiffusion_svg.target import tpu_target
+  v6e = tpu_target("v6e")
+  plan = plan_tiles(grid_for_resolution("1440p"), 0.3, 512, 512, "aligned")
+  assert dkv_smem_bytes(plan) > v6e.smem
+  with pytest.raises(ValueError, match="SMEM.*svg_block_q or svg_block_kv"):
+    check_backward_fits(plan, (512, 512, 256), 128, jnp.bfloat16, v6e)
+  check_backward_fits(plan_tiles(grid_for_resolution("1440p"), 0.3, 3328, 1536, "aligned"),
+                      (3328, 1536, 256), 128, jnp.bfloat16, v6e)
+  x = jax.ShapeDtypeStruct((1, 1, plan.seq_len, 128), jnp.bfloat16)
+  call = lambda q, k, v: sparse_attention(q, k, v, plan, backend="pallas", target=v6e)
+  jax.eval_shape(call, x, x, x)  # the forward fits
+  with pytest.raises(ValueError, match="backward kernel's .* SMEM"):
+    jax.eval_shape(jax.grad(lambda q, k, v: call(q, k, v).astype(jnp.float32).sum()), x, x, x)

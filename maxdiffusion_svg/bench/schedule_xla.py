@@ -87,11 +87,13 @@ def issued_bundles(text: str, path: str = "listing",
                      for first, last, trips in loops(text, path, unknown))
 
 
-def calls(text: str, path: str = "TLP") -> dict[str, int]:
+def calls(text: str, path: str = "TLP", loop_trips: int | None = None) -> dict[str, int]:
   """How many times the top-level program calls each computation (by name), counting the trip
-  count of a loop around the call."""
+  count of a loop around the call. ``loop_trips``: how many times a loop runs whose exit test
+  is no literal (a ``lax.scan`` whose length the caller knows); without it such a loop is
+  refused."""
   bundles, _ = _bundles(text)
-  spans = loops(text, path)
+  spans = scan_loops(text, path, loop_trips)
   counts: dict[str, int] = {}
   for address, _, line in bundles:
     for name in _CALL.findall(line):
@@ -101,6 +103,14 @@ def calls(text: str, path: str = "TLP") -> dict[str, int]:
           times *= trips
       counts[name] = counts.get(name, 0) + times
   return counts
+
+
+def scan_loops(text: str, path: str, loop_trips: int | None) -> list[tuple[int, int, int]]:
+  """:func:`loops`, where each loop with no literal exit test runs ``loop_trips`` times."""
+  if loop_trips is None:
+    return loops(text, path)
+  unknown: list[tuple[int, int]] = []
+  return loops(text, path, unknown) + [(first, last, loop_trips) for first, last in unknown]
 
 
 def _listings(directory: str) -> dict[str, str]:
@@ -152,11 +162,14 @@ def twins(hlo: str) -> dict[str, str]:
   return out
 
 
-def price_program(directory: str, skip: str) -> dict[str, Any]:
+def price_program(directory: str, skip: str | tuple[str, ...],
+                  loop_trips: int | None = None) -> dict[str, Any]:
   """Static bundles of the dumped program, less every computation whose name contains ``skip``
-  (the kernel, priced from its plan): ``{bundles, top_level, computations, priced_as,
+  (the kernels, priced from their plans): ``{bundles, top_level, computations, priced_as,
   unpriced, loops_priced_once}``; the last counts, per computation, the loops whose trip count
-  is not a literal (buffer fills and copies bounded by addresses), priced as run once."""
+  is not a literal (buffer fills and copies bounded by addresses), priced as run once.
+  ``loop_trips``: the trip count of the top-level loop with no literal exit test (a scan's)."""
+  skips = (skip,) if isinstance(skip, str) else tuple(skip)
   listings = _listings(directory)
   top = [n for n in listings if n == "TLP"]
   if not top:
@@ -184,10 +197,15 @@ def price_program(directory: str, skip: str) -> dict[str, Any]:
   priced = {name: 0 for name in ("<late-initialization>", "<late-finalization>") if name in listings}
   for name in priced:
     priced[name] = price(name)
-  top_level = price("TLP")
+  if loop_trips is None:
+    top_level = price("TLP")
+  else:
+    total = _bundles(tlp)[0][-1][0] + 1
+    top_level = total + sum((trips - 1) * (last - first + 1)
+                            for first, last, trips in scan_loops(tlp, listings["TLP"], loop_trips))
   unpriced, priced_as = [], {}
-  for name, times in calls(tlp, listings["TLP"]).items():
-    if skip in name or name in priced and name.startswith("<"):
+  for name, times in calls(tlp, listings["TLP"], loop_trips).items():
+    if any(s in name for s in skips) or name in priced and name.startswith("<"):
       continue
     source = name
     if name not in listings:
@@ -196,7 +214,8 @@ def price_program(directory: str, skip: str) -> dict[str, Any]:
       key = twin_of.get(name)
       kin = sorted(n for n in listings if key is not None and twin_of.get(n) == key)
       if not kin and not twin_of:  # no module text: the first dumped one of the same kind
-        kin = sorted(n for n in listings if _kind(n) == _kind(name) and skip not in n)
+        kin = sorted(n for n in listings if _kind(n) == _kind(name)
+                     and not any(s in n for s in skips))
       if not kin:
         unpriced.append(name)
         continue

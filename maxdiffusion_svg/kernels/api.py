@@ -17,7 +17,8 @@ from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_
 # it loads, and a first trace that loaded it would leave later calls tracing in a different
 # context, so everything would compile twice.
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
-from maxdiffusion_svg.kernels.splash_backward import splash_sparse_attention_backward
+from maxdiffusion_svg.kernels.splash_backward import (backward_tiles, check_backward_fits,
+                                                      splash_sparse_attention_backward)
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
 from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, TPU_BACKENDS, Target, follows_lowering_platform,
@@ -25,8 +26,12 @@ from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, TPU_BACKENDS, Target
 from maxdiffusion_svg.tiles import TilePlan
 from maxdiffusion_svg.tiling import default_kv_compute
 
-__all__ = ["BACKENDS", "check_tpu_call", "lowering_tpu_target", "resolve_backend",
+__all__ = ["BACKENDS", "BACKWARDS", "check_tpu_call", "lowering_tpu_target", "resolve_backend",
            "sparse_attention"]
+
+
+# What a gradient of a call runs (see :func:`sparse_attention`).
+BACKWARDS = ("auto", "xla")
 
 
 def lowering_tpu_target(target: Target) -> Target:
@@ -95,7 +100,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                      target: Target | None = None,
                      return_lse: bool = False,
                      row_keys: RowKeys | None = None,
-                     head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     head_tiles: jax.Array | None = None,
+                     backward: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over the tiles ``plan`` visits, with ``q, k, v`` already in the plan's layout.
 
   Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
@@ -117,8 +123,13 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   computed on device, per head). ``head_tiles [B, H, num_q_tiles, width]`` (int32, on device):
   each head's own key tiles in place of the plan's, with the plan's counts per row (an
   aligned plan; the semantic layout's tables): ``pallas`` and ``xla`` take them, Splash's
-  tables are static and it refuses them.
+  tables are static and it refuses them. ``backward`` (what a gradient of the call runs):
+  ``auto``, tokamax's Splash backward kernel behind either TPU kernel where one table serves
+  every head (else the portable one); ``xla``, the portable flash-style backward
+  (:mod:`maxdiffusion_svg.kernels.backward`) whatever ran forward.
   """
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   _check_inputs(q, k, v, plan)
   if row_keys is not None:
     check_row_keys(row_keys, q.shape, plan.num_q_tiles)
@@ -186,23 +197,33 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
         q, k, v, tpu=on_tpu(), default=kernel(interpret=True) if backend != "xla" else xla)
 
   def tile_backward():
-    """Splash's calls differentiate by tokamax's own backward kernel on the transposed table
-    (:mod:`splash_backward`); the others by the portable one, whatever ran forward."""
-    if backend == "xla" or tpu_backend != "splash" or head_tiles is not None:
+    """The tiles' backward where a TPU kernel runs forward (ours or Splash) and one table
+    serves every head: tokamax's Splash backward kernel on the transposed table, fed the
+    forward's log-sum-exp (:mod:`splash_backward`). Ring shards, per-head tables, the XLA
+    executor and ``backward="xla"`` take the portable one, whatever ran forward."""
+    if backward == "xla" or backend == "xla" or head_tiles is not None or plan.q_len is not None:
       return None
-    # Its kernel at the forward's tiles needs 17.4 MB of scoped VMEM on a v6e at 720p, 27.8 MB on
-    # a v5e (16 MiB by default), where half the query tile needs 10.8 MB (compiled by libtpu):
-    # under 32 MiB, half the query tile. (No VMEM model covers the backward yet.)
-    small = tpu.vmem_limit is not None and tpu.vmem_limit < 32 * 2**20 and plan.block_q % 256 == 0
-    blocks = (plan.block_q // 2, plan.block_kv, kv_compute) if small else None
+    # Splash's own inner kv step: our kernel's wider one is tuned for its forward, not this one.
+    bwd_kv = kv_compute if tpu_backend == "splash" else default_kv_compute(plan.block_kv)
+    blocks = backward_tiles(plan, bwd_kv, head_dim, q.dtype, tpu)
     run = lambda interpret: lambda *xs: splash_sparse_attention_backward(
-        *xs, plan, scale, interpret=interpret, block_kv_compute=kv_compute, bwd_blocks=blocks)
-    if target.is_tpu:
-      pick = run(False)
-    elif not follows_lowering_platform(target):
-      pick = run(True)
-    else:
-      pick = lambda *xs: jax.lax.platform_dependent(*xs, tpu=run(False), default=run(True))
+        *xs, plan, scale, interpret=interpret, block_kv_compute=bwd_kv, bwd_blocks=blocks)
+
+    def on_tpu():
+      try:
+        check_backward_fits(plan, blocks, head_dim, q.dtype, tpu)
+        return run(False)
+      except ValueError as err:
+        if not tpu.speculative:
+          raise
+        return refusal.refused_backward_on_tpu(str(err))
+
+    def pick(*xs):  # traced only when the call is differentiated: refusals surface then
+      if target.is_tpu:
+        return on_tpu()(*xs)
+      if not follows_lowering_platform(target):
+        return run(True)(*xs)
+      return jax.lax.platform_dependent(*xs, tpu=on_tpu(), default=run(True))
     return lambda q, k, v, lse, delta, dout, _: pick(q, k, v, lse, delta, dout)
 
   executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing

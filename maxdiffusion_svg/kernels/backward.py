@@ -59,6 +59,14 @@ def _steps(n: int, per_step: int) -> tuple[int, int]:
   return steps, -(-n // steps)
 
 
+def backward_steps(plan: TilePlan, batch: int, heads: int,
+                   tiles_per_step: int | None = None) -> int:
+  """How many scan steps :func:`sparse_attention_backward` takes for one call over ``plan``."""
+  if tiles_per_step is None:
+    tiles_per_step = max(1, _STEP_LOGIT_BYTES // (batch * heads * plan.block_q * plan.block_kv * 4))
+  return _steps(int(plan.num_visited.sum()), tiles_per_step)[0]
+
+
 def _split(x: np.ndarray | jax.Array, steps: int, per_step: int, fill: int, axis: int = -1):
   """A flat work list (last axis) padded with ``fill`` and cut into ``[steps, ..., per_step]``."""
   pad = steps * per_step - x.shape[-1]
@@ -106,9 +114,8 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
     rows, slots = head_table_slots(plan)
     cols = head_tiles[:, :, rows, slots]
     full = np.full(rows.size, plan.seq_len % bkv == 0)
-  if tiles_per_step is None:
-    tiles_per_step = max(1, _STEP_LOGIT_BYTES // (b * h * bq * bkv * 4))
-  steps, per_step = _steps(rows.size, tiles_per_step)
+  steps = backward_steps(plan, b, h, tiles_per_step)
+  per_step = -(-rows.size // steps)
   work = (_split(rows.astype(np.int32), steps, per_step, nq),
           _split(jnp.asarray(cols, jnp.int32) if head_tiles is not None
                  else cols.astype(np.int32), steps, per_step, nkv),

@@ -39,3 +39,12 @@ def refused_on_tpu(message: str, return_lse: bool = False) -> Callable[..., Any]
     out = _refused.bind(jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype), message=message)
     return (out, jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)) if return_lse else out
   return run
+
+
+def refused_backward_on_tpu(message: str) -> Callable[..., Any]:
+  """A tiles' backward (``q, k, v, lse, delta, dout, tables -> dq, dk, dv`` in float32) that
+  cannot be lowered for a TPU, as :func:`refused_on_tpu` for the forward."""
+  def run(q, k, v, *_):
+    return tuple(_refused.bind(jnp.zeros(x.shape, jnp.float32), message=message)
+                 for x in (q, k, v))
+  return run

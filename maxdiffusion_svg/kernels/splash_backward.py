@@ -34,6 +34,7 @@ from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_in
 
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL, _smallest_int
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
+from maxdiffusion_svg.target import VMEM_FLAG, VMEM_KEY, Target
 from maxdiffusion_svg.tiles import EMPTY, FULL, MASKED, TilePlan
 from maxdiffusion_svg.tiling import default_kv_compute
 
@@ -153,6 +154,68 @@ def dkv_smem_bytes(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = Non
                + width(plan.num_q_tiles * (plan.block_q // bq)) + 1 + 8
                + (1 if backward_mask_strategy(plan, stored) == "stored" else 0))
   return dkv_table_entries(plan, bwd_blocks) * per_entry + 4
+
+
+# tokamax's backward kernel in scoped VMEM: its pipelined blocks (q and dout by the query tile, k
+# and v by the kv tile, in the inputs' type; dq's float32 block; dk and dv out), double-buffered,
+# its float32 dk/dv accumulators, and the per-step temporaries of a query tile against a kv
+# compute chunk (logits, probabilities, dp, ds: float32 ``block_q x block_kv_compute`` each).
+# The temporaries' factor and a constant per generation are set above libtpu's own figures
+# (``bench backward --vmem``, docs/measurements/backward_vmem.json).
+BACKWARD_VMEM_BASE = 2 * 2**20
+BACKWARD_VMEM_PER_SCORE = {"v4": 4.0, "v5e": 4.0, "v5p": 4.0, "v6e": 4.0, "tpu7x": 4.0}
+
+
+def dkv_vmem_bound(bwd_blocks: tuple[int, int, int], head_dim: int, dtype: Any,
+                   target: Target) -> int:
+  """Scoped-VMEM bytes tokamax's backward kernel needs at most at ``bwd_blocks`` (block_q,
+  block_kv, block_kv_compute) on ``target``'s generation (an unknown one: the largest)."""
+  bq, bkv, bkc = bwd_blocks
+  itemsize = jnp.dtype(dtype).itemsize
+  d = -(-head_dim // 128) * 128
+  blocks = 2 * (2 * bq * d * itemsize + 4 * bkv * d * itemsize + bq * d * 4) + 2 * bkv * d * 4
+  known = target.generation.name if target.known else None
+  factor = (BACKWARD_VMEM_PER_SCORE[known] if known in BACKWARD_VMEM_PER_SCORE
+            else max(BACKWARD_VMEM_PER_SCORE.values()))
+  return int(BACKWARD_VMEM_BASE + blocks + factor * bq * bkc * 4)
+
+
+def backward_tiles(plan: TilePlan, block_kv_compute: int, head_dim: int, dtype: Any,
+                   target: Target) -> tuple[int, int, int]:
+  """The backward's tiles on ``target``: the forward's, or where they would not fit its scoped
+  VMEM (:func:`dkv_vmem_bound`), the largest query tile dividing the forward's (whole lanes)
+  that does; the forward's when none does (:func:`check_backward_fits` then refuses)."""
+  candidates = [bq for bq in range(plan.block_q, 127, -128) if plan.block_q % bq == 0]
+  for bq in candidates:
+    blocks = (bq, plan.block_kv, block_kv_compute)
+    if not target.is_tpu or dkv_vmem_bound(blocks, head_dim, dtype, target) <= target.vmem_limit:
+      return blocks
+  return plan.block_q, plan.block_kv, block_kv_compute
+
+
+def check_backward_fits(plan: TilePlan, bwd_blocks: tuple[int, int, int], head_dim: int,
+                        dtype: Any, target: Target) -> None:
+  """Refuses, before compiling, a backward that cannot fit ``target``: its scoped VMEM
+  (:func:`dkv_vmem_bound`) or its tables in SMEM (its kv-major work list holds about as many
+  entries as the forward's, plus unvisited kv tiles)."""
+  if not target.is_tpu:
+    return
+  bq, bkv, bkc = bwd_blocks
+  where = (f"the backward kernel's (tokamax's Splash dkv) tiles {bq}x{bkv}/{bkc} for forward "
+           f"tiles {plan.block_q}x{plan.block_kv}")
+  vmem = dkv_vmem_bound(bwd_blocks, head_dim, dtype, target)
+  if vmem > target.vmem_limit:
+    raise ValueError(
+        f"{where} need about {vmem / 2**20:.1f} MiB of VMEM on {target.chip}, over its "
+        f"{target.vmem_limit / 2**20:g} MiB scoped-VMEM limit ({target.vmem_source}), even with "
+        f"the smallest query tile dividing svg_block_q: lower svg_block_kv or "
+        f"svg_block_kv_compute, or raise the limit ({VMEM_KEY} and --{VMEM_FLAG}, to the same KiB)")
+  smem = dkv_smem_bytes(plan, bwd_blocks)
+  if smem > target.smem:
+    raise ValueError(
+        f"{where} walk {plan.num_q_tiles}x{plan.num_kv_tiles} tiles whose tables need about "
+        f"{smem / 1024:.0f} KiB of SMEM, over {target.chip}'s {target.smem // 1024} KiB: raise "
+        f"svg_block_q or svg_block_kv (fewer, larger tiles)")
 
 
 def splash_sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax.Array,

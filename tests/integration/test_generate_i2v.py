@@ -65,6 +65,9 @@ def test_wan21_i2v_at_density_one_is_the_dense_video(wan21_i2v, wan21_i2v_dense)
   assert diff.max() <= 1 and diff.mean() < 1e-3, (diff.max(), diff.mean())
 
 
+# Full tier: Wan 2.2's experts at their own densities are in the CI tier for T2V
+# (test_pipeline.py), image conditioning for Wan 2.1 I2V (above).
+@pytest.mark.full
 def test_wan22_i2v_experts_run_their_densities_on_the_image_conditioned_latent(
     tmp_path_factory, tmp_path):
   """Wan 2.2 I2V (the image as latent conditioning, no image encoder) through MaxDiffusion's

@@ -128,8 +128,8 @@ def test_the_layout_follows_the_configs_logical_axis_rules(tmp_path_factory):
     # as configs/wan_svg_v6e32.yml splits 32 chips: data x context, the context axis (4) not
     # dividing the heads (6), ulysses_shards 2 leaving a ring of 2
     {"ici_data_parallelism": 2, "ici_context_parallelism": 4, "ulysses_shards": 2},
-    # context only (the CFG pair folded into the heads), a ring of 4
-    {"ici_context_parallelism": 8, "ulysses_shards": 2},
+    # context only (the CFG pair folded into the heads), a ring of 4 (full tier: the same path)
+    pytest.param({"ici_context_parallelism": 8, "ulysses_shards": 2}, marks=pytest.mark.full),
 ])
 def test_ulysses_shards_run_a_context_axis_that_does_not_divide_the_heads(tmp_path_factory,
                                                                           mesh):

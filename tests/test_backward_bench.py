@@ -1,0 +1,51 @@
+"""``bench backward``: its flags, its table, and the backward kernel's steps it prices (no
+compile; the compiled figures are in docs/benchmarks.md)."""
+
+import pytest
+
+from maxdiffusion_svg import cli
+from maxdiffusion_svg.bench import backward as bench
+from maxdiffusion_svg.geometry import grid_for_resolution
+from maxdiffusion_svg.kernels.splash_backward import dkv_table_entries
+from maxdiffusion_svg.target import tpu_target
+from maxdiffusion_svg.tiles import plan_tiles
+
+
+def test_the_flags_and_their_defaults():
+  args = cli.build_parser().parse_args(["bench", "backward"])
+  assert (args.chip, args.backends, args.resolution, args.density, args.heads) == (
+      "v6e", "pallas", "720p", 0.3, 5)
+
+
+def test_the_backward_kernels_steps_are_its_table():
+  # Every visited tile once, one empty step per kv tile no query visits, every kv column.
+  case = bench.BackwardCase(resolution="480p")
+  target, plan, _ = case.setup()
+  blocks = bench.backward_blocks_of(case, plan, target)
+  full, masked, empty, columns = bench._dkv_tiles(plan, blocks)  # pylint: disable=protected-access
+  assert full + masked + empty == dkv_table_entries(plan, blocks)
+  assert (full, masked) == (plan.stats.full_tiles, plan.stats.masked_tiles)
+  assert columns == plan.num_kv_tiles
+
+
+def test_the_tiles_are_the_calls():
+  # On a v5e (16 MiB) the call takes a smaller query tile than its forward's; the bench prices
+  # the same tiles.
+  case = bench.BackwardCase(chip="v5e")
+  target, plan, _ = case.setup()
+  assert target == tpu_target("v5e")
+  blocks = bench.backward_blocks_of(case, plan, target)
+  assert blocks[0] < plan.block_q and plan.block_q % blocks[0] == 0 and blocks[1:] == (
+      plan.block_kv, 256)
+
+
+def test_the_table_names_each_backward():
+  row = lambda backward, ok=True: {
+      "case": {"backend": "pallas", "backward": backward}, "ok": ok, "error": "boom",
+      "temp_mib": 787.0, "backward_bundles": 54_055_525, "xla_bundles": 1_849_032,
+      "forward_bundles": 15_859_225}
+  text = bench.format_backward_bench({"chip": "v6e", "resolution": "720p", "density": 0.3,
+                                      "heads": 5, "libtpu": "x",
+                                      "rows": [row("auto"), row("xla", ok=False)]})
+  assert "pallas | tokamax's kernel | 787.0 MiB | 54,055,525 | 1,849,032 | 15,859,225" in text
+  assert "pallas | XLA scan | failed: boom" in text
