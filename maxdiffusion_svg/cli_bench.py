@@ -232,8 +232,16 @@ def _bench_wan_train(args: argparse.Namespace) -> int:
 def _bench_backward(args: argparse.Namespace) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.bench.backward import format_backward_bench, run_backward_bench
+  from maxdiffusion_svg.bench.backward import (VMEM_OUT, format_backward_bench, run_backward_bench,
+                                               run_backward_vmem)
   # pylint: enable=import-outside-toplevel
+  if args.vmem:
+    result = run_backward_vmem(log=_progress)
+    out = args.json or str(VMEM_OUT)
+    with open(out, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+    print(f"{len(result['rows'])} compiler figures (libtpu {result['libtpu']}) written to {out}")
+    return 0
   result = run_backward_bench(args.chip, args.backends.split(","), args.resolution, args.density,
                               args.heads, log=_progress)
   _report(args, format_backward_bench(result), result)
@@ -450,6 +458,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   backward.add_argument("--resolution", choices=list(RESOLUTIONS), default="720p")
   backward.add_argument("--density", type=_density, default=0.3, help="band density in (0, 1]")
   backward.add_argument("--heads", type=_positive_int, default=5, help="heads per call")
+  backward.add_argument("--vmem", action="store_true",
+                        help="instead: the scoped VMEM libtpu allocates for tokamax's backward "
+                             "kernel per chip, beside our bound (docs/measurements/backward_vmem.json)")
   _add_json_arg(backward)
   backward.set_defaults(run=_bench_backward)
 

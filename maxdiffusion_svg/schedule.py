@@ -49,6 +49,11 @@ class Interval:
     return max(0, min(end, self.end if self.end is not None else end) - max(start, self.start))
 
   def contains(self, i: Any) -> Any:
+    """Whether step or layer ``i`` is inside: a Python bool for an int, and for an interval
+    holding every index (``[0, end)``), whatever ``i`` is: a schedule active everywhere has no
+    dense branch to trace (in training, none to keep residuals for)."""
+    if self.start == 0 and self.end is None:
+      return True
     if _is_int(i):
       return self.start <= i and (self.end is None or i < self.end)
     inside = jnp.asarray(i) >= self.start

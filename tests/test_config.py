@@ -111,6 +111,19 @@ def test_is_active_for_ints_and_traced_scalars():
     assert bool(traced(jnp.int32(s), jnp.int32(l))) == want
 
 
+def test_a_schedule_active_everywhere_is_decided_while_tracing():
+  # No dense branch (no cond) even for traced steps and layers: what training relies on to keep
+  # one branch's residuals.
+  everywhere = Schedule(Interval(0, None), Interval(0, None))
+  seen = []
+  jax.make_jaxpr(lambda s, l: seen.append(everywhere.is_active(s, l)) or s)(jnp.int32(3),
+                                                                          jnp.int32(7))
+  assert seen == [True]
+  partly = Schedule(Interval(0, None), Interval(1, None))
+  jax.make_jaxpr(lambda s, l: seen.append(partly.is_active(s, l)) or s)(jnp.int32(3), jnp.int32(7))
+  assert not isinstance(seen[-1], bool)
+
+
 def test_shipped_yaml_fragments_are_valid():
   import pathlib  # pylint: disable=import-outside-toplevel
   import yaml  # pylint: disable=import-outside-toplevel

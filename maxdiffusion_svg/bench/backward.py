@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,8 @@ from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ScheduleFormatError, dump_flags,
                                            read_dump)
 
+VMEM_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements" / \
+    "backward_vmem.json"
 _HLO_ENV = "SVG_BACKWARD_HLO"  # where the compile child writes the optimised module's text
 DKV_KERNEL = "dkv"  # tokamax's backward kernel's dumped name contains it
 FORWARD_KERNEL = {"pallas": ("svg_pallas", FIXED_OFFSET_LAYOUT), "splash": ("splash_mha_fwd", None)}
@@ -213,13 +216,18 @@ def format_backward_bench(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-# The backward kernel's VMEM points: (block_q, block_kv, block_kv_compute, dtype) per chip, at
-# 720p (tiles under 1024 at 480p, whose tables fit SMEM), head_dim 128, 5 heads, aligned.
-VMEM_TILES = ((3328, 1536, 256, "bfloat16"), (2048, 1536, 256, "bfloat16"),
-              (1024, 1536, 256, "bfloat16"), (1664, 1536, 512, "bfloat16"),
-              (2048, 1024, 128, "bfloat16"), (512, 512, 256, "bfloat16"),
-              (2048, 1536, 256, "float32"))
-VMEM_CHIPS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+# The backward kernel's VMEM points per chip: (block_q, block_kv, block_kv_compute, dtype), at
+# 720p (tiles under 1024 at 480p, whose tables fit SMEM), head_dim 128, 5 heads, aligned. The
+# two families (v5e: 16 MiB, no bf16 VPU; v6e: 32 MiB) get more; the others a few each.
+VMEM_POINTS = {
+    "v6e": ((3328, 1536, 256, "bfloat16"), (1664, 1536, 256, "bfloat16"),
+            (2048, 1024, 128, "bfloat16"), (2048, 1536, 256, "float32")),
+    "v5e": ((2048, 1536, 256, "bfloat16"), (1024, 1536, 256, "bfloat16"),
+            (1664, 1536, 512, "bfloat16"), (1024, 1536, 256, "float32")),
+    "v5p": ((1664, 1536, 256, "bfloat16"), (1024, 1536, 256, "bfloat16")),
+    "v4": ((1664, 1536, 256, "bfloat16"), (1024, 1536, 256, "bfloat16")),
+    "tpu7x": ((3328, 1536, 256, "bfloat16"), (1664, 1536, 256, "bfloat16")),
+}
 
 
 def measure_backward_vmem(chip: str, block_q: int, block_kv: int, block_kv_compute: int,
@@ -256,15 +264,15 @@ def measure_backward_vmem(chip: str, block_q: int, block_kv: int, block_kv_compu
           "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_backward_vmem(chips: Sequence[str] = VMEM_CHIPS,
+def run_backward_vmem(chips: Sequence[str] = tuple(VMEM_POINTS),
                       log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Every chip's points (:data:`VMEM_TILES`), each in a child process."""
+  """Every chip's points (:data:`VMEM_POINTS`), each in a child process."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.tpu_aot import libtpu_version
   # pylint: enable=import-outside-toplevel
   rows = []
   for chip in chips:
-    for bq, bkv, bkc, dtype in VMEM_TILES:
+    for bq, bkv, bkc, dtype in VMEM_POINTS[chip]:
       done = subprocess.run([sys.executable, "-m", __name__, "--vmem",
                              json.dumps([chip, bq, bkv, bkc, dtype])],
                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
