@@ -280,3 +280,31 @@ def test_a_backward_whose_tables_overflow_smem_is_refused_when_differentiated():
   jax.eval_shape(call, x, x, x)  # the forward fits
   with pytest.raises(ValueError, match="backward kernel's .* SMEM"):
     jax.eval_shape(jax.grad(lambda q, k, v: call(q, k, v).astype(jnp.float32).sum()), x, x, x)
+
+
+def test_the_backward_vmem_bound_holds_libtpus_figures():
+  """Every compiled point (``bench backward --vmem``): libtpu's scoped VMEM for tokamax's
+  backward kernel is under our bound, and the bound is not loose (at most 1.5x)."""
+  import json
+  import pathlib
+  from maxdiffusion_svg.kernels.splash_backward import dkv_vmem_bound
+  from maxdiffusion_svg.target import tpu_target
+  path = pathlib.Path(__file__).parents[1] / "docs" / "measurements" / "backward_vmem.json"
+  rows = json.loads(path.read_text())["rows"]
+  assert {r["chip"] for r in rows} == {"v4", "v5e", "v5p", "v6e", "tpu7x"}
+  for r in rows:
+    need = r["compiler_bytes"]
+    bound = dkv_vmem_bound((r["block_q"], r["block_kv"], r["block_kv_compute"]), 128, r["dtype"],
+                           tpu_target(r["chip"]))
+    assert need and need <= bound <= 1.5 * need, (r, bound / 2**20)
+
+
+def test_the_backward_takes_the_largest_query_tile_that_fits():
+  from maxdiffusion_svg.geometry import grid_for_resolution
+  from maxdiffusion_svg.kernels.splash_backward import backward_tiles, dkv_vmem_bound
+  from maxdiffusion_svg.target import tpu_target
+  plan = plan_tiles(grid_for_resolution("720p"), 0.3, 3328, 1536, "aligned")
+  assert backward_tiles(plan, 256, 128, jnp.bfloat16, tpu_target("v6e")) == (3328, 1536, 256)
+  v5e = tpu_target("v5e")  # 16 MiB: the forward's query tile does not fit, half of it does
+  assert dkv_vmem_bound((3328, 1536, 256), 128, jnp.bfloat16, v5e) > v5e.vmem_limit
+  assert backward_tiles(plan, 256, 128, jnp.bfloat16, v5e) == (1664, 1536, 256)

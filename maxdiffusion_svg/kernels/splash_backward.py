@@ -159,11 +159,11 @@ def dkv_smem_bytes(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = Non
 # tokamax's backward kernel in scoped VMEM: its pipelined blocks (q and dout by the query tile, k
 # and v by the kv tile, in the inputs' type; dq's float32 block; dk and dv out), double-buffered,
 # its float32 dk/dv accumulators, and the per-step temporaries of a query tile against a kv
-# compute chunk (logits, probabilities, dp, ds: float32 ``block_q x block_kv_compute`` each).
-# The temporaries' factor and a constant per generation are set above libtpu's own figures
-# (``bench backward --vmem``, docs/measurements/backward_vmem.json).
+# compute chunk (float32 logits and their copies in the inputs' type: ``4 + 2 * itemsize`` bytes
+# per ``block_q x block_kv_compute`` pair), plus a constant. Set above libtpu's own figures on every
+# generation (``bench backward --vmem``, docs/measurements/backward_vmem.json: at most 1.4x them).
 BACKWARD_VMEM_BASE = 2 * 2**20
-BACKWARD_VMEM_PER_SCORE = {"v4": 4.0, "v5e": 4.0, "v5p": 4.0, "v6e": 4.0, "tpu7x": 4.0}
+BACKWARD_VMEM_PER_SCORE = {"v4": 1.2, "v5e": 1.0, "v5p": 1.0, "v6e": 1.0, "tpu7x": 1.0}
 
 
 def dkv_vmem_bound(bwd_blocks: tuple[int, int, int], head_dim: int, dtype: Any,
@@ -177,7 +177,7 @@ def dkv_vmem_bound(bwd_blocks: tuple[int, int, int], head_dim: int, dtype: Any,
   known = target.generation.name if target.known else None
   factor = (BACKWARD_VMEM_PER_SCORE[known] if known in BACKWARD_VMEM_PER_SCORE
             else max(BACKWARD_VMEM_PER_SCORE.values()))
-  return int(BACKWARD_VMEM_BASE + blocks + factor * bq * bkc * 4)
+  return int(BACKWARD_VMEM_BASE + blocks + factor * bq * bkc * (4 + 2 * itemsize))
 
 
 def backward_tiles(plan: TilePlan, block_kv_compute: int, head_dim: int, dtype: Any,
