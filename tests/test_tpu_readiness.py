@@ -98,3 +98,16 @@ def test_each_mode_masks_the_cheaper_way(resolution):
       assert info.q_sequence is None and mask_fn is None
     else:
       assert info.partial_mask_blocks is None and mask_fn is not None
+
+
+def test_a_gradient_with_no_platform_named_lowers_tokamaxs_backward_for_tpu_only():
+  """Our kernel named, the platform not: the exported gradient for a TPU runs the forward kernel
+  and tokamax's backward kernel; for the CPU, their interpreters (no Mosaic call)."""
+  grid = VideoGrid(4, 16, 16)  # 1024 tokens: 4 x 4 tiles of 256
+  plan = plan_tiles(grid, 0.5, 256, 256, "aligned")
+  grad = jax.grad(lambda q, k, v: sparse_attention(q, k, v, plan, backend="pallas")
+                  .astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  shape = (1, 2, grid.tokens, HEAD_DIM)
+  module = export(grad, shape, "tpu")
+  assert module.count("tpu_custom_call") == 2 and "dkv" in module
+  assert "tpu_custom_call" not in export(grad, shape, "cpu")

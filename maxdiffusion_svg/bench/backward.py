@@ -17,7 +17,8 @@ schedule, and reports:
 - ``xla_bundles``: the rest of the program (padding, casts, the reductions around the kernels),
   :func:`maxdiffusion_svg.bench.schedule_xla.price_program`.
 
-Figures are issue slots as libtpu scheduled them, not times (see :mod:`maxdiffusion_svg.tpu_schedule`).
+Figures are issue slots as libtpu scheduled them, not times (see
+:mod:`maxdiffusion_svg.tpu_schedule`).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ def format_backward_bench(result: dict[str, Any]) -> str:
   lines = [f"One call's gradient, {result['chip']}, {result['resolution']}, density "
            f"{result['density']}, {result['heads']} heads, bf16 (libtpu {result['libtpu']}; "
            f"static bundles are issue slots, not time)",
-           "forward | backward | temporaries | backward bundles | rest of the program | forward kernel"]
+           "forward | backward | temporaries | backward bundles | rest of the program | "
+           "forward kernel"]
   for row in result["rows"]:
     case = row["case"]
     what = "tokamax's kernel" if case["backward"] == "auto" else "XLA scan"

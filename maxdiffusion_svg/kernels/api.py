@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +147,18 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   tables = 1 if head_tiles is None else q.shape[0] * q.shape[1]
   per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
 
+  Make = Callable[[], Callable[..., Any]]
+
+  def per_lowering(on_tpu: Make, on_host: Make, host_only: bool = False) -> Callable[..., Any]:
+    """The TPU's function where the call is compiled for a TPU (or is the TPU branch of one that
+    may be), the host's where only the host runs it, else both behind the lowering platform
+    (held to the strictest known TPU where lowered for one)."""
+    if target.is_tpu:
+      return on_tpu()
+    if host_only or not follows_lowering_platform(target):
+      return on_host()
+    return lambda *xs: jax.lax.platform_dependent(*xs, tpu=on_tpu(), default=on_host())
+
   def executor(return_lse: bool, row_keys: RowKeys | None, head_tiles: jax.Array | None):
     """The call's executor for these row keys and tables, with or without its log-sum-exp."""
 
@@ -188,13 +200,10 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
           raise
         return refusal.refused_on_tpu(str(err), return_lse)
 
-    if target.is_tpu:  # compiled for a TPU (or the TPU branch of a call that may be)
-      return on_tpu() if backend != "xla" else xla
-    if given == "xla" or not follows_lowering_platform(target):  # the host's executor only
-      return kernel(interpret=True) if backend != "xla" else xla
-    # nothing names the platform: held to the strictest known TPU where lowered for one
-    return lambda q, k, v: jax.lax.platform_dependent(
-        q, k, v, tpu=on_tpu(), default=kernel(interpret=True) if backend != "xla" else xla)
+    if target.is_tpu and backend == "xla":
+      return xla
+    host = (lambda: xla) if backend == "xla" else (lambda: kernel(interpret=True))
+    return per_lowering(on_tpu, host, host_only=given == "xla")
 
   def tile_backward():
     """The tiles' backward where a TPU kernel runs forward (ours or Splash) and one table
@@ -218,13 +227,9 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
           raise
         return refusal.refused_backward_on_tpu(str(err))
 
-    def pick(*xs):  # traced only when the call is differentiated: refusals surface then
-      if target.is_tpu:
-        return on_tpu()(*xs)
-      if not follows_lowering_platform(target):
-        return run(True)(*xs)
-      return jax.lax.platform_dependent(*xs, tpu=on_tpu(), default=run(True))
-    return lambda q, k, v, lse, delta, dout, _: pick(q, k, v, lse, delta, dout)
+    # Built when the call is differentiated (the backward rule is traced): refusals surface then.
+    return lambda q, k, v, lse, delta, dout, _: per_lowering(on_tpu, lambda: run(True))(
+        q, k, v, lse, delta, dout)
 
   executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing
   attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles,

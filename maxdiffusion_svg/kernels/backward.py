@@ -147,8 +147,7 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
 
   acc = (jnp.zeros((b, h, nq, bq, d), jnp.float32), jnp.zeros((b, h, nkv, bkv, d), jnp.float32),
          jnp.zeros((b, h, nkv, bkv, dv_dim), jnp.float32))
-  work = (jnp.asarray(work[0]), work[1] if head_tiles is not None else jnp.asarray(work[1]),
-          jnp.asarray(work[2]))
+  work = tuple(map(jnp.asarray, work))
   (dq, dk, dv), _ = jax.lax.scan(step, acc, work)
   seq = lambda x, n: x.reshape(b, h, -1, x.shape[-1])[:, :, :n]
   return seq(dq, q.shape[2]), seq(dk, k.shape[2]), seq(dv, v.shape[2])
