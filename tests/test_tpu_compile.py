@@ -236,6 +236,7 @@ def test_cfg_batch_fold_keeps_the_exchange_off_t2_tiles():
   assert any("T(2,128)" in layout for layout in a2a_layouts(unfolded))
 
 
+@pytest.mark.full  # the tool's own check: test_vmem_model holds the model to its points offline
 def test_the_compilers_own_vmem_need_is_the_calibrated_one():
   """tpu_aot.scoped_vmem_need walks libtpu's allocation errors up to the kernel's real need;
   it reproduces a point of docs/measurements/vmem_calibration.json, from below and (a first
