@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -59,6 +62,29 @@ def topology_devices(topology: str) -> tuple[Any, ...]:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   with _libtpu_env():
     return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+
+
+# A compile child's answer: one line of JSON behind this prefix on its standard output.
+RESULT_PREFIX = "RESULT "
+
+
+def print_result(result: Any) -> None:
+  """The child's side of :func:`child_result`."""
+  print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def child_result(module: str, args: Sequence[str],
+                 env: dict[str, str] | None = None) -> tuple[Any, str]:
+  """Runs ``python -m module *args`` (a compile with its own libtpu flags, its memory returned
+  when it exits) and returns ``(result, "")``, the JSON its last :func:`print_result` line
+  holds, or ``(None, error)`` naming its exit status and last line of standard error."""
+  done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
+                        text=True, check=False)
+  lines = [l for l in done.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+  if lines:
+    return json.loads(lines[-1][len(RESULT_PREFIX):]), ""
+  tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+  return None, f"compile process exited {done.returncode}: {tail}"
 
 
 def vmem_options(limit_kib: int | None) -> dict[str, str]:

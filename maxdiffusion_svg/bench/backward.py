@@ -27,17 +27,16 @@ import dataclasses
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
 
-from maxdiffusion_svg.bench.schedule import static_bundles
-from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
+from maxdiffusion_svg.bench.schedule import dump_env, static_bundles
+from maxdiffusion_svg.bench.schedule_xla import price_program
 from maxdiffusion_svg.geometry import grid_for_resolution
-from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ScheduleFormatError, dump_flags,
-                                           read_dump)
+from maxdiffusion_svg.tpu_aot import child_result, print_result
+from maxdiffusion_svg.tpu_schedule import FIXED_OFFSET_LAYOUT, ScheduleFormatError, read_dump
 
 VMEM_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements" / \
     "backward_vmem.json"
@@ -162,17 +161,9 @@ def run_case(case: BackwardCase, log: Callable[[str], None] = print) -> dict[str
   """Compiles one case in a child process with its schedule dumped, then prices it."""
   row: dict[str, Any] = {"case": dataclasses.asdict(case)}
   with tempfile.TemporaryDirectory(prefix="svg_backward_") as directory:
-    flags = [os.environ.get("LIBTPU_INIT_ARGS", ""), dump_flags(directory)]
-    env = {**os.environ, "LIBTPU_INIT_ARGS": " ".join(f for f in flags if f),
-           "JAX_PLATFORMS": "cpu", _HLO_ENV: os.path.join(directory, HLO_FILE)}
-    done = subprocess.run([sys.executable, "-m", __name__, json.dumps(dataclasses.asdict(case))],
-                          env=env, capture_output=True, text=True, check=False)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-    if not lines:
-      tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-      row.update(ok=False, error=f"compile process exited {done.returncode}: {tail}")
-    else:
-      row.update(json.loads(lines[-1][len("RESULT "):]))
+    result, error = child_result(__name__, [json.dumps(dataclasses.asdict(case))],
+                                 dump_env(directory, _HLO_ENV))
+    row.update(result if result is not None else {"ok": False, "error": error})
     if row["ok"]:
       try:
         row.update(price(case, directory))
@@ -275,15 +266,11 @@ def run_backward_vmem(chips: Sequence[str] = tuple(VMEM_POINTS),
   rows = []
   for chip in chips:
     for bq, bkv, bkc, dtype in VMEM_POINTS[chip]:
-      done = subprocess.run([sys.executable, "-m", __name__, "--vmem",
-                             json.dumps([chip, bq, bkv, bkc, dtype])],
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                            text=True, check=False)
-      lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-      row = (json.loads(lines[-1][len("RESULT "):]) if lines else
-             {"chip": chip, "block_q": bq, "block_kv": bkv, "block_kv_compute": bkc,
-              "dtype": dtype, "compiler_bytes": None, "error": (done.stderr.strip().splitlines()
-                                                                or ["no output"])[-1]})
+      result, error = child_result(__name__, ["--vmem", json.dumps([chip, bq, bkv, bkc, dtype])],
+                                   {**os.environ, "JAX_PLATFORMS": "cpu"})
+      row = result if result is not None else {
+          "chip": chip, "block_q": bq, "block_kv": bkv, "block_kv_compute": bkc, "dtype": dtype,
+          "compiler_bytes": None, "error": error}
       rows.append(row)
       need = row["compiler_bytes"]
       log(f"{chip} {bq}x{bkv}/{bkc} {dtype}: " + (
@@ -295,10 +282,10 @@ def run_backward_vmem(chips: Sequence[str] = tuple(VMEM_POINTS),
 
 def _main(argv: Sequence[str]) -> None:
   if argv[1] == "--vmem":
-    print("RESULT " + json.dumps(measure_backward_vmem(*json.loads(argv[2]))), flush=True)
+    print_result(measure_backward_vmem(*json.loads(argv[2])))
     return
   case = BackwardCase(**json.loads(argv[1]))
-  print("RESULT " + json.dumps(_compile_here(case)), flush=True)
+  print_result(_compile_here(case))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any, Callable, Sequence
@@ -25,7 +24,7 @@ from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
-from maxdiffusion_svg.tpu_aot import libtpu_version
+from maxdiffusion_svg.tpu_aot import child_result, libtpu_version, print_result
 from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
                                            SPLASH_LAYOUT,
                                            KernelSchedule, ScheduleFormatError, dump_flags,
@@ -101,21 +100,21 @@ class ScheduleCase:
                       self.mode, include_sink=include_sink)
 
 
+def dump_env(directory: str, hlo_env: str, vmem_limit_kib: int | None = None) -> dict[str, str]:
+  """A compile child's environment: libtpu dumping its final schedules into ``directory`` (and
+  the optimised module's text to ``hlo_env``'s path there), on the CPU."""
+  flags = [os.environ.get("LIBTPU_INIT_ARGS", ""), dump_flags(directory)]
+  if vmem_limit_kib:
+    flags.append(f"--xla_tpu_scoped_vmem_limit_kib={vmem_limit_kib}")
+  return {**os.environ, "LIBTPU_INIT_ARGS": " ".join(f for f in flags if f),
+          "JAX_PLATFORMS": "cpu", hlo_env: os.path.join(directory, HLO_FILE)}
+
+
 def compile_case(case: ScheduleCase, directory: str) -> dict[str, Any]:
   """Compiles ``case`` in a child process dumping into ``directory``: ``{ok, error, seconds}``."""
-  flags = [os.environ.get("LIBTPU_INIT_ARGS", ""), dump_flags(directory)]
-  if case.vmem_limit_kib:
-    flags.append(f"--xla_tpu_scoped_vmem_limit_kib={case.vmem_limit_kib}")
-  env = {**os.environ, "LIBTPU_INIT_ARGS": " ".join(f for f in flags if f),
-         "JAX_PLATFORMS": "cpu", _HLO_ENV: os.path.join(directory, HLO_FILE)}
-  done = subprocess.run([sys.executable, "-m", __name__, json.dumps(dataclasses.asdict(case))],
-                        env=env, capture_output=True, text=True, check=False)
-  for line in done.stdout.splitlines():
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-  return {"ok": False, "error": f"compile process exited {done.returncode}: {tail}",
-          "seconds": 0.0}
+  result, error = child_result(__name__, [json.dumps(dataclasses.asdict(case))],
+                               dump_env(directory, _HLO_ENV, case.vmem_limit_kib))
+  return result if result is not None else {"ok": False, "error": error, "seconds": 0.0}
 
 
 def _lower_maxdiffusion_flash(case: ScheduleCase, mesh_devices: Any, tokens: int) -> Any:
@@ -407,7 +406,7 @@ def run_tile_sweep(chip: str = "v6e", resolution: str = "720p", density: float =
 def _main(argv: Sequence[str]) -> None:
   fields = json.loads(argv[1])
   case = ScheduleCase(**{**fields, "grid": tuple(fields["grid"])})
-  print("RESULT " + json.dumps(_compile_here(case)), flush=True)
+  print_result(_compile_here(case))
 
 
 if __name__ == "__main__":
