@@ -1,6 +1,8 @@
 """``svg_attention``: route -> place -> sparse kernel -> restore, on one device's heads.
 
-Temporal heads are moved to temporal-major order, where their mask is the same band +
+Every decision a call makes before it sees data (target, executor, tiles, plans, compensation)
+is made once, in :func:`maxdiffusion_svg.prepared.prepare`; this module only runs the data
+path. Temporal heads are moved to temporal-major order, where their mask is the same band +
 sink as a spatial head's, so one TilePlan serves every head of the call. Placement is a
 per-head select between the two orders: shapes never depend on the routing flags, so
 re-routing never recompiles.
@@ -13,17 +15,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import (Centroids, centroids, compensated_attention, per_head,
+from maxdiffusion_svg.compensation import (Centroids, centroids, compensated_call, per_head,
                                            table_row_keys)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
-from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
-from maxdiffusion_svg.kernels.api import lowering_tpu_target
+from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
-from maxdiffusion_svg.router import layout_centroids, profile_heads
-from maxdiffusion_svg.semantic import (Seed, SemanticLayout, gather_tokens, group_size,
-                                       semantic_layout, visited_table)
-from maxdiffusion_svg.target import TPU_BACKENDS, Target, follows_lowering_platform
+from maxdiffusion_svg.prepared import Branch, PreparedCall, prepare
+from maxdiffusion_svg.router import Routing, layout_centroids, profile_heads
+from maxdiffusion_svg.semantic import Seed, SemanticLayout, gather_tokens, semantic_layout, visited_table
+from maxdiffusion_svg.target import Target, target_for_call
 from maxdiffusion_svg.tiles import TilePlan
 
 
@@ -48,20 +49,28 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
   the placed layout (:mod:`maxdiffusion_svg.compensation`; ``cents``: each layout's centroids,
   where the router has them, else computed from the placed keys). With ``semantic`` (each
   head's semantic order and table), ``temporal`` holds layout ids instead (``int32 [B, H]``,
-  :data:`maxdiffusion_svg.layouts.LAYOUTS`): see :func:`semantic_placed_attention`."""
+  :data:`maxdiffusion_svg.layouts.LAYOUTS`): see :func:`semantic_placed_attention`.
+  ``backend``, ``block_kv_compute`` and ``target`` make the kernel
+  (:func:`maxdiffusion_svg.kernels.api.prepare_kernel`)."""
+  kernel = prepare_kernel(plan, target_for_call(q, k, v, target=target), backend=backend,
+                          block_kv_compute=block_kv_compute)
+  return _placed(kernel, q, k, v, temporal, grid, scale, compensation_blocks, cents, semantic)
+
+
+def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array,
+            grid: VideoGrid, scale: float | None, compensation_blocks: int,
+            cents: dict[Layout, Centroids] | None,
+            semantic: SemanticLayout | None) -> jax.Array:
+  """:func:`placed_attention` on a prepared kernel (its plan's tiles)."""
   if semantic is not None:
-    return semantic_placed_attention(q, k, v, temporal, semantic, grid=grid, plan=plan,
-                                     scale=scale, backend=backend, block_kv_compute=block_kv_compute,
-                                     target=target, compensation_blocks=compensation_blocks,
-                                     cents=cents)
+    return _semantic_placed(kernel, q, k, v, temporal, semantic, grid, scale,
+                            compensation_blocks, cents)
   placed = [place(x, temporal, grid) for x in (q, k, v)]
-  kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target)
   if compensation_blocks:
-    if cents is not None:  # each head's own layout's
-      kwargs["cents"] = per_head(cents, temporal)
-    out = compensated_attention(*placed, plan, blocks=compensation_blocks, **kwargs)
+    out = compensated_call(kernel, *placed, blocks=compensation_blocks, scale=scale,
+                           cents=None if cents is None else per_head(cents, temporal))
   else:
-    out = sparse_attention(*placed, plan, **kwargs)
+    out = kernel(*placed, scale=scale)
   return restore(out, temporal, grid)
 
 
@@ -76,6 +85,18 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
   kernel walks its layout's table (the shared plan's, or its own), and the output goes back
   by the inverse order. With ``compensation_blocks`` each head's skipped tiles are compensated
   by its layout's centroids."""
+  return placed_attention(q, k, v, layout, grid=grid, plan=plan, scale=scale, backend=backend,
+                          block_kv_compute=block_kv_compute, target=target,
+                          compensation_blocks=compensation_blocks, cents=cents,
+                          semantic=semantic)
+
+
+def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array,
+                     layout: jax.Array, semantic: SemanticLayout, grid: VideoGrid,
+                     scale: float | None, compensation_blocks: int,
+                     cents: dict[Layout, Centroids] | None) -> jax.Array:
+  """:func:`semantic_placed_attention` on a prepared kernel."""
+  plan = kernel.plan
   semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
   temporal = layout == LAYOUTS.index(TEMPORAL)
   # Semantic heads by their groups' order (a gather of whole groups), the rest as before.
@@ -88,8 +109,7 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
   kp = placed(k, semantic.k_perm)
   kp, v = jax.lax.optimization_barrier((kp, v))
   vp = placed(v, semantic.k_perm)
-  kwargs = dict(scale=scale, backend=backend, block_kv_compute=block_kv_compute, target=target,
-                head_tiles=tables)
+  kwargs = {"head_tiles": tables}
   if compensation_blocks:
     static = per_head(cents, temporal) if cents is not None else centroids(
         kp, vp, block_kv=plan.block_kv, blocks=compensation_blocks, seq_len=plan.seq_len)
@@ -98,20 +118,8 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
                            static.log_count)
     kwargs["row_keys"] = table_row_keys(head_cents, visited_table(tables, plan), plan,
                                         compensation_blocks, q.dtype)
-  out = sparse_attention(qp, kp, vp, plan, **kwargs)
+  out = kernel(qp, kp, vp, scale=scale, **kwargs)
   return jnp.where(semantic_head, gather_tokens(out, semantic.q_pos), restore(out, temporal, grid))
-
-
-def per_platform(config: SvgConfig, target: Target,
-                 build: Callable[[str, Target], Callable[..., Any]]) -> Callable[..., Any]:
-  """``build(backend, target)`` for the executor the call will run on. With ``auto`` on a
-  host that is not a TPU, both: our Pallas kernel (tiles for a TPU of unknown generation) where the call
-  is lowered for a TPU, the XLA path elsewhere; the plans differ, so the whole path is built
-  twice and the lowering keeps one."""
-  if config.backend == "auto" and follows_lowering_platform(target):
-    tpu, default = build(TPU_BACKENDS[0], lowering_tpu_target(target)), build("xla", target)
-    return lambda *xs: jax.lax.platform_dependent(*xs, tpu=tpu, default=default)
-  return build(resolve_backend(config.backend, target), target)
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
@@ -133,54 +141,45 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
   return key
 
 
-def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
-                  config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
-                  expert: str | None = None, return_info: bool = False,
-                  target: Target | None = None, seed: Seed | None = None) -> Any:
-  """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
+def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array,
+          key: jax.Array, scale: float | None, seed: Seed | None
+          ) -> tuple[Routing, dict[Layout, Centroids] | None, SemanticLayout | None]:
+  """Each head's layout, judged on the mask ``branch``'s kernel will run: the routing, each
+  layout's centroids (with compensation: the router judges with them, the kernel merges
+  them) and the semantic candidate's order and table (where semantic is among the layouts)."""
+  plan, blocks = branch.plan, branch.compensation_blocks
+  cents = ({layout: layout_centroids(k, v, call.grid, layout, plan, blocks) for layout in Layout}
+           if blocks else None)
+  semantic = (None if call.semantic is None
+              else semantic_layout(q, k, v, plan, call.semantic, scale, call.semantic_group, seed))
+  routing = profile_heads(q, k, v, grid=call.grid, config=call.router, key=key, scale=scale,
+                          plan=plan, compensation_blocks=blocks, cents=cents,
+                          layouts=call.config.layouts, semantic=semantic)
+  return routing, cents, semantic
 
-  ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
-  and its tiles. With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``,
-  the router's ``spatial_error``/``temporal_error``, and the shared plan's ``plan``
-  statistics (the target's plan); with semantic among the layouts, also ``clusters``, the
-  keys' k-means centroids ``[B, H, C, D]`` (the next step's ``seed``: a warm start).
-  """
-  check_qkv(q, k, v, grid)
-  target = config.target(q, k, v, target=target)
-  key = profile_key(config) if key is None else key
-  semantic_config = config.semantic
 
-  plans = {}
+def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                           key: jax.Array | None = None, scale: float | None = None,
+                           return_info: bool = False, seed: Seed | None = None) -> Any:
+  """:func:`svg_attention` of a prepared call: route -> place -> sparse kernel -> restore."""
+  check_qkv(q, k, v, call.grid)
+  key = profile_key(call.config) if key is None else key
+  if seed is not None and call.semantic is None:
+    raise ValueError("a warm start (seed) is for calls with semantic among svg_layouts")
 
-  def build(backend: str, target: Target) -> Callable[..., Any]:
-    plan = plans[backend] = config.plan(grid, expert, target, backend)
-    compute = config.tiles(target, backend).block_kv_compute
-    blocks = config.compensation_for(target, backend)
-
+  def build(branch: Branch) -> Callable[..., Any]:
     def run(q, k, v, key):
-      # One pass per layout: the router judges with these centroids, the kernel's merge uses them.
-      cents = ({layout: layout_centroids(k, v, grid, layout, plan, blocks) for layout in Layout}
-               if blocks else None)
-      semantic = (None if semantic_config is None
-                  else semantic_layout(q, k, v, plan, semantic_config, scale, group_size(grid),
-                                       seed))
-      routing = profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                              plan=plan, compensation_blocks=blocks, cents=cents,
-                              semantic=semantic)
-      out = placed_attention(q, k, v, routing.temporal if semantic is None else routing.layouts,
-                             grid=grid, plan=plan, scale=scale, backend=backend,
-                             block_kv_compute=compute, target=target, compensation_blocks=blocks,
-                             cents=cents, semantic=semantic)
+      routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed)
+      layout = routing.temporal if semantic is None else routing.layouts
+      out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,
+                    branch.compensation_blocks, cents, semantic)
       return out, routing, None if semantic is None else semantic.clusters
     return run
 
-  if seed is not None and semantic_config is None:
-    raise ValueError("a warm start (seed) is for calls with semantic among svg_layouts")
-  out, routing, clusters = per_platform(config, target, build)(q, k, v, key)
+  out, routing, clusters = call.per_platform(build)(q, k, v, key)
   if not return_info:
     return out
-  # the plan the host's executor lowers (with auto off TPU, the XLA path's)
-  plan = plans[resolve_backend(config.backend, target)]
+  plan = call.host.plan  # the plan the host's executor lowers (with auto off TPU, the XLA path's)
   info = {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
           "temporal_error": routing.temporal_error, "layout": routing.layouts,
           # every layout runs the band's count per query tile row: what the kernel visits
@@ -192,17 +191,73 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   return out, info
 
 
+def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                  config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
+                  expert: str | None = None, return_info: bool = False,
+                  target: Target | None = None, seed: Seed | None = None) -> Any:
+  """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
+
+  ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
+  and its tiles. With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``,
+  the router's ``spatial_error``/``temporal_error``, and the shared plan's ``plan``
+  statistics (the target's plan); with semantic among the layouts, also ``clusters``, the
+  keys' k-means centroids ``[B, H, C, D]`` (the next step's ``seed``: a warm start).
+  Prepares the call (:func:`maxdiffusion_svg.prepared.prepare`) and runs
+  :func:`prepared_svg_attention`.
+  """
+  check_qkv(q, k, v, grid)
+  call = prepare(config, grid, expert, target=target, arrays=(q, k, v))
+  return prepared_svg_attention(call, q, k, v, key=key, scale=scale, return_info=return_info,
+                                seed=seed)
+
+
+def prepared_dense_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                             scale: float | None = None) -> jax.Array:
+  """Dense attention through the prepared call's executor (every tile full): the schedule's
+  dense branch."""
+  return call.per_platform(lambda branch: lambda q, k, v: branch.dense_kernel(
+      q, k, v, scale=scale))(q, k, v)
+
+
 def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                           config: SvgConfig, scale: float | None = None,
                           target: Target | None = None) -> jax.Array:
   """Dense attention through the same executor (every tile full): the schedule's dense branch."""
-  def build(backend: str, target: Target) -> Callable[..., Any]:
-    tiles, plan = config.tiles(target, backend), config.dense_plan(grid, target, backend)
-    return lambda q, k, v: sparse_attention(q, k, v, plan, scale=scale, backend=backend,
-                                            block_kv_compute=tiles.block_kv_compute,
-                                            target=target)
+  return prepared_dense_attention(prepare(config, grid, target=target, arrays=(q, k, v)),
+                                  q, k, v, scale=scale)
 
-  return per_platform(config, config.target(q, k, v, target=target), build)(q, k, v)
+
+def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                                 step: Any, layer: Any, scale: float | None = None,
+                                 key: jax.Array | None = None, return_layout: bool = False,
+                                 seed: Seed | None = None) -> Any:
+  """:func:`scheduled_svg_attention` of a prepared call."""
+  check_qkv(q, k, v, call.grid)
+  config = call.config
+  active = config.schedule.is_active(step, layer)
+  key = profile_key(config, step, layer, key)
+  aux = return_layout or seed is not None
+
+  def sparse(q, k, v):
+    out, info = prepared_svg_attention(call, q, k, v, key=key, scale=scale, return_info=True,
+                                       seed=seed)
+    extra = {"layout": info["layout"]}
+    if seed is not None:
+      extra["clusters"] = info["clusters"]
+    return (out, extra) if aux else out
+
+  def dense(q, k, v):
+    out = prepared_dense_attention(call, q, k, v, scale=scale)
+    extra = {"layout": jnp.zeros(q.shape[:2], jnp.int32)}
+    if seed is not None:
+      clusters = jnp.broadcast_to(seed.centroids.astype(jnp.float32),
+                                  q.shape[:2] + seed.centroids.shape[-2:])
+      extra["clusters"] = clusters
+    return (out, extra) if aux else out
+
+  if isinstance(active, bool):
+    return (sparse if active else dense)(q, k, v)
+  return jax.lax.cond(active, sparse, dense, q, k, v)
 
 
 def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
@@ -221,28 +276,6 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
   centroids ``[B, H, C, D]`` (the seed's, unchanged, on a dense call).
   """
   check_qkv(q, k, v, grid)
-  active = config.schedule.is_active(step, layer)
-  key = profile_key(config, step, layer, key)
-  target = config.target(q, k, v, target=target)
-  aux = return_layout or seed is not None
-
-  def sparse(q, k, v):
-    out, info = svg_attention(q, k, v, grid=grid, config=config, key=key, scale=scale,
-                              expert=expert, target=target, return_info=True, seed=seed)
-    extra = {"layout": info["layout"]}
-    if seed is not None:
-      extra["clusters"] = info["clusters"]
-    return (out, extra) if aux else out
-
-  def dense(q, k, v):
-    out = dense_tiled_attention(q, k, v, grid=grid, config=config, scale=scale, target=target)
-    extra = {"layout": jnp.zeros(q.shape[:2], jnp.int32)}
-    if seed is not None:
-      clusters = jnp.broadcast_to(seed.centroids.astype(jnp.float32),
-                                  q.shape[:2] + seed.centroids.shape[-2:])
-      extra["clusters"] = clusters
-    return (out, extra) if aux else out
-
-  if isinstance(active, bool):
-    return (sparse if active else dense)(q, k, v)
-  return jax.lax.cond(active, sparse, dense, q, k, v)
+  call = prepare(config, grid, expert, target=target, arrays=(q, k, v))
+  return prepared_scheduled_attention(call, q, k, v, step=step, layer=layer, scale=scale,
+                                      key=key, return_layout=return_layout, seed=seed)

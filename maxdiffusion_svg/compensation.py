@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.geometry import Layout
-from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.kernels.row_keys import RowKeys
+from maxdiffusion_svg.target import target_for_call
 from maxdiffusion_svg.tiles import TilePlan
 
 
@@ -204,14 +205,25 @@ def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePl
   """:func:`maxdiffusion_svg.kernels.sparse_attention` over ``plan``'s tiles, plus the centroids
   of the tiles each query tile row skips (``blocks`` per key tile) as that row's extra keys.
   With nothing skipped (a dense plan) it is the kernel's output itself. ``cents``: the
-  centroids of ``k, v`` where the caller has them already (the router computes each layout's)."""
+  centroids of ``k, v`` where the caller has them already (the router computes each layout's).
+  ``kernel_kwargs``: ``backend``, ``block_kv_compute``, ``target`` (:func:`prepare_kernel`)."""
+  target = target_for_call(q, k, v, target=kernel_kwargs.pop("target", None))
+  return compensated_call(prepare_kernel(plan, target, **kernel_kwargs), q, k, v, blocks=blocks,
+                          scale=scale, cents=cents)
+
+
+def compensated_call(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     blocks: int, scale: float | None = None,
+                     cents: Centroids | None = None) -> jax.Array:
+  """:func:`compensated_attention` through a prepared kernel (its plan's tiles)."""
+  plan = kernel.plan
   check_compensation(True, blocks, plan.block_kv)
   if not skips_any(plan):
-    return sparse_attention(q, k, v, plan, scale=scale, **kernel_kwargs)
+    return kernel(q, k, v, scale=scale)
   if cents is None:
     cents = centroids(k, v, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
   extra = row_keys(cents, plan_bias(plan, cents.log_count), q.dtype)
-  return sparse_attention(q, k, v, plan, scale=scale, row_keys=extra, **kernel_kwargs)
+  return kernel(q, k, v, scale=scale, row_keys=extra)
 
 
 def table_row_keys(cents: Centroids, visited: jax.Array, plan: TilePlan, blocks: int,

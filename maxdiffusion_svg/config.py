@@ -149,31 +149,49 @@ class SvgConfig:
 
   def tiles(self, target: Target | None = None, backend: str | None = None) -> SplashTiles:
     """Tile and inner kv step on ``target`` (default: the default device), under this
-    config's VMEM limit: the keys given, the rest the executor's defaults there
-    (:func:`maxdiffusion_svg.tiling.choose_tiles`, the one place tiles are decided)."""
-    return choose_tiles(self.target(target=target), backend or self.backend, self.block_q,
-                        self.block_kv, self.block_kv_compute)
+    config's VMEM limit: :meth:`tiles_on` the resolved target."""
+    return self.tiles_on(self.target(target=target), backend or self.backend)
+
+  def tiles_on(self, target: Target, backend: str) -> SplashTiles:
+    """Tile and inner kv step on a resolved ``target`` (:meth:`target`): the keys given, the
+    rest the executor's defaults there (:func:`maxdiffusion_svg.tiling.choose_tiles`, the one
+    place tiles are decided)."""
+    return choose_tiles(target, backend, self.block_q, self.block_kv, self.block_kv_compute)
 
   def compensation_for(self, target: Target | None = None, backend: str | None = None) -> int:
-    """Centroids per key tile a call compensates with on ``target`` (0: compensation off),
+    """Centroids per key tile a call compensates with on ``target`` (0: compensation off)."""
+    if not self.compensation:
+      return 0
+    return self.compensation_on(self.tiles(target, backend))
+
+  def compensation_on(self, tiles: SplashTiles) -> int:
+    """Centroids per key tile a call on ``tiles`` compensates with (0: compensation off),
     checked against that executor's key tile (the one ``svg_block_kv`` leaves to the target)."""
     if not self.compensation:
       return 0
-    check_compensation(True, self.compensation_blocks, self.tiles(target, backend).block_kv)
+    check_compensation(True, self.compensation_blocks, tiles.block_kv)
     return self.compensation_blocks
 
   def plan(self, grid: VideoGrid, expert: str | None = None, target: Target | None = None,
            backend: str | None = None) -> TilePlan:
-    """The tile plan every head of a call shares (static: built at trace time, cached)."""
-    tiles = self.tiles(target, backend)
+    """The tile plan every head of a call shares on ``target`` (:meth:`plan_on`)."""
+    return self.plan_on(grid, self.tiles(target, backend), expert)
+
+  def plan_on(self, grid: VideoGrid, tiles: SplashTiles, expert: str | None = None) -> TilePlan:
+    """The tile plan every head of a call on ``tiles`` shares (static: built at trace time,
+    cached)."""
     return plan_tiles(grid, self.density_for(expert), tiles.block_q, tiles.block_kv,
                       self.tile_mode, include_sink=self.include_sink)
 
   def dense_plan(self, grid: VideoGrid, target: Target | None = None,
                  backend: str | None = None) -> TilePlan:
+    """The schedule's dense branch on ``target`` (:meth:`dense_plan_on`)."""
+    return self.dense_plan_on(grid, self.tiles(target, backend))
+
+  @staticmethod
+  def dense_plan_on(grid: VideoGrid, tiles: SplashTiles) -> TilePlan:
     """The schedule's dense branch: every tile of the same executor's tiles, no mask. Compiled
     beside the sparse plan wherever the step or layer is traced (the plugin's forward)."""
-    tiles = self.tiles(target, backend)
     return plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, TileMode.ALIGNED,
                       include_sink=False)
 

@@ -33,15 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.attention import per_platform, profile_key
+from maxdiffusion_svg.attention import profile_key
 from maxdiffusion_svg.compensation import (Centroids, centroid_log_counts, centroids_by_position,
                                            per_head, plan_bias, row_keys, skips_any)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions
-from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL
 from maxdiffusion_svg.layouts import SEMANTIC
 from maxdiffusion_svg.masks import Mask, PlacedMask
+from maxdiffusion_svg.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
 from maxdiffusion_svg.router import compensated_rows, constants, routing_mask, sample_rows
@@ -177,20 +177,18 @@ def _take(x: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take(x, index, axis=2, mode="fill", fill_value=0)
 
 
-def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float | None,
-                   compute: int, target: Target,
+def _shard_kernels(branch: Branch, plan: TilePlan, split: RingSplit, scale: float | None,
                    blocks: int = 0) -> tuple[KeyFetch, Callable[..., Any]]:
   """The fetch and ``run(shard, q, k_window, v_window, centroids=None)``: each shard's rows of
-  ``plan``; with ``blocks``, compensated for every key tile a row skips, its own shard's and
-  the others' (``centroids``: each head's, of the whole placed sequence, :func:`ring_centroids`;
-  a plan that skips nothing takes none)."""
+  ``plan`` by ``branch``'s executor; with ``blocks``, compensated for every key tile a row
+  skips, its own shard's and the others' (``centroids``: each head's, of the whole placed
+  sequence, :func:`ring_centroids`; a plan that skips nothing takes none)."""
   fetch = key_fetch(plan, split)
   compensate = blocks and skips_any(plan)
 
-  def branch(r: int) -> Callable[..., Any]:
+  def shard_kernel(r: int) -> Callable[..., Any]:
     window = window_plan(plan, split, r)
-    kernel = functools.partial(sparse_attention, plan=window, scale=scale, backend=backend,
-                               block_kv_compute=compute, target=target)
+    kernel = functools.partial(branch.kernel_for(window), scale=scale)
     if not compensate:
       return kernel
     row0, row1 = split.starts[r] // plan.block_q, split.starts[r + 1] // plan.block_q
@@ -204,11 +202,11 @@ def _shard_kernels(plan: TilePlan, split: RingSplit, backend: str, scale: float 
                                                q.dtype))
     return run
 
-  branches = [branch(r) for r in range(split.ring)]
+  kernels = [shard_kernel(r) for r in range(split.ring)]
 
   def run(shard, q, k, v, cents=None):
     means = (cents.k, cents.v) if compensate else ()  # log counts are static, in each branch
-    return jax.lax.switch(shard, branches, q, k, v, *means)
+    return jax.lax.switch(shard, kernels, q, k, v, *means)
   return fetch, run
 
 
@@ -234,11 +232,15 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                        scale: float | None = None, step: Any = None, layer: Any = None,
                        expert: str | None = None, return_info: bool = False,
                        target: Target | None = None,
-                       on_routing: Callable[..., None] | None = None) -> Any:
+                       on_routing: Callable[..., None] | None = None,
+                       prepared: PreparedCall | None = None) -> Any:
   """SVG of global frame-major ``[B, H, S, D]`` arrays sequence-sharded over ``seq_axis``,
   with heads exchanged inside groups of ``ulysses`` devices (see the module docstring).
   Arguments as :func:`maxdiffusion_svg.sharding.sharded_svg_attention`, which validates them
-  and calls this where ``ulysses_shards`` leaves a ring."""
+  and calls this where ``ulysses_shards`` leaves a ring (``prepared``: its prepared call, in
+  place of ``config``, ``expert`` and ``target``)."""
+  call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
+  config = call.config
   if SEMANTIC in config.layouts:  # a head's clusters span the whole sequence, split here
     raise ValueError(f"svg_layouts with semantic does not run on a ring yet (ulysses_shards "
                      f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
@@ -257,20 +259,16 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   static = {name: x for name, x in extras.items() if name not in traced}
   seq_len = grid.tokens
 
-  def build(backend: str, target: Target) -> Callable[..., Any]:
-    if backend == "splash":  # refused before any plan is built for it
+  def build(branch: Branch) -> Callable[..., Any]:
+    if branch.backend == "splash":  # refused before any kernel is built for it
       raise ValueError(RING_REFUSAL)
-    tiles = config.tiles(target, backend)
-    plan = config.plan(grid, expert, target, backend)
-    split = ring_split(seq_len, ring, ulysses, tiles.block_q)
-    blocks = config.compensation_for(target, backend)
-    sparse_fetch, sparse_run = _shard_kernels(plan, split, backend, scale,
-                                              tiles.block_kv_compute, target, blocks)
+    plan, blocks = branch.plan, branch.compensation_blocks
+    split = ring_split(seq_len, ring, ulysses, branch.tiles.block_q)
+    sparse_fetch, sparse_run = _shard_kernels(branch, plan, split, scale, blocks)
     if scheduled:
-      dense_fetch, dense_run = _shard_kernels(config.dense_plan(grid, target, backend), split,
-                                              backend, scale, tiles.block_kv_compute, target)
+      dense_fetch, dense_run = _shard_kernels(branch, branch.dense_plan, split, scale)
     spatial_perm, temporal_perm = ring_placement(grid.frames, grid.frame_size, split)
-    router_mask = routing_mask(grid, config.router, plan)
+    router_mask = routing_mask(grid, call.router, plan)
 
     def body(q, k, v, *values):
       given = {**static, **dict(zip(traced, values))}
@@ -339,8 +337,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
 
     return run
 
-  result = per_platform(config, config.target(mesh=mesh, target=target), build)(
-      q, k, v, *traced.values())
+  result = call.per_platform(build)(q, k, v, *traced.values())
   if not return_info:
     return result
   out, (temporal, spatial, temporal_error) = result

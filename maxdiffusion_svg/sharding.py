@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from maxdiffusion_svg.attention import check_qkv, scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.attention import (check_qkv, prepared_scheduled_attention,
+                                        prepared_svg_attention)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.prepared import PreparedCall, prepare
 from maxdiffusion_svg.ring_plan import asks_for_ring, check_ulysses_shards, working_ulysses_shards
 from maxdiffusion_svg.ring_sharding import reshard_explicit, ring_svg_attention
 from maxdiffusion_svg.semantic import Seed
@@ -192,7 +194,8 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           return_info: bool = False, fold_batch: bool = True,
                           target: Target | None = None, qkv_spec: P | None = None,
                           on_routing: Callable[..., None] | None = None,
-                          ulysses_shards: Any = None, seed: Seed | None = None) -> Any:
+                          ulysses_shards: Any = None, seed: Seed | None = None,
+                          prepared: PreparedCall | None = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
   Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
@@ -207,6 +210,8 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   ``ulysses`` does: every (example, head) is independent, and at batch 2 the TPU compiler
   would otherwise tile the exchanged tensors as T(2,128) instead of T(8,128).
   ``target``: the hardware (default: the mesh's devices), which picks the executor and tiles.
+  ``prepared``: the call already prepared (:func:`maxdiffusion_svg.prepared.prepare` of
+  ``config``, ``grid`` and ``expert`` on this mesh), in place of ``target``.
   ``qkv_spec``: the inputs' layout as a partition spec (e.g. from MaxDiffusion's logical axis
   rules); when given it decides ``seq_axis`` and ``batch_axes`` (:func:`layout_axes`).
   ``on_routing(layout, active, step, layer)``, scheduled calls only: called on each device
@@ -228,14 +233,23 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
     seq_axis, batch_axes = layout_axes(mesh, qkv_spec)
   ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes,
                      ulysses_shards=ulysses_shards)
-  target = config.target(mesh=mesh, target=target)
+  call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
+  return _sharded(call, ex, q, k, v, key=key, scale=scale, step=step, layer=layer,
+                  return_info=return_info, fold_batch=fold_batch, on_routing=on_routing,
+                  seed=seed)
+
+
+def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v: jax.Array, *,
+             key: jax.Array | None, scale: float | None, step: Any, layer: Any,
+             return_info: bool, fold_batch: bool, on_routing: Callable[..., None] | None,
+             seed: Seed | None) -> Any:
+  """:func:`sharded_svg_attention` of a prepared call on a validated exchange."""
   batch, heads = q.shape[:2]
   if fold_batch and batch > 1 and ex.batch_shards == 1:
-    folded = sharded_svg_attention(
-        *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)), mesh=mesh, grid=grid,
-        config=config, key=key, scale=scale, step=step, layer=layer, expert=expert,
-        seq_axis=seq_axis, batch_axes=batch_axes, return_info=return_info, fold_batch=False,
-        target=target, on_routing=on_routing, ulysses_shards=ulysses_shards,
+    folded = _sharded(  # the exchange does not depend on the batch or the heads' count
+        call, ex, *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)),
+        key=key, scale=scale, step=step, layer=layer, return_info=return_info,
+        fold_batch=False, on_routing=on_routing,
         seed=None if seed is None else seed._replace(
             centroids=seed.centroids.reshape(1, batch * heads, *seed.centroids.shape[2:])))
     out, info = folded if return_info or seed is not None else (folded, None)
@@ -253,25 +267,26 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if scheduled and return_info:
     raise ValueError("return_info is for unscheduled calls (no step/layer): a dense step "
                      "has no routing to report")
-  if seed is not None and (not scheduled or config.semantic is None):
+  if seed is not None and (not scheduled or call.semantic is None):
     raise ValueError("a warm start (seed) is for scheduled calls (step and layer) with semantic "
                      "among svg_layouts")
   if seed is not None and seed.centroids.shape[:2] != q.shape[:2]:
     raise ValueError(f"seed centroids must be [B, H, C, D] = {tuple(q.shape[:2])} + ..., got "
                      f"{tuple(seed.centroids.shape)}")
+  plan_stats = {"plan": call.host.plan.stats.as_dict()}
   if ex.ring > 1:
-    config = config.on_ring(ex.ulysses, ex.ring)
-    result = ring_svg_attention(q, k, v, mesh=mesh, seq_axis=ex.seq_axis,
-                                batch_axes=ex.batch_axes, ulysses=ex.ulysses, grid=grid,
-                                config=config, key=key, scale=scale, step=step, layer=layer,
-                                expert=expert, return_info=return_info, target=target,
-                                on_routing=on_routing)
+    result = ring_svg_attention(q, k, v, mesh=ex.mesh, seq_axis=ex.seq_axis,
+                                batch_axes=ex.batch_axes, ulysses=ex.ulysses,
+                                grid=call.grid, config=call.config, key=key, scale=scale,
+                                step=step, layer=layer, return_info=return_info,
+                                on_routing=on_routing,
+                                prepared=call.on_ring(ex.ulysses, ex.ring))
     if seed is not None:  # semantic is left out on a ring: the centroids stay
       return result, seed.centroids.astype(jnp.float32)
     if not return_info:
       return result
     out, info = result
-    return out, {**info, "plan": config.plan(grid, expert, target).stats.as_dict()}
+    return out, {**info, **plan_stats}
   # Traced values enter as replicated operands; Python ints stay static (decided while tracing).
   extras = {"key": key, "step": step, "layer": layer}
   if seed is not None:
@@ -279,24 +294,24 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
   static = {name: x for name, x in extras.items() if name not in traced}
   seeded = seed is not None
+  schedule = call.config.schedule
 
   def local(q, k, v, *values):
     given = {**static, **dict(zip(traced, values[:len(traced)]))}
     if scheduled:
       local_seed = Seed(values[len(traced)], given["ready"]) if seeded else None
-      out = scheduled_svg_attention(q, k, v, grid=grid, config=config, step=given["step"],
-                                    layer=given["layer"], key=given["key"], scale=scale,
-                                    expert=expert, target=target,
-                                    return_layout=on_routing is not None, seed=local_seed)
+      out = prepared_scheduled_attention(call, q, k, v, step=given["step"],
+                                         layer=given["layer"], key=given["key"], scale=scale,
+                                         return_layout=on_routing is not None, seed=local_seed)
       if on_routing is None and not seeded:
         return out
       out, aux = out
       if on_routing is not None:
-        on_routing(aux["layout"], config.schedule.is_active(given["step"], given["layer"]),
+        on_routing(aux["layout"], schedule.is_active(given["step"], given["layer"]),
                    given["step"], given["layer"])
       return (out, aux["clusters"]) if seeded else out
-    out, info = svg_attention(q, k, v, grid=grid, config=config, key=given["key"], scale=scale,
-                              expert=expert, return_info=True, target=target)
+    out, info = prepared_svg_attention(call, q, k, v, key=given["key"], scale=scale,
+                                       return_info=True)
     info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}
     return (out, info) if return_info else out
 
@@ -307,4 +322,4 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   if not return_info:
     return result
   out, info = result
-  return out, {**info, "plan": config.plan(grid, expert, target).stats.as_dict()}
+  return out, {**info, **plan_stats}

@@ -95,19 +95,22 @@ class Target:
   # A TPU assumed for the TPU branch of a call whose platform nothing named: its refusals wait
   # until a lowering for a TPU (kernels/refusal.py), so runs on this host are unaffected.
   speculative: bool = False
+  # Derived, as plain values (read on every call's path, decided when the target is made):
+  is_tpu: bool = dataclasses.field(init=False, repr=False, compare=False)
+  # A TPU whose generation is named (not held to the strictest limits).
+  known: bool = dataclasses.field(init=False, repr=False, compare=False)
+  smem: int | None = dataclasses.field(init=False, repr=False, compare=False)
+  # Nothing named the platform and it is not a TPU: the call may still be lowered for a TPU
+  # (an ahead-of-time export from a CPU host), see :func:`follows_lowering_platform`.
+  follows_lowering: bool = dataclasses.field(init=False, repr=False, compare=False)
 
-  @property
-  def is_tpu(self) -> bool:
-    return self.platform == "tpu"
-
-  @property
-  def known(self) -> bool:
-    """A TPU whose generation is named (not held to the strictest limits)."""
-    return self.is_tpu and self.generation is not GENERIC_TPU
-
-  @property
-  def smem(self) -> int | None:
-    return self.generation.smem if self.generation else None
+  def __post_init__(self):
+    tpu = self.platform == "tpu"
+    derived = {"is_tpu": tpu, "known": tpu and self.generation is not GENERIC_TPU,
+               "smem": self.generation.smem if self.generation else None,
+               "follows_lowering": not tpu and not self.pinned}
+    for name, value in derived.items():
+      object.__setattr__(self, name, value)
 
   @property
   def chip(self) -> str:
@@ -228,4 +231,42 @@ def follows_lowering_platform(target: Target) -> bool:
   """A target nothing pinned on a host that is not a TPU: the call may still be lowered for a
   TPU (an ahead-of-time export from a CPU host), so both executors are traced and
   ``lax.platform_dependent`` keeps the one the lowering platform runs."""
-  return not target.is_tpu and not target.pinned
+  return target.follows_lowering
+
+
+def lowering_tpu_target(target: Target) -> Target:
+  """The TPU a call is held to: ``target``, or where only a later lowering can say TPU, one of
+  unknown generation (the strictest known limits), whose refusals wait for that lowering."""
+  if target.is_tpu:
+    return target
+  return dataclasses.replace(tpu_target(GENERIC_TPU), speculative=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Executor:
+  """One executor a call may run: ``backend`` (resolved) on ``target``, held to ``tpu`` where it
+  is lowered for a TPU (:func:`lowering_tpu_target`)."""
+
+  backend: str
+  target: Target
+  tpu: Target
+
+
+def call_executors(target: Target, backend: str) -> tuple[Executor, ...]:
+  """What a call on ``target`` (resolved: :func:`target_for_call`) with ``svg_backend``
+  ``backend`` runs: one executor; or, with ``auto`` where the lowering platform decides
+  (:func:`follows_lowering_platform`), our TPU kernel held to a TPU of unknown generation and
+  the XLA path, of which the lowering keeps one. Decided once per call, here."""
+  if backend == "auto" and target.follows_lowering:
+    tpu = lowering_tpu_target(target)
+    return Executor(TPU_BACKENDS[0], tpu, tpu), Executor("xla", target, tpu)
+  return (Executor(resolve_backend(backend, target), target, lowering_tpu_target(target)),)
+
+
+def resolve_call(*arrays: Any, target: Target | None = None, mesh: Any = None,
+                 vmem_limit_kib: int | None = None,
+                 backend: str = "auto") -> tuple[Target, tuple[Executor, ...]]:
+  """A call's target (:func:`target_for_call`) and its executors (:func:`call_executors`), in
+  one resolution."""
+  resolved = target_for_call(*arrays, target=target, mesh=mesh, vmem_limit_kib=vmem_limit_kib)
+  return resolved, call_executors(resolved, backend)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxdiffusion_svg.target import MIB, Target, resolve_backend
+from maxdiffusion_svg.target import BACKENDS, MIB, Target, resolve_backend
 from maxdiffusion_svg.tiles import check_block_size
 
 
@@ -60,7 +60,8 @@ def default_kv_compute(block_kv: int, backend: str = "splash") -> int:
 
 def default_tiles(target: Target, backend: str = "auto") -> SplashTiles:
   """The executor's default tile on ``target`` (Splash's by generation and VMEM limit)."""
-  backend = resolve_backend(backend, target)
+  if backend not in BACKENDS[1:]:  # a named executor needs no resolving
+    backend = resolve_backend(backend, target)
   if backend == "xla":
     return XLA_TILES
   if backend == "pallas":
@@ -85,8 +86,9 @@ def choose_tiles(target: Target, backend: str = "auto", block_q: int | None = No
     if value:
       check_block_size(value, name)
   block_q, block_kv = block_q or default.block_q, block_kv or default.block_kv
-  compute = block_kv_compute or (default.block_kv_compute if block_kv == default.block_kv
-                                 else default_kv_compute(block_kv, resolve_backend(backend, target)))
+  compute = block_kv_compute or (
+      default.block_kv_compute if block_kv == default.block_kv else default_kv_compute(
+          block_kv, backend if backend in BACKENDS[1:] else resolve_backend(backend, target)))
   if block_kv % compute:
     raise ValueError(f"svg_block_kv_compute ({compute}) must divide svg_block_kv ({block_kv}, "
                      f"{'given' if block_kv != default.block_kv else 'the default'} for "

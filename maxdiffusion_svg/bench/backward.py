@@ -62,11 +62,12 @@ class BackwardCase:
     # pylint: disable=import-outside-toplevel
     from maxdiffusion_svg.config import SvgConfig
     from maxdiffusion_svg.target import tpu_target
+    from maxdiffusion_svg.prepared import prepare
     # pylint: enable=import-outside-toplevel
-    target = tpu_target(self.chip)
     config = SvgConfig(tile_mode="aligned", density=self.density, backend=self.backend)
-    grid = grid_for_resolution(self.resolution)
-    return target, config.plan(grid, target=target), config.tiles(target)
+    branch = prepare(config, grid_for_resolution(self.resolution),
+                     target=tpu_target(self.chip)).host
+    return branch.target, branch.plan, branch.tiles
 
 
 def _compile_here(case: BackwardCase) -> dict[str, Any]:

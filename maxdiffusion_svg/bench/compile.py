@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from maxdiffusion_svg.attention import dense_tiled_attention
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
+from maxdiffusion_svg.prepared import prepare_on
 from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.target import (GENERATIONS, GENERIC_TPU, MIB, TPU_BACKENDS, target_for_devices,
                                      tpu_target)
@@ -77,15 +77,11 @@ def _kernel_rows(cfg: CompileBenchConfig, chip: str, resolution: str, raised: bo
   for mode in MODES + ("dense",):
     config = SvgConfig(tile_mode="aligned" if mode == "dense" else mode, density=cfg.density,
                        vmem_limit_kib=limit, backend=backend)
-    tiles = config.tiles(target)
-    if mode == "dense":
-      plan = plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, "aligned", include_sink=False)
-      fn = lambda q, k, v, config=config: dense_tiled_attention(q, k, v, grid=grid,
-                                                                 config=config, target=target)
-    else:
-      plan = config.plan(grid, target=target)
-      fn = lambda q, k, v, plan=plan, tiles=tiles: sparse_attention(
-          q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target, backend=backend)
+    branch = prepare_on(config, grid, target).host  # one executor: the target is a TPU
+    tiles = branch.tiles
+    plan, kernel = ((branch.dense_plan, branch.dense_kernel) if mode == "dense"
+                    else (branch.plan, branch.kernel))
+    fn = lambda q, k, v, kernel=kernel: kernel(q, k, v)
     lowered = jax.jit(fn).lower(spec, spec, spec)
     result = compile_lowered(lowered, vmem_options(limit))
     estimate = kernel_vmem(plan, cfg.head_dim, jnp.bfloat16, tiles.block_kv_compute, target,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -21,25 +22,17 @@ from maxdiffusion_svg.kernels.splash_backward import (backward_tiles, check_back
                                                       splash_sparse_attention_backward)
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
-from maxdiffusion_svg.target import (BACKENDS, GENERIC_TPU, TPU_BACKENDS, Target, follows_lowering_platform,
-                                     resolve_backend, target_for_call, tpu_target)
+from maxdiffusion_svg.target import (BACKENDS, TPU_BACKENDS, Target, lowering_tpu_target,
+                                     resolve_backend, target_for_call)
 from maxdiffusion_svg.tiles import TilePlan
 from maxdiffusion_svg.tiling import default_kv_compute
 
-__all__ = ["BACKENDS", "BACKWARDS", "check_tpu_call", "lowering_tpu_target", "resolve_backend",
-           "sparse_attention"]
+__all__ = ["BACKENDS", "BACKWARDS", "SparseKernel", "check_tpu_call", "lowering_tpu_target",
+           "prepare_kernel", "resolve_backend", "sparse_attention"]
 
 
 # What a gradient of a call runs (see :func:`sparse_attention`).
 BACKWARDS = ("auto", "xla")
-
-
-def lowering_tpu_target(target: Target) -> Target:
-  """The TPU a call is held to: ``target``, or where only a later lowering can say TPU, one of
-  unknown generation (the strictest known limits), whose refusals wait for that lowering."""
-  if target.is_tpu:
-    return target
-  return dataclasses.replace(tpu_target(GENERIC_TPU), speculative=True)
 
 
 def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
@@ -93,6 +86,157 @@ def _check_head_tiles(head_tiles: Any, q_shape: tuple[int, ...], plan: TilePlan,
                      f"{tuple(head_tiles.shape)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseKernel:
+  """``sparse_attention`` prepared once for a plan on a target (as Splash's ``make_splash_mha``
+  builds its kernel once): the executor, the TPU it is held to, its inner kv step and which
+  platforms a call lowers for are decided here; calling it only runs them. Built by
+  :func:`prepare_kernel`."""
+
+  plan: TilePlan
+  backend: str  # as given: auto, pallas, splash or xla
+  resolved: str  # what runs where the call is lowered for ``target``
+  tpu_backend: str  # the kernel a TPU lowering runs (``auto``: the TPU default)
+  target: Target
+  tpu: Target  # the TPU a lowering for one is held to (``target``, or a speculative one)
+  block_kv_compute: int  # the TPU kernels' inner kv step
+  tiles_per_step: int | None  # the XLA path's
+  backward: str
+  on_tpu: bool  # compiled for a TPU: the TPU kernel alone
+  follows_lowering: bool  # nothing named the platform: both, behind the lowering platform
+
+  def per_lowering(self, on_tpu: Callable[[], Callable[..., Any]],
+                   on_host: Callable[[], Callable[..., Any]],
+                   host_only: bool = False) -> Callable[..., Any]:
+    """The TPU's function where the call is compiled for a TPU (or is the TPU branch of one that
+    may be), the host's where only the host runs it, else both behind the lowering platform
+    (held to the strictest known TPU where lowered for one)."""
+    if self.on_tpu:
+      return on_tpu()
+    if host_only or not self.follows_lowering:
+      return on_host()
+    return lambda *xs: jax.lax.platform_dependent(*xs, tpu=on_tpu(), default=on_host())
+
+  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
+               return_lse: bool = False, row_keys: RowKeys | None = None,
+               head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention over the plan's tiles (see :func:`sparse_attention` for the arguments)."""
+    plan = self.plan
+    _check_inputs(q, k, v, plan)
+    if row_keys is not None:
+      check_row_keys(row_keys, q.shape, plan.num_q_tiles)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if head_tiles is not None:
+      _check_head_tiles(head_tiles, q.shape, plan, self.resolved)
+    executor = functools.partial(self._executor, q.shape[-1], q.dtype, v.shape[-1], scale)
+    executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing
+    attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles,
+                            self._tile_backward(q.shape[-1], q.dtype, scale, head_tiles))
+    return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+
+  def _executor(self, head_dim: int, dtype: Any, value_dim: int, scale: float,
+                return_lse: bool, row_keys: RowKeys | None,
+                head_tiles: jax.Array | None) -> Callable[..., Any]:
+    """The call's executor for these row keys and tables, with or without its log-sum-exp."""
+    plan, tpu, kv_compute = self.plan, self.tpu, self.block_kv_compute
+    per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
+    tables = 1 if head_tiles is None else head_tiles.shape[0] * head_tiles.shape[1]
+
+    def merged_after(run):
+      """An executor without row keys of its own (or with row keys it cannot take: a per-head
+      bias): its log-sum-exp, then the row keys merged."""
+      if row_keys is None:
+        return lambda q, k, v: run(q, k, v, return_lse)
+      def call(q, k, v):
+        out, lse = with_row_keys(*run(q, k, v, True), q, row_keys, plan.block_q, scale)
+        return (out, lse) if return_lse else out
+      return call
+
+    def kernel(interpret: bool):
+      if self.tpu_backend == "pallas":
+        check_shapes(head_dim, dtype, plan, kv_compute, value_dim)
+        run = lambda q, k, v, lse, rk: pallas_sparse_attention(
+            q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
+            return_lse=lse, row_keys=rk, head_tiles=head_tiles)
+        if per_head_bias:
+          return merged_after(lambda q, k, v, lse: run(q, k, v, lse, None))
+        return lambda q, k, v: run(q, k, v, return_lse, row_keys)
+      return merged_after(lambda q, k, v, lse: splash_sparse_attention(
+          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute, return_lse=lse))
+
+    xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
+        q, k, v, plan, scale, tiles_per_step=self.tiles_per_step, return_lse=lse,
+        head_tiles=head_tiles))
+
+    def on_tpu():
+      """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
+      surfaces only if the call is lowered for one (runs on this host are unaffected)."""
+      try:
+        check_tpu_call(plan, head_dim, dtype, kv_compute, tpu, self.tpu_backend, value_dim,
+                       0 if row_keys is None or per_head_bias else row_keys.bias.shape[-1], tables)
+        return kernel(interpret=False)
+      except ValueError as err:
+        if not tpu.speculative:
+          raise
+        return refusal.refused_on_tpu(str(err), return_lse)
+
+    if self.on_tpu and self.resolved == "xla":
+      return xla
+    host = (lambda: xla) if self.resolved == "xla" else (lambda: kernel(interpret=True))
+    return self.per_lowering(on_tpu, host, host_only=self.backend == "xla")
+
+  def _tile_backward(self, head_dim: int, dtype: Any, scale: float,
+                     head_tiles: jax.Array | None) -> Callable[..., Any] | None:
+    """The tiles' backward where a TPU kernel runs forward (ours or Splash) and one table
+    serves every head: tokamax's Splash backward kernel on the transposed table, fed the
+    forward's log-sum-exp (:mod:`splash_backward`). Ring shards, per-head tables, the XLA
+    executor and ``backward="xla"`` take the portable one, whatever ran forward."""
+    plan, tpu = self.plan, self.tpu
+    if (self.backward == "xla" or self.resolved == "xla" or head_tiles is not None
+        or plan.q_len is not None):
+      return None
+    # Splash's own inner kv step: our kernel's wider one is tuned for its forward, not this one.
+    bwd_kv = (self.block_kv_compute if self.tpu_backend == "splash"
+              else default_kv_compute(plan.block_kv))
+    blocks = backward_tiles(plan, bwd_kv, head_dim, dtype, tpu)
+    run = lambda interpret: lambda *xs: splash_sparse_attention_backward(
+        *xs, plan, scale, interpret=interpret, block_kv_compute=bwd_kv, bwd_blocks=blocks)
+
+    def on_tpu():
+      try:
+        check_backward_fits(plan, blocks, head_dim, dtype, tpu)
+        return run(False)
+      except ValueError as err:
+        if not tpu.speculative:
+          raise
+        return refusal.refused_backward_on_tpu(str(err))
+
+    # Built when the call is differentiated (the backward rule is traced): refusals surface then.
+    return lambda q, k, v, lse, delta, dout, _: self.per_lowering(on_tpu, lambda: run(True))(
+        q, k, v, lse, delta, dout)
+
+
+def prepare_kernel(plan: TilePlan, target: Target, *, backend: str = "auto",
+                   block_kv_compute: int | None = None, tiles_per_step: int | None = None,
+                   backward: str = "auto", tpu: Target | None = None) -> SparseKernel:
+  """:class:`SparseKernel` for ``plan`` on ``target`` (resolved:
+  :func:`maxdiffusion_svg.target.target_for_call`): the executor ``backend`` resolves to
+  there, the TPU a lowering for one is held to (``tpu``, where the caller resolved it:
+  :func:`maxdiffusion_svg.target.call_executors`), the inner kv step (``block_kv_compute``,
+  else the TPU kernel's default for the plan's kv tile)."""
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+  if not isinstance(plan, TilePlan):
+    raise ValueError(f"plan must be a TilePlan (see plan_tiles), got {type(plan).__name__}")
+  # a named executor needs no resolving (resolve_backend checks the name of any other)
+  resolved = backend if backend in BACKENDS[1:] else resolve_backend(backend, target)
+  tpu_backend = resolved if resolved in TPU_BACKENDS else TPU_BACKENDS[0]
+  return SparseKernel(
+      plan, backend, resolved, tpu_backend, target, tpu or lowering_tpu_target(target),
+      block_kv_compute or default_kv_compute(plan.block_kv, tpu_backend), tiles_per_step,
+      backward, target.is_tpu, target.follows_lowering)
+
+
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,
                      scale: float | None = None, backend: str = "auto",
                      block_kv_compute: int | None = None,
@@ -128,110 +272,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   every head (else the portable one); ``xla``, the portable flash-style backward
   (:mod:`maxdiffusion_svg.kernels.backward`) whatever ran forward.
   """
-  if backward not in BACKWARDS:
-    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-  _check_inputs(q, k, v, plan)
-  if row_keys is not None:
-    check_row_keys(row_keys, q.shape, plan.num_q_tiles)
-  target = target_for_call(q, k, v, target=target)
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  tpu = lowering_tpu_target(target)
-  head_dim = q.shape[-1]
-  given, backend = backend, resolve_backend(backend, target)
-  # The kernel a TPU lowering runs: the one asked for, or with ``auto``, the TPU default.
-  tpu_backend = backend if backend in TPU_BACKENDS else TPU_BACKENDS[0]
-  if head_tiles is not None:
-    _check_head_tiles(head_tiles, q.shape, plan, backend)
-  kv_compute = block_kv_compute or default_kv_compute(plan.block_kv, tpu_backend)
-
-  tables = 1 if head_tiles is None else q.shape[0] * q.shape[1]
-  per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
-
-  Make = Callable[[], Callable[..., Any]]
-
-  def per_lowering(on_tpu: Make, on_host: Make, host_only: bool = False) -> Callable[..., Any]:
-    """The TPU's function where the call is compiled for a TPU (or is the TPU branch of one that
-    may be), the host's where only the host runs it, else both behind the lowering platform
-    (held to the strictest known TPU where lowered for one)."""
-    if target.is_tpu:
-      return on_tpu()
-    if host_only or not follows_lowering_platform(target):
-      return on_host()
-    return lambda *xs: jax.lax.platform_dependent(*xs, tpu=on_tpu(), default=on_host())
-
-  def executor(return_lse: bool, row_keys: RowKeys | None, head_tiles: jax.Array | None):
-    """The call's executor for these row keys and tables, with or without its log-sum-exp."""
-
-    def merged_after(run):
-      """An executor without row keys of its own (or with row keys it cannot take: a per-head
-      bias): its log-sum-exp, then the row keys merged."""
-      if row_keys is None:
-        return lambda q, k, v: run(q, k, v, return_lse)
-      def call(q, k, v):
-        out, lse = with_row_keys(*run(q, k, v, True), q, row_keys, plan.block_q, scale)
-        return (out, lse) if return_lse else out
-      return call
-
-    def kernel(interpret: bool):
-      if tpu_backend == "pallas":
-        check_shapes(head_dim, q.dtype, plan, kv_compute, v.shape[-1])
-        run = lambda q, k, v, lse, rk: pallas_sparse_attention(
-            q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
-            return_lse=lse, row_keys=rk, head_tiles=head_tiles)
-        if per_head_bias:
-          return merged_after(lambda q, k, v, lse: run(q, k, v, lse, None))
-        return lambda q, k, v: run(q, k, v, return_lse, row_keys)
-      return merged_after(lambda q, k, v, lse: splash_sparse_attention(
-          q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute, return_lse=lse))
-
-    xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
-        q, k, v, plan, scale, tiles_per_step=tiles_per_step, return_lse=lse,
-        head_tiles=head_tiles))
-
-    def on_tpu():
-      """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
-      surfaces only if the call is lowered for one (runs on this host are unaffected)."""
-      try:
-        check_tpu_call(plan, head_dim, q.dtype, kv_compute, tpu, tpu_backend, v.shape[-1],
-                       0 if row_keys is None or per_head_bias else row_keys.bias.shape[-1], tables)
-        return kernel(interpret=False)
-      except ValueError as err:
-        if not tpu.speculative:
-          raise
-        return refusal.refused_on_tpu(str(err), return_lse)
-
-    if target.is_tpu and backend == "xla":
-      return xla
-    host = (lambda: xla) if backend == "xla" else (lambda: kernel(interpret=True))
-    return per_lowering(on_tpu, host, host_only=given == "xla")
-
-  def tile_backward():
-    """The tiles' backward where a TPU kernel runs forward (ours or Splash) and one table
-    serves every head: tokamax's Splash backward kernel on the transposed table, fed the
-    forward's log-sum-exp (:mod:`splash_backward`). Ring shards, per-head tables, the XLA
-    executor and ``backward="xla"`` take the portable one, whatever ran forward."""
-    if backward == "xla" or backend == "xla" or head_tiles is not None or plan.q_len is not None:
-      return None
-    # Splash's own inner kv step: our kernel's wider one is tuned for its forward, not this one.
-    bwd_kv = kv_compute if tpu_backend == "splash" else default_kv_compute(plan.block_kv)
-    blocks = backward_tiles(plan, bwd_kv, head_dim, q.dtype, tpu)
-    run = lambda interpret: lambda *xs: splash_sparse_attention_backward(
-        *xs, plan, scale, interpret=interpret, block_kv_compute=bwd_kv, bwd_blocks=blocks)
-
-    def on_tpu():
-      try:
-        check_backward_fits(plan, blocks, head_dim, q.dtype, tpu)
-        return run(False)
-      except ValueError as err:
-        if not tpu.speculative:
-          raise
-        return refusal.refused_backward_on_tpu(str(err))
-
-    # Built when the call is differentiated (the backward rule is traced): refusals surface then.
-    return lambda q, k, v, lse, delta, dout, _: per_lowering(on_tpu, lambda: run(True))(
-        q, k, v, lse, delta, dout)
-
-  executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing
-  attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles,
-                          tile_backward())
-  return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  kernel = prepare_kernel(plan, target_for_call(q, k, v, target=target), backend=backend,
+                          block_kv_compute=block_kv_compute, tiles_per_step=tiles_per_step,
+                          backward=backward)
+  return kernel(q, k, v, scale=scale, return_lse=return_lse, row_keys=row_keys,
+                head_tiles=head_tiles)

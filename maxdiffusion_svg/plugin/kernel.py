@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from maxdiffusion_svg.kernels.gradient import residuals_named
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
+from maxdiffusion_svg.prepared import prepare
 from maxdiffusion_svg.schedule import Interval
 from maxdiffusion_svg.sharding import sharded_svg_attention
 
@@ -156,10 +157,12 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
           else semantic_store.seed(call.semantic_store, layer, q.shape[0]))
   # Under a gradient, the kernel's residuals carry MaxDiffusion's name for this attention
   # (self_attn), which its remat policies save or offload.
+  # Every decision before the data (target, executor, tiles, plans) once, for the call's mesh.
+  prepared = prepare(settings.svg, call.grid, call.expert, mesh=context["mesh"])
   with residuals_named(context["residual_checkpoint_name"]):
     out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                                 config=settings.svg, scale=context["scale"], step=step,
-                                layer=layer, expert=call.expert,
+                                layer=layer, expert=call.expert, prepared=prepared,
                                 qkv_spec=qkv_layout(context["axis_names_q"]),
                                 ulysses_shards=context["ulysses_shards"],
                                 on_routing=run_summary.on_routing if call.count_calls else None,

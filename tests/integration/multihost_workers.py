@@ -4,6 +4,7 @@ Each process gets its own copy of the checkpoint, as each host of a slice has it
 MaxDiffusion's ``load_config`` rewrites a component's ``config.json`` in place on every load, so
 processes sharing one folder race on it."""
 
+import contextlib
 import glob
 import os
 import re
@@ -21,15 +22,39 @@ def _workdir(index, args):
   return workdir, [*args["argv"], f"pretrained_model_name_or_path={checkpoint}"]
 
 
+@contextlib.contextmanager
+def denoised_latents():
+  """The latents the Wan pipeline hands its VAE decode (the denoising loop's output, gathered
+  from every process), captured as ``captured["latents"]``."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from maxdiffusion.pipelines.wan import wan_pipeline  # pylint: disable=import-outside-toplevel
+  captured = {}
+  decode = wan_pipeline.WanPipeline._decode_latents_to_video  # pylint: disable=protected-access
+
+  def capture(self, latents, *args, **kwargs):
+    captured["latents"] = np.asarray(multihost_utils.process_allgather(latents, tiled=True))
+    return decode(self, latents, *args, **kwargs)
+
+  wan_pipeline.WanPipeline._decode_latents_to_video = capture  # pylint: disable=protected-access
+  try:
+    yield captured
+  finally:
+    wan_pipeline.WanPipeline._decode_latents_to_video = decode  # pylint: disable=protected-access
+
+
 def launch(index, args):
   """The launcher in this process, in its own working directory; MaxDiffusion initializes
-  jax.distributed itself (from the job's environment) in pyconfig."""
+  jax.distributed itself (from the job's environment) in pyconfig. Saves the exported frames
+  and the denoised latents the VAE decoded."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench import wan_e2e  # pylint: disable=import-outside-toplevel
   workdir, argv = _workdir(index, args)
-  out = wan_e2e.generate(argv, workdir)
+  with denoised_latents() as captured:
+    out = wan_e2e.generate(argv, workdir)
   np.save(os.path.join(workdir, "frames.npy"), out["frames"])
+  np.save(os.path.join(workdir, "latents.npy"), captured["latents"])
   return {"process_count": jax.process_count(), "devices": jax.device_count(),
           "local_devices": jax.local_device_count(),
           "videos": sorted(os.path.basename(p) for p in glob.glob(f"{workdir}/*.mp4")),

@@ -6,10 +6,12 @@ slice's devices and in 2 processes (hosts) joined by MaxDiffusion's jax.distribu
 
 Then the bad jobs: each fails in every process, with the plugin's message, before weights load."""
 
+import math
 import os
 import pathlib
 import re
 
+import numpy as np
 import pytest
 import yaml
 
@@ -74,18 +76,31 @@ def run_container(manifest, processes, workdir, checkpoint, extra=(), env=None, 
                        env=child_env, initialize=False, **kwargs), devices
 
 
+def decoded_psnr(mp4, reference):
+  """PSNR (dB) of one MP4's decoded frames against another's."""
+  import imageio.v3 as iio  # pylint: disable=import-outside-toplevel
+  video, ref = (iio.imread(path).astype(np.float64) for path in (mp4, reference))
+  mse = float(np.mean((video - ref) ** 2))
+  return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
 # Where 1 and 2 processes differ, and why these runs decode on every device: the denoising loop
 # (the svg kernel, its routing, the Ulysses exchange) is bit-exact across process counts, but
 # MaxDiffusion's spatially sharded VAE decode is not (this machine: 1 vs 2 processes 40.4 dB
 # with the video split 8 ways, 34.2 dB with 2 ways; identical with vae_spatial=1). So the VAE
-# runs unsplit (vae_spatial=1) and the videos must be identical, byte for byte.
-@pytest.mark.parametrize("manifest", [
-    "jobset_v6e16.yaml",  # the multi-host JobSet: 4 pods of 4 chips
+# runs unsplit (vae_spatial=1) and the videos must be identical, byte for byte, where each
+# process holds whole context groups (the v6e-16 and v6e-32 jobs: 2 data groups, one a process).
+# Where the context axis spans both processes (the v6e-8 job: one 8-device group, 4 and 4), the
+# latents are still identical but the unsplit decode rounds about 11 of 1.6 M values the other
+# way, by one level, and a dense kernel's run does the same (12; test_multihost_e2e.py checks
+# both): the MP4s then match to 65 dB, not byte for byte (docs/gke.md).
+@pytest.mark.parametrize("manifest,exact", [
+    ("jobset_v6e16.yaml", True),  # the multi-host JobSet: 4 pods of 4 chips
     # 8 pods of 4 chips; its config's ulysses_shards 8 leaves a ring of 2 over the context axis
-    pytest.param("jobset_v6e32.yaml", marks=pytest.mark.full),
-    pytest.param("jobset_v6e8.yaml", marks=pytest.mark.full),  # one 8-chip host
+    pytest.param("jobset_v6e32.yaml", True, marks=pytest.mark.full),
+    pytest.param("jobset_v6e8.yaml", False, marks=pytest.mark.full),  # one 8-chip host
 ])
-def test_manifest_command_runs_in_one_and_two_processes(manifest, checkpoint, tmp_path):
+def test_manifest_command_runs_in_one_and_two_processes(manifest, exact, checkpoint, tmp_path):
   one, devices = run_container(manifest, 1, tmp_path / "one", checkpoint, ["vae_spatial=1"],
                                timeout=1200)
   two, _ = run_container(manifest, 2, tmp_path / "two", checkpoint, ["vae_spatial=1"],
@@ -93,11 +108,16 @@ def test_manifest_command_runs_in_one_and_two_processes(manifest, checkpoint, tm
   (mp4,) = one[0]["videos"]
   reference = pathlib.Path(mp4).read_bytes()
   assert one[0]["num_devices"] == [devices]
+  (first,) = two[0]["videos"]
   for info in two:
     assert info["num_devices"] == [devices]  # both processes joined one job of the slice's size
     (video,) = info["videos"]  # generate_wan exports the video in every process
     assert pathlib.Path(video).name == pathlib.Path(mp4).name
-    assert pathlib.Path(video).read_bytes() == reference
+    assert pathlib.Path(video).read_bytes() == pathlib.Path(first).read_bytes()
+    if exact:
+      assert pathlib.Path(video).read_bytes() == reference
+    else:
+      assert decoded_psnr(video, mp4) > 55
 
 
 def failures(manifest, checkpoint, workdir, extra=(), env=None):
