@@ -25,15 +25,14 @@ Nothing here depends on the data's values for shapes: new clusters never recompi
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.compensation import (Centroids, block_counts, block_means, centroid_log_counts,
-                                           centroids)
+from maxdiffusion_svg.compensation import (Centroids, block_counts, block_means,
+                                           centroid_log_counts)
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.tiles import TileMode, TilePlan
 

@@ -59,6 +59,15 @@ def pytest_make_collect_report(collector):  # pylint: disable=unused-argument
 
 
 @pytest.fixture(scope="session")
+def wan21_checkpoint(tmp_path_factory):
+  """The tiny random Wan 2.1 checkpoint, written once per pytest worker and shared by its
+  modules (read-only: MaxDiffusion's loads rewrite its component configs in place, the same
+  bytes; tests that start processes give each its own copy)."""
+  from maxdiffusion_svg.testing import tiny_checkpoint  # pylint: disable=import-outside-toplevel
+  return tiny_checkpoint.write_wan21(str(tmp_path_factory.mktemp("checkpoint") / "wan21"))
+
+
+@pytest.fixture(scope="session")
 def patched_maxdiffusion(tmp_path_factory):
   """A copy of the MaxDiffusion source with patches/maxdiffusion-plugins.patch applied."""
   copy = tmp_path_factory.mktemp("patched") / "maxdiffusion"

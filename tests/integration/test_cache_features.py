@@ -16,7 +16,6 @@ require_maxdiffusion()
 import maxdiffusion
 
 from maxdiffusion_svg.bench import wan_e2e
-from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 STEPS = 10  # CFG cache (below 720p) caches steps 4-7 of 10: start steps/3, interval 5, end steps-2
@@ -32,7 +31,7 @@ WARMUP = 2  # generate_wan's compile warm-up runs two denoising steps before the
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, wan21_checkpoint):
   base = tmp_path_factory.mktemp("cache_features")
   config = base / "tiny.yml"
   # MagCache's per-step magnitude ratios: MaxDiffusion ships them for Wan 14B only.
@@ -40,8 +39,7 @@ def setup(tmp_path_factory):
   ratios = yaml.safe_load(wan14b.read_text())["mag_ratios_base"]
   config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
                                     "mag_ratios_base": ratios}))
-  checkpoint = tiny_checkpoint.write_wan21(str(base / "checkpoint"))
-  return [str(config), f"pretrained_model_name_or_path={checkpoint}", *TINY]
+  return [str(config), f"pretrained_model_name_or_path={wan21_checkpoint}", *TINY]
 
 
 def run(setup, workdir, *extra, arrays=False):

@@ -15,15 +15,14 @@ require_maxdiffusion()
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plugin import compare, hooks
-from maxdiffusion_svg.testing import tiny_checkpoint
 from tiny_runs import ROOT, STEPS, SVG_KEYS, TINY, launch
 
 LAYERS = 2  # the tiny checkpoint's blocks
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  return tiny_checkpoint.write_wan21(str(tmp_path_factory.mktemp("checkpoint") / "wan21"))
+def checkpoint(wan21_checkpoint):
+  return wan21_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,11 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.bench import wan_e2e
-from maxdiffusion_svg.testing import tiny_checkpoint
 from tiny_runs import ROOT, STEPS, SVG_KEYS, TINY, launch
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-  base = tmp_path_factory.mktemp("checkpoints")
-  return {"wan21": tiny_checkpoint.write_wan21(str(base / "wan21"))}
+def checkpoints(wan21_checkpoint):
+  return {"wan21": wan21_checkpoint}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
-from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 GKE = ROOT / "scripts" / "gke"
@@ -58,8 +57,8 @@ def localize(words, outputs):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  return tiny_checkpoint.write_wan21(str(tmp_path_factory.mktemp("gke") / "wan21"))
+def checkpoint(wan21_checkpoint):
+  return wan21_checkpoint  # each process copies it (multihost_workers)
 
 
 def run_container(manifest, processes, workdir, checkpoint, extra=(), env=None, **kwargs):

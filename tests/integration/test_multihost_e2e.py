@@ -23,7 +23,6 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.multiprocess import run_processes
-from maxdiffusion_svg.testing import tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 TINY = ["height=128", "width=128", "num_frames=33", "num_inference_steps=3",
@@ -34,13 +33,13 @@ pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, wan21_checkpoint):
   base = tmp_path_factory.mktemp("multihost")
   config = base / "tiny_svg.yml"
   config.write_text(yaml.safe_dump({
       "base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"), "svg_density": 0.3,
       "svg_active_steps": [1, -1], "svg_active_layers": [1, -1], "svg_profile_queries": 16}))
-  checkpoint = tiny_checkpoint.write_wan21(str(base / "wan21"))
+  checkpoint = wan21_checkpoint  # each process copies it (multihost_workers)
   here = str(pathlib.Path(__file__).parent)
   env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
          "HF_HUB_OFFLINE": "1"}

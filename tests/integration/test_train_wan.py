@@ -12,7 +12,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.testing import tiny_checkpoint, tiny_train
+from maxdiffusion_svg.testing import tiny_train
 from tiny_runs import ROOT
 
 CONFIG = str(ROOT / "configs" / "wan_svg_train.yml")
@@ -20,8 +20,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  return tiny_checkpoint.write_wan21(str(tmp_path_factory.mktemp("checkpoint") / "wan21"))
+def checkpoint(wan21_checkpoint):
+  return wan21_checkpoint
 
 
 def run(checkpoint, workdir, *keys):
