@@ -185,8 +185,8 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
           # every layout runs the band's count per query tile row: what the kernel visits
           "visited_tiles": jnp.full(q.shape[:2], plan.stats.visited_tiles, jnp.int32),
           "plan": plan.stats.as_dict()}
-  if routing.semantic_error is not None:
-    info["semantic_error"] = routing.semantic_error
+  if routing.left_out is not None:
+    info["left_out"] = routing.left_out
     info["clusters"] = clusters
   return out, info
 

@@ -11,7 +11,7 @@ from maxdiffusion_svg.cli_args import (_MODES, _add_grid_args, _add_json_arg, _d
                                        _grid_from_args, _report, _tile)
 from maxdiffusion_svg.geometry import RESOLUTIONS
 from maxdiffusion_svg.target import BACKENDS, GENERATIONS, TPU_BACKENDS, generation_named
-from maxdiffusion_svg.tiling import tiles_help
+from maxdiffusion_svg.tiling import PALLAS_TILES, tiles_help
 
 
 def _add_call_args(parser: argparse.ArgumentParser, heads: int, heads_help: str,
@@ -159,6 +159,18 @@ def _bench_semantic_warm(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.semantic_warm import format_warm_bench, run_warm_bench  # pylint: disable=import-outside-toplevel
   result = run_warm_bench(args.steps, args.clusters, tuple(args.updates), log=_progress)
   _report(args, format_warm_bench(result), result)
+  return 0
+
+
+def _bench_semantic_720p(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.semantic_720p import (Semantic720pConfig, format_semantic_720p,  # pylint: disable=import-outside-toplevel
+                                                    run_semantic_720p)
+  cfg = Semantic720pConfig(densities=tuple(args.densities), groups=tuple(args.groups),
+                           heads=args.heads, routers=args.routers,
+                           compensation=args.compensation, clusters=args.clusters,
+                           block_q=args.block_q, block_kv=args.block_kv)
+  result = run_semantic_720p(cfg, log=_progress)
+  _report(args, format_semantic_720p(result), result)
   return 0
 
 
@@ -517,6 +529,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                         help="centroids per key tile with --compensation (svg_compensation_blocks)")
   _add_json_arg(schedule)
   schedule.set_defaults(run=_bench_schedule)
+
+  s720 = bench_sub.add_parser(
+      "semantic-720p", help="the semantic layout's quality at 720p on moving-content heads: each "
+                            "layout forced (semantic at each token group) against dense, measured "
+                            "on CPU (minutes)")
+  s720.add_argument("--densities", type=_density, nargs="+", default=[0.15],
+                    help="band densities in (0, 1]")
+  s720.add_argument("--groups", type=_positive_int, nargs="+", default=[1, 8, 16],
+                    help="tokens a semantic placement moves together (8: the 720p default)")
+  s720.add_argument("--heads", type=_positive_int, default=2,
+                    help="moving-content heads per strength (sharp, soft)")
+  s720.add_argument("--routers", action="store_true",
+                    help="also today's router and the three-layout router")
+  s720.add_argument("--compensation", action="store_true",
+                    help="also each SVG1 layout, the default group and the routers compensated "
+                         "(8 centroids per key tile)")
+  s720.add_argument("--clusters", type=_positive_int, default=32, help="k-means clusters per head")
+  s720.add_argument("--block-q", type=_positive_int, default=PALLAS_TILES.block_q,
+                    help="query tile (our kernel's TPU tile by default)")
+  s720.add_argument("--block-kv", type=_positive_int, default=PALLAS_TILES.block_kv, help="key tile")
+  _add_json_arg(s720)
+  s720.set_defaults(run=_bench_semantic_720p)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "

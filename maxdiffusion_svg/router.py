@@ -8,6 +8,11 @@ error, float32; ties go to spatial). The mask is either the reference SVG router
 the one the kernel will run (the plan's, tile-rounded in ``aligned`` mode). Masks are
 evaluated in the original frame-major order by index arithmetic, so routing needs no
 permutation and no ``S x S`` array: its cost is ``rows x S`` per head.
+
+Where the semantic layout is a candidate, sampled rows would flatter it (its errors sit in a few
+rows at a cluster's edge, which a few samples miss), so the winner of that comparison and the
+semantic layout are judged alike, by an estimate of what each leaves out over the whole sequence
+(:func:`left_out`): every candidate's own table, read through its own key centroids.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import Centroids, centroids, plan_bias
+from maxdiffusion_svg.compensation import Centroids, block_means, centroids, plan_bias
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
 from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
-from maxdiffusion_svg.semantic import SemanticLayout, token_positions, visited_table
+from maxdiffusion_svg.semantic import (SemanticLayout, block_shares, placed_block_means,
+                                      token_positions, visited_table)
 from maxdiffusion_svg.tiles import TilePlan
 
 PROFILE_POOLS = ("prefix", "stratified")
@@ -55,15 +61,17 @@ class RouterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Router result: ``temporal[B, H]`` (True = temporal), each candidate layout's error
-  (``inf`` for a layout not among the candidates) and ``layout[B, H]``, each head's layout id
-  (an index into :data:`maxdiffusion_svg.layouts.LAYOUTS`)."""
+  """Router result: ``temporal[B, H]`` (True = temporal), the spatial and temporal layouts'
+  sampled errors (``inf`` for a layout not among the candidates), ``layout[B, H]``, each head's
+  layout id (an index into :data:`maxdiffusion_svg.layouts.LAYOUTS`) and, where the semantic
+  layout is a candidate, ``left_out [B, H, len(LAYOUTS)]``: each layout's estimated loss over
+  the whole sequence (:func:`left_out`; ``inf`` for a layout not among the candidates)."""
 
   temporal: jax.Array
   spatial_error: jax.Array
   temporal_error: jax.Array
   layout: jax.Array | None = None
-  semantic_error: jax.Array | None = None
+  left_out: jax.Array | None = None
 
   @property
   def layouts(self) -> jax.Array:
@@ -72,7 +80,7 @@ class Routing:
 
 
 jax.tree_util.register_dataclass(
-    Routing, data_fields=["temporal", "spatial_error", "temporal_error", "layout", "semantic_error"],
+    Routing, data_fields=["temporal", "spatial_error", "temporal_error", "layout", "left_out"],
     meta_fields=[])
 
 
@@ -164,49 +172,89 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   return errors[0], errors[1]
 
 
-def semantic_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, plan: TilePlan,
-                    semantic: SemanticLayout, *, scale: float | None = None,
-                    compensation_blocks: int = 0, sampled: Sampled | None = None) -> jax.Array:
-  """MSE against dense of ``rows``' outputs under each head's semantic order and tile table, as
-  its call will run them (compensated, with ``compensation_blocks``): ``[B, H]``. Membership
-  is a lookup of each row's and key's placed tile in the head's ``[q_tiles, kv_tiles]`` table."""
-  scale = q.shape[-1] ** -0.5 if scale is None else scale
-  qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
-  visited = visited_table(semantic.kv_index, plan)  # [B, H, nq, nkv]
-  q_pos = token_positions(semantic.q_pos, q.shape[2])
-  row_tiles = jnp.take(q_pos, rows, axis=2) // plan.block_q  # [B, H, R]
+# Rows the whole-sequence estimate reads, stratified (every row where the sequence is shorter): a
+# row's loss is a share in [0, 1], so a thousand rows pin the mean where 64 squared errors do not.
+ESTIMATE_ROWS = 1024
+
+
+def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> jax.Array:
+  """``int32 [min(count, seq_len)]``: one row from each of that many equal slices of the sequence."""
+  if count >= seq_len:
+    return jnp.arange(seq_len, dtype=jnp.int32)
+  offsets = jax.random.uniform(key, (count,))
+  return jnp.minimum(((jnp.arange(count) + offsets) * (seq_len / count)).astype(jnp.int32),
+                     seq_len - 1)
+
+
+def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.Array,
+             cents: Centroids, scale: float, k_sq: jax.Array | None = None) -> jax.Array:
+  """``float32 [B, H]``: the mean over ``rows`` of what each row's softmax loses to the key tiles
+  its query tile skips, estimated from the layout's key centroids (``cents``, blocks per key
+  tile) with :func:`maxdiffusion_svg.semantic.block_shares`: the attention share the skipped
+  blocks hold or, given their keys' mean squares ``k_sq`` (a compensated call), what their
+  centroids would miss of it. ``row_tiles [R]`` or ``[B, H, R]``: each row's placed query
+  tile; ``visited [B or 1, H or 1, num_q_tiles, num_kv_tiles]``: the layout's table."""
+  qs = jnp.take(q, rows, axis=2).astype(jnp.float32)  # [B, H, R, D]
+  q_sq = None if k_sq is None else jnp.sum(jnp.square(qs), -1)
+  share = block_shares(qs, cents, scale, "mass" if k_sq is None else "error", q_sq, k_sq)
+  blocks = share.shape[-1] // visited.shape[-1]
+  row_tiles = jnp.broadcast_to(row_tiles, qs.shape[:3])
+  visited = jnp.broadcast_to(visited, qs.shape[:2] + visited.shape[2:])
   row_visits = jnp.take_along_axis(visited, row_tiles[..., None], axis=2)  # [B, H, R, nkv]
-  key_tiles = token_positions(semantic.k_pos, k.shape[2]) // plan.block_kv  # [B, H, S]
-  keep = jnp.take_along_axis(row_visits, jnp.broadcast_to(
-      key_tiles[:, :, None, :], row_visits.shape[:3] + key_tiles.shape[-1:]), axis=3)
-  out = _masked_output(logits, v32, keep)
-  if compensation_blocks:
-    cents = semantic.cents
-    lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
-    blocks = cents.log_count.size // plan.num_kv_tiles  # the layout's own centroids
-    skipped = jnp.repeat(~row_visits, blocks, axis=-1)  # [B, H, R, N]
-    bias = jnp.where(skipped, cents.log_count, -jnp.inf)
-    extra, extra_lse = softmax_over(qs, cents.k, cents.v, jnp.swapaxes(bias, -1, -2), scale)
-    out = merge(out, lse, extra, extra_lse)
-  return jnp.mean((out - dense) ** 2, axis=(2, 3))
+  skipped = jnp.repeat(~row_visits, blocks, axis=-1)
+  return jnp.mean(jnp.sum(jnp.where(skipped, share, 0.0), -1), -1)
 
 
-# A semantic head must show at most this share of the best static layout's error on the sampled
-# rows: its errors sit in fewer rows (a cluster's edge), so a few samples flatter it (measured:
-# docs/benchmarks.md, "The semantic layout"; 0.25 = 6 dB).
-SEMANTIC_MARGIN = 0.25
+def layout_left_out(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
+                    plan: TilePlan, semantic: SemanticLayout, layouts: tuple[str, ...],
+                    scale: float, compensated: bool) -> jax.Array:
+  """``float32 [B, H, len(LAYOUTS)]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
+  for the rest), at the semantic layout's centroid blocks: the static layouts by the shared
+  plan's table and their placed keys, the semantic one by each head's table and clusters."""
+  blocks = semantic.cents.log_count.size // plan.num_kv_tiles
+  f32 = jnp.float32
+  estimates = []
+  for name in LAYOUTS:
+    if name not in layouts:
+      estimates.append(jnp.full(q.shape[:2], jnp.inf, f32))
+    elif name == SEMANTIC:
+      k_sq = placed_block_means(jnp.square(k.astype(f32)), semantic.k_perm, block=plan.block_kv,
+                                blocks=blocks, seq_len=plan.seq_len) if compensated else None
+      tiles = jnp.take(token_positions(semantic.q_pos, q.shape[2]), rows, axis=2) // plan.block_q
+      estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan),
+                                semantic.cents, scale, k_sq))
+    else:
+      layout = Layout.TEMPORAL_MAJOR if name == TEMPORAL else Layout.FRAME_MAJOR
+      cents = layout_centroids(k, v, grid, layout, plan, blocks)
+      k_sq = None
+      if compensated:
+        placed = k if layout is Layout.FRAME_MAJOR else to_temporal_major(k, grid)
+        k_sq = block_means(jnp.square(placed.astype(f32)), block_kv=plan.block_kv, blocks=blocks,
+                           seq_len=plan.seq_len)
+      visited = jnp.asarray(plan.tile_map() != 0)[None, None]
+      tiles = layout_positions(grid, layout, rows) // plan.block_q
+      estimates.append(left_out(q, rows, tiles, visited, cents, scale, k_sq))
+  return jnp.stack(estimates, -1)
 
 
-def choose_layouts(errors: dict[str, jax.Array], layouts: tuple[str, ...]) -> jax.Array:
-  """``int32 [B, H]``: each head's layout id, the candidate with the least error, semantic's
-  counted as if :data:`SEMANTIC_MARGIN` times larger where a static layout competes (ties: the
-  first in :data:`LAYOUTS` order, spatial before temporal before semantic)."""
-  margin = SEMANTIC_MARGIN if set(layouts) - {SEMANTIC} else 1.0
-  weight = {SEMANTIC: 1.0 / margin}
-  stacked = jnp.stack([errors[name] * weight.get(name, 1.0) if name in layouts
-                       else jnp.full_like(errors[SPATIAL], jnp.inf)
-                       for name in LAYOUTS[:max(LAYOUTS.index(n) for n in layouts) + 1]], axis=-1)
-  return jnp.argmin(stacked, axis=-1).astype(jnp.int32)
+def choose_layouts(errors: dict[str, jax.Array], estimates: jax.Array,
+                   layouts: tuple[str, ...]) -> jax.Array:
+  """``int32 [B, H]``: each head's layout id. The static candidates are compared by their sampled
+  ``errors`` (today's router: ties go to spatial); where semantic competes, it takes the head
+  whose estimated whole-sequence loss (``estimates [B, H, len(LAYOUTS)]``, :func:`left_out`) is
+  below the static winner's, each judged by the same estimate (ties: the static layout)."""
+  if SEMANTIC not in layouts:
+    raise ValueError("choose_layouts decides where the semantic layout competes")
+  static = [name for name in (SPATIAL, TEMPORAL) if name in layouts]
+  semantic_id = jnp.int32(LAYOUTS.index(SEMANTIC))
+  if not static:
+    return jnp.full(estimates.shape[:2], semantic_id)
+  if len(static) == 2:
+    winner = (errors[TEMPORAL] < errors[SPATIAL]).astype(jnp.int32)
+  else:
+    winner = jnp.full(estimates.shape[:2], LAYOUTS.index(static[0]), jnp.int32)
+  static_estimate = jnp.take_along_axis(estimates, winner[..., None], axis=-1)[..., 0]
+  return jnp.where(estimates[..., LAYOUTS.index(SEMANTIC)] < static_estimate, semantic_id, winner)
 
 
 def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
@@ -272,19 +320,18 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   layouts = getattr(config, "layouts", DEFAULT_LAYOUTS) if layouts is None else layouts
   if layouts == (SPATIAL, TEMPORAL):  # today's router, unchanged
     return Routing(temporal < spatial, spatial, temporal)
-  errors = {SPATIAL: spatial, TEMPORAL: temporal}
-  semantic_error = jnp.full_like(spatial, jnp.inf)
-  if SEMANTIC in layouts:
-    if semantic is None or plan is None:
-      raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
-    semantic_error = errors[SEMANTIC] = semantic_errors(
-        q, k, v, rows, plan, semantic, scale=scale,
-        compensation_blocks=compensation_blocks if compensation is not None else 0,
-        sampled=sampled)
-  layout = choose_layouts(errors, layouts)
+  if SEMANTIC not in layouts:  # one static layout, forced
+    layout = jnp.full(spatial.shape, LAYOUTS.index(layouts[0]), jnp.int32)
+    return Routing(layout == LAYOUTS.index(TEMPORAL), jnp.where(SPATIAL in layouts, spatial, jnp.inf),
+                   jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout)
+  if semantic is None or plan is None:
+    raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
+  estimates = layout_left_out(q, k, v, estimate_rows(jax.random.fold_in(key, 1), grid.tokens),
+                              grid, plan, semantic, layouts, scale, compensation is not None)
+  layout = choose_layouts({SPATIAL: spatial, TEMPORAL: temporal}, estimates, layouts)
   return Routing(layout == LAYOUTS.index(TEMPORAL),
                  jnp.where(SPATIAL in layouts, spatial, jnp.inf),
-                 jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout, semantic_error)
+                 jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout, estimates)
 
 
 def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,

@@ -280,29 +280,38 @@ def token_positions(pos: jax.Array, seq_len: int) -> jax.Array:
   return jnp.repeat(pos, group, axis=-1) * group + within
 
 
-def tile_scores(qbar: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
-                criterion: str = "mass", q_sq: jax.Array | None = None,
-                k_sq: jax.Array | None = None) -> jax.Array:
-  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: what each query tile row would lose by
-  skipping each key tile. Each query tile is cut into sub-blocks (a tile holds several clusters:
-  its mean query would stand for none of them); each sub-block's mean query ``q̄_r`` (``qbar
-  [B, H, num_q_tiles * query_blocks, D]``) shares its attention over the key sub-blocks'
-  centroids ``k̄_n`` (``n_n`` keys) as ``softmax_n(s q̄_r·k̄_n + log n_n)``, and a row's score
-  for a key tile is its sub-blocks' shares of the tile's blocks, weighted by their queries.
-  ``mass``: those shares. ``error``: the part compensation (which gives each block its
-  centroid's share) would miss: with a block's keys Gaussian about ``k̄_n`` with
-  per-coordinate variance ``σ²_n``, a share times ``expm1(s² |q|² σ²_n / 2)``; ``q_sq [B, H,
-  R]`` is each sub-block's mean ``|q|²``, ``k_sq [B, H, N, D]`` each key block's mean square."""
+def block_shares(qbar: jax.Array, cents: Centroids, scale: float, criterion: str = "mass",
+                 q_sq: jax.Array | None = None, k_sq: jax.Array | None = None) -> jax.Array:
+  """float32 ``[B, H, R, N]``: what each query (or sub-block's mean query) ``q̄_r`` (``qbar
+  [B, H, R, D]``) would lose by skipping each key block, from the blocks' centroids ``k̄_n``
+  (``n_n`` keys): its share ``softmax_n(s q̄_r·k̄_n + log n_n)`` (``mass``), or (``error``) the
+  part compensation, which gives a block its centroid's share, would miss: with a block's keys
+  Gaussian about ``k̄_n`` with per-coordinate variance ``σ²_n``, the share times ``expm1(s²
+  |q|² σ²_n / 2)``; ``q_sq [B, H, R]`` is each query's (mean) ``|q|²``, ``k_sq [B, H, N, D]``
+  each key block's mean square. The semantic table and the router share this estimate."""
   f32 = jnp.float32
-  query_blocks = qbar.shape[2] // plan.num_q_tiles
-  blocks = cents.log_count.size // plan.num_kv_tiles
-  b, h = qbar.shape[:2]
-  logits = scale * jnp.einsum("bhrd,bhnd->bhrn", qbar, cents.k.astype(f32),
+  logits = scale * jnp.einsum("bhrd,bhnd->bhrn", qbar.astype(f32), cents.k.astype(f32),
                               precision=jax.lax.Precision.HIGHEST) + cents.log_count
   share = jax.nn.softmax(logits, axis=-1)  # [B, H, R, N]
   if criterion == "error":
     var = jnp.maximum(k_sq - jnp.square(cents.k.astype(f32)), 0.0).mean(-1)  # [B, H, N]
     share = share * jnp.expm1(0.5 * scale ** 2 * q_sq[..., None] * var[:, :, None, :])
+  return share
+
+
+def tile_scores(qbar: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
+                criterion: str = "mass", q_sq: jax.Array | None = None,
+                k_sq: jax.Array | None = None) -> jax.Array:
+  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: what each query tile row would lose by
+  skipping each key tile. Each query tile is cut into sub-blocks (a tile holds several clusters:
+  its mean query would stand for none of them); each sub-block's mean query (``qbar [B, H,
+  num_q_tiles * query_blocks, D]``) shares its attention over the key sub-blocks' centroids
+  (:func:`block_shares`, by ``criterion``), and a row's score for a key tile is its sub-blocks'
+  shares of the tile's blocks, weighted by their queries."""
+  query_blocks = qbar.shape[2] // plan.num_q_tiles
+  blocks = cents.log_count.size // plan.num_kv_tiles
+  b, h = qbar.shape[:2]
+  share = block_shares(qbar, cents, scale, criterion, q_sq, k_sq)
   weight = block_counts(plan.seq_len, plan.num_q_tiles, plan.block_q, query_blocks).astype(np.float32)
   per_tile = share.reshape(b, h, -1, plan.num_kv_tiles, blocks).sum(-1) * weight[:, None]
   return per_tile.reshape(b, h, plan.num_q_tiles, query_blocks, plan.num_kv_tiles).sum(3)
@@ -375,5 +384,5 @@ def visited_table(kv_index: jax.Array, plan: TilePlan) -> jax.Array:
   return jnp.any(onehot & valid[..., None], axis=-2)
 
 
-__all__ = ["CLUSTER_ON", "SemanticConfig", "SemanticLayout", "Seed", "check_semantic", "cluster_order",
-           "kmeans", "semantic_layout", "tile_scores", "top_tiles", "visited_table"]
+__all__ = ["CLUSTER_ON", "SemanticConfig", "SemanticLayout", "Seed", "block_shares", "check_semantic",
+           "cluster_order", "kmeans", "semantic_layout", "tile_scores", "top_tiles", "visited_table"]

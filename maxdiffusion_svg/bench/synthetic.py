@@ -27,6 +27,7 @@ where the coordinates are close.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +50,19 @@ EXPECTED_TEMPORAL = {"spatial": False, "temporal": True, "drifting": True,
                      "weak_spatial": False, "weak_temporal": True}
 
 
+@dataclasses.dataclass(frozen=True)
+class MovingScene:
+  """What a ``moving`` head's video holds: the bench's scene by default; the router's tests
+  draw others (object counts, sizes, speeds, pans, sharpness) to hold the router to families
+  it was not tuned on."""
+
+  objects: int = MOVING_OBJECTS
+  radius: tuple[float, float] = MOVING_RADIUS
+  speed: tuple[float, float] = MOVING_SPEED
+  pan: float = MOVING_PAN
+  bandwidth: float = MOVING_BANDWIDTH
+
+
 def _fourier_features(coords: np.ndarray, dim: int, bandwidth: float,
                       rng: np.random.Generator) -> np.ndarray:
   """``[S, c]`` coordinates -> ``[S, dim]`` features with ``phi(a).phi(b) ~ exp(-|a-b|^2 / 2 bw^2)``."""
@@ -62,7 +76,8 @@ def _wrap(x: np.ndarray, period: float) -> np.ndarray:
   return (x + period / 2) % period - period / 2
 
 
-def moving_coords(grid: VideoGrid, rng: np.random.Generator) -> np.ndarray:
+def moving_coords(grid: VideoGrid, rng: np.random.Generator,
+                  scene: MovingScene = MovingScene()) -> np.ndarray:
   """``[S, 3]`` coordinates of each token in its segment's moving frame: ``(segment * gap,
   row, col)``, segment 0 the panning background (scene coordinates), segment ``j >= 1`` object
   ``j`` (offset from its centre). Tokens under two objects belong to the nearer one."""
@@ -70,12 +85,12 @@ def moving_coords(grid: VideoGrid, rng: np.random.Generator) -> np.ndarray:
   row, col = (x.astype(np.float64) for x in np.divmod(pos, grid.width))
   h, w = grid.height, grid.width
   heading = rng.uniform(0, 2 * np.pi)
-  pan = MOVING_PAN * np.array([np.sin(heading), np.cos(heading)])
+  pan = scene.pan * np.array([np.sin(heading), np.cos(heading)])
   coords = np.stack([np.zeros_like(row), row + pan[0] * frame, col + pan[1] * frame], axis=1)
   nearest = np.full(grid.tokens, np.inf)  # distance / radius of the object a token is under
-  for j in range(1, MOVING_OBJECTS + 1):
-    radius = rng.uniform(*MOVING_RADIUS) * min(h, w)
-    angle, speed = rng.uniform(0, 2 * np.pi), rng.uniform(*MOVING_SPEED)
+  for j in range(1, scene.objects + 1):
+    radius = rng.uniform(*scene.radius) * min(h, w)
+    angle, speed = rng.uniform(0, 2 * np.pi), rng.uniform(*scene.speed)
     start = rng.uniform(0, 1, size=2) * (h, w)
     dr = _wrap(row - (start[0] + speed * np.sin(angle) * frame), h)
     dc = _wrap(col - (start[1] + speed * np.cos(angle) * frame), w)
@@ -88,11 +103,13 @@ def moving_coords(grid: VideoGrid, rng: np.random.Generator) -> np.ndarray:
 
 def planted_qkv(grid: VideoGrid, head_types: Sequence[str], head_dim: int = 64, *,
                 strength: float = PLANTED_STRENGTH, noise: float = 0.3, seed: int = 0,
-                batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                batch: int = 1,
+                scene: MovingScene = MovingScene()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Float32 ``q, k, v`` of shape ``[batch, len(head_types), S, head_dim]``, frame-major.
 
   ``strength`` sets how sharp planted heads are: logits reach about
-  ``strength^2 / sqrt(head_dim)`` between tokens with equal coordinates.
+  ``strength^2 / sqrt(head_dim)`` between tokens with equal coordinates. ``scene``: what
+  ``moving`` heads show.
   """
   unknown = sorted(set(head_types) - set(HEAD_TYPES))
   if unknown:
@@ -122,7 +139,7 @@ def planted_qkv(grid: VideoGrid, head_types: Sequence[str], head_dim: int = 64, 
            np.sqrt(share) * _fourier_features(coords["temporal"], head_dim - half, 1.0, rng)],
           axis=1)
     elif kind == "moving":
-      phi = _fourier_features(moving_coords(grid, rng), head_dim, MOVING_BANDWIDTH, rng)
+      phi = _fourier_features(moving_coords(grid, rng, scene), head_dim, scene.bandwidth, rng)
     elif kind in WEAK:
       phi = _fourier_features(coords[WEAK[kind]], head_dim, bandwidth=1.0, rng=rng)
       scale = strength * WEAK_STRENGTH
