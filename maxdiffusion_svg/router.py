@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.compensation import Centroids, block_means, centroids, plan_bias
+from maxdiffusion_svg.compensation import (Centroids, block_means, centroid_log_counts, centroids,
+                                           plan_bias)
 from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
 from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
@@ -175,6 +176,11 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
 # Rows the whole-sequence estimate reads, stratified (every row where the sequence is shorter): a
 # row's loss is a share in [0, 1], so a thousand rows pin the mean where 64 squared errors do not.
 ESTIMATE_ROWS = 1024
+# Keys per centroid the estimate reads: a centroid of many keys blurs their logits towards its
+# mean's, most where a layout's blocks mix unlike keys (at 720p, 192-key centroids saw every
+# layout skip ~80% of the mass; 16 keys still sent soft moving heads to the wrong layout; 8 did
+# not: docs/benchmarks.md, "The router without a margin").
+ESTIMATE_KEYS = 8
 
 
 def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> jax.Array:
@@ -187,16 +193,14 @@ def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> j
 
 
 def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.Array,
-             cents: Centroids, scale: float, k_sq: jax.Array | None = None) -> jax.Array:
-  """``float32 [B, H]``: the mean over ``rows`` of what each row's softmax loses to the key tiles
-  its query tile skips, estimated from the layout's key centroids (``cents``, blocks per key
-  tile) with :func:`maxdiffusion_svg.semantic.block_shares`: the attention share the skipped
-  blocks hold or, given their keys' mean squares ``k_sq`` (a compensated call), what their
-  centroids would miss of it. ``row_tiles [R]`` or ``[B, H, R]``: each row's placed query
-  tile; ``visited [B or 1, H or 1, num_q_tiles, num_kv_tiles]``: the layout's table."""
+             cents: Centroids, scale: float) -> jax.Array:
+  """``float32 [B, H]``: the mean over ``rows`` of the attention share each row's softmax loses to
+  the key tiles its query tile skips, estimated from the layout's key centroids (``cents``,
+  blocks per key tile; :func:`maxdiffusion_svg.semantic.block_shares`). ``row_tiles [R]`` or
+  ``[B, H, R]``: each row's placed query tile; ``visited [B or 1, H or 1, num_q_tiles,
+  num_kv_tiles]``: the layout's table."""
   qs = jnp.take(q, rows, axis=2).astype(jnp.float32)  # [B, H, R, D]
-  q_sq = None if k_sq is None else jnp.sum(jnp.square(qs), -1)
-  share = block_shares(qs, cents, scale, "mass" if k_sq is None else "error", q_sq, k_sq)
+  share = block_shares(qs, cents, scale)
   blocks = share.shape[-1] // visited.shape[-1]
   row_tiles = jnp.broadcast_to(row_tiles, qs.shape[:3])
   visited = jnp.broadcast_to(visited, qs.shape[:2] + visited.shape[2:])
@@ -205,35 +209,31 @@ def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.A
   return jnp.mean(jnp.sum(jnp.where(skipped, share, 0.0), -1), -1)
 
 
-def layout_left_out(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
-                    plan: TilePlan, semantic: SemanticLayout, layouts: tuple[str, ...],
-                    scale: float, compensated: bool) -> jax.Array:
+def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid, plan: TilePlan,
+                    semantic: SemanticLayout, layouts: tuple[str, ...], scale: float) -> jax.Array:
   """``float32 [B, H, len(LAYOUTS)]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
-  for the rest), at the semantic layout's centroid blocks: the static layouts by the shared
-  plan's table and their placed keys, the semantic one by each head's table and clusters."""
-  blocks = semantic.cents.log_count.size // plan.num_kv_tiles
-  f32 = jnp.float32
+  for the rest), from centroids of :data:`ESTIMATE_KEYS` placed keys: the static layouts by the
+  shared plan's table, the semantic one by each head's table and order."""
+  blocks = plan.block_kv // ESTIMATE_KEYS
+  log_count = centroid_log_counts(plan, blocks)
+  means = lambda x: block_means(x, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
   estimates = []
   for name in LAYOUTS:
     if name not in layouts:
-      estimates.append(jnp.full(q.shape[:2], jnp.inf, f32))
+      estimates.append(jnp.full(q.shape[:2], jnp.inf, jnp.float32))
     elif name == SEMANTIC:
-      k_sq = placed_block_means(jnp.square(k.astype(f32)), semantic.k_perm, block=plan.block_kv,
-                                blocks=blocks, seq_len=plan.seq_len) if compensated else None
+      cents = Centroids(placed_block_means(k, semantic.k_perm, block=plan.block_kv, blocks=blocks,
+                                           seq_len=plan.seq_len), None, log_count)
       tiles = jnp.take(token_positions(semantic.q_pos, q.shape[2]), rows, axis=2) // plan.block_q
-      estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan),
-                                semantic.cents, scale, k_sq))
+      estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan), cents,
+                                scale))
     else:
       layout = Layout.TEMPORAL_MAJOR if name == TEMPORAL else Layout.FRAME_MAJOR
-      cents = layout_centroids(k, v, grid, layout, plan, blocks)
-      k_sq = None
-      if compensated:
-        placed = k if layout is Layout.FRAME_MAJOR else to_temporal_major(k, grid)
-        k_sq = block_means(jnp.square(placed.astype(f32)), block_kv=plan.block_kv, blocks=blocks,
-                           seq_len=plan.seq_len)
+      placed = k if layout is Layout.FRAME_MAJOR else to_temporal_major(k, grid)
       visited = jnp.asarray(plan.tile_map() != 0)[None, None]
       tiles = layout_positions(grid, layout, rows) // plan.block_q
-      estimates.append(left_out(q, rows, tiles, visited, cents, scale, k_sq))
+      estimates.append(left_out(q, rows, tiles, visited, Centroids(means(placed), None, log_count),
+                                scale))
   return jnp.stack(estimates, -1)
 
 
@@ -326,8 +326,8 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                    jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout)
   if semantic is None or plan is None:
     raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
-  estimates = layout_left_out(q, k, v, estimate_rows(jax.random.fold_in(key, 1), grid.tokens),
-                              grid, plan, semantic, layouts, scale, compensation is not None)
+  estimates = layout_left_out(q, k, estimate_rows(jax.random.fold_in(key, 1), grid.tokens),
+                              grid, plan, semantic, layouts, scale)
   layout = choose_layouts({SPATIAL: spatial, TEMPORAL: temporal}, estimates, layouts)
   return Routing(layout == LAYOUTS.index(TEMPORAL),
                  jnp.where(SPATIAL in layouts, spatial, jnp.inf),

@@ -13,7 +13,7 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_temporal_major
 from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.layouts import LAYOUTS
-from maxdiffusion_svg.semantic import group_size, semantic_layout, token_positions, visited_table
+from maxdiffusion_svg.semantic import semantic_layout, token_positions, visited_table
 
 LAYOUT_NAMES = ("spatial", "temporal", "semantic")
 SEMANTIC_ID = LAYOUTS.index("semantic")
@@ -24,42 +24,36 @@ def _config(density, layouts=LAYOUT_NAMES, **kw):
                    layouts=tuple(layouts), semantic_clusters=8, **kw)
 
 
-def _left_out_reference(q, k, key_pos, row_tiles, visited, block_kv, blocks, compensated):
-  """One head in float64: key sub-blocks of placed positions, their mean key and count; each
-  row's softmax over ``scale q.k_mean + log(count)``, summed over the blocks of the key tiles
-  its query tile skips (times ``expm1(scale^2 |q|^2 var / 2)`` for a compensated call)."""
+def _left_out_reference(q, k, key_pos, row_tiles, visited, block_kv, size):
+  """One head in float64: key sub-blocks of ``size`` placed positions, their mean key and count;
+  each row's softmax over ``scale q.k_mean + log(count)``, summed over the blocks of the key
+  tiles its query tile skips."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   order = np.argsort(key_pos)
-  size = block_kv // blocks
   scale = q.shape[-1] ** -0.5
-  means, squares, logs, tiles = [], [], [], []
+  means, logs, tiles = [], [], []
   for start in range(0, len(order), size):
     members = order[start:start + size]
     means.append(k[members].mean(0))
-    squares.append((k[members] ** 2).mean(0))
     logs.append(np.log(members.size))
     tiles.append(start // block_kv)
-  means, squares = np.stack(means), np.stack(squares)
-  logits = scale * q @ means.T + np.array(logs)
+  logits = scale * q @ np.stack(means).T + np.array(logs)
   share = np.exp(logits - logits.max(1, keepdims=True))
   share /= share.sum(1, keepdims=True)
-  if compensated:
-    var = np.maximum(squares - means ** 2, 0).mean(1)
-    share *= np.expm1(0.5 * scale ** 2 * (q ** 2).sum(1)[:, None] * var[None, :])
   skipped = ~visited[row_tiles[:, None], np.array(tiles)[None, :]]
   return (share * skipped).sum(1).mean()
 
 
-@pytest.mark.parametrize("compensated", [False, True])
-def test_left_out_matches_the_float64_rule_for_each_layout(compensated):
+@pytest.mark.parametrize("group", [1, 4])
+def test_left_out_matches_the_float64_rule_for_each_layout(group):
   grid = VideoGrid(6, 8, 20)  # 960 tokens: the last key tile is padded
   q, k, v = (jnp.asarray(x) for x in planted_qkv(grid, ("moving", "temporal"), 32, seed=1))
-  config = _config(0.3, compensation=compensated, compensation_blocks=4)
+  config = _config(0.3)
   plan = config.plan(grid, backend="xla")
-  sem = semantic_layout(q, k, v, plan, config.semantic, group=group_size(grid))
+  sem = semantic_layout(q, k, v, plan, config.semantic, group=group)
   rows = jnp.arange(0, grid.tokens, 7, dtype=jnp.int32)
-  got = np.asarray(router.layout_left_out(q, k, v, rows, grid, plan, sem, LAYOUT_NAMES,
-                                          q.shape[-1] ** -0.5, compensated))
+  got = np.asarray(router.layout_left_out(q, k, rows, grid, plan, sem, LAYOUT_NAMES,
+                                          q.shape[-1] ** -0.5))
   static = plan.tile_map() != 0
   frame_major = np.arange(grid.tokens)
   temporal_pos = np.asarray(to_temporal_major(jnp.asarray(frame_major)[None, None, :, None],
@@ -74,7 +68,7 @@ def test_left_out_matches_the_float64_rule_for_each_layout(compensated):
       pos, visited = placements[name]
       key_pos = pos if name != "semantic" else np.asarray(token_positions(sem.k_pos, grid.tokens))[0, h]
       want = _left_out_reference(q[0, h, r], k[0, h], key_pos, pos[r] // plan.block_q, visited,
-                                 plan.block_kv, config.semantic.blocks, compensated)
+                                 plan.block_kv, router.ESTIMATE_KEYS)
       assert got[0, h, i] == pytest.approx(want, rel=2e-4, abs=1e-7), (name, h)
 
 
