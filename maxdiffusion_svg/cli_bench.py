@@ -174,6 +174,16 @@ def _bench_semantic_720p(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_router(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.router_families import (RouterFamiliesConfig,  # pylint: disable=import-outside-toplevel
+                                                      format_router_families, run_router_families)
+  cfg = RouterFamiliesConfig(densities=tuple(args.densities), compensation=args.compensation,
+                             seed=args.seed)
+  result = run_router_families(cfg, log=_progress)
+  _report(args, format_router_families(result), result)
+  return 0
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
   simulate_cpu_devices(args.devices)
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -551,6 +561,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   s720.add_argument("--block-kv", type=_positive_int, default=PALLAS_TILES.block_kv, help="key tile")
   _add_json_arg(s720)
   s720.set_defaults(run=_bench_semantic_720p)
+
+  routed = bench_sub.add_parser(
+      "router", help="the three-layout router against the best single layout per head on "
+                     "held-out head families (6,144 tokens), measured on CPU (minutes)")
+  routed.add_argument("--densities", type=_density, nargs="+", default=[0.1, 0.2, 0.35],
+                      help="band densities in (0, 1]")
+  routed.add_argument("--compensation", action="store_true", help="every call compensated")
+  routed.add_argument("--seed", type=int, default=3, help="the families' seed")
+  _add_json_arg(routed)
+  routed.set_defaults(run=_bench_router)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "
