@@ -54,12 +54,18 @@ def test_tiny_quality_bench(tmp_path):
       assert sem[kind]["router SVG1"]["psnr_db"][group] == pytest.approx(forced, abs=1e-6)
     assert set(sem[kind]["semantic"]["layout"]) == {2}
   assert np.isfinite(sem["plain"]["semantic"]["psnr_db"]["moving"])  # the moving heads were scored
+  best = result["semantic"]["targets"]["router_from_best_db"]
+  for kind in ("plain", "compensated"):  # the routed kind against its best single layout
+    cell = sem[kind]
+    assert best[f"moving {kind} 0.35"] == pytest.approx(cell["router 3 layouts"]["psnr_db"]["moving"] - max(
+        cell[n]["psnr_db"]["moving"] for n in ("spatial", "temporal", "semantic")))
   path = tmp_path / "semantic.png"
   from maxdiffusion_svg.bench.semantic_quality import plot_semantic  # pylint: disable=import-outside-toplevel
   plot_semantic(str(path), result["semantic"])
   assert path.read_bytes()[:4] == b"\x89PNG"
   text = format_quality_bench(result)
   assert "semantic layout (measured on CPU)" in text
+  assert "three-layout router vs the best single layout per kind at densities 0.1, 0.2, 0.35" in text
   assert "sampled, stratified" in text and "0.35/split" in text and "execution" in text
   assert "recommended compensation_blocks" in text
   path = tmp_path / "quality.png"
