@@ -18,12 +18,10 @@ semantic layout are judged alike, by an estimate of what each leaves out over th
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from maxdiffusion_svg.compensation import (Centroids, block_means, centroid_log_counts, centroids,
                                            plan_bias)
@@ -195,37 +193,17 @@ def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> j
 
 
 def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.Array,
-             cents: Centroids, scale: float, compensation_blocks: int = 0) -> jax.Array:
+             cents: Centroids, scale: float) -> jax.Array:
   """``float32 [B, H]``: the mean over ``rows`` of the attention share each row's softmax loses to
   the key tiles its query tile skips, estimated from the layout's key centroids (``cents``,
-  blocks per key tile; :func:`maxdiffusion_svg.semantic.block_shares`). With
-  ``compensation_blocks`` (a compensated call: each skipped tile comes back as that many
-  centroids, their values replaced by means), also the share those coarser centroids misplace:
-  per fine block, the distance between its share and the part of its coarse centroid's share its
-  keys hold. (Either term alone chose worse: the misplaced share sent weak temporal heads to
-  semantic, 6 dB from today's router; the skipped share missed 20 dB on soft spatial heads.)
-  ``row_tiles [R]`` or ``[B, H, R]``: each row's placed query tile; ``visited [B or 1, H or 1,
-  num_q_tiles, num_kv_tiles]``: the layout's table."""
+  blocks per key tile; :func:`maxdiffusion_svg.semantic.block_shares`). ``row_tiles [R]`` or
+  ``[B, H, R]``: each row's placed query tile; ``visited [B or 1, H or 1, num_q_tiles,
+  num_kv_tiles]``: the layout's table. The same estimate serves a compensated call: adding the
+  share its coarser centroids misplace chose worse at 720p (docs/benchmarks.md, "The router
+  without a margin")."""
   qs = jnp.take(q, rows, axis=2).astype(jnp.float32)  # [B, H, R, D]
   share = block_shares(qs, cents, scale)
   blocks = share.shape[-1] // visited.shape[-1]
-  if compensation_blocks:
-    b, h, r = share.shape[:3]
-    fine = blocks // compensation_blocks  # fine blocks per coarse centroid
-    count = np.exp(np.asarray(cents.log_count, np.float64)).reshape(-1, fine)  # [Nc, fine]
-    total = count.sum(-1, keepdims=True)
-    weight = (count / np.maximum(total, 1)).astype(np.float32)  # each fine block's part
-    coarse_k = jnp.einsum("bhcfd,cf->bhcd", cents.k.astype(jnp.float32).reshape(
-        b, h, -1, fine, cents.k.shape[-1]), weight)
-    coarse_logits = (scale * jnp.einsum("bhrd,bhcd->bhrc", qs, coarse_k,
-                                        precision=jax.lax.Precision.HIGHEST)
-                     + np.log(np.maximum(total[:, 0], 1)).astype(np.float32))
-    fine_logits = (scale * jnp.einsum("bhrd,bhnd->bhrn", qs, cents.k.astype(jnp.float32),
-                                      precision=jax.lax.Precision.HIGHEST) + cents.log_count)
-    norm = jax.nn.logsumexp(fine_logits, -1, keepdims=True)
-    coarse = jnp.exp(coarse_logits - norm)[..., None] * weight  # [B, H, R, Nc, fine]
-    misplaced = jnp.abs(share.reshape(coarse.shape) - jnp.where(total > 0, coarse, 0.0))
-    share = share + misplaced.reshape(b, h, r, -1)
   row_tiles = jnp.broadcast_to(row_tiles, qs.shape[:3])
   visited = jnp.broadcast_to(visited, qs.shape[:2] + visited.shape[2:])
   row_visits = jnp.take_along_axis(visited, row_tiles[..., None], axis=2)  # [B, H, R, nkv]
@@ -234,14 +212,11 @@ def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.A
 
 
 def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid, plan: TilePlan,
-                    semantic: SemanticLayout, layouts: tuple[str, ...], scale: float,
-                    compensation_blocks: int = 0) -> jax.Array:
+                    semantic: SemanticLayout, layouts: tuple[str, ...], scale: float) -> jax.Array:
   """``float32 [B, H, len(LAYOUTS)]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
   for the rest), from centroids of :data:`ESTIMATE_KEYS` placed keys: the static layouts by the
   shared plan's table, the semantic one by each head's table and order."""
-  # fine blocks that nest in the compensation's (keys per block: a divisor of both)
-  coarse = plan.block_kv // compensation_blocks if compensation_blocks else plan.block_kv
-  blocks = plan.block_kv // math.gcd(coarse, ESTIMATE_KEYS)
+  blocks = plan.block_kv // ESTIMATE_KEYS
   log_count = centroid_log_counts(plan, blocks)
   means = lambda x: block_means(x, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
   estimates = []
@@ -253,14 +228,14 @@ def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid
                                            seq_len=plan.seq_len), None, log_count)
       tiles = jnp.take(token_positions(semantic.q_pos, q.shape[2]), rows, axis=2) // plan.block_q
       estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan), cents,
-                                scale, compensation_blocks))
+                                scale))
     else:
       layout = Layout.TEMPORAL_MAJOR if name == TEMPORAL else Layout.FRAME_MAJOR
       placed = k if layout is Layout.FRAME_MAJOR else to_temporal_major(k, grid)
       visited = jnp.asarray(plan.tile_map() != 0)[None, None]
       tiles = layout_positions(grid, layout, rows) // plan.block_q
       estimates.append(left_out(q, rows, tiles, visited, Centroids(means(placed), None, log_count),
-                                scale, compensation_blocks))
+                                scale))
   return jnp.stack(estimates, -1)
 
 
@@ -354,8 +329,7 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   if semantic is None or plan is None:
     raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
   estimates = layout_left_out(q, k, estimate_rows(jax.random.fold_in(key, 1), grid.tokens),
-                              grid, plan, semantic, layouts, scale,
-                              compensation_blocks if compensation is not None else 0)
+                              grid, plan, semantic, layouts, scale)
   layout = choose_layouts({SPATIAL: spatial, TEMPORAL: temporal}, estimates, layouts)
   return Routing(layout == LAYOUTS.index(TEMPORAL),
                  jnp.where(SPATIAL in layouts, spatial, jnp.inf),
