@@ -59,10 +59,12 @@ def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints
   def run(*extra):
     return wan_e2e.generate([*argv, *extra], str(tmp_path), record=False)["frames"]
 
-  plain = run()
-  # the tiny random Wan routes no head semantic, so warm and cold clusterings give one video
+  # Under the cache every step clusters cold: the run to match is the cold one (the router may
+  # send heads of the tiny random Wan to the semantic layout, where warm and cold clusterings
+  # differ).
+  plain = run("svg_semantic_warm_iterations=0")
   captured = capfd.readouterr()
-  assert "semantic heads 0.0% (" in captured.out + captured.err
+  assert "semantic heads " in captured.out + captured.err
   try:
     first = run(f"aot_cache_dir={cache}")
     capfd.readouterr()
