@@ -18,6 +18,7 @@ semantic layout are judged alike, by an estimate of what each leaves out over th
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -181,6 +182,7 @@ ESTIMATE_ROWS = 1024
 # layout skip ~80% of the mass; 16 keys still sent soft moving heads to the wrong layout; 8 did
 # not: docs/benchmarks.md, "The router without a margin").
 ESTIMATE_KEYS = 8
+ROW_CHUNK = 128  # rows whose shares are held at once
 
 
 def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> jax.Array:
@@ -201,14 +203,24 @@ def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.A
   num_kv_tiles]``: the layout's table. The same estimate serves a compensated call: adding the
   share its coarser centroids misplace chose worse at 720p (docs/benchmarks.md, "The router
   without a margin")."""
-  qs = jnp.take(q, rows, axis=2).astype(jnp.float32)  # [B, H, R, D]
-  share = block_shares(qs, cents, scale)
-  blocks = share.shape[-1] // visited.shape[-1]
-  row_tiles = jnp.broadcast_to(row_tiles, qs.shape[:3])
-  visited = jnp.broadcast_to(visited, qs.shape[:2] + visited.shape[2:])
-  row_visits = jnp.take_along_axis(visited, row_tiles[..., None], axis=2)  # [B, H, R, nkv]
-  skipped = jnp.repeat(~row_visits, blocks, axis=-1)
-  return jnp.mean(jnp.sum(jnp.where(skipped, share, 0.0), -1), -1)
+  b, h = q.shape[:2]
+  count = rows.shape[0]
+  chunk = math.gcd(count, ROW_CHUNK)  # rows per step: the shares of all rows at once took
+  # 1.2 GB more temporaries in the Wan 14B forward (test_wan_aot's semantic bound)
+  row_tiles = jnp.broadcast_to(row_tiles, (b, h, count))
+  visited = jnp.broadcast_to(visited, (b, h) + visited.shape[2:])
+  blocks = cents.log_count.size // visited.shape[-1]
+
+  def lost(part):
+    part_rows, part_tiles = part
+    qs = jnp.take(q, part_rows, axis=2).astype(jnp.float32)  # [B, H, chunk, D]
+    share = block_shares(qs, cents, scale)
+    row_visits = jnp.take_along_axis(visited, part_tiles[..., None], axis=2)  # [B, H, chunk, nkv]
+    skipped = jnp.repeat(~row_visits, blocks, axis=-1)
+    return jnp.sum(jnp.where(skipped, share, 0.0), axis=(-1, -2))
+
+  parts = (rows.reshape(-1, chunk), jnp.moveaxis(row_tiles.reshape(b, h, -1, chunk), 2, 0))
+  return jnp.sum(jax.lax.map(lost, parts), axis=0) / count
 
 
 def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid, plan: TilePlan,
