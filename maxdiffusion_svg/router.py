@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.compensation import (Centroids, block_means, centroid_log_counts, centroids,
-                                           plan_bias)
-from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions, to_temporal_major
+                                           ordered_block_means, plan_bias)
+from maxdiffusion_svg.geometry import (Layout, VideoGrid, layout_positions, temporal_major_order,
+                                       to_temporal_major)
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
 from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
 from maxdiffusion_svg.masks import Mask, PlacedMask, probe_mask
@@ -231,6 +232,7 @@ def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid
   blocks = plan.block_kv // ESTIMATE_KEYS
   log_count = centroid_log_counts(plan, blocks)
   means = lambda x: block_means(x, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
+  visited = jnp.asarray(plan.tile_map() != 0)[None, None]  # every static layout's table
   estimates = []
   for name in LAYOUTS:
     if name not in layouts:
@@ -243,11 +245,10 @@ def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid
                                 scale))
     else:
       layout = Layout.TEMPORAL_MAJOR if name == TEMPORAL else Layout.FRAME_MAJOR
-      placed = k if layout is Layout.FRAME_MAJOR else to_temporal_major(k, grid)
-      visited = jnp.asarray(plan.tile_map() != 0)[None, None]
+      placed = (means(k) if layout is Layout.FRAME_MAJOR else ordered_block_means(
+          k, temporal_major_order(grid), block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len))
       tiles = layout_positions(grid, layout, rows) // plan.block_q
-      estimates.append(left_out(q, rows, tiles, visited, Centroids(means(placed), None, log_count),
-                                scale))
+      estimates.append(left_out(q, rows, tiles, visited, Centroids(placed, None, log_count), scale))
   return jnp.stack(estimates, -1)
 
 

@@ -9,6 +9,7 @@ import pytest
 from maxdiffusion_svg import router
 from maxdiffusion_svg.attention import svg_attention
 from maxdiffusion_svg.bench.synthetic import MovingScene, planted_qkv
+from maxdiffusion_svg.compensation import ordered_block_means
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, to_temporal_major
 from maxdiffusion_svg.kernels import dense_attention
@@ -70,6 +71,19 @@ def test_left_out_matches_the_float64_rule_for_each_layout(group):
       want = _left_out_reference(q[0, h, r], k[0, h], key_pos, pos[r] // plan.block_q, visited,
                                  plan.block_kv, router.ESTIMATE_KEYS)
       assert got[0, h, i] == pytest.approx(want, rel=2e-4, abs=1e-7), (name, h)
+
+
+def test_ordered_means_equal_the_means_of_the_placed_copy():
+  """The strided gathers give each sub-block's mean of the placed real tokens: a partial last
+  sub-block and whole padding ones (count 0) included."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(1, 2, 300, 16)).astype(np.float32)
+  order = rng.permutation(300)
+  got = np.asarray(ordered_block_means(jnp.asarray(x), order, block_kv=128, blocks=16))
+  placed = np.concatenate([x[:, :, order], np.zeros((1, 2, 84, 16), np.float32)], axis=2)
+  counts = np.minimum(np.maximum(300 - np.arange(48) * 8, 0), 8)
+  want = placed.reshape(1, 2, 48, 8, 16).sum(3) / np.maximum(counts, 1)[:, None]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_no_margin_the_lower_estimate_wins_and_ties_stay_static():
