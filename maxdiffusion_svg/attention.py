@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from maxdiffusion_svg.budgets import levels
 from maxdiffusion_svg.compensation import (Centroids, centroids, compensated_call, per_head,
                                            table_row_keys)
 from maxdiffusion_svg.config import SvgConfig
@@ -242,13 +243,27 @@ def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array,
   key = profile_key(config, step, layer, key)
   aux = return_layout or seed is not None
 
-  def sparse(q, k, v):
-    out, info = prepared_svg_attention(call, q, k, v, key=key, scale=scale, return_info=True,
-                                       seed=seed)
-    extra = {"layout": info["layout"]}
-    if seed is not None:
-      extra["clusters"] = info["clusters"]
-    return (out, extra) if aux else out
+  def sparse_at(rung: PreparedCall) -> Callable[..., Any]:
+    def sparse(q, k, v):
+      out, info = prepared_svg_attention(rung, q, k, v, key=key, scale=scale, return_info=True,
+                                         seed=seed)
+      extra = {"layout": info["layout"]}
+      if seed is not None:
+        extra["clusters"] = info["clusters"]
+      return (out, extra) if aux else out
+    return sparse
+
+  sparse = sparse_at(call)
+  per_layer = config.layer_densities_for(call.expert)
+  if per_layer is not None:  # one prepared plan per distinct density; the layer picks one
+    densities, rung_of_layer = levels(per_layer)
+    rungs = [sparse_at(call.at_density(density)) for density in densities]
+    if isinstance(layer, int):
+      sparse = rungs[int(rung_of_layer[layer])]
+    elif len(rungs) == 1:
+      sparse = rungs[0]
+    else:
+      sparse = lambda q, k, v: jax.lax.switch(jnp.asarray(rung_of_layer)[layer], rungs, q, k, v)
 
   def dense(q, k, v):
     out = prepared_dense_attention(call, q, k, v, scale=scale)

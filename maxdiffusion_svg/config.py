@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from maxdiffusion_svg.budgets import UNIFORM, check_layer_densities
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import BACKENDS
@@ -30,7 +31,9 @@ EXPERTS = ("high_noise", "low_noise")  # Wan 2.2's two transformers
 PRESET = "preset"  # svg_density, svg_active_steps/layers: svg_schedule's preset decides
 SHARED = "svg_density"  # svg_high/low_noise_density: the same as svg_density
 UNSET_BY = {"svg_density": PRESET, "svg_active_steps": PRESET, "svg_active_layers": PRESET,
-            "svg_high_noise_density": SHARED, "svg_low_noise_density": SHARED}
+            "svg_high_noise_density": SHARED, "svg_low_noise_density": SHARED,
+            "svg_layer_densities": UNIFORM, "svg_high_noise_layer_densities": UNIFORM,
+            "svg_low_noise_layer_densities": UNIFORM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,11 @@ class SvgConfig:
   high_noise_density: float | None = None  # Wan 2.2 high-noise expert; None = density
   low_noise_density: float | None = None  # Wan 2.2 low-noise expert; None = density
   schedule: Schedule = PRESETS[DEFAULT_PRESET].schedule(DEFAULT_NUM_STEPS)
+  # One density per layer (``calibrate`` writes them; maxdiffusion_svg.budgets); None: every
+  # layer the expert's density. Each Wan 2.2 expert may have its own.
+  layer_densities: tuple[float, ...] | None = None
+  high_noise_layer_densities: tuple[float, ...] | None = None
+  low_noise_layer_densities: tuple[float, ...] | None = None
   tile_mode: TileMode | str = TileMode.ALIGNED
   # None or 0: the target's default (XLA: 512; ours: 3328x1536/512; Splash: by the VMEM limit).
   block_q: int | None = None
@@ -73,6 +81,8 @@ class SvgConfig:
     for name in ("high_noise_density", "low_noise_density"):
       if getattr(self, name) is not None:
         check_density(getattr(self, name), f"svg_{name}")
+    for name in ("layer_densities", "high_noise_layer_densities", "low_noise_layer_densities"):
+      object.__setattr__(self, name, check_layer_densities(getattr(self, name), f"svg_{name}"))
     object.__setattr__(self, "tile_mode", TileMode.parse(self.tile_mode, "svg_tile_mode"))
     for name in ("block_q", "block_kv", "block_kv_compute", "vmem_limit_kib"):
       if getattr(self, name) == 0 and not isinstance(getattr(self, name), bool):
@@ -139,6 +149,22 @@ class SvgConfig:
       raise ValueError(f"expert must be one of {', '.join(EXPERTS)} or None, got {expert!r}")
     own = getattr(self, f"{expert}_density")
     return self.density if own is None else own
+
+  def layer_densities_for(self, expert: str | None = None) -> tuple[float, ...] | None:
+    """One density per layer for ``expert`` (its own, else the shared list), or None: every
+    layer runs :meth:`density_for`."""
+    if expert is None:
+      return self.layer_densities
+    self.density_for(expert)  # validates the expert
+    own = getattr(self, f"{expert}_layer_densities")
+    return self.layer_densities if own is None else own
+
+  def at_density(self, density: float) -> "SvgConfig":
+    """This config with every layer (and expert) at ``density``: one rung of a per-layer
+    budget, prepared as its own plan."""
+    return dataclasses.replace(self, density=density, high_noise_density=None,
+                               low_noise_density=None, layer_densities=None,
+                               high_noise_layer_densities=None, low_noise_layer_densities=None)
 
   def target(self, *arrays: Any, mesh: Any = None, target: Target | None = None) -> Target:
     """The one target of a call under this config's ``svg_vmem_limit_kib``: ``target``, else
@@ -259,6 +285,9 @@ KEYS = {
     "svg_density": "density",
     "svg_high_noise_density": "high_noise_density",
     "svg_low_noise_density": "low_noise_density",
+    "svg_layer_densities": "layer_densities",
+    "svg_high_noise_layer_densities": "high_noise_layer_densities",
+    "svg_low_noise_layer_densities": "low_noise_layer_densities",
     "svg_active_steps": "active_steps",
     "svg_active_layers": "active_layers",
     "svg_tile_mode": "tile_mode",

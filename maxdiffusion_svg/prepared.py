@@ -106,6 +106,12 @@ class PreparedCall:
     tpu, default = (build(branch) for branch in self.branches)
     return lambda *xs: jax.lax.platform_dependent(*xs, tpu=tpu, default=default)
 
+  def at_density(self, density: float) -> "PreparedCall":
+    """This call with every layer at ``density`` (one rung of ``svg_layer_densities``), on
+    the same target and executors."""
+    return _prepared(self.config.at_density(density), self.grid, self.expert, self.target,
+                     tuple(branch.executor for branch in self.branches))
+
   def on_ring(self, ulysses: int, ring: int) -> "PreparedCall":
     """This call as a ring of ``ring`` sequence shards runs it: semantic left out of the
     layouts (:meth:`SvgConfig.on_ring`); tiles and plans unchanged."""

@@ -246,6 +246,11 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                      f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
                      f"devices): set ulysses_shards to the context axis's size, or svg_layouts "
                      f"to [spatial, temporal]")
+  if config.layer_densities_for(call.expert) is not None:
+    raise ValueError(f"svg_layer_densities does not run on a ring yet (ulysses_shards {ulysses} "
+                     f"leaves the sequence split over {mesh.shape[seq_axis] // ulysses} devices): "
+                     f"set ulysses_shards to the context axis's size, or svg_layer_densities to "
+                     f"uniform")
   inner = split_mesh(mesh, seq_axis, ulysses)
   ring = inner.shape[RING]
   batch_spec = tuple(batch_axes) or None

@@ -1,0 +1,145 @@
+"""Per-layer budgets: which density each layer runs, chosen from measured errors.
+
+One density for every layer spends the same tiles on a layer whose heads are nearly local as
+on one that needs most of the sequence. Given each layer's measured error at a ladder of
+densities (``errors [L, K]``) and what each costs (``costs [L, K]``: visited tiles per call),
+:func:`allocate` picks one rung per layer with the least total error whose total cost is within
+a budget (the uniform density's), and :func:`least_cost` the cheapest choice that meets a total
+error. Both are exact: a multiple-choice knapsack solved over the Pareto front of (cost, error)
+of the layers so far, which stays small because a rung's cost is the same in every layer.
+
+The chosen densities reach a run as ``svg_layer_densities`` (:func:`check_layer_densities`):
+each distinct density is one prepared plan, and a traced layer index picks among them
+(``lax.switch``), so a scanned forward compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import yaml
+
+from maxdiffusion_svg.masks import check_density
+
+UNIFORM = "uniform"  # the value that leaves svg_layer_densities unset: every layer svg_density
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
+
+
+def check_layer_densities(value: Any, key: str = "svg_layer_densities") -> tuple[float, ...] | None:
+  """``value`` as one density per layer (None: unset). Takes a list, ``uniform`` (unset), YAML
+  text of either, or a mapping of layer ranges to densities (``{0-4: 0.3, 5-39: 0.15}``, every
+  layer from 0 covered once)."""
+  if value is None or (isinstance(value, (list, tuple, dict)) and not value):
+    return None
+  if isinstance(value, str):
+    if value.strip() == UNIFORM:
+      return None
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+      raise ValueError(f"{key}: cannot read {value!r} (a list of densities per layer, a "
+                       f"mapping of layer ranges to densities, or {UNIFORM!r})") from e
+    return check_layer_densities(value, key)
+  if isinstance(value, Mapping):
+    value = _from_ranges(value, key)
+  if not isinstance(value, (list, tuple)):
+    raise ValueError(f"{key} must be a list of densities per layer, a mapping of layer ranges "
+                     f"to densities, or {UNIFORM!r}; got {value!r}")
+  for i, density in enumerate(value):
+    check_density(density, f"{key}[{i}]")
+  return tuple(float(d) for d in value)
+
+
+def _from_ranges(ranges: Mapping[Any, Any], key: str) -> list[float]:
+  layers: dict[int, float] = {}
+  for span, density in ranges.items():
+    match = _RANGE.match(str(span))
+    if not match:
+      raise ValueError(f"{key}: layer range {span!r} must be 'first-last' or one layer index")
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if last < first:
+      raise ValueError(f"{key}: layer range {span!r} ends before it starts")
+    for layer in range(first, last + 1):
+      if layer in layers:
+        raise ValueError(f"{key}: layer {layer} is in two ranges")
+      layers[layer] = density
+  missing = sorted(set(range(max(layers) + 1)) - set(layers))
+  if missing:
+    raise ValueError(f"{key}: layers {missing} are in no range (cover every layer from 0)")
+  return [layers[i] for i in range(len(layers))]
+
+
+def check_layer_count(densities: tuple[float, ...] | None, num_layers: int,
+                      key: str = "svg_layer_densities") -> None:
+  """A model of ``num_layers`` layers takes exactly one density per layer."""
+  if densities is not None and len(densities) != num_layers:
+    raise ValueError(f"{key} gives {len(densities)} densities; the model has {num_layers} "
+                     f"layers (give one per layer, or {UNIFORM!r})")
+
+
+def levels(densities: Sequence[float]) -> tuple[tuple[float, ...], np.ndarray]:
+  """The distinct densities, ascending, and each layer's index among them: one prepared plan
+  per distinct density, the layer's index picks one."""
+  distinct = tuple(sorted(set(densities)))
+  return distinct, np.asarray([distinct.index(d) for d in densities], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+  """One rung per layer: ``choice [L]`` (indices into the ladder), its total ``cost`` and
+  total ``error``."""
+
+  choice: tuple[int, ...]
+  cost: float
+  error: float
+
+
+def _front(errors: np.ndarray, costs: np.ndarray) -> list[tuple[float, float, tuple[int, ...]]]:
+  """Every non-dominated (cost, error, choice) over the layers: the least error at each cost."""
+  front = [(0.0, 0.0, ())]
+  for layer_errors, layer_costs in zip(errors, costs):
+    grown = sorted((c + float(cost), e + float(err), choice + (rung,))
+                   for c, e, choice in front
+                   for rung, (cost, err) in enumerate(zip(layer_costs, layer_errors)))
+    front, best = [], np.inf
+    for c, e, choice in grown:  # ascending cost: keep what lowers the error
+      if e < best:
+        front.append((c, e, choice))
+        best = e
+  return front
+
+
+def _check(errors: Any, costs: Any) -> tuple[np.ndarray, np.ndarray]:
+  errors = np.asarray(errors, np.float64)
+  costs = np.broadcast_to(np.asarray(costs, np.float64), errors.shape)
+  if errors.ndim != 2 or not errors.size:
+    raise ValueError(f"errors must be [layers, rungs], got shape {errors.shape}")
+  if not (np.isfinite(errors).all() and np.isfinite(costs).all()) or (costs < 0).any():
+    raise ValueError("errors and costs must be finite, costs >= 0")
+  return errors, costs
+
+
+def allocate(errors: Any, costs: Any, budget: float) -> Allocation:
+  """The rung per layer with the least total error whose total cost is at most ``budget``
+  (ties: the cheaper). ``errors [L, K]``; ``costs [K]`` or ``[L, K]``."""
+  errors, costs = _check(errors, costs)
+  feasible = [p for p in _front(errors, costs) if p[0] <= budget + 1e-9]
+  if not feasible:
+    raise ValueError(f"no choice fits the budget {budget} (the least is "
+                     f"{costs.min(axis=1).sum()})")
+  cost, error, choice = feasible[-1]
+  return Allocation(choice, cost, error)
+
+
+def least_cost(errors: Any, costs: Any, target_error: float) -> Allocation:
+  """The cheapest rung per layer whose total error is at most ``target_error``."""
+  errors, costs = _check(errors, costs)
+  for cost, error, choice in _front(errors, costs):
+    if error <= target_error + 1e-12:
+      return Allocation(choice, cost, error)
+  raise ValueError(f"--target-error {target_error} is below the least total error "
+                   f"{errors.min(axis=1).sum():.4g} any choice reaches")

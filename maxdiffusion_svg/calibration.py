@@ -1,0 +1,120 @@
+"""Calibration: each layer's error at a ladder of densities, measured on a checkpoint's own
+attention inputs, and the per-layer densities that spend the uniform budget best.
+
+The measurement is the call a run makes: at each rung, every head routed among the configured
+layouts (compensation as configured) by :func:`maxdiffusion_svg.attention.svg_attention`, its
+output against dense attention of the same inputs. A layer's error is the mean over its heads
+and samples of the squared error relative to the dense output's power, so layers whose outputs
+differ in scale weigh alike. The allocation (:mod:`maxdiffusion_svg.budgets`) then picks one
+rung per layer at a total visited-tile count no larger than the uniform density's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from maxdiffusion_svg.attention import svg_attention
+from maxdiffusion_svg.budgets import Allocation, allocate, least_cost
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.masks import check_density
+from maxdiffusion_svg.target import Target
+
+# Densities a layer may take. Dense (1.0) is a rung: a layer no band serves runs every tile.
+LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
+
+QKV = tuple[Any, Any, Any]
+
+
+def check_ladder(ladder: Sequence[float], key: str = "--ladder") -> tuple[float, ...]:
+  if not ladder:
+    raise ValueError(f"{key} needs at least one density")
+  for i, density in enumerate(ladder):
+    check_density(density, f"{key}[{i}]")
+  return tuple(sorted(set(float(d) for d in ladder)))
+
+
+def with_uniform(config: SvgConfig, ladder: Sequence[float],
+                 expert: str | None = None) -> tuple[float, ...]:
+  """The ladder with the config's own density on it: the uniform choice is always a candidate,
+  so the allocation is never worse than it on the measured inputs."""
+  return tuple(sorted(set(check_ladder(ladder)) | {config.density_for(expert)}))
+
+
+def rung_costs(config: SvgConfig, grid: VideoGrid, ladder: Sequence[float],
+               expert: str | None = None, target: Target | None = None) -> np.ndarray:
+  """``[K]``: key tiles one head's call visits at each rung, by the plans the run builds."""
+  return np.asarray([config.at_density(d).plan(grid, expert, target=target).stats.visited_tiles
+                     for d in ladder], np.float64)
+
+
+def relative_error(out: Any, dense: Any) -> np.ndarray:
+  """``[B, H]``: squared error over the dense output's power, per head."""
+  out, dense = np.asarray(out, np.float64), np.asarray(dense, np.float64)
+  return ((out - dense) ** 2).sum((-1, -2)) / np.maximum((dense ** 2).sum((-1, -2)), 1e-30)
+
+
+def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: VideoGrid,
+                 ladder: Sequence[float], *, target: Target | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> np.ndarray:
+  """``[L, K]``: each layer's mean relative error (over its heads and samples) at each rung.
+  ``layers[l]``: that layer's ``(q, k, v)`` samples, ``[B, H, S, D]`` frame-major."""
+  dense = jax.jit(dense_attention)
+  calls = [jax.jit(lambda q, k, v, c=config.at_density(d): svg_attention(
+      q, k, v, grid=grid, config=c, target=target)) for d in ladder]
+  errors = np.zeros((len(layers), len(ladder)))
+  for i, samples in enumerate(layers):
+    for q, k, v in samples:
+      ref = dense(q, k, v)
+      for j, call in enumerate(calls):
+        errors[i, j] += relative_error(call(q, k, v), ref).mean() / len(samples)
+    log(f"layer {i}: {len(samples)} samples x {len(ladder)} densities")
+  return errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """Per-layer densities and what they cost and leave, beside the uniform density's."""
+
+  ladder: tuple[float, ...]
+  costs: tuple[float, ...]  # visited tiles per head's call, per rung
+  errors: tuple[tuple[float, ...], ...]  # [L, K], measured
+  densities: tuple[float, ...]  # chosen, per layer
+  uniform: float
+  allocation: Allocation
+  uniform_allocation: Allocation
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"ladder": list(self.ladder), "costs": list(self.costs),
+            "errors": [list(row) for row in self.errors], "densities": list(self.densities),
+            "uniform": self.uniform, "tiles": self.allocation.cost,
+            "uniform_tiles": self.uniform_allocation.cost, "error": self.allocation.error,
+            "uniform_error": self.uniform_allocation.error}
+
+
+def calibrate_layers(errors: Any, costs: Any, ladder: Sequence[float], uniform: float,
+                     target_error: float | None = None) -> Calibration:
+  """Densities per layer from measured ``errors [L, K]`` at ``ladder`` (which holds
+  ``uniform``): the least total error within the uniform density's tiles, or with
+  ``target_error`` (a mean relative error per layer) the fewest tiles that meet it."""
+  errors, costs, ladder = np.asarray(errors, np.float64), np.asarray(costs, np.float64), tuple(ladder)
+  if uniform not in ladder:
+    raise ValueError(f"the ladder {ladder} must hold the uniform density {uniform}")
+  u = ladder.index(uniform)
+  layers = errors.shape[0]
+  uniform_allocation = Allocation((u,) * layers, float(costs[u] * layers),
+                                  float(errors[:, u].sum()))
+  if target_error is None:
+    chosen = allocate(errors, costs, uniform_allocation.cost)
+  else:
+    if not target_error > 0:
+      raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
+                       f"{target_error}")
+    chosen = least_cost(errors, costs, target_error * layers)
+  return Calibration(ladder, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
+                     tuple(ladder[i] for i in chosen.choice), uniform, chosen, uniform_allocation)

@@ -1,0 +1,157 @@
+"""Per-layer budgets: the allocation against brute force, the budget held, the keys read and
+refused by name, and one compile as a traced layer picks its density."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.attention import scheduled_svg_attention
+from maxdiffusion_svg.budgets import allocate, check_layer_densities, least_cost, levels
+from maxdiffusion_svg.calibration import calibrate_layers, relative_error
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.schedule import Interval, Schedule
+
+
+def _brute(errors, costs, ok):
+  best = None
+  for choice in itertools.product(range(errors.shape[1]), repeat=errors.shape[0]):
+    cost = costs[np.arange(len(choice)), choice].sum()
+    error = errors[np.arange(len(choice)), choice].sum()
+    if ok(cost, error) and (best is None or (error, cost) < best[:2]):
+      best = (error, cost, choice)
+  return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_optimal_against_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  layers, rungs = 5, 4
+  costs = np.broadcast_to(np.sort(rng.integers(1, 20, rungs)), (layers, rungs)).astype(float)
+  if seed % 2:  # per-layer costs too
+    costs = np.sort(rng.integers(1, 20, (layers, rungs)), axis=1).astype(float)
+  errors = np.sort(rng.random((layers, rungs)), axis=1)[:, ::-1].copy()
+  budget = float(costs[:, 1].sum())
+  got = allocate(errors, costs, budget)
+  error, cost, _ = _brute(errors, costs, lambda c, e: c <= budget)
+  assert got.cost <= budget  # the budget is held
+  assert got.error == pytest.approx(error)
+  assert got.cost == pytest.approx(costs[np.arange(layers), list(got.choice)].sum())
+  target = float(errors[:, 2].sum())
+  cheapest = least_cost(errors, costs, target)
+  want = min((c, e) for c, e, _ in [
+      (costs[np.arange(layers), ch].sum(), errors[np.arange(layers), ch].sum(), ch)
+      for ch in itertools.product(range(rungs), repeat=layers)] if e <= target)
+  assert cheapest.error <= target and cheapest.cost == pytest.approx(want[0])
+
+
+def test_calibration_never_exceeds_uniform_tiles_nor_its_error():
+  rng = np.random.default_rng(7)
+  ladder = (0.1, 0.2, 0.4, 1.0)
+  costs = np.array([10.0, 20.0, 40.0, 100.0])
+  errors = np.sort(rng.random((6, 4)), axis=1)[:, ::-1]
+  result = calibrate_layers(errors, costs, ladder, 0.2)
+  assert result.allocation.cost <= result.uniform_allocation.cost == 120.0
+  assert result.allocation.error <= result.uniform_allocation.error
+  assert set(result.densities) <= set(ladder)
+  with pytest.raises(ValueError, match="uniform density 0.3"):
+    calibrate_layers(errors, costs, ladder, 0.3)
+  with pytest.raises(ValueError, match="target-error"):
+    calibrate_layers(errors, costs, ladder, 0.2, target_error=-1.0)
+
+
+def test_budget_below_the_cheapest_choice_is_refused():
+  with pytest.raises(ValueError, match="no choice fits the budget"):
+    allocate(np.ones((2, 2)), np.array([5.0, 9.0]), 9.0)
+
+
+@pytest.mark.parametrize("value,want", [
+    ([0.3, 0.2], (0.3, 0.2)), ("[0.3, 0.2]", (0.3, 0.2)), ("uniform", None), (None, None),
+    ({"0-1": 0.5, 2: 0.1}, (0.5, 0.5, 0.1)), ("{0-1: 0.5, 2: 0.1}", (0.5, 0.5, 0.1))])
+def test_layer_densities_read_lists_ranges_and_uniform(value, want):
+  assert check_layer_densities(value) == want
+
+
+@pytest.mark.parametrize("value,match", [
+    ([0.3, 0.0], r"svg_layer_densities\[1\] must be in \(0, 1\]"),
+    ({"0-1": 0.5, "3": 0.1}, r"layers \[2\] are in no range"),
+    ({"0-2": 0.5, "2": 0.1}, "layer 2 is in two ranges"),
+    ({"a-b": 0.5}, "layer range 'a-b'"),
+    (0.3, "must be a list of densities per layer")])
+def test_bad_layer_densities_are_refused_naming_the_key(value, match):
+  with pytest.raises(ValueError, match=match):
+    SvgConfig(layer_densities=value)
+
+
+def test_yaml_keys_set_each_experts_list():
+  config = SvgConfig.from_mapping({"svg_layer_densities": "[0.2, 0.3]",
+                                   "svg_high_noise_layer_densities": "{0-1: 0.5}",
+                                   "svg_low_noise_layer_densities": "uniform"})
+  assert config.layer_densities_for(None) == (0.2, 0.3)
+  assert config.layer_densities_for("high_noise") == (0.5, 0.5)
+  assert config.layer_densities_for("low_noise") == (0.2, 0.3)
+  assert SvgConfig.from_mapping({"svg_layer_densities": "uniform"}).layer_densities is None
+  assert levels((0.3, 0.1, 0.3))[0] == (0.1, 0.3)
+  assert levels((0.3, 0.1, 0.3))[1].tolist() == [1, 0, 1]
+
+
+GRID = VideoGrid(8, 8, 16)  # 1,024 tokens: 8 tiles of 128 (22, 44, 58 of 64 visited at 0.2, 0.5, 0.8)
+
+
+def _config(density=0.25, **kw):
+  return SvgConfig(density=density, block_q=128, block_kv=128, backend="xla",
+                   schedule=Schedule(Interval(0, None), Interval(0, None)), **kw)
+
+
+def test_one_compile_each_layer_runs_its_own_density():
+  """A traced layer picks its rung: each layer's output equals the call at its density, which
+  differ (so a wrong rung is seen), in one compiled function."""
+  q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, GRID.tokens, 64))
+  densities = (0.2, 0.8, 0.2, 0.5)
+  config = _config(layer_densities=densities)
+  traces = []
+
+  @jax.jit
+  def call(q, k, v, layer):
+    traces.append(layer)
+    return scheduled_svg_attention(q, k, v, grid=GRID, config=config, step=jnp.int32(0),
+                                   layer=layer)
+
+  dense = dense_attention(q, k, v)
+  outs = {}
+  for layer, density in enumerate(densities):
+    got = call(q, k, v, jnp.int32(layer))
+    want = scheduled_svg_attention(q, k, v, grid=GRID, config=_config(density=density),
+                                   step=0, layer=layer)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    outs[density] = relative_error(got, dense).mean()
+  assert len(traces) == 1
+  assert outs[0.2] > outs[0.5] > outs[0.8]  # the rungs differ, more tiles less error
+
+
+def test_one_compile_under_a_scan_over_layers():
+  """As a scanned forward runs them: the layer index is the scan's, one body for every layer."""
+  q, k, v = jax.random.normal(jax.random.key(1), (3, 1, 2, GRID.tokens, 64))
+  densities = (0.5, 0.2, 1.0)
+  config = _config(layer_densities=densities)
+  traces = []
+
+  @jax.jit
+  def forward(x):
+    def body(x, layer):
+      traces.append(layer)
+      out = scheduled_svg_attention(x, k, v, grid=GRID, config=config, step=jnp.int32(0),
+                                    layer=layer)
+      return x, out
+    return jax.lax.scan(body, x, jnp.arange(len(densities), dtype=jnp.int32))[1]
+
+  outs = forward(q)
+  assert len(traces) == 1
+  for layer, density in enumerate(densities):
+    want = scheduled_svg_attention(q, k, v, grid=GRID, config=_config(density=density),
+                                   step=0, layer=layer)
+    np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(want), rtol=1e-5, atol=1e-5)
