@@ -81,6 +81,17 @@ def check_layer_count(densities: tuple[float, ...] | None, num_layers: int,
                      f"layers (give one per layer, or {UNIFORM!r})")
 
 
+def layer_ranges(densities: Sequence[float]) -> str:
+  """``densities`` as runs of layers: ``0-9: 0.3, 10-39: 0.15`` (the form the key reads)."""
+  runs, start = [], 0
+  for i in range(1, len(densities) + 1):
+    if i == len(densities) or densities[i] != densities[start]:
+      span = f"{start}-{i - 1}" if i - 1 > start else f"{start}"
+      runs.append(f"{span}: {densities[start]:g}")
+      start = i
+  return ", ".join(runs)
+
+
 def levels(densities: Sequence[float]) -> tuple[tuple[float, ...], np.ndarray]:
   """The distinct densities, ascending, and each layer's index among them: one prepared plan
   per distinct density, the layer's index picks one."""

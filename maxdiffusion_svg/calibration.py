@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.attention import svg_attention
@@ -23,12 +24,16 @@ from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.masks import check_density
+from maxdiffusion_svg.router import layout_errors, sample_dense, sample_rows
 from maxdiffusion_svg.target import Target
 
 # Densities a layer may take. Dense (1.0) is a rung: a layer no band serves runs every tile.
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
 
 QKV = tuple[Any, Any, Any]
+# Rows a call's on-device measurement reads (the router's stratified sample, more of it): the
+# errors are averaged over steps and prompts too.
+CALIBRATION_ROWS = 256
 
 
 def check_ladder(ladder: Sequence[float], key: str = "--ladder") -> tuple[float, ...]:
@@ -75,6 +80,32 @@ def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: Video
         errors[i, j] += relative_error(call(q, k, v), ref).mean() / len(samples)
     log(f"layer {i}: {len(samples)} samples x {len(ladder)} densities")
   return errors
+
+
+def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                        config: SvgConfig, ladder: Sequence[float], key: jax.Array,
+                        scale: float | None = None, expert: str | None = None,
+                        target: Target | None = None) -> jax.Array:
+  """``float32 [K]``: one call's mean relative error per rung, on device, from
+  :data:`CALIBRATION_ROWS` sampled rows against their dense output: each head takes the lower
+  of its spatial and temporal errors under the rung's execution mask (as the router would
+  choose), compensated where the config compensates. What ``calibrate`` records per step and
+  layer of a real run, where the whole inputs cannot leave the device."""
+  router = dataclasses.replace(config.router, profile_queries=CALIBRATION_ROWS)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  rows = sample_rows(key, grid.tokens, router)
+  sampled = sample_dense(q, k, v, rows, scale)
+  power = jnp.maximum(jnp.mean(sampled.dense ** 2, axis=(2, 3)), 1e-30)
+  errors = []
+  for density in ladder:
+    rung = config.at_density(density)
+    plan = rung.plan(grid, expert, target=target)
+    blocks = rung.compensation_for(target)
+    spatial, temporal = layout_errors(q, k, v, rows, grid, plan.computed_mask, scale=scale,
+                                      sampled=sampled,
+                                      compensation=(plan, blocks) if blocks else None)
+    errors.append(jnp.mean(jnp.minimum(spatial, temporal) / power))
+  return jnp.stack(errors)
 
 
 @dataclasses.dataclass(frozen=True)

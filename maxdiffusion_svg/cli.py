@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   from maxdiffusion_svg import cli_compare  # pylint: disable=import-outside-toplevel
   cli_compare.add_parser(sub)
+
+  from maxdiffusion_svg import cli_calibrate  # pylint: disable=import-outside-toplevel
+  cli_calibrate.add_parser(sub)
   return parser
 
 

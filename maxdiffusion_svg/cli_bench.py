@@ -174,6 +174,15 @@ def _bench_semantic_720p(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_calibrate(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.calibration import (CalibrationBenchConfig,  # pylint: disable=import-outside-toplevel
+                                                  format_calibration_bench, run_calibration_bench)
+  cfg = CalibrationBenchConfig(density=args.density, held_out_seeds=tuple(args.held_out))
+  result = run_calibration_bench(cfg, log=_progress)
+  _report(args, format_calibration_bench(result), result)
+  return 0
+
+
 def _bench_router(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.router_families import (RouterFamiliesConfig,  # pylint: disable=import-outside-toplevel
                                                       format_router_families, run_router_families)
@@ -571,6 +580,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   routed.add_argument("--seed", type=int, default=3, help="the families' seed")
   _add_json_arg(routed)
   routed.set_defaults(run=_bench_router)
+
+  calib = bench_sub.add_parser(
+      "calibrate", help="per-layer densities calibrated on one draw of planted layers vs one "
+                        "density for all, at equal visited tiles, PSNR on held-out draws "
+                        "(4,096 tokens), measured on CPU (minutes)")
+  calib.add_argument("--density", type=_density, default=0.2,
+                     help="the uniform density: the budget in visited tiles")
+  calib.add_argument("--held-out", type=int, nargs="+", default=[1, 2, 3], metavar="SEED",
+                     help="seeds of the held-out draws")
+  _add_json_arg(calib)
+  calib.set_defaults(run=_bench_calibrate)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "

@@ -155,3 +155,25 @@ def test_one_compile_under_a_scan_over_layers():
     want = scheduled_svg_attention(q, k, v, grid=GRID, config=_config(density=density),
                                    step=0, layer=layer)
     np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
+  """With every row sampled, a rung's on-device error is each head's better layout's relative
+  error, as the kernel's outputs of each forced layout give it against dense."""
+  from maxdiffusion_svg import calibration  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(calibration, "CALIBRATION_ROWS", GRID.tokens)
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, ("spatial", "moving", "temporal"), 64,
+                                                   seed=3))
+  ladder = (0.2, 0.5, 1.0)
+  config = _config()
+  got = np.asarray(calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
+                                                   ladder=ladder, key=jax.random.key(0)))
+  dense = dense_attention(q, k, v)
+  for j, density in enumerate(ladder):
+    per_layout = [relative_error(scheduled_svg_attention(
+        q, k, v, grid=GRID, config=_config(density=density, layouts=(name,)), step=0, layer=0),
+        dense)[0] for name in ("spatial", "temporal")]
+    mse = np.minimum(*per_layout)  # relative to each head's power: the same rows, all of them
+    assert got[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), density
+  assert got[0] > got[1] > got[2] >= 0

@@ -1,9 +1,11 @@
 """The quality benchmark on a tiny configuration: it runs, is JSON-ready, and says what it should."""
 
+import dataclasses
 import json
 
 import pytest
 
+from maxdiffusion_svg.bench.calibration import CalibrationBenchConfig
 from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench, psnr,
                                             rel_l2, run_quality_bench)
 from maxdiffusion_svg.bench.synthetic import planted_qkv
@@ -19,7 +21,10 @@ TINY = QualityBenchConfig(grid=VideoGrid(6, 8, 16), head_types=("spatial", "temp
                           router_densities=(0.35,), timing_resolution=None, repeats=1,
                           compensation_heads=1, compensation_densities=(0.35,),
                           compensation_blocks=(4, 8), semantic_heads=1,
-                          semantic_densities=(0.35,), semantic_clusters=8)
+                          semantic_densities=(0.35,), semantic_clusters=8,
+                          calibration=CalibrationBenchConfig(
+                              grid=VideoGrid(4, 8, 16), density=0.35, ladder=(0.35, 1.0),
+                              held_out_seeds=(1,)))
 
 
 def test_tiny_quality_bench(tmp_path):
@@ -68,6 +73,8 @@ def test_tiny_quality_bench(tmp_path):
   assert "three-layout router vs the best single layout per kind at densities 0.1, 0.2, 0.35" in text
   assert "sampled, stratified" in text and "0.35/split" in text and "execution" in text
   assert "recommended compensation_blocks" in text
+  assert "calibrated per-layer densities vs uniform 0.35" in text
+  _check_calibration(result["calibration"], TINY.calibration)
   path = tmp_path / "quality.png"
   plot_quality(str(path), TINY, result)
   assert path.read_bytes()[:4] == b"\x89PNG"
@@ -117,3 +124,23 @@ def test_moving_heads_are_deterministic_float32():
   for x, y in zip(a, b):
     assert x.dtype == np.float32 and np.array_equal(x, y)
   assert not np.array_equal(a[0][:, 0], a[0][:, 1])  # each head draws its own objects
+
+
+def _check_calibration(cal, cfg):
+  """Tiles held to uniform's; on the calibration draw the allocation is no worse than uniform;
+  one held-out layer's PSNR recomputed against a float64 dense softmax."""
+  from maxdiffusion_svg.attention import svg_attention  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.calibration import layer_inputs  # pylint: disable=import-outside-toplevel
+  tiles = cal["visited_tiles"]
+  assert tiles["calibrated"] <= tiles["uniform"]
+  assert cal["calibration"]["error"] <= cal["calibration"]["uniform_error"] + 1e-12
+  assert set(cal["densities"]) <= set(cal["ladder"])
+  (q, k, v), = layer_inputs(cfg, cfg.held_out_seeds[0])[2]  # the moving layer
+  out = svg_attention(q, k, v, grid=cfg.grid,
+                      config=dataclasses.replace(cfg.svg_config(), density=cal["densities"][2]))
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  logits = np.einsum("bhqd,bhkd->bhqk", q64, k64) / np.sqrt(q64.shape[-1])
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  dense = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v64)
+  rel = ((np.asarray(out, np.float64) - dense) ** 2).sum((-1, -2)) / (dense ** 2).sum((-1, -2))
+  assert cal["psnr_db"]["calibrated"][2] == pytest.approx(-10 * np.log10(rel.mean()), abs=0.05)

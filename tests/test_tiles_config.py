@@ -343,3 +343,24 @@ def test_the_row_keys_can_be_what_passes_the_vmem_limit(tmp_path, capsys):
   assert err.startswith("error: the run would stop at its first call (sparse plan): Pallas tiles "
                         "3328x1536 with block_kv_compute 512 and 328 row keys "
                         "(svg_compensation) need about 14.8 MiB of VMEM on TPU v6e")
+
+
+def test_per_layer_densities_are_priced_layer_by_layer_and_counted(tmp_path, capsys):
+  """``svg_layer_densities``: the sparse calls' tiles are each sparse layer's own plan, averaged
+  over the layers the schedule makes sparse (layer 0 is dense here); a list that does not give
+  every layer a density is refused as the run refuses it."""
+  from maxdiffusion_svg.budgets import check_layer_count  # pylint: disable=import-outside-toplevel
+  densities = [0.9] + [0.2] * 9 + [0.4] * 30  # layer 0 runs dense: its 0.9 is not counted
+  code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_densities": densities})
+  assert code == 0, out
+  grid = grid_for_resolution("720p")
+  fractions = {d: plan_tiles(grid, d, 3328, 1536, "aligned").stats.visited_tile_fraction
+               for d in (0.2, 0.4)}
+  row = result["rows"][0]
+  assert row["visited_tile_fraction"] == pytest.approx((9 * fractions[0.2] + 30 * fractions[0.4])
+                                                       / 39)
+  assert row["layer_densities"] == [0.2, 0.4]
+  assert "svg_layer_densities 0.2, 0.4 (per layer" in out
+  code, out, err, _ = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_densities": [0.2, 0.3]})
+  assert code == 2
+  assert run_refusal(lambda: check_layer_count((0.2, 0.3), 40)) in err

@@ -19,6 +19,9 @@ import numpy as np
 
 from maxdiffusion_svg.attention import placed_attention, svg_attention
 from maxdiffusion_svg.bench.compensation_quality import format_compensation, run_compensation
+from maxdiffusion_svg.bench.calibration import LAYERS as CALIBRATION_LAYERS
+from maxdiffusion_svg.bench.calibration import (CalibrationBenchConfig, format_calibration_bench,
+                                                run_calibration_bench)
 from maxdiffusion_svg.bench.semantic_quality import format_semantic, run_semantic
 from maxdiffusion_svg.bench.routers import ROUTER_HEADS, compare_routers, format_router_comparison
 from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
@@ -55,6 +58,8 @@ class QualityBenchConfig:
   semantic_heads: int = 2  # per kind and strength (semantic_quality); 0 skips
   semantic_densities: tuple[float, ...] = (0.1, 0.15, 0.2, 0.35)
   semantic_clusters: int = 32
+  # per-layer densities against one for all (bench.calibration); None skips
+  calibration: CalibrationBenchConfig | None = CalibrationBenchConfig(held_out_seeds=(1, 2))
   timing_density: float = 0.35
   timing_resolution: str | None = "720p"  # router share at a real length; None to skip
   repeats: int = 2
@@ -240,6 +245,9 @@ def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
   if cfg.semantic_heads:
     log(f"each layout at equal visited tiles ({6 * cfg.semantic_heads} heads)...")
     result["semantic"] = run_semantic(cfg, psnr, log)
+  if cfg.calibration is not None:
+    log(f"per-layer densities against one for all ({len(CALIBRATION_LAYERS)} planted layers)...")
+    result["calibration"] = run_calibration_bench(cfg.calibration, log)
   log("timing...")
   result["timing"] = _timing_section(cfg, q, k, v, log)
   return result
@@ -275,6 +283,8 @@ def format_quality_bench(r: dict[str, Any]) -> str:
     lines += ["", *format_compensation(r["compensation"])]
   if "semantic" in r:
     lines += ["", *format_semantic(r["semantic"])]
+  if "calibration" in r:
+    lines += ["", format_calibration_bench(r["calibration"])]
   t = r["timing"]
   lines += ["", f"time on the bench grid: dense {t['dense_s']:.3f} s, svg_attention {t['svg_s']:.3f} s "
             f"(ratio {t['svg_s'] / t['dense_s']:.2f}); router {t['router_s'] * 1e3:.1f} ms = "

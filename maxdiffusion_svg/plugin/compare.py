@@ -231,7 +231,7 @@ def axis_rules_for(argv: Sequence[str]) -> Any:
 
 
 @contextlib.contextmanager
-def _generate_wan_calls(before_call: Callable[[Any], None],
+def generate_wan_calls(before_call: Callable[[Any], None],
                         on_step: Callable[[], None]) -> Iterator[dict[str, Any]]:
   """Wraps ``generate_wan``'s pipeline call, the scheduler's step and the video export:
   ``before_call(pipeline)`` runs before each call, ``on_step()`` after each denoising step the
@@ -311,7 +311,7 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
 
   bar = _bar(len(plan.runs) * steps, progress)
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
-      _generate_wan_calls(before_call, lambda: bar.update(1)) as seen, bar:
+      generate_wan_calls(before_call, lambda: bar.update(1)) as seen, bar:
     dense = plan.runs[0].kernel
     rules[dense] = axis_rules_for(launcher.prepare_argv(
         ["compare", plan.config, *plan.overrides, f"attention={dense}"], tmp)[0])

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from maxdiffusion_svg.budgets import check_layer_count
 from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
@@ -80,6 +81,7 @@ class Estimate:
   sparse_steps: int
   sparse_layers: int
   layers: int
+  layer_densities: tuple[float, ...] | None = None  # the distinct per-layer densities, if any
 
   @property
   def calls(self) -> int:
@@ -124,23 +126,37 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   tiles = svg.tiles(target, backend)
   split = expert_steps(keys, steps) if keys.get("model_name") == "wan2.2" else None
   experts = EXPERTS if split else (None,)
+  rungs = {expert: _rungs(svg, expert, layers) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
   named = {f"{expert} sparse" if expert else "sparse": plan for expert, plan in plans.items()}
+  for expert, weights in rungs.items():  # per-layer densities: each rung's plan is checked
+    for density in weights:
+      named[f"{expert + ' ' if expert else ''}sparse at {density}"] = svg.at_density(
+          density).plan(grid, expert, target, backend)
   checks = check_config(keys, settings, grid, target, backend,
                         {**named, "dense": svg.dense_plan(grid, target, backend)}, steps,
                         layers, slice_type)
   rows, priced = [], []
   for expert, plan in plans.items():
     first, end = split.of(expert) if split else (0, steps)
-    stats = plan.stats
+    weights = rungs[expert] or {svg.density_for(expert): 1.0}
+    rung_plans = {d: plan if not rungs[expert] else svg.at_density(d).plan(grid, expert, target,
+                                                                            backend)
+                  for d in weights}
+    mean = lambda f: sum(w * f(rung_plans[d]) for d, w in weights.items())
     rows.append(Estimate(
-        expert=expert, density=svg.density_for(expert),
-        kept_pair_fraction=stats.exact_pair_fraction,
-        visited_tile_fraction=stats.visited_tile_fraction, full_tiles=stats.full_tiles,
-        masked_tiles=stats.masked_tiles, first_step=first, steps=end - first, run_steps=steps,
+        expert=expert, density=round(sum(w * d for d, w in weights.items()), 6),
+        kept_pair_fraction=mean(lambda p: p.stats.exact_pair_fraction),
+        visited_tile_fraction=mean(lambda p: p.stats.visited_tile_fraction),
+        full_tiles=round(mean(lambda p: p.stats.full_tiles)),
+        masked_tiles=round(mean(lambda p: p.stats.masked_tiles)), first_step=first,
+        steps=end - first, run_steps=steps,
         sparse_steps=svg.schedule.active_steps.within(first, end),
-        sparse_layers=svg.schedule.active_layers.count(layers), layers=layers))
-    priced.append(_against_fixed_m(plan, rows[-1].sparse_call_share, tiles, target, backend))
+        sparse_layers=svg.schedule.active_layers.count(layers), layers=layers,
+        layer_densities=tuple(weights) if rungs[expert] else None))
+    priced.append(_weighted({d: _against_fixed_m(rung_plans[d], rows[-1].sparse_call_share,
+                                                 tiles, target, backend) for d in weights},
+                            weights))
   combined = _combined(rows, priced)
   share, source = attention_share(grid.tokens, given_share)
   blocks = svg.compensation_for(target, backend)  # checked by check_config above
@@ -195,6 +211,33 @@ def _semantic(svg: Any, grid: VideoGrid, plan: Any) -> dict[str, Any] | None:
   return {"clusters": clusters, "group": group, "cold_iterations": svg.semantic_iterations,
           "warm_iterations": svg.semantic_warm_iterations, "cold_vs_attention": cold / attention,
           "warm_vs_attention": warm / attention}
+
+
+def _rungs(svg: Any, expert: str | None, layers: int) -> dict[float, float]:
+  """Per-layer densities: each distinct density's share of the layers the schedule makes
+  sparse (empty: one density for all)."""
+  per_layer = svg.layer_densities_for(expert)
+  if per_layer is None:
+    return {}
+  check_layer_count(per_layer, layers, f"svg_{expert}_layer_densities" if expert and getattr(
+      svg, f"{expert}_layer_densities") else "svg_layer_densities")
+  active = [d for i, d in enumerate(per_layer) if svg.schedule.active_layers.contains(i)]
+  active = active or list(per_layer)
+  return {d: active.count(d) / len(active) for d in sorted(set(active))}
+
+
+def _weighted(priced: dict[float, dict[str, Any]], weights: dict[float, float]) -> dict[str, Any]:
+  """One rung's pricing, or the layers' rungs priced together (their calls averaged)."""
+  if len(priced) == 1 or not all(p.get("priced") for p in priced.values()):
+    return next(iter(priced.values())) if len(priced) == 1 else next(
+        p for p in priced.values() if not p.get("priced"))
+  first = next(iter(priced.values()))
+  out = {**first}
+  for path in ("fixed", "online"):
+    row = {name: sum(weights[d] * p[path][name] for d, p in priced.items())
+           for name in ("sparse_call", "dense_call", "run_call")}
+    out[path] = {**row, "bound": first["fixed_m_call"] / row["run_call"]}
+  return out
 
 
 def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, Any]:

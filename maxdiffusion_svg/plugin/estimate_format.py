@@ -41,8 +41,11 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
   first, end = row["first_step"], row["first_step"] + row["steps"]
   steps = (f"{row['sparse_steps']} of its {row['steps']} steps [{first}, {end})" if wan22
            else f"{row['sparse_steps']} of {row['steps']} steps")
+  density = (f"svg_layer_densities {', '.join(map(str, row['layer_densities']))} (per layer; "
+             f"mean {row['density']} over the sparse layers" if row.get("layer_densities")
+             else f"svg_density {row['density']} (band density")
   lines = [
-      f"{who}svg_density {row['density']} (band density; with the first-frame sink "
+      f"{who}{density}; with the first-frame sink "
       f"{row['kept_pair_fraction']:.1%} of pairs kept); a sparse call visits "
       f"{row['visited_tile_fraction']:.1%} of the tiles ({row['full_tiles']:,} full, "
       f"{row['masked_tiles']:,} masked)",

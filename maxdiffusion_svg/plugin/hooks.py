@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxdiffusion_svg.budgets import check_layer_count
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin import contract, preflight, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
@@ -155,6 +156,9 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
     raise ValueError(f"settings must be PluginSettings, got {type(settings).__name__}")
   settings.svg.density_for(expert)  # validates the expert
   ops = list(_self_attention_ops(model))  # checks the model's layout before changing it
+  check_layer_count(settings.svg.layer_densities_for(expert), model.num_layers,
+                    f"svg_{expert}_layer_densities" if expert and getattr(
+                        settings.svg, f"{expert}_layer_densities") else "svg_layer_densities")
   model.svg_settings = settings
   model.svg_expert = expert
   for op, layer in ops:

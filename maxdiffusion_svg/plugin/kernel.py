@@ -19,6 +19,8 @@ from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
+from maxdiffusion_svg.attention import profile_key
+from maxdiffusion_svg.calibration import sampled_rung_errors
 from maxdiffusion_svg.kernels.gradient import residuals_named
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
@@ -30,6 +32,42 @@ from maxdiffusion_svg.sharding import sharded_svg_attention
 _CALL_LOG: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
     "svg_call_log", default=None)
 _CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("svg_capture", default=False)
+# ``calibrate``'s ladder and log, while it runs: each sparse call measures every rung.
+_RUNGS: contextvars.ContextVar[tuple[tuple[float, ...], list[dict[str, Any]]] | None] = (
+    contextvars.ContextVar("svg_rungs", default=None))
+
+
+@contextlib.contextmanager
+def record_rung_errors(ladder: tuple[float, ...]) -> Iterator[list[dict[str, Any]]]:
+  """While the block traces, each video self-attention call also measures its error at every
+  density of ``ladder`` on device (:func:`maxdiffusion_svg.calibration.sampled_rung_errors`)
+  and logs ``{"step", "layer", "expert", "active", "errors"}`` (``active``: the schedule makes
+  the call sparse). Call ``jax.effects_barrier()`` before reading the list."""
+  log: list[dict[str, Any]] = []
+  token = _RUNGS.set((tuple(ladder), log))
+  try:
+    yield log
+  finally:
+    _RUNGS.reset(token)
+
+
+def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings: Any,
+                  context: dict[str, Any], step: Any, layer: Any) -> None:
+  rungs = _RUNGS.get()
+  if rungs is None:
+    return
+  ladder, log = rungs
+  svg = settings.svg
+  errors = sampled_rung_errors(q, k, v, grid=call.grid, config=svg, ladder=ladder,
+                               key=profile_key(svg, step, layer), scale=context["scale"],
+                               expert=call.expert, target=svg.target(mesh=context["mesh"]))
+
+  def append(step, layer, active, errors):
+    log.append({"step": int(step), "layer": int(layer), "expert": call.expert,
+                "active": bool(active), "errors": np.asarray(errors, np.float64)})
+
+  jax.debug.callback(append, jnp.asarray(step), jnp.asarray(layer),
+                     jnp.asarray(svg.schedule.is_active(step, layer)), errors)
 
 
 @contextlib.contextmanager
@@ -55,21 +93,24 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
 
 
 def _record(kind: str, expert: str | None, sparse: Any = False, step: Any = -1,
-            layer: Any = -1, density: float | None = None,
+            layer: Any = -1, density: Any = None,
             arrays: tuple[jax.Array, ...] = (), warm: Any = False) -> None:
   log = _CALL_LOG.get()
   if log is None:
     return
 
-  def append(sparse, step, layer, warm, *values):
+  def append(sparse, step, layer, warm, density, *values):
     entry = {"kind": kind, "sparse": bool(sparse), "step": int(step), "layer": int(layer),
-             "expert": expert, "density": density, "warm": bool(warm)}
+             "expert": expert, "density": None if density < 0 else round(float(density), 6),
+             "warm": bool(warm)}
     if values:
       entry["qkv_out"] = tuple(np.asarray(x) for x in values)
     log.append(entry)
 
   jax.debug.callback(append, jnp.asarray(sparse), jnp.asarray(step), jnp.asarray(layer),
-                     jnp.asarray(warm), *(arrays if _CAPTURE.get() else ()))
+                     jnp.asarray(warm), jnp.asarray(-1.0 if density is None else density,
+                                                    jnp.float32),
+                     *(arrays if _CAPTURE.get() else ()))
 
 
 def _is_everything(interval: Interval) -> bool:
@@ -159,6 +200,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   # (self_attn), which its remat policies save or offload.
   # Every decision before the data (target, executor, tiles, plans) once, for the call's mesh.
   prepared = prepare(settings.svg, call.grid, call.expert, mesh=context["mesh"])
+  _record_rungs(q, k, v, call, settings, context, step, layer)
   with residuals_named(context["residual_checkpoint_name"]):
     out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                                 config=settings.svg, scale=context["scale"], step=step,
@@ -170,7 +212,10 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if seed is not None:
     out, clusters = out
     semantic_store.write(call.semantic_store, layer, clusters, schedule.is_active(step, layer))
-  _record("self", call.expert, schedule.is_active(step, layer), step, layer,
-          settings.svg.density_for(call.expert), arrays=(q, k, v, out),
+  per_layer = settings.svg.layer_densities_for(call.expert)
+  density = (settings.svg.density_for(call.expert) if per_layer is None
+             else jnp.asarray(per_layer, jnp.float32)[layer])  # the layer's own
+  _record("self", call.expert, schedule.is_active(step, layer), step, layer, density,
+          arrays=(q, k, v, out),
           warm=False if seed is None else seed.ready)
   return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from maxdiffusion_svg.budgets import layer_ranges
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
@@ -149,6 +150,15 @@ def _steps(kwargs: dict[str, Any], call: Any) -> int:
   return int(inspect.signature(call).parameters["num_inference_steps"].default)
 
 
+def _density(model: Any) -> str:
+  """The density a model's sparse calls ran: one, or per layer range (``svg_layer_densities``)."""
+  svg = model.svg_settings.svg
+  per_layer = svg.layer_densities_for(model.svg_expert)
+  if per_layer is None:
+    return f"density {svg.density_for(model.svg_expert)}"
+  return f"densities per layer {layer_ranges(per_layer)}"
+
+
 def _kernel(models: list[Any], mesh: Any) -> str:
   """The kernel, executor and tiles of the prepared models, each one's density, and the
   compensation (the experts share it: one ``svg_compensation`` per run)."""
@@ -156,9 +166,8 @@ def _kernel(models: list[Any], mesh: Any) -> str:
   target = settings.svg.target(mesh=mesh)
   backend = resolve_backend(settings.svg.backend, target)
   tiles = settings.svg.tiles(target, backend)
-  densities = ", ".join(
-      f"{m.svg_expert + ' ' if m.svg_expert else ''}density "
-      f"{m.svg_settings.svg.density_for(m.svg_expert)}" for m in models)
+  densities = ", ".join(f"{m.svg_expert + ' ' if m.svg_expert else ''}{_density(m)}"
+                        for m in models)
   step = f" (kv step {tiles.block_kv_compute})" if backend in TPU_BACKENDS else ""
   return (f"kernel svg on {backend}, {settings.svg.tile_mode.value} tiles "
           f"{tiles.block_q}x{tiles.block_kv}{step}, {densities}, "

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import enum
 
+from maxdiffusion_svg.budgets import layer_ranges
 from maxdiffusion_svg.config import KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
@@ -73,6 +74,11 @@ class PluginSettings:
     if svg.high_noise_density is not None or svg.low_noise_density is not None:
       densities += (f" (high-noise {svg.density_for('high_noise')}, "
                     f"low-noise {svg.density_for('low_noise')})")
+    for expert in (None, "high_noise", "low_noise"):
+      per_layer = svg.layer_densities_for(expert)
+      if per_layer is not None and (expert is None or per_layer is not svg.layer_densities):
+        who = f"{expert.replace('_', '-')} " if expert else ""
+        densities += f", {who}per layer {layer_ranges(per_layer)}"
     steps, layers = svg.schedule.active_steps, svg.schedule.active_layers
     if target is None:
       tiles = "default" if svg.block_q is None and svg.block_kv is None else (

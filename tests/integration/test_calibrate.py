@@ -1,0 +1,96 @@
+"""``calibrate`` end to end on the tiny checkpoint: measured through generate_wan, an overlay that
+MaxDiffusion's own pyconfig reads, and a calibrated run no further from dense than the uniform
+one at no more visited tiles."""
+
+import numpy as np
+import pytest
+import yaml
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg.bench import wan_e2e
+from maxdiffusion_svg.plugin import calibrate, launcher
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from tiny_runs import ROOT, STEPS, SVG_KEYS, TINY, launch
+
+LAYERS = 2  # the tiny checkpoint's blocks
+LADDER = (0.1, 0.3, 0.6, 1.0)
+# both layers sparse from step 1: each has a density to choose
+ACTIVE = ["svg_active_layers=[0, -1]"]
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+  path = tmp_path_factory.mktemp("config") / "tiny_svg.yml"
+  path.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
+                                  **SVG_KEYS}))
+  return str(path)
+
+
+def _overrides(checkpoint):
+  return [f"pretrained_model_name_or_path={checkpoint}", *TINY, *ACTIVE]
+
+
+@pytest.fixture(scope="module")
+def calibrated(wan21_checkpoint, run_config, tmp_path_factory):
+  out = tmp_path_factory.mktemp("calibrate") / "calibrated.yml"
+  plan = calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
+                                    ladder=LADDER)
+  messages = []
+  report = calibrate.run_calibration(plan, log=messages.append)
+  return plan, report, out, messages
+
+
+def test_each_layer_is_measured_and_the_budget_held(calibrated):
+  plan, report, out, messages = calibrated
+  model = report["experts"]["None"]
+  assert model["layers"] == LAYERS and model["measured"] == [0, 1]
+  assert model["uniform"] == SVG_KEYS["svg_density"] and model["ladder"] == list(LADDER)
+  assert model["tiles"] <= model["uniform_tiles"]
+  assert model["error"] <= model["uniform_error"] + 1e-12
+  assert len(model["densities"]) == LAYERS and set(model["densities"]) <= set(LADDER)
+  errors = np.asarray(model["errors"])
+  assert (errors[:, -1] < 1e-6).all()  # density 1 is dense
+  assert (np.diff(errors, axis=1) <= 1e-9).all()  # more tiles, no more error
+  assert any("step" in m for m in messages) and any("prompt 1 of 1" in m for m in messages)
+  assert str(out) == report["overlay"]
+  text = calibrate.format_calibration(report)
+  assert "visited tiles per head" in text and str(out) in text
+  del plan
+
+
+def test_the_overlay_round_trips_through_maxdiffusions_pyconfig(calibrated, wan21_checkpoint,
+                                                                tmp_path):
+  from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
+  _, report, out, _ = calibrated
+  written = yaml.safe_load(out.read_text())
+  assert written["svg_layer_densities"] == report["experts"]["None"]["densities"]
+  argv = launcher.prepare_argv(["generate", str(out), *_overrides(wan21_checkpoint)],
+                               str(tmp_path))[0]
+  pyconfig.initialize(argv, unittest=True)
+  keys = pyconfig.config.get_keys()
+  settings = PluginSettings.from_mapping(keys)
+  assert settings.svg.layer_densities == tuple(report["experts"]["None"]["densities"])
+  assert settings.svg.density == SVG_KEYS["svg_density"]  # the chain to the config is kept
+
+
+def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoint, run_config,
+                                                     tmp_path):
+  _, report, out, _ = calibrated
+  common = _overrides(wan21_checkpoint)
+  for name in ("dense", "uniform", "calibrated"):
+    (tmp_path / name).mkdir()
+  dense, _ = launch(tmp_path / "dense", [run_config, *common, "attention=dot_product"])
+  uniform, _ = launch(tmp_path / "uniform", [run_config, *common])
+  video, log = launch(tmp_path / "calibrated", [str(out), *common])
+  densities = report["experts"]["None"]["densities"]
+  sparse = [r for r in log if r["kind"] == "self" and r["sparse"]]
+  assert {(r["layer"], r["density"]) for r in sparse} == set(enumerate(densities))
+  assert len(sparse) >= LAYERS * (STEPS - 1)
+  calibrated_db, uniform_db = wan_e2e.psnr(video, dense), wan_e2e.psnr(uniform, dense)
+  print(f"tiny Wan 2.1: calibrated {densities} {calibrated_db:.2f} dB, uniform "
+        f"{SVG_KEYS['svg_density']} {uniform_db:.2f} dB against dense")
+  assert calibrated_db >= uniform_db - 1e-9
