@@ -134,11 +134,21 @@ def _check(errors: Any, costs: Any) -> tuple[np.ndarray, np.ndarray]:
   return errors, costs
 
 
-def allocate(errors: Any, costs: Any, budget: float) -> Allocation:
+def _capped(errors: np.ndarray, caps: Any) -> np.ndarray:
+  """``errors`` with each rung above its layer's cap out of reach (infinite)."""
+  if caps is None:
+    return errors
+  caps = np.broadcast_to(np.asarray(caps, np.float64), errors.shape[:1])
+  return np.where(errors <= caps[:, None] * (1 + 1e-12), errors, np.inf)
+
+
+def allocate(errors: Any, costs: Any, budget: float, caps: Any = None) -> Allocation:
   """The rung per layer with the least total error whose total cost is at most ``budget``
-  (ties: the cheaper). ``errors [L, K]``; ``costs [K]`` or ``[L, K]``."""
+  (ties: the cheaper). ``errors [L, K]``; ``costs [K]`` or ``[L, K]``; ``caps [L]``: the most
+  error a layer may be left with (a rung above it is not taken)."""
   errors, costs = _check(errors, costs)
-  feasible = [p for p in _front(errors, costs) if p[0] <= budget + 1e-9]
+  feasible = [p for p in _front(_capped(errors, caps), costs)
+              if p[0] <= budget + 1e-9 and np.isfinite(p[1])]
   if not feasible:
     raise ValueError(f"no choice fits the budget {budget} (the least is "
                      f"{costs.min(axis=1).sum()})")
@@ -146,10 +156,11 @@ def allocate(errors: Any, costs: Any, budget: float) -> Allocation:
   return Allocation(choice, cost, error)
 
 
-def least_cost(errors: Any, costs: Any, target_error: float) -> Allocation:
-  """The cheapest rung per layer whose total error is at most ``target_error``."""
+def least_cost(errors: Any, costs: Any, target_error: float, caps: Any = None) -> Allocation:
+  """The cheapest rung per layer whose total error is at most ``target_error`` (``caps`` as
+  :func:`allocate`'s)."""
   errors, costs = _check(errors, costs)
-  for cost, error, choice in _front(errors, costs):
+  for cost, error, choice in _front(_capped(errors, caps), costs):
     if error <= target_error + 1e-12:
       return Allocation(choice, cost, error)
   raise ValueError(f"--target-error {target_error} is below the least total error "

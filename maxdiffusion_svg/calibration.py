@@ -27,6 +27,12 @@ from maxdiffusion_svg.masks import check_density
 from maxdiffusion_svg.router import layout_errors, sample_dense, sample_rows
 from maxdiffusion_svg.target import Target
 
+# How far a layer the allocation takes tiles from may fall: at most MAX_LOSS_DB below its
+# uniform PSNR against dense, or down to FLOOR_DB (a relative error of 1e-3) where that is
+# lower. The total error alone would strip a sharp layer from 87 to 11 dB to win 4 dB on the
+# whole model (docs/benchmarks.md, "Per-layer budgets calibrated on the checkpoint").
+MAX_LOSS_DB = 3.0
+FLOOR_DB = 30.0
 # Densities a layer may take. Dense (1.0) is a rung: a layer no band serves runs every tile.
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
 
@@ -129,10 +135,13 @@ class Calibration:
 
 
 def calibrate_layers(errors: Any, costs: Any, ladder: Sequence[float], uniform: float,
-                     target_error: float | None = None) -> Calibration:
+                     target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
+                     floor_db: float = FLOOR_DB) -> Calibration:
   """Densities per layer from measured ``errors [L, K]`` at ``ladder`` (which holds
   ``uniform``): the least total error within the uniform density's tiles, or with
-  ``target_error`` (a mean relative error per layer) the fewest tiles that meet it."""
+  ``target_error`` (a mean relative error per layer) the fewest tiles that meet it. No layer
+  ends more than ``max_loss_db`` below its uniform PSNR unless it stays above ``floor_db``
+  (None: no guard, the total error alone)."""
   errors, costs, ladder = np.asarray(errors, np.float64), np.asarray(costs, np.float64), tuple(ladder)
   if uniform not in ladder:
     raise ValueError(f"the ladder {ladder} must hold the uniform density {uniform}")
@@ -140,12 +149,14 @@ def calibrate_layers(errors: Any, costs: Any, ladder: Sequence[float], uniform: 
   layers = errors.shape[0]
   uniform_allocation = Allocation((u,) * layers, float(costs[u] * layers),
                                   float(errors[:, u].sum()))
+  caps = None if max_loss_db is None else np.maximum(errors[:, u] * 10 ** (max_loss_db / 10),
+                                                      10 ** (-floor_db / 10))
   if target_error is None:
-    chosen = allocate(errors, costs, uniform_allocation.cost)
+    chosen = allocate(errors, costs, uniform_allocation.cost, caps)
   else:
     if not target_error > 0:
       raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                        f"{target_error}")
-    chosen = least_cost(errors, costs, target_error * layers)
+    chosen = least_cost(errors, costs, target_error * layers, caps)
   return Calibration(ladder, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
                      tuple(ladder[i] for i in chosen.choice), uniform, chosen, uniform_allocation)

@@ -39,6 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   calibrate.add_argument("--target-error", type=float, metavar="E",
                          help="instead of the uniform density's tiles: the fewest tiles whose "
                               "mean relative error per layer is at most E")
+  calibrate.add_argument("--max-layer-loss-db", type=float, default=3.0, metavar="DB",
+                         help="how far below its uniform PSNR a layer may fall when it gives "
+                              "tiles away, unless it stays above --floor-db (default 3)")
+  calibrate.add_argument("--floor-db", type=float, default=30.0, metavar="DB",
+                         help="a layer above this PSNR against dense may fall further (default 30)")
+  calibrate.add_argument("--no-guard", action="store_true",
+                         help="no per-layer guard: the total error alone decides")
   calibrate.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
   calibrate.set_defaults(run=run)
 
@@ -51,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.plugin.calibrate import format_calibration, plan_calibration, run_calibration
   # pylint: enable=import-outside-toplevel
   plan = plan_calibration(args.config, args.overrides, args.out, args.prompts, args.ladder,
-                          args.target_error)
+                          args.target_error, None if args.no_guard else args.max_layer_loss_db,
+                          args.floor_db)
   report = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
   print(format_calibration(report))
   if args.json:

@@ -27,5 +27,6 @@ OVERRIDES = {
     "svg_profile_seed": "3", "svg_dense_kernel": "dot_product", "svg_min_seq_length": "1024",
     "svg_run_summary": "false", "svg_compensation": "true", "svg_compensation_blocks": "4",
     "svg_layouts": "[spatial]", "svg_semantic_clusters": "16", "svg_semantic_iterations": "2",
-    "svg_semantic_warm_iterations": "2",
+    "svg_semantic_warm_iterations": "2", "svg_layer_densities": "[0.2, 0.4]",
+    "svg_high_noise_layer_densities": "{0-1: 0.5}", "svg_low_noise_layer_densities": "[0.1, 0.3]",
 }

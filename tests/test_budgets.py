@@ -41,6 +41,13 @@ def test_allocation_is_optimal_against_brute_force(seed):
   assert got.cost <= budget  # the budget is held
   assert got.error == pytest.approx(error)
   assert got.cost == pytest.approx(costs[np.arange(layers), list(got.choice)].sum())
+  caps = errors[:, 1] * 1.5  # a guard: no layer left above 1.5x its second rung's error
+  guarded = allocate(errors, costs, budget, caps)
+  within = lambda ch: all(errors[i, r] <= caps[i] for i, r in enumerate(ch))
+  best = min((errors[np.arange(layers), ch].sum(), costs[np.arange(layers), ch].sum())
+             for ch in itertools.product(range(rungs), repeat=layers)
+             if within(ch) and costs[np.arange(layers), ch].sum() <= budget)
+  assert within(guarded.choice) and guarded.error == pytest.approx(best[0])
   target = float(errors[:, 2].sum())
   cheapest = least_cost(errors, costs, target)
   want = min((c, e) for c, e, _ in [

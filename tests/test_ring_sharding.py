@@ -250,3 +250,29 @@ def test_sixteen_devices_and_four_processes_equal_one_device(tmp_path, grid_shap
                                err_msg=f"case {cases[case]}")
     if 4 in outs:
       np.testing.assert_allclose(outs[4][f"case{case}"], got, atol=1e-6)
+
+
+def test_per_layer_densities_run_under_ulysses_and_are_refused_on_a_ring():
+  """``svg_layer_densities`` sharded: the Ulysses exchange (no ring) equals one device layer by
+  layer, one compile; a ring refuses it by the key's name."""
+  mesh = mesh_of((1, 1, 8, 1))
+  cfg = config(schedule=Schedule(Interval(0, None), Interval(0, None)),
+               layer_densities=(0.3, 0.7))
+  q, k, v = planted(seed=6)
+  args = put(mesh, GRID, q, k, v)
+  traces = []
+
+  @jax.jit
+  def run(q, k, v, layer):
+    traces.append(1)
+    return sharded_svg_attention(q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY,
+                                 step=np.int32(0), layer=layer)
+
+  for layer in (0, 1):
+    want = scheduled_svg_attention(q, k, v, grid=GRID, config=cfg, step=0, layer=layer, key=KEY)
+    np.testing.assert_allclose(np.asarray(run(*args, np.int32(layer))), np.asarray(want),
+                               atol=1e-5)
+  assert len(traces) == 1
+  with pytest.raises(ValueError, match="svg_layer_densities does not run on a ring"):
+    sharded_svg_attention(*args, mesh=mesh, grid=GRID, config=cfg, key=KEY, step=0, layer=0,
+                          ulysses_shards=4)

@@ -5,9 +5,10 @@ Each layer holds heads of one kind: some very local (sharp spatial or temporal h
 narrow band), some moving or diffuse (which need most of the sequence), some mixed. The layers'
 errors are measured at a ladder of densities on one draw of the heads (the calibration
 "prompt"), the allocation picks one density per layer within the uniform density's visited
-tiles, and both are judged on other draws (held-out "prompts"): PSNR against dense per layer,
-at equal visited tiles. Targets (issue 46): at least :data:`GAIN_DB` mean over layers, and the
-whole model's error never above uniform's on any draw. Also: the tiles the calibrated choice
+tiles, and both are judged on other draws (held-out "prompts"): PSNR against dense per layer and
+for the whole model (every layer's error together, what the allocation minimises), at equal
+visited tiles. Targets (issue 46): the whole model at least :data:`GAIN_DB` better on average,
+and never worse than uniform on any draw. Also: the tiles the calibrated choice
 needs to match uniform's error (the speed-up at matched quality).
 """
 
@@ -21,8 +22,8 @@ import jax
 import numpy as np
 
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.calibration import (LADDER, calibrate_layers, layer_errors, rung_costs,
-                                          with_uniform)
+from maxdiffusion_svg.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_layers,
+                                          layer_errors, rung_costs, with_uniform)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 
@@ -88,8 +89,10 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   mean = lambda name: np.mean([h[name] for h in held], axis=0)
   uniform_db, calibrated_db, matched_db = (_psnr(mean(n)) for n in ("uniform", "calibrated", "matched"))
   totals = [(_psnr(h["uniform"].mean()), _psnr(h["calibrated"].mean())) for h in held]
-  gain = float(np.mean(calibrated_db - uniform_db))
+  gain = float(np.mean([c - u_ for u_, c in totals]))  # the whole model's, over the draws
   never_worse = all(c >= u_ - 1e-9 for u_, c in totals)
+  change = calibrated_db - uniform_db
+  worst = int(np.argmin(change))
   return {"kind": "measured on CPU", "grid": [cfg.grid.frames, cfg.grid.height, cfg.grid.width],
           "tiles": [cfg.block_q, cfg.block_kv], "density": cfg.density, "ladder": list(ladder),
           "layers": {name: list(kinds) for name, kinds in LAYERS.items()},
@@ -101,7 +104,10 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
                       "matched": matched_db.tolist()},
           "whole_model_db": [{"seed": h["seed"], "uniform": u_, "calibrated": c}
                              for h, (u_, c) in zip(held, totals)],
-          "mean_gain_db": gain,
+          "mean_gain_db": gain, "layer_mean_gain_db": float(np.mean(change)),
+          "worst_layer": {"layer": list(LAYERS)[worst], "change_db": float(change[worst]),
+                          "calibrated_db": float(calibrated_db[worst])},
+          "guard": {"max_loss_db": MAX_LOSS_DB, "floor_db": FLOOR_DB},
           "targets": {"gain_met": gain >= GAIN_DB, "never_worse": never_worse},
           "calibration": at_budget.as_dict(),
           "seconds": round(time.perf_counter() - start, 1)}
@@ -119,11 +125,15 @@ def format_calibration_bench(r: dict[str, Any]) -> str:
     lines.append(f"{name:<9}{','.join(kinds):<44}{r['densities'][i]:>8}{u:>11.2f}{c:>10.2f}"
                  f"{c - u:>+7.2f}")
   whole = ", ".join(f"{w['uniform']:.2f} -> {w['calibrated']:.2f}" for w in r["whole_model_db"])
+  worst = r["worst_layer"]
   lines.append(f"visited tiles per head: uniform {tiles['uniform']:.0f}, calibrated "
-               f"{tiles['calibrated']:.0f}; mean gain {r['mean_gain_db']:+.2f} dB (target "
-               f"+{GAIN_DB} dB: {'met' if r['targets']['gain_met'] else 'missed'}); whole model, "
-               f"dB per held-out draw: {whole} (never worse: "
+               f"{tiles['calibrated']:.0f}; whole model (all layers' error), dB per held-out "
+               f"draw: {whole}: mean gain {r['mean_gain_db']:+.2f} dB (target +{GAIN_DB} dB: "
+               f"{'met' if r['targets']['gain_met'] else 'missed'}; never worse: "
                f"{'met' if r['targets']['never_worse'] else 'missed'})")
+  lines.append(f"guard: a layer gives tiles away down to {r['guard']['max_loss_db']:g} dB below "
+               f"uniform or {r['guard']['floor_db']:g} dB; largest loss {worst['change_db']:+.2f}"
+               f" dB ({worst['layer']}, at {worst['calibrated_db']:.2f} dB)")
   lines.append(f"at uniform's measured error: {tiles['matched']:.0f} tiles "
                f"({tiles['uniform'] / max(tiles['matched'], 1):.2f}x fewer), densities "
                f"{r['matched_densities']}")

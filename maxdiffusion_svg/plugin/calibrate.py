@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import yaml
 
-from maxdiffusion_svg.calibration import (Calibration, calibrate_layers, check_ladder, rung_costs,
-                                          with_uniform)
+from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, calibrate_layers,
+                                          check_ladder, rung_costs, with_uniform)
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks, launcher
@@ -49,6 +49,8 @@ class CalibrationPlan:
   ladder: tuple[float, ...]
   target_error: float | None
   out: pathlib.Path
+  max_loss_db: float | None = MAX_LOSS_DB  # the guard (calibration.calibrate_layers)
+  floor_db: float = FLOOR_DB
 
 
 def read_prompts(path: str | None, keys: dict[str, Any]) -> tuple[str, ...]:
@@ -70,7 +72,8 @@ def read_prompts(path: str | None, keys: dict[str, Any]) -> tuple[str, ...]:
 
 def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: str | None = None,
                      ladder: Sequence[float] | None = None,
-                     target_error: float | None = None) -> CalibrationPlan:
+                     target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
+                     floor_db: float = FLOOR_DB) -> CalibrationPlan:
   """Every check ``calibrate`` can make before weights load."""
   from maxdiffusion_svg.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
@@ -79,6 +82,8 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   if target_error is not None and not target_error > 0:
     raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                      f"{target_error}")
+  if max_loss_db is not None and not max_loss_db >= 0:
+    raise ValueError(f"--max-layer-loss-db must be >= 0 dB, got {max_loss_db}")
   if keys.get("aot_cache_dir"):
     raise ValueError(f"aot_cache_dir is {keys['aot_cache_dir']!r}: calibrate measures inside the "
                      f"svg kernel, which a cached executable skips; give aot_cache_dir=''")
@@ -90,8 +95,7 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
     raise ValueError(f"--out {out}: its folder is missing or not writable")
   return CalibrationPlan(config, tuple(overrides), keys, settings, read_prompts(prompts, keys),
                          _with_uniforms(settings.svg, LADDER if ladder is None else ladder),
-                         target_error,
-                         path.resolve())
+                         target_error, path.resolve(), max_loss_db, floor_db)
 
 
 def _with_uniforms(svg: Any, ladder: Sequence[float]) -> tuple[float, ...]:
@@ -167,7 +171,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print) -
     errors = table[active]
     costs = rung_costs(svg, grid, ladder, expert, target)
     results[expert] = calibrate_layers(errors, costs, ladder, svg.density_for(expert),
-                                       plan.target_error)
+                                       plan.target_error, plan.max_loss_db, plan.floor_db)
     measured[expert] = np.flatnonzero(active).tolist()
   overlay = {BASE_KEY: str(pathlib.Path(plan.config).resolve())}
   overlay.update(_svg_overrides(plan.overrides))

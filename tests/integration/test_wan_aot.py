@@ -94,3 +94,21 @@ def test_the_semantic_layout_compiles_in_the_forward_within_the_bound(compiled):
   base = compiled["kernels"]["svg"]["memory"]
   assert semantic["memory"]["temp"] <= TEMP_RATIO_BOUND * base["temp"], (semantic["memory"], base)
   assert semantic["memory"]["argument"] > base["argument"]  # the store: layers x heads x C x D
+
+
+@pytest.mark.full  # a third 2-layer compile (about 4 minutes here)
+def test_a_calibrated_config_compiles_in_the_forward_within_the_bound(compiled):
+  """Per-layer densities (each layer its own plan, picked by the scanned layer index): our
+  kernel for each distinct density, temporaries within the bound of the uniform config's."""
+  calibrated = compile_wan_forwards(
+      kernels=("svg",), num_layers=LAYERS, log=lambda _: None,
+      overrides={"flash_min_seq_length": 0, "svg_layer_densities": "[0.2, 0.45]",
+                 "svg_active_layers": "[0, -1]"})["kernels"]["svg"]
+  assert calibrated["ok"], calibrated["error"]
+  assert "per layer 0: 0.2, 1: 0.45" in calibrated["svg"]
+  # the two rungs' sparse kernels and the dense branch's (the uniform config: one and one)
+  assert sum("svg_pallas_sparse" in name for name in calibrated["mosaic_kernel_names"]) == 3
+  base = compiled["kernels"]["svg"]["memory"]
+  print(f"calibrated forward temp {calibrated['memory']['temp'] / 2**20:,.0f} MiB, uniform "
+        f"{base['temp'] / 2**20:,.0f} MiB")
+  assert calibrated["memory"]["temp"] <= TEMP_RATIO_BOUND * base["temp"], (calibrated["memory"], base)
