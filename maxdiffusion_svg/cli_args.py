@@ -73,3 +73,11 @@ def _report(args: argparse.Namespace, text: str, result: dict) -> None:
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+
+
+def require_maxdiffusion(command: str) -> None:
+  """A command that runs MaxDiffusion's ``generate_wan`` says how to get it, not a stack trace."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if importlib.util.find_spec("maxdiffusion") is None:
+    raise ValueError(f"{command} runs MaxDiffusion's generate_wan: install its runtime packages "
+                     f"and put its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src)")

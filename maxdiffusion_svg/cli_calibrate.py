@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
+
+from maxdiffusion_svg.cli_args import require_maxdiffusion
 
 COMMAND_HELP = ("per-layer densities for your checkpoint: runs the config's prompt(s) through "
                 "generate_wan, measures each layer's error against dense at a ladder of "
@@ -51,16 +52,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
 
 
 def run(args: argparse.Namespace) -> int:
-  if importlib.util.find_spec("maxdiffusion") is None:
-    raise ValueError("calibrate runs MaxDiffusion's generate_wan: install its runtime packages "
-                     "and put its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src)")
+  require_maxdiffusion("calibrate")
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.calibrate import format_calibration, plan_calibration, run_calibration
   # pylint: enable=import-outside-toplevel
   plan = plan_calibration(args.config, args.overrides, args.out, args.prompts, args.ladder,
                           args.target_error, None if args.no_guard else args.max_layer_loss_db,
                           args.floor_db)
-  report = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
+  report, _ = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
   print(format_calibration(report))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

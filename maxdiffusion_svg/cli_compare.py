@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
+
+from maxdiffusion_svg.cli_args import require_maxdiffusion
 
 COMMAND_HELP = ("the config's dense kernel and SVG on the same prompt and seed, weights loaded "
                 "once: seconds per step, sparse calls, PSNR/SSIM(/LPIPS) against the dense video, "
@@ -38,9 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
 
 
 def run(args: argparse.Namespace) -> int:
-  if importlib.util.find_spec("maxdiffusion") is None:
-    raise ValueError("compare runs MaxDiffusion's generate_wan: install its runtime packages and "
-                     "put its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src)")
+  require_maxdiffusion("compare")
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.compare import format_comparison, plan_comparison, run_comparison
   # pylint: enable=import-outside-toplevel

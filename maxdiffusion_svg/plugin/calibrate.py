@@ -115,9 +115,11 @@ def layer_table(entries: Sequence[dict[str, Any]], expert: str | None, layers: i
   return total / np.maximum(count, 1)[:, None], count
 
 
-def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
+                    ) -> tuple[dict[str, Any], np.ndarray]:
   """Generates each prompt once with the rung measurement on, then allocates and writes the
-  overlay; returns what the table prints."""
+  overlay; returns what the table prints and the last prompt's video (uint8 frames: the
+  uniform density's run, which the measurement leaves unchanged)."""
   # pylint: disable=import-outside-toplevel
   import jax
   from maxdiffusion import generate_wan, pyconfig
@@ -155,6 +157,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print) -
     finally:
       os.chdir(cwd)
     jax.effects_barrier()
+    frames = seen["frames"][-1]
     models = hooks.prepared_transformers(seen["pipeline"])
     mesh = getattr(seen["pipeline"], "mesh", None)
   experts = {getattr(model, "svg_expert", None): model.num_layers for model in models}
@@ -186,7 +189,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print) -
     report["experts"][str(expert)] = {"layers": experts[expert], "measured": measured[expert],
                                       "densities": densities, **result.as_dict()}
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
-  return report
+  return report, frames
 
 
 def _svg_overrides(overrides: Sequence[str]) -> dict[str, Any]:

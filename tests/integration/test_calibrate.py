@@ -14,7 +14,7 @@ require_maxdiffusion()
 from maxdiffusion_svg.bench import wan_e2e
 from maxdiffusion_svg.plugin import calibrate, launcher
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from tiny_runs import ROOT, STEPS, SVG_KEYS, TINY, launch
+from tiny_runs import STEPS, SVG_KEYS, TINY, launch, write_run_config
 
 LAYERS = 2  # the tiny checkpoint's blocks
 LADDER = (0.1, 0.3, 0.6, 1.0)
@@ -24,10 +24,7 @@ ACTIVE = ["svg_active_layers=[0, -1]"]
 
 @pytest.fixture(scope="module")
 def run_config(tmp_path_factory):
-  path = tmp_path_factory.mktemp("config") / "tiny_svg.yml"
-  path.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
-                                  **SVG_KEYS}))
-  return str(path)
+  return write_run_config(tmp_path_factory.mktemp("config"))
 
 
 def _overrides(checkpoint):
@@ -40,12 +37,12 @@ def calibrated(wan21_checkpoint, run_config, tmp_path_factory):
   plan = calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
                                     ladder=LADDER)
   messages = []
-  report = calibrate.run_calibration(plan, log=messages.append)
-  return plan, report, out, messages
+  report, uniform = calibrate.run_calibration(plan, log=messages.append)
+  return plan, report, out, messages, uniform
 
 
 def test_each_layer_is_measured_and_the_budget_held(calibrated):
-  plan, report, out, messages = calibrated
+  plan, report, out, messages, _ = calibrated
   model = report["experts"]["None"]
   assert model["layers"] == LAYERS and model["measured"] == [0, 1]
   assert model["uniform"] == SVG_KEYS["svg_density"] and model["ladder"] == list(LADDER)
@@ -65,7 +62,7 @@ def test_each_layer_is_measured_and_the_budget_held(calibrated):
 def test_the_overlay_round_trips_through_maxdiffusions_pyconfig(calibrated, wan21_checkpoint,
                                                                 tmp_path):
   from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
-  _, report, out, _ = calibrated
+  _, report, out, _, _ = calibrated
   written = yaml.safe_load(out.read_text())
   assert written["svg_layer_densities"] == report["experts"]["None"]["densities"]
   argv = launcher.prepare_argv(["generate", str(out), *_overrides(wan21_checkpoint)],
@@ -79,12 +76,11 @@ def test_the_overlay_round_trips_through_maxdiffusions_pyconfig(calibrated, wan2
 
 def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoint, run_config,
                                                      tmp_path):
-  _, report, out, _ = calibrated
+  _, report, out, _, uniform = calibrated  # the calibration's own run: the uniform density's
   common = _overrides(wan21_checkpoint)
-  for name in ("dense", "uniform", "calibrated"):
+  for name in ("dense", "calibrated"):
     (tmp_path / name).mkdir()
   dense, _ = launch(tmp_path / "dense", [run_config, *common, "attention=dot_product"])
-  uniform, _ = launch(tmp_path / "uniform", [run_config, *common])
   video, log = launch(tmp_path / "calibrated", [str(out), *common])
   densities = report["experts"]["None"]["densities"]
   sparse = [r for r in log if r["kind"] == "self" and r["sparse"]]

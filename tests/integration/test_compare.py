@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-import yaml
 
 from md_required import require_maxdiffusion
 
@@ -15,7 +14,7 @@ require_maxdiffusion()
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plugin import compare, hooks
-from tiny_runs import ROOT, STEPS, SVG_KEYS, TINY, launch
+from tiny_runs import STEPS, TINY, launch, write_run_config
 
 LAYERS = 2  # the tiny checkpoint's blocks
 
@@ -27,10 +26,7 @@ def checkpoint(wan21_checkpoint):
 
 @pytest.fixture(scope="module")
 def run_config(tmp_path_factory):
-  path = tmp_path_factory.mktemp("config") / "tiny_svg.yml"
-  path.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
-                                  **SVG_KEYS}))
-  return str(path)
+  return write_run_config(tmp_path_factory.mktemp("config"))
 
 
 def _overrides(checkpoint):

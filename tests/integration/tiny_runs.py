@@ -16,6 +16,16 @@ SVG_KEYS = {"svg_density": 0.3, "svg_active_steps": [1, -1], "svg_active_layers"
             "svg_profile_queries": 16}
 
 
+def write_run_config(directory):
+  """A config that extends the shipped 1.3B one with :data:`SVG_KEYS` (a chain: run ->
+  wan_svg_1_3b -> MaxDiffusion's); its path."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  path = directory / "tiny_svg.yml"
+  path.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan_svg_1_3b.yml"),
+                                  **SVG_KEYS}))
+  return str(path)
+
+
 def launch(workdir, argv):
   """The launcher in this process: the frames it exported and the svg kernel's call log."""
   out = wan_e2e.generate(argv, str(workdir))
