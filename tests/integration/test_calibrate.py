@@ -90,3 +90,32 @@ def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoin
   print(f"tiny Wan 2.1: calibrated {densities} {calibrated_db:.2f} dB, uniform "
         f"{SVG_KEYS['svg_density']} {uniform_db:.2f} dB against dense")
   assert calibrated_db >= uniform_db - 1e-9
+
+
+@pytest.mark.full  # a second checkpoint and two more generations
+def test_wan22_calibrates_each_expert_and_runs_each_ones_densities(tmp_path):
+  """Wan 2.2's two experts in one run: each its own layers' errors over the steps it runs, its
+  own key in the overlay, and each expert's calls at its own densities."""
+  from maxdiffusion_svg.testing import tiny_checkpoint  # pylint: disable=import-outside-toplevel
+  from tiny_runs import ROOT  # pylint: disable=import-outside-toplevel
+  checkpoint = tiny_checkpoint.write_wan22(str(tmp_path / "wan22"))
+  config = tmp_path / "tiny_wan22.yml"
+  config.write_text(yaml.safe_dump({"base_config": str(ROOT / "configs" / "wan22_svg.yml"),
+                                    **SVG_KEYS}))
+  # every step sparse: the high-noise expert runs the first of the three
+  common = [f"pretrained_model_name_or_path={checkpoint}", "flow_shift=3.0", *TINY, *ACTIVE,
+            "svg_active_steps=[0, -1]"]
+  out = tmp_path / "calibrated.yml"
+  plan = calibrate.plan_calibration(str(config), common, str(out), ladder=LADDER)
+  report, _ = calibrate.run_calibration(plan, log=lambda _: None)
+  assert set(report["experts"]) == {"high_noise", "low_noise"}
+  written = yaml.safe_load(out.read_text())
+  for expert in ("high_noise", "low_noise"):
+    result = report["experts"][expert]
+    assert result["uniform"] in (0.5, 0.2) and result["tiles"] <= result["uniform_tiles"]
+    assert written[f"svg_{expert}_layer_densities"] == result["densities"]
+  (tmp_path / "run").mkdir()
+  _, log = launch(tmp_path / "run", [str(out), *common])
+  seen = {(r["expert"], r["layer"], r["density"]) for r in log if r["kind"] == "self" and r["sparse"]}
+  assert seen == {(expert, layer, density) for expert in ("high_noise", "low_noise")
+                  for layer, density in enumerate(report["experts"][expert]["densities"])}
