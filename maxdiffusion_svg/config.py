@@ -159,6 +159,11 @@ class SvgConfig:
     own = getattr(self, f"{expert}_layer_densities")
     return self.layer_densities if own is None else own
 
+  def layer_densities_key(self, expert: str | None = None) -> str:
+    """The key :meth:`layer_densities_for` ``expert`` reads: its own where set, else shared."""
+    own = f"svg_{expert}_layer_densities"
+    return own if expert and getattr(self, own[len("svg_"):]) is not None else "svg_layer_densities"
+
   def at_density(self, density: float) -> "SvgConfig":
     """This config with every layer (and expert) at ``density``: one rung of a per-layer
     budget, prepared as its own plan."""

@@ -128,11 +128,13 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   experts = EXPERTS if split else (None,)
   rungs = {expert: _rungs(svg, expert, layers) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
+  # per-layer densities: each rung's plan, checked and priced
+  rung_plans = {expert: {d: svg.at_density(d).plan(grid, expert, target, backend)
+                         for d in weights} for expert, weights in rungs.items()}
   named = {f"{expert} sparse" if expert else "sparse": plan for expert, plan in plans.items()}
-  for expert, weights in rungs.items():  # per-layer densities: each rung's plan is checked
-    for density in weights:
-      named[f"{expert + ' ' if expert else ''}sparse at {density}"] = svg.at_density(
-          density).plan(grid, expert, target, backend)
+  for expert, by_density in rung_plans.items():
+    for density, plan in by_density.items():
+      named[f"{expert + ' ' if expert else ''}sparse at {density}"] = plan
   checks = check_config(keys, settings, grid, target, backend,
                         {**named, "dense": svg.dense_plan(grid, target, backend)}, steps,
                         layers, slice_type)
@@ -140,10 +142,8 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   for expert, plan in plans.items():
     first, end = split.of(expert) if split else (0, steps)
     weights = rungs[expert] or {svg.density_for(expert): 1.0}
-    rung_plans = {d: plan if not rungs[expert] else svg.at_density(d).plan(grid, expert, target,
-                                                                            backend)
-                  for d in weights}
-    mean = lambda f: sum(w * f(rung_plans[d]) for d, w in weights.items())
+    by_density = rung_plans[expert] or {svg.density_for(expert): plan}
+    mean = lambda f: sum(w * f(by_density[d]) for d, w in weights.items())
     rows.append(Estimate(
         expert=expert, density=round(sum(w * d for d, w in weights.items()), 6),
         kept_pair_fraction=mean(lambda p: p.stats.exact_pair_fraction),
@@ -154,7 +154,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
         sparse_steps=svg.schedule.active_steps.within(first, end),
         sparse_layers=svg.schedule.active_layers.count(layers), layers=layers,
         layer_densities=tuple(weights) if rungs[expert] else None))
-    priced.append(_weighted({d: _against_fixed_m(rung_plans[d], rows[-1].sparse_call_share,
+    priced.append(_weighted({d: _against_fixed_m(by_density[d], rows[-1].sparse_call_share,
                                                  tiles, target, backend) for d in weights},
                             weights))
   combined = _combined(rows, priced)
@@ -219,8 +219,7 @@ def _rungs(svg: Any, expert: str | None, layers: int) -> dict[float, float]:
   per_layer = svg.layer_densities_for(expert)
   if per_layer is None:
     return {}
-  check_layer_count(per_layer, layers, f"svg_{expert}_layer_densities" if expert and getattr(
-      svg, f"{expert}_layer_densities") else "svg_layer_densities")
+  check_layer_count(per_layer, layers, svg.layer_densities_key(expert))
   active = [d for i, d in enumerate(per_layer) if svg.schedule.active_layers.contains(i)]
   active = active or list(per_layer)
   return {d: active.count(d) / len(active) for d in sorted(set(active))}
@@ -228,10 +227,10 @@ def _rungs(svg: Any, expert: str | None, layers: int) -> dict[float, float]:
 
 def _weighted(priced: dict[float, dict[str, Any]], weights: dict[float, float]) -> dict[str, Any]:
   """One rung's pricing, or the layers' rungs priced together (their calls averaged)."""
-  if len(priced) == 1 or not all(p.get("priced") for p in priced.values()):
-    return next(iter(priced.values())) if len(priced) == 1 else next(
-        p for p in priced.values() if not p.get("priced"))
   first = next(iter(priced.values()))
+  unpriced = next((p for p in priced.values() if not p.get("priced")), None)
+  if len(priced) == 1 or unpriced is not None:
+    return unpriced or first
   out = {**first}
   for path in ("fixed", "online"):
     row = {name: sum(weights[d] * p[path][name] for d, p in priced.items())

@@ -157,8 +157,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   settings.svg.density_for(expert)  # validates the expert
   ops = list(_self_attention_ops(model))  # checks the model's layout before changing it
   check_layer_count(settings.svg.layer_densities_for(expert), model.num_layers,
-                    f"svg_{expert}_layer_densities" if expert and getattr(
-                        settings.svg, f"{expert}_layer_densities") else "svg_layer_densities")
+                    settings.svg.layer_densities_key(expert))
   model.svg_settings = settings
   model.svg_expert = expert
   for op, layer in ops:
