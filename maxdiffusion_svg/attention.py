@@ -254,10 +254,10 @@ def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array,
     return sparse
 
   sparse = sparse_at(call)
-  per_layer = config.layer_densities_for(call.expert)
-  if per_layer is not None:  # one prepared plan per distinct density; the layer picks one
-    densities, rung_of_layer = levels(per_layer)
-    rungs = [sparse_at(call.at_density(density)) for density in densities]
+  per_layer = config.layer_rungs_for(call.expert)
+  if per_layer is not None:  # one prepared plan per distinct rung; the layer picks one
+    distinct, rung_of_layer = levels(per_layer)
+    rungs = [sparse_at(call.at_rung(rung)) for rung in distinct]
     if isinstance(layer, int):
       sparse = rungs[int(rung_of_layer[layer])]
     elif len(rungs) == 1:

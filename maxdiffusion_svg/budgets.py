@@ -1,37 +1,73 @@
-"""Per-layer budgets: which density each layer runs, chosen from measured errors.
+"""Per-layer budgets: which density (and compensation) each layer runs, chosen from measured
+errors.
 
 One density for every layer spends the same tiles on a layer whose heads are nearly local as
 on one that needs most of the sequence. Given each layer's measured error at a ladder of
-densities (``errors [L, K]``) and what each costs (``costs [L, K]``: visited tiles per call),
+rungs (:class:`Rung`: density, compensation on or off; ``errors [L, K]``) and what each costs (``costs [L, K]``: visited tiles per call),
 :func:`allocate` picks one rung per layer with the least total error whose total cost is within
 a budget (the uniform density's), and :func:`least_cost` the cheapest choice that meets a total
 error. Both are exact: a multiple-choice knapsack solved over the Pareto front of (cost, error)
 of the layers so far, which stays small because a rung's cost is the same in every layer.
 
-The chosen densities reach a run as ``svg_layer_densities`` (:func:`check_layer_densities`):
-each distinct density is one prepared plan, and a traced layer index picks among them
-(``lax.switch``), so a scanned forward compiles once.
+The chosen rungs reach a run as ``svg_layer_densities`` (:func:`check_layer_densities`) and
+``svg_layer_compensation`` (:func:`check_layer_compensation`): each distinct rung is one
+prepared plan, and a traced layer index picks among them (``lax.switch``), so a scanned forward
+compiles once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import yaml
 
 from maxdiffusion_svg.masks import check_density
 
-UNIFORM = "uniform"  # the value that leaves svg_layer_densities unset: every layer svg_density
+UNIFORM = "uniform"  # leaves a per-layer key unset: every layer svg_density (svg_compensation)
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
+
+
+class Rung(NamedTuple):
+  """What one layer runs: its band density and whether its calls compensate what they skip
+  (``svg_compensation`` per layer). Each distinct rung of a model is one prepared plan."""
+
+  density: float
+  compensation: bool = False
+
+  def __str__(self) -> str:
+    return f"{self.density:g}{'+compensation' if self.compensation else ''}"
 
 
 def check_layer_densities(value: Any, key: str = "svg_layer_densities") -> tuple[float, ...] | None:
   """``value`` as one density per layer (None: unset). Takes a list, ``uniform`` (unset), YAML
   text of either, or a mapping of layer ranges to densities (``{0-4: 0.3, 5-39: 0.15}``, every
   layer from 0 covered once)."""
+  values = _per_layer(value, key, "densities")
+  if values is None:
+    return None
+  for i, density in enumerate(values):
+    check_density(density, f"{key}[{i}]")
+  return tuple(float(d) for d in values)
+
+
+def check_layer_compensation(value: Any,
+                             key: str = "svg_layer_compensation") -> tuple[bool, ...] | None:
+  """``value`` as compensation on or off per layer (None: unset, every layer
+  ``svg_compensation``); the forms of :func:`check_layer_densities`, with true/false values."""
+  values = _per_layer(value, key, "booleans")
+  if values is None:
+    return None
+  for i, on in enumerate(values):
+    if not isinstance(on, (bool, np.bool_)):
+      raise ValueError(f"{key}[{i}] must be true or false, got {on!r}")
+  return tuple(bool(on) for on in values)
+
+
+def _per_layer(value: Any, key: str, what: str) -> list[Any] | None:
+  """A per-layer key's values as a list (None: unset); the items are the caller's to check."""
   if value is None or (isinstance(value, (list, tuple, dict)) and not value):
     return None
   if isinstance(value, str):
@@ -40,21 +76,19 @@ def check_layer_densities(value: Any, key: str = "svg_layer_densities") -> tuple
     try:
       value = yaml.safe_load(value)
     except yaml.YAMLError as e:
-      raise ValueError(f"{key}: cannot read {value!r} (a list of densities per layer, a "
-                       f"mapping of layer ranges to densities, or {UNIFORM!r})") from e
-    return check_layer_densities(value, key)
+      raise ValueError(f"{key}: cannot read {value!r} (a list of {what} per layer, a "
+                       f"mapping of layer ranges to {what}, or {UNIFORM!r})") from e
+    return _per_layer(value, key, what)
   if isinstance(value, Mapping):
     value = _from_ranges(value, key)
   if not isinstance(value, (list, tuple)):
-    raise ValueError(f"{key} must be a list of densities per layer, a mapping of layer ranges "
-                     f"to densities, or {UNIFORM!r}; got {value!r}")
-  for i, density in enumerate(value):
-    check_density(density, f"{key}[{i}]")
-  return tuple(float(d) for d in value)
+    raise ValueError(f"{key} must be a list of {what} per layer, a mapping of layer ranges "
+                     f"to {what}, or {UNIFORM!r}; got {value!r}")
+  return list(value)
 
 
-def _from_ranges(ranges: Mapping[Any, Any], key: str) -> list[float]:
-  layers: dict[int, float] = {}
+def _from_ranges(ranges: Mapping[Any, Any], key: str) -> list[Any]:
+  layers: dict[int, Any] = {}
   for span, density in ranges.items():
     match = _RANGE.match(str(span))
     if not match:
@@ -73,30 +107,32 @@ def _from_ranges(ranges: Mapping[Any, Any], key: str) -> list[float]:
   return [layers[i] for i in range(len(layers))]
 
 
-def check_layer_count(densities: tuple[float, ...] | None, num_layers: int,
+def check_layer_count(values: Sequence[Any] | None, num_layers: int,
                       key: str = "svg_layer_densities") -> None:
-  """A model of ``num_layers`` layers takes exactly one density per layer."""
-  if densities is not None and len(densities) != num_layers:
-    raise ValueError(f"{key} gives {len(densities)} densities; the model has {num_layers} "
+  """A model of ``num_layers`` layers takes exactly one value per layer."""
+  if values is not None and len(values) != num_layers:
+    raise ValueError(f"{key} gives {len(values)} values; the model has {num_layers} "
                      f"layers (give one per layer, or {UNIFORM!r})")
 
 
-def layer_ranges(densities: Sequence[float]) -> str:
-  """``densities`` as runs of layers: ``0-9: 0.3, 10-39: 0.15`` (the form the key reads)."""
+def layer_ranges(values: Sequence[Any]) -> str:
+  """Per-layer ``values`` as runs of layers: ``0-9: 0.3, 10-39: 0.15`` (the form the keys
+  read; booleans as ``true``/``false``)."""
   runs, start = [], 0
-  for i in range(1, len(densities) + 1):
-    if i == len(densities) or densities[i] != densities[start]:
+  for i in range(1, len(values) + 1):
+    if i == len(values) or values[i] != values[start]:
       span = f"{start}-{i - 1}" if i - 1 > start else f"{start}"
-      runs.append(f"{span}: {densities[start]:g}")
+      value = values[start]
+      runs.append(f"{span}: {str(value).lower() if isinstance(value, bool) else f'{value:g}'}")
       start = i
   return ", ".join(runs)
 
 
-def levels(densities: Sequence[float]) -> tuple[tuple[float, ...], np.ndarray]:
-  """The distinct densities, ascending, and each layer's index among them: one prepared plan
-  per distinct density, the layer's index picks one."""
-  distinct = tuple(sorted(set(densities)))
-  return distinct, np.asarray([distinct.index(d) for d in densities], np.int32)
+def levels(values: Sequence[Any]) -> tuple[tuple[Any, ...], np.ndarray]:
+  """The distinct per-layer values (densities or rungs), ascending, and each layer's index
+  among them: one prepared plan per distinct value, the layer's index picks one."""
+  distinct = tuple(sorted(set(values)))
+  return distinct, np.asarray([distinct.index(d) for d in values], np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

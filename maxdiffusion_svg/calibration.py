@@ -1,12 +1,15 @@
-"""Calibration: each layer's error at a ladder of densities, measured on a checkpoint's own
-attention inputs, and the per-layer densities that spend the uniform budget best.
+"""Calibration: each layer's error at a ladder of rungs (band density x compensation off or
+on), measured on a checkpoint's own attention inputs, and the per-layer rungs that spend the
+uniform budget best.
 
 The measurement is the call a run makes: at each rung, every head routed among the configured
-layouts (compensation as configured) by :func:`maxdiffusion_svg.attention.svg_attention`, its
-output against dense attention of the same inputs. A layer's error is the mean over its heads
-and samples of the squared error relative to the dense output's power, so layers whose outputs
-differ in scale weigh alike. The allocation (:mod:`maxdiffusion_svg.budgets`) then picks one
-rung per layer at a total visited-tile count no larger than the uniform density's.
+layouts by :func:`maxdiffusion_svg.attention.svg_attention` (compensated or not as the rung
+says), its output against dense attention of the same inputs. A layer's error is the mean over
+its heads and samples of the squared error relative to the dense output's power, so layers
+whose outputs differ in scale weigh alike. A rung costs its plan's visited key tiles, plus, when
+compensated, the row keys each query tile row scores (in key tiles). The allocation
+(:mod:`maxdiffusion_svg.budgets`) then picks one rung per layer at a total cost no larger than
+the uniform rung's (the config's density and compensation).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.attention import svg_attention
-from maxdiffusion_svg.budgets import Allocation, allocate, least_cost
+from maxdiffusion_svg.budgets import Allocation, Rung, allocate, least_cost
+from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
@@ -35,6 +39,8 @@ MAX_LOSS_DB = 3.0
 FLOOR_DB = 30.0
 # Densities a layer may take. Dense (1.0) is a rung: a layer no band serves runs every tile.
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
+# Compensation a layer may take (``--compensation``): both, or only what the config says.
+COMPENSATION_CHOICES = {"both": (False, True), "off": (False,), "on": (True,), "config": None}
 
 QKV = tuple[Any, Any, Any]
 # Rows a call's on-device measurement reads (the router's stratified sample, more of it): the
@@ -50,18 +56,44 @@ def check_ladder(ladder: Sequence[float], key: str = "--ladder") -> tuple[float,
   return tuple(sorted(set(float(d) for d in ladder)))
 
 
+def uniform_rung(config: SvgConfig, expert: str | None = None) -> Rung:
+  """What every layer of ``expert`` runs without per-layer keys: the budget to spend."""
+  return Rung(config.density_for(expert), config.compensation)
+
+
+def candidate_rungs(config: SvgConfig, ladder: Sequence[float], compensation: str = "both",
+                    experts: Sequence[str | None] = (None,)) -> tuple[Rung, ...]:
+  """Every (density, compensation) of ``ladder`` x ``compensation``'s choices
+  (:data:`COMPENSATION_CHOICES`; ``config``: the config's own), with each expert's uniform rung
+  on it: the uniform choice is always a candidate, so the allocation is never worse than it on
+  the measured inputs."""
+  if compensation not in COMPENSATION_CHOICES:
+    raise ValueError(f"--compensation must be one of {', '.join(COMPENSATION_CHOICES)}, got "
+                     f"{compensation!r}")
+  choices = COMPENSATION_CHOICES[compensation] or (config.compensation,)
+  rungs = {Rung(d, c) for d in check_ladder(ladder) for c in choices}
+  return tuple(sorted(rungs | {uniform_rung(config, e) for e in experts}))
+
+
 def with_uniform(config: SvgConfig, ladder: Sequence[float],
-                 expert: str | None = None) -> tuple[float, ...]:
-  """The ladder with the config's own density on it: the uniform choice is always a candidate,
-  so the allocation is never worse than it on the measured inputs."""
-  return tuple(sorted(set(check_ladder(ladder)) | {config.density_for(expert)}))
+                 expert: str | None = None) -> tuple[Rung, ...]:
+  """The ladder's densities at the config's compensation, with its own density on it."""
+  return candidate_rungs(config, ladder, "config", (expert,))
 
 
-def rung_costs(config: SvgConfig, grid: VideoGrid, ladder: Sequence[float],
+def rung_costs(config: SvgConfig, grid: VideoGrid, rungs: Sequence[Rung],
                expert: str | None = None, target: Target | None = None) -> np.ndarray:
-  """``[K]``: key tiles one head's call visits at each rung, by the plans the run builds."""
-  return np.asarray([config.at_density(d).plan(grid, expert, target=target).stats.visited_tiles
-                     for d in ladder], np.float64)
+  """``[K]``: what one head's call costs at each rung, in key tiles, by the plans the run
+  builds: the visited tiles, and a compensated rung's row keys (each query tile row scores
+  them beside its tiles, ``row keys / block_kv`` tiles a row)."""
+  costs = []
+  for rung in rungs:
+    config_at = config.at_rung(rung)
+    plan = config_at.plan(grid, expert, target=target)
+    blocks = config_at.compensation_for(target)
+    row_keys = plan_row_keys(plan, blocks) if blocks else 0
+    costs.append(plan.stats.visited_tiles + plan.num_q_tiles * row_keys / plan.block_kv)
+  return np.asarray(costs, np.float64)
 
 
 def relative_error(out: Any, dense: Any) -> np.ndarray:
@@ -71,31 +103,31 @@ def relative_error(out: Any, dense: Any) -> np.ndarray:
 
 
 def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: VideoGrid,
-                 ladder: Sequence[float], *, target: Target | None = None,
+                 rungs: Sequence[Rung], *, target: Target | None = None,
                  log: Callable[[str], None] = lambda _: None) -> np.ndarray:
   """``[L, K]``: each layer's mean relative error (over its heads and samples) at each rung.
   ``layers[l]``: that layer's ``(q, k, v)`` samples, ``[B, H, S, D]`` frame-major."""
   dense = jax.jit(dense_attention)
-  calls = [jax.jit(lambda q, k, v, c=config.at_density(d): svg_attention(
-      q, k, v, grid=grid, config=c, target=target)) for d in ladder]
-  errors = np.zeros((len(layers), len(ladder)))
+  calls = [jax.jit(lambda q, k, v, c=config.at_rung(r): svg_attention(
+      q, k, v, grid=grid, config=c, target=target)) for r in rungs]
+  errors = np.zeros((len(layers), len(rungs)))
   for i, samples in enumerate(layers):
     for q, k, v in samples:
       ref = dense(q, k, v)
       for j, call in enumerate(calls):
         errors[i, j] += relative_error(call(q, k, v), ref).mean() / len(samples)
-    log(f"layer {i}: {len(samples)} samples x {len(ladder)} densities")
+    log(f"layer {i}: {len(samples)} samples x {len(rungs)} rungs")
   return errors
 
 
 def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
-                        config: SvgConfig, ladder: Sequence[float], key: jax.Array,
+                        config: SvgConfig, rungs: Sequence[Rung], key: jax.Array,
                         scale: float | None = None, expert: str | None = None,
                         target: Target | None = None) -> jax.Array:
   """``float32 [K]``: one call's mean relative error per rung, on device, from
   :data:`CALIBRATION_ROWS` sampled rows against their dense output: each head takes the lower
   of its spatial and temporal errors under the rung's execution mask (as the router would
-  choose), compensated where the config compensates. What ``calibrate`` records per step and
+  choose), compensated where the rung compensates. What ``calibrate`` records per step and
   layer of a real run, where the whole inputs cannot leave the device."""
   router = dataclasses.replace(config.router, profile_queries=CALIBRATION_ROWS)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -103,10 +135,10 @@ def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Video
   sampled = sample_dense(q, k, v, rows, scale)
   power = jnp.maximum(jnp.mean(sampled.dense ** 2, axis=(2, 3)), 1e-30)
   errors = []
-  for density in ladder:
-    rung = config.at_density(density)
-    plan = rung.plan(grid, expert, target=target)
-    blocks = rung.compensation_for(target)
+  for rung in rungs:
+    config_at = config.at_rung(rung)
+    plan = config_at.plan(grid, expert, target=target)
+    blocks = config_at.compensation_for(target)
     spatial, temporal = layout_errors(q, k, v, rows, grid, plan.computed_mask, scale=scale,
                                       sampled=sampled,
                                       compensation=(plan, blocks) if blocks else None)
@@ -116,36 +148,47 @@ def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Video
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """Per-layer densities and what they cost and leave, beside the uniform density's."""
+  """Per-layer rungs and what they cost and leave, beside the uniform rung's."""
 
-  ladder: tuple[float, ...]
-  costs: tuple[float, ...]  # visited tiles per head's call, per rung
+  rungs: tuple[Rung, ...]
+  costs: tuple[float, ...]  # key tiles per head's call, per rung (rung_costs)
   errors: tuple[tuple[float, ...], ...]  # [L, K], measured
-  densities: tuple[float, ...]  # chosen, per layer
-  uniform: float
+  chosen: tuple[Rung, ...]  # per layer
+  uniform: Rung
   allocation: Allocation
   uniform_allocation: Allocation
 
+  @property
+  def densities(self) -> tuple[float, ...]:
+    return tuple(r.density for r in self.chosen)
+
+  @property
+  def compensation(self) -> tuple[bool, ...]:
+    return tuple(r.compensation for r in self.chosen)
+
   def as_dict(self) -> dict[str, Any]:
-    return {"ladder": list(self.ladder), "costs": list(self.costs),
+    return {"rungs": [str(r) for r in self.rungs], "costs": list(self.costs),
             "errors": [list(row) for row in self.errors], "densities": list(self.densities),
-            "uniform": self.uniform, "tiles": self.allocation.cost,
+            "compensation": list(self.compensation), "choice": list(self.allocation.choice),
+            "uniform": str(self.uniform), "uniform_rung": self.rungs.index(self.uniform),
+            "tiles": self.allocation.cost,
             "uniform_tiles": self.uniform_allocation.cost, "error": self.allocation.error,
             "uniform_error": self.uniform_allocation.error}
 
 
-def calibrate_layers(errors: Any, costs: Any, ladder: Sequence[float], uniform: float,
+def calibrate_layers(errors: Any, costs: Any, rungs: Sequence[Rung], uniform: Rung,
                      target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
                      floor_db: float = FLOOR_DB) -> Calibration:
-  """Densities per layer from measured ``errors [L, K]`` at ``ladder`` (which holds
-  ``uniform``): the least total error within the uniform density's tiles, or with
+  """Rungs per layer from measured ``errors [L, K]`` at ``rungs`` (which holds ``uniform``):
+  the least total error within the uniform rung's cost, or with
   ``target_error`` (a mean relative error per layer) the fewest tiles that meet it. No layer
   ends more than ``max_loss_db`` below its uniform PSNR unless it stays above ``floor_db``
   (None: no guard, the total error alone)."""
-  errors, costs, ladder = np.asarray(errors, np.float64), np.asarray(costs, np.float64), tuple(ladder)
-  if uniform not in ladder:
-    raise ValueError(f"the ladder {ladder} must hold the uniform density {uniform}")
-  u = ladder.index(uniform)
+  errors, costs = np.asarray(errors, np.float64), np.asarray(costs, np.float64)
+  rungs, uniform = tuple(Rung(*r) for r in rungs), Rung(*uniform)
+  if uniform not in rungs:
+    raise ValueError(f"the rungs {[str(r) for r in rungs]} must hold the uniform rung {uniform}")
+  u = rungs.index(uniform)
   layers = errors.shape[0]
   uniform_allocation = Allocation((u,) * layers, float(costs[u] * layers),
                                   float(errors[:, u].sum()))
@@ -158,5 +201,5 @@ def calibrate_layers(errors: Any, costs: Any, ladder: Sequence[float], uniform: 
       raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                        f"{target_error}")
     chosen = least_cost(errors, costs, target_error * layers, caps)
-  return Calibration(ladder, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
-                     tuple(ladder[i] for i in chosen.choice), uniform, chosen, uniform_allocation)
+  return Calibration(rungs, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
+                     tuple(rungs[i] for i in chosen.choice), uniform, chosen, uniform_allocation)

@@ -177,7 +177,8 @@ def _bench_semantic_720p(args: argparse.Namespace) -> int:
 def _bench_calibrate(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.calibration import (CalibrationBenchConfig,  # pylint: disable=import-outside-toplevel
                                                   format_calibration_bench, run_calibration_bench)
-  cfg = CalibrationBenchConfig(density=args.density, held_out_seeds=tuple(args.held_out))
+  cfg = CalibrationBenchConfig(density=args.density, held_out_seeds=tuple(args.held_out),
+                               compensation=args.compensation)
   result = run_calibration_bench(cfg, log=_progress)
   _report(args, format_calibration_bench(result), result)
   return 0
@@ -582,13 +583,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   routed.set_defaults(run=_bench_router)
 
   calib = bench_sub.add_parser(
-      "calibrate", help="per-layer densities calibrated on one draw of planted layers vs one "
-                        "density for all, at equal visited tiles, PSNR on held-out draws "
-                        "(4,096 tokens), measured on CPU (minutes)")
+      "calibrate", help="per-layer densities and compensation calibrated on one draw of "
+                        "planted layers vs one density for all, at equal cost, PSNR on "
+                        "held-out draws (4,096 tokens), measured on CPU (minutes)")
   calib.add_argument("--density", type=_density, default=0.2,
                      help="the uniform density: the budget in visited tiles")
   calib.add_argument("--held-out", type=int, nargs="+", default=[1, 2, 3], metavar="SEED",
                      help="seeds of the held-out draws")
+  calib.add_argument("--compensation", choices=("both", "off", "on", "config"), default="both",
+                     help="compensation a layer may take (as calibrate's; default both)")
   _add_json_arg(calib)
   calib.set_defaults(run=_bench_calibrate)
 

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from maxdiffusion_svg.budgets import UNIFORM, check_layer_densities
+from maxdiffusion_svg.budgets import (UNIFORM, Rung, check_layer_compensation,
+                                      check_layer_densities)
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import BACKENDS
@@ -33,7 +34,9 @@ SHARED = "svg_density"  # svg_high/low_noise_density: the same as svg_density
 UNSET_BY = {"svg_density": PRESET, "svg_active_steps": PRESET, "svg_active_layers": PRESET,
             "svg_high_noise_density": SHARED, "svg_low_noise_density": SHARED,
             "svg_layer_densities": UNIFORM, "svg_high_noise_layer_densities": UNIFORM,
-            "svg_low_noise_layer_densities": UNIFORM}
+            "svg_low_noise_layer_densities": UNIFORM, "svg_layer_compensation": UNIFORM,
+            "svg_high_noise_layer_compensation": UNIFORM,
+            "svg_low_noise_layer_compensation": UNIFORM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,11 @@ class SvgConfig:
   # Skipped key tiles enter each row's softmax as centroids (maxdiffusion_svg.compensation).
   compensation: bool = False
   compensation_blocks: int = 8  # centroids per key tile; must divide the executor's block_kv
+  # Compensation on or off per layer (``calibrate`` writes it beside the densities); None:
+  # every layer ``compensation``. Each Wan 2.2 expert may have its own.
+  layer_compensation: tuple[bool, ...] | None = None
+  high_noise_layer_compensation: tuple[bool, ...] | None = None
+  low_noise_layer_compensation: tuple[bool, ...] | None = None
   # The head layouts the router chooses among (maxdiffusion_svg.layouts); semantic: SVG2's
   # clustered order with a tile table per head (maxdiffusion_svg.semantic).
   layouts: tuple[str, ...] = DEFAULT_LAYOUTS
@@ -105,7 +113,12 @@ class SvgConfig:
     if isinstance(self.profile_seed, bool) or not isinstance(self.profile_seed, int):
       raise ValueError(f"svg_profile_seed must be an integer, got {self.profile_seed!r}")
     _ = self.router  # validates the router keys
+    for name in ("layer_compensation", "high_noise_layer_compensation",
+                 "low_noise_layer_compensation"):
+      object.__setattr__(self, name, check_layer_compensation(getattr(self, name), f"svg_{name}"))
     check_compensation(self.compensation, self.compensation_blocks, self.block_kv)
+    if self.compensates:  # a layer compensates: the blocks must fit the key tile as with the key
+      check_compensation(True, self.compensation_blocks, self.block_kv)
     object.__setattr__(self, "layouts", check_layouts(self.layouts))
     check_semantic(self.semantic_clusters, self.semantic_iterations,
                    warm_iterations=self.semantic_warm_iterations)
@@ -153,23 +166,57 @@ class SvgConfig:
   def layer_densities_for(self, expert: str | None = None) -> tuple[float, ...] | None:
     """One density per layer for ``expert`` (its own, else the shared list), or None: every
     layer runs :meth:`density_for`."""
-    if expert is None:
-      return self.layer_densities
-    self.density_for(expert)  # validates the expert
-    own = getattr(self, f"{expert}_layer_densities")
-    return self.layer_densities if own is None else own
+    return self._per_layer("densities", expert)
 
-  def layer_densities_key(self, expert: str | None = None) -> str:
-    """The key :meth:`layer_densities_for` ``expert`` reads: its own where set, else shared."""
-    own = f"svg_{expert}_layer_densities"
-    return own if expert and getattr(self, own[len("svg_"):]) is not None else "svg_layer_densities"
+  def layer_compensation_for(self, expert: str | None = None) -> tuple[bool, ...] | None:
+    """Compensation on or off per layer for ``expert`` (its own, else the shared list), or
+    None: every layer ``compensation``."""
+    return self._per_layer("compensation", expert)
+
+  def _per_layer(self, what: str, expert: str | None) -> tuple[Any, ...] | None:
+    shared = getattr(self, f"layer_{what}")
+    if expert is None:
+      return shared
+    self.density_for(expert)  # validates the expert
+    own = getattr(self, f"{expert}_layer_{what}")
+    return shared if own is None else own
+
+  def layer_key(self, what: str, expert: str | None = None) -> str:
+    """The key :meth:`layer_densities_for` (``what="densities"``) or
+    :meth:`layer_compensation_for` (``"compensation"``) reads for ``expert``: its own where
+    set, else the shared one."""
+    own = f"svg_{expert}_layer_{what}"
+    return own if expert and getattr(self, own[len("svg_"):]) is not None else f"svg_layer_{what}"
+
+  def layer_rungs_for(self, expert: str | None = None) -> tuple[Rung, ...] | None:
+    """Each layer's :class:`~maxdiffusion_svg.budgets.Rung` (density, compensation) for
+    ``expert``, or None where neither per-layer key is set. Lists of two lengths are refused."""
+    densities, compensation = self.layer_densities_for(expert), self.layer_compensation_for(expert)
+    if densities is None and compensation is None:
+      return None
+    if densities is not None and compensation is not None and len(densities) != len(compensation):
+      raise ValueError(f"{self.layer_key('densities', expert)} gives {len(densities)} layers "
+                       f"but {self.layer_key('compensation', expert)} {len(compensation)}: "
+                       f"give both one value per layer")
+    layers = len(densities if densities is not None else compensation)
+    densities = densities or (self.density_for(expert),) * layers
+    compensation = compensation or (self.compensation,) * layers
+    return tuple(Rung(d, c) for d, c in zip(densities, compensation))
 
   def at_density(self, density: float) -> "SvgConfig":
     """This config with every layer (and expert) at ``density``: one rung of a per-layer
     budget, prepared as its own plan."""
-    return dataclasses.replace(self, density=density, high_noise_density=None,
+    return self.at_rung(Rung(density, self.compensation))
+
+  def at_rung(self, rung: Rung) -> "SvgConfig":
+    """This config with every layer (and expert) at ``rung``'s density and compensation: one
+    prepared plan of a per-layer budget."""
+    return dataclasses.replace(self, density=rung.density, high_noise_density=None,
                                low_noise_density=None, layer_densities=None,
-                               high_noise_layer_densities=None, low_noise_layer_densities=None)
+                               high_noise_layer_densities=None, low_noise_layer_densities=None,
+                               compensation=bool(rung.compensation), layer_compensation=None,
+                               high_noise_layer_compensation=None,
+                               low_noise_layer_compensation=None)
 
   def target(self, *arrays: Any, mesh: Any = None, target: Target | None = None) -> Target:
     """The one target of a call under this config's ``svg_vmem_limit_kib``: ``target``, else
@@ -194,6 +241,20 @@ class SvgConfig:
     if not self.compensation:
       return 0
     return self.compensation_on(self.tiles(target, backend))
+
+  @property
+  def compensates(self) -> bool:
+    """Whether any call compensates: ``svg_compensation``, or a layer of a per-layer key."""
+    return self.compensation or any(
+        any(getattr(self, f"{expert}layer_compensation") or ())
+        for expert in ("", "high_noise_", "low_noise_"))
+
+  def any_compensation_for(self, target: Target | None = None, backend: str | None = None) -> int:
+    """Centroids per key tile the calls that compensate use on ``target`` (0: none does):
+    :meth:`compensation_for` of a compensated rung, checked against the key tile there."""
+    if not self.compensates:
+      return 0
+    return dataclasses.replace(self, compensation=True).compensation_for(target, backend)
 
   def compensation_on(self, tiles: SplashTiles) -> int:
     """Centroids per key tile a call on ``tiles`` compensates with (0: compensation off),
@@ -309,6 +370,9 @@ KEYS = {
     "svg_profile_seed": "profile_seed",
     "svg_compensation": "compensation",
     "svg_compensation_blocks": "compensation_blocks",
+    "svg_layer_compensation": "layer_compensation",
+    "svg_high_noise_layer_compensation": "high_noise_layer_compensation",
+    "svg_low_noise_layer_compensation": "low_noise_layer_compensation",
     "svg_layouts": "layouts",
     "svg_semantic_clusters": "semantic_clusters",
     "svg_semantic_iterations": "semantic_iterations",

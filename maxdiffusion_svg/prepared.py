@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from maxdiffusion_svg.budgets import Rung
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
@@ -109,7 +110,12 @@ class PreparedCall:
   def at_density(self, density: float) -> "PreparedCall":
     """This call with every layer at ``density`` (one rung of ``svg_layer_densities``), on
     the same target and executors."""
-    return _prepared(self.config.at_density(density), self.grid, self.expert, self.target,
+    return self.at_rung(Rung(density, self.config.compensation))
+
+  def at_rung(self, rung: Rung) -> "PreparedCall":
+    """This call with every layer at ``rung`` (a layer's density and compensation of
+    ``svg_layer_densities``/``svg_layer_compensation``), on the same target and executors."""
+    return _prepared(self.config.at_rung(rung), self.grid, self.expert, self.target,
                      tuple(branch.executor for branch in self.branches))
 
   def on_ring(self, ulysses: int, ring: int) -> "PreparedCall":

@@ -246,11 +246,12 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                      f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
                      f"devices): set ulysses_shards to the context axis's size, or svg_layouts "
                      f"to [spatial, temporal]")
-  if config.layer_densities_for(call.expert) is not None:
-    raise ValueError(f"svg_layer_densities does not run on a ring yet (ulysses_shards {ulysses} "
-                     f"leaves the sequence split over {mesh.shape[seq_axis] // ulysses} devices): "
-                     f"set ulysses_shards to the context axis's size, or svg_layer_densities to "
-                     f"uniform")
+  for what in ("densities", "compensation"):
+    if getattr(config, f"layer_{what}_for")(call.expert) is not None:
+      key = config.layer_key(what, call.expert)
+      raise ValueError(f"{key} does not run on a ring yet (ulysses_shards {ulysses} leaves the "
+                       f"sequence split over {mesh.shape[seq_axis] // ulysses} devices): set "
+                       f"ulysses_shards to the context axis's size, or {key} to uniform")
   inner = split_mesh(mesh, seq_axis, ulysses)
   ring = inner.shape[RING]
   batch_spec = tuple(batch_axes) or None

@@ -1,5 +1,5 @@
 """Per-layer budgets: the allocation against brute force, the budget held, the keys read and
-refused by name, and one compile as a traced layer picks its density."""
+refused by name, and one compile as a traced layer picks its rung (density, compensation)."""
 
 import itertools
 
@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from maxdiffusion_svg.attention import scheduled_svg_attention
-from maxdiffusion_svg.budgets import allocate, check_layer_densities, least_cost, levels
-from maxdiffusion_svg.calibration import calibrate_layers, relative_error
+from maxdiffusion_svg.budgets import (Rung, allocate, check_layer_compensation,
+                                      check_layer_densities, least_cost, levels)
+from maxdiffusion_svg.calibration import (calibrate_layers, candidate_rungs, relative_error,
+                                          rung_costs)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
@@ -58,17 +60,29 @@ def test_allocation_is_optimal_against_brute_force(seed):
 
 def test_calibration_never_exceeds_uniform_tiles_nor_its_error():
   rng = np.random.default_rng(7)
-  ladder = (0.1, 0.2, 0.4, 1.0)
-  costs = np.array([10.0, 20.0, 40.0, 100.0])
-  errors = np.sort(rng.random((6, 4)), axis=1)[:, ::-1]
-  result = calibrate_layers(errors, costs, ladder, 0.2)
+  rungs = tuple(Rung(d, c) for d in (0.1, 0.2, 0.4, 1.0) for c in (False, True))
+  costs = np.array([10.0, 10.5, 20.0, 20.5, 40.0, 40.5, 100.0, 100.0])
+  errors = np.sort(rng.random((6, 8)), axis=1)[:, ::-1]
+  result = calibrate_layers(errors, costs, rungs, Rung(0.2, False))
   assert result.allocation.cost <= result.uniform_allocation.cost == 120.0
   assert result.allocation.error <= result.uniform_allocation.error
-  assert set(result.densities) <= set(ladder)
-  with pytest.raises(ValueError, match="uniform density 0.3"):
-    calibrate_layers(errors, costs, ladder, 0.3)
+  assert set(result.chosen) <= set(rungs)
+  assert result.densities == tuple(r.density for r in result.chosen)
+  with pytest.raises(ValueError, match=r"uniform rung 0.3"):
+    calibrate_layers(errors, costs, rungs, Rung(0.3, False))
   with pytest.raises(ValueError, match="target-error"):
-    calibrate_layers(errors, costs, ladder, 0.2, target_error=-1.0)
+    calibrate_layers(errors, costs, rungs, Rung(0.2, False), target_error=-1.0)
+
+
+def test_candidate_rungs_hold_every_uniform_choice():
+  config = SvgConfig(density=0.25, high_noise_density=0.35)
+  both = candidate_rungs(config, (0.1, 0.5), "both", (None, "high_noise"))
+  assert both == tuple(sorted({Rung(d, c) for d in (0.1, 0.5) for c in (False, True)}
+                              | {Rung(0.25, False), Rung(0.35, False)}))
+  assert candidate_rungs(config, (0.1,), "config") == (Rung(0.1, False), Rung(0.25, False))
+  assert candidate_rungs(config, (0.1,), "on") == (Rung(0.1, True), Rung(0.25, False))
+  with pytest.raises(ValueError, match="--compensation must be one of both, off, on, config"):
+    candidate_rungs(config, (0.1,), "sometimes")
 
 
 def test_budget_below_the_cheapest_choice_is_refused():
@@ -94,6 +108,39 @@ def test_bad_layer_densities_are_refused_naming_the_key(value, match):
     SvgConfig(layer_densities=value)
 
 
+@pytest.mark.parametrize("value,want", [
+    ([True, False], (True, False)), ("[true, false]", (True, False)), ("uniform", None),
+    ({"0-1": True, 2: False}, (True, True, False))])
+def test_layer_compensation_reads_lists_ranges_and_uniform(value, want):
+  assert check_layer_compensation(value) == want
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"layer_compensation": [True, 1]}, r"svg_layer_compensation\[1\] must be true or false"),
+    ({"high_noise_layer_compensation": "{0-1: true, 3: false}"},
+     r"svg_high_noise_layer_compensation: layers \[2\] are in no range"),
+    ({"layer_compensation": [True], "compensation_blocks": 3, "block_kv": 128},
+     "svg_compensation_blocks must divide the key tile")])
+def test_bad_layer_compensation_is_refused_naming_the_key(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SvgConfig(**kw)
+
+
+def test_layer_rungs_pair_each_layers_density_and_compensation():
+  config = SvgConfig(density=0.25, compensation=True, layer_densities=(0.1, 0.4),
+                     low_noise_layer_compensation=(False, True))
+  assert config.layer_rungs_for(None) == (Rung(0.1, True), Rung(0.4, True))
+  assert config.layer_rungs_for("low_noise") == (Rung(0.1, False), Rung(0.4, True))
+  assert config.layer_key("compensation", "low_noise") == "svg_low_noise_layer_compensation"
+  assert config.layer_key("compensation", "high_noise") == "svg_layer_compensation"
+  assert SvgConfig(density=0.25, layer_compensation=(True,)).layer_rungs_for() == (
+      Rung(0.25, True),)
+  assert SvgConfig().layer_rungs_for() is None
+  with pytest.raises(ValueError, match="svg_layer_densities gives 2 layers but "
+                                       "svg_layer_compensation 3"):
+    SvgConfig(layer_densities=(0.1, 0.2), layer_compensation=(True,) * 3).layer_rungs_for()
+
+
 def test_yaml_keys_set_each_experts_list():
   config = SvgConfig.from_mapping({"svg_layer_densities": "[0.2, 0.3]",
                                    "svg_high_noise_layer_densities": "{0-1: 0.5}",
@@ -102,6 +149,8 @@ def test_yaml_keys_set_each_experts_list():
   assert config.layer_densities_for("high_noise") == (0.5, 0.5)
   assert config.layer_densities_for("low_noise") == (0.2, 0.3)
   assert SvgConfig.from_mapping({"svg_layer_densities": "uniform"}).layer_densities is None
+  assert SvgConfig.from_mapping({"svg_low_noise_layer_compensation": "{0-1: true}"}
+                                ).layer_compensation_for("low_noise") == (True, True)
   assert levels((0.3, 0.1, 0.3))[0] == (0.1, 0.3)
   assert levels((0.3, 0.1, 0.3))[1].tolist() == [1, 0, 1]
 
@@ -140,6 +189,46 @@ def test_one_compile_each_layer_runs_its_own_density():
   assert outs[0.2] > outs[0.5] > outs[0.8]  # the rungs differ, more tiles less error
 
 
+def test_one_compile_each_layer_runs_its_own_compensation():
+  """Compensation per layer: each layer equals the uniform call at its rung, which differ (the
+  compensated call is nearer dense at the same density), in one compiled function."""
+  q, k, v = jax.random.normal(jax.random.key(2), (3, 1, 2, GRID.tokens, 64))
+  densities, compensation = (0.2, 0.2, 0.5), (False, True, True)
+  config = _config(layer_densities=densities, layer_compensation=compensation)
+  traces = []
+
+  @jax.jit
+  def call(q, k, v, layer):
+    traces.append(layer)
+    return scheduled_svg_attention(q, k, v, grid=GRID, config=config, step=jnp.int32(0),
+                                   layer=layer)
+
+  dense = dense_attention(q, k, v)
+  errors = []
+  for layer, (density, on) in enumerate(zip(densities, compensation)):
+    got = call(q, k, v, jnp.int32(layer))
+    want = scheduled_svg_attention(q, k, v, grid=GRID, step=0, layer=layer,
+                                   config=_config(density=density, compensation=on))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    errors.append(relative_error(got, dense).mean())
+  assert len(traces) == 1
+  assert errors[0] > errors[1] > errors[2]
+
+
+def test_a_compensated_rung_costs_its_row_keys():
+  """A rung's cost: visited tiles, plus, compensated, each query tile row's row keys in key
+  tiles; counted here from the plan's skipped tiles (no padding on this grid: every skipped tile
+  gives ``blocks`` centroids, the rows padded to the most any row sees, rounded up to 8)."""
+  config = _config(compensation_blocks=8)
+  costs = rung_costs(config, GRID, (Rung(0.2, False), Rung(0.2, True), Rung(1.0, True)))
+  plan = config.at_density(0.2).plan(GRID)
+  skipped = plan.num_kv_tiles - np.asarray(plan.num_visited)
+  row_keys = -(-int(skipped.max()) * 8 // 8) * 8
+  assert costs[0] == plan.stats.visited_tiles
+  assert costs[1] == pytest.approx(costs[0] + plan.num_q_tiles * row_keys / 128)
+  assert costs[2] == config.at_density(1.0).plan(GRID).stats.visited_tiles  # nothing skipped
+
+
 def test_one_compile_under_a_scan_over_layers():
   """As a scanned forward runs them: the layer index is the scan's, one body for every layer."""
   q, k, v = jax.random.normal(jax.random.key(1), (3, 1, 2, GRID.tokens, 64))
@@ -172,15 +261,15 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
   monkeypatch.setattr(calibration, "CALIBRATION_ROWS", GRID.tokens)
   q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, ("spatial", "moving", "temporal"), 64,
                                                    seed=3))
-  ladder = (0.2, 0.5, 1.0)
+  rungs = (Rung(0.2), Rung(0.2, True), Rung(0.5), Rung(1.0))
   config = _config()
   got = np.asarray(calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
-                                                   ladder=ladder, key=jax.random.key(0)))
+                                                   rungs=rungs, key=jax.random.key(0)))
   dense = dense_attention(q, k, v)
-  for j, density in enumerate(ladder):
+  for j, (density, on) in enumerate(rungs):
     per_layout = [relative_error(scheduled_svg_attention(
-        q, k, v, grid=GRID, config=_config(density=density, layouts=(name,)), step=0, layer=0),
-        dense)[0] for name in ("spatial", "temporal")]
+        q, k, v, grid=GRID, config=_config(density=density, layouts=(name,), compensation=on),
+        step=0, layer=0), dense)[0] for name in ("spatial", "temporal")]
     mse = np.minimum(*per_layout)  # relative to each head's power: the same rows, all of them
-    assert got[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), density
-  assert got[0] > got[1] > got[2] >= 0
+    assert got[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), rungs[j]
+  assert got[0] > got[2] > got[3] >= 0 and got[0] > got[1]

@@ -73,7 +73,7 @@ def test_tiny_quality_bench(tmp_path):
   assert "three-layout router vs the best single layout per kind at densities 0.1, 0.2, 0.35" in text
   assert "sampled, stratified" in text and "0.35/split" in text and "execution" in text
   assert "recommended compensation_blocks" in text
-  assert "calibrated per-layer densities vs uniform 0.35" in text
+  assert "calibrated per-layer densities and compensation vs uniform 0.35" in text
   _check_calibration(result["calibration"], TINY.calibration)
   path = tmp_path / "quality.png"
   plot_quality(str(path), TINY, result)
@@ -134,10 +134,13 @@ def _check_calibration(cal, cfg):
   tiles = cal["visited_tiles"]
   assert tiles["calibrated"] <= tiles["uniform"]
   assert cal["calibration"]["error"] <= cal["calibration"]["uniform_error"] + 1e-12
-  assert set(cal["densities"]) <= set(cal["ladder"])
+  assert {f"{d:g}{'+compensation' if c else ''}" for d, c in zip(
+      cal["densities"], cal["compensation"])} <= set(cal["rungs"])
+  assert tiles["densities_only"] <= tiles["uniform"]
   (q, k, v), = layer_inputs(cfg, cfg.held_out_seeds[0])[2]  # the moving layer
   out = svg_attention(q, k, v, grid=cfg.grid,
-                      config=dataclasses.replace(cfg.svg_config(), density=cal["densities"][2]))
+                      config=dataclasses.replace(cfg.svg_config(), density=cal["densities"][2],
+                                                 compensation=cal["compensation"][2]))
   q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
   logits = np.einsum("bhqd,bhkd->bhqk", q64, k64) / np.sqrt(q64.shape[-1])
   p = np.exp(logits - logits.max(-1, keepdims=True))

@@ -1,6 +1,7 @@
 """svg on a context axis split Ulysses x ring (``ulysses_shards``) against the single-device path:
 8 simulated devices in this process; 16 (8x2, 4x4, 2x8) and 4 processes x 4 in subprocesses."""
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -253,11 +254,11 @@ def test_sixteen_devices_and_four_processes_equal_one_device(tmp_path, grid_shap
 
 
 def test_per_layer_densities_run_under_ulysses_and_are_refused_on_a_ring():
-  """``svg_layer_densities`` sharded: the Ulysses exchange (no ring) equals one device layer by
-  layer, one compile; a ring refuses it by the key's name."""
+  """``svg_layer_densities`` and ``svg_layer_compensation`` sharded: the Ulysses exchange (no
+  ring) equals one device layer by layer, one compile; a ring refuses each by the key's name."""
   mesh = mesh_of((1, 1, 8, 1))
   cfg = config(schedule=Schedule(Interval(0, None), Interval(0, None)),
-               layer_densities=(0.3, 0.7))
+               layer_densities=(0.3, 0.7), layer_compensation=(True, False))
   q, k, v = planted(seed=6)
   args = put(mesh, GRID, q, k, v)
   traces = []
@@ -276,3 +277,6 @@ def test_per_layer_densities_run_under_ulysses_and_are_refused_on_a_ring():
   with pytest.raises(ValueError, match="svg_layer_densities does not run on a ring"):
     sharded_svg_attention(*args, mesh=mesh, grid=GRID, config=cfg, key=KEY, step=0, layer=0,
                           ulysses_shards=4)
+  with pytest.raises(ValueError, match="svg_layer_compensation does not run on a ring"):
+    sharded_svg_attention(*args, mesh=mesh, grid=GRID, key=KEY, step=0, layer=0,
+                          config=dataclasses.replace(cfg, layer_densities=None), ulysses_shards=4)

@@ -303,7 +303,8 @@ def test_compensation_is_estimated_and_its_row_keys_counted_in_the_sparse_plans_
   assert fits["dense"]["vmem"] == before["dense"]["vmem"]
   tiles_kv = 1536
   assert on["compensation"] == {"blocks": 8, "pseudo_keys": -(-75_600 // tiles_kv) * 8,
-                                "row_keys": 328, "score_work_vs_dense": 328 / 75_600}
+                                "row_keys": 328, "score_work_vs_dense": 328 / 75_600,
+                                "per_layer": False}
   assert "compensation 8 centroids per key tile, layouts spatial, temporal, dense kernel" in on["summary"]
   assert "sparse plan 14.8 of 32 MiB VMEM (328 row keys included)" in out
   assert "compensation 8 centroids per key tile: each query of a sparse call also scores the " \
@@ -360,7 +361,20 @@ def test_per_layer_densities_are_priced_layer_by_layer_and_counted(tmp_path, cap
   assert row["visited_tile_fraction"] == pytest.approx((9 * fractions[0.2] + 30 * fractions[0.4])
                                                        / 39)
   assert row["layer_densities"] == [0.2, 0.4]
-  assert "svg_layer_densities 0.2, 0.4 (per layer" in out
+  assert "per-layer rungs 0.2, 0.4 (svg_layer_densities, svg_layer_compensation; mean" in out
+  assert "compensation off" in out
   code, out, err, _ = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_densities": [0.2, 0.3]})
   assert code == 2
   assert run_refusal(lambda: check_layer_count((0.2, 0.3), 40)) in err
+  # compensation per layer: its rungs priced apart, its row keys named
+  compensation = "{0-9: false, 10-39: true}"
+  code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_densities": densities,
+                                                  "svg_layer_compensation": compensation})
+  assert code == 0, out
+  assert result["rows"][0]["layer_rungs"] == ["0.2", "0.4+compensation"]
+  assert result["rows"][0]["visited_tile_fraction"] == pytest.approx(row["visited_tile_fraction"])
+  assert "compensation 8 centroids per key tile in the layers svg_layer_compensation turns on" in out
+  assert "per layer: 0-9: false, 10-39: true" in result["summary"]
+  code, out, err, _ = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_compensation": [True] * 2})
+  assert code == 2
+  assert run_refusal(lambda: check_layer_count((True,) * 2, 40, "svg_layer_compensation")) in err

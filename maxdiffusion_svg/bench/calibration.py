@@ -3,13 +3,15 @@ difficulty (measured on CPU, about a minute).
 
 Each layer holds heads of one kind: some very local (sharp spatial or temporal heads, served by a
 narrow band), some moving or diffuse (which need most of the sequence), some mixed. The layers'
-errors are measured at a ladder of densities on one draw of the heads (the calibration
-"prompt"), the allocation picks one density per layer within the uniform density's visited
-tiles, and both are judged on other draws (held-out "prompts"): PSNR against dense per layer and
+errors are measured at a ladder of rungs (each density with compensation off and on) on one
+draw of the heads (the calibration "prompt"), the allocation picks one rung per layer within the
+uniform rung's cost (visited tiles, plus compensation's row keys), and both are judged on other
+draws (held-out "prompts"): PSNR against dense per layer and
 for the whole model (every layer's error together, what the allocation minimises), at equal
 visited tiles. Targets (issue 46): the whole model at least :data:`GAIN_DB` better on average,
 and never worse than uniform on any draw. Also: the tiles the calibrated choice
-needs to match uniform's error (the speed-up at matched quality).
+needs to match uniform's error (the speed-up at matched quality), and the gain of densities
+alone (compensation as the config has it, off), which tells what compensation per layer adds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_layers,
-                                          layer_errors, rung_costs, with_uniform)
+                                          candidate_rungs, layer_errors, rung_costs,
+                                          uniform_rung)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 
@@ -47,6 +50,7 @@ class CalibrationBenchConfig:
   block_kv: int = 128
   calibration_seed: int = 0
   held_out_seeds: tuple[int, ...] = (1, 2, 3)
+  compensation: str = "both"  # calibration.COMPENSATION_CHOICES: the rungs' compensation
 
   def svg_config(self) -> SvgConfig:
     return SvgConfig(density=self.density, tile_mode="aligned", block_q=self.block_q,
@@ -70,41 +74,55 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   """Calibrate on one draw, judge on the held-out ones."""
   start = time.perf_counter()
   config = cfg.svg_config()
-  ladder = with_uniform(config, cfg.ladder)
-  costs = rung_costs(config, cfg.grid, ladder)
-  measured = layer_errors(layer_inputs(cfg, cfg.calibration_seed), config, cfg.grid, ladder)
+  rungs = candidate_rungs(config, cfg.ladder, cfg.compensation)
+  uniform = uniform_rung(config)
+  costs = rung_costs(config, cfg.grid, rungs)
+  measured = layer_errors(layer_inputs(cfg, cfg.calibration_seed), config, cfg.grid, rungs)
   log(f"  calibrated on seed {cfg.calibration_seed}: {time.perf_counter() - start:.0f} s")
-  at_budget = calibrate_layers(measured, costs, ladder, cfg.density)
+  at_budget = calibrate_layers(measured, costs, rungs, uniform)
   # the least tiles whose measured error matches uniform's: the speed-up at matched quality
-  matched = calibrate_layers(measured, costs, ladder, cfg.density,
+  matched = calibrate_layers(measured, costs, rungs, uniform,
                              target_error=at_budget.uniform_allocation.error / len(LAYERS))
-  u = ladder.index(cfg.density)
+  # densities alone: the rungs at the config's compensation (a subset of those measured)
+  alone = [j for j, r in enumerate(rungs) if r.compensation == uniform.compensation]
+  densities_only = calibrate_layers(measured[:, alone], costs[alone],
+                                    [rungs[j] for j in alone], uniform)
+  u = rungs.index(uniform)
   held = []
   for seed in cfg.held_out_seeds:
-    errors = layer_errors(layer_inputs(cfg, seed), config, cfg.grid, ladder)
-    pick = lambda calibration: errors[np.arange(len(LAYERS)), list(calibration.allocation.choice)]
-    held.append({"seed": seed, "uniform": errors[:, u], "calibrated": pick(at_budget),
-                 "matched": pick(matched)})
+    errors = layer_errors(layer_inputs(cfg, seed), config, cfg.grid, rungs)
+    pick = lambda choice: errors[np.arange(len(LAYERS)), list(choice)]
+    held.append({"seed": seed, "uniform": errors[:, u],
+                 "calibrated": pick(at_budget.allocation.choice),
+                 "matched": pick(matched.allocation.choice),
+                 "densities_only": pick(alone[j] for j in densities_only.allocation.choice)})
     log(f"  held-out seed {seed}: {time.perf_counter() - start:.0f} s")
   mean = lambda name: np.mean([h[name] for h in held], axis=0)
   uniform_db, calibrated_db, matched_db = (_psnr(mean(n)) for n in ("uniform", "calibrated", "matched"))
   totals = [(_psnr(h["uniform"].mean()), _psnr(h["calibrated"].mean())) for h in held]
   gain = float(np.mean([c - u_ for u_, c in totals]))  # the whole model's, over the draws
+  gain_alone = float(np.mean([_psnr(h["densities_only"].mean()) - u_
+                              for h, (u_, _) in zip(held, totals)]))
   never_worse = all(c >= u_ - 1e-9 for u_, c in totals)
   change = calibrated_db - uniform_db
   worst = int(np.argmin(change))
   return {"kind": "measured on CPU", "grid": [cfg.grid.frames, cfg.grid.height, cfg.grid.width],
-          "tiles": [cfg.block_q, cfg.block_kv], "density": cfg.density, "ladder": list(ladder),
+          "tiles": [cfg.block_q, cfg.block_kv], "density": cfg.density,
+          "rungs": [str(r) for r in rungs], "compensation_choices": cfg.compensation,
           "layers": {name: list(kinds) for name, kinds in LAYERS.items()},
-          "densities": list(at_budget.densities), "matched_densities": list(matched.densities),
+          "densities": list(at_budget.densities), "compensation": list(at_budget.compensation),
+          "matched_rungs": [str(r) for r in matched.chosen],
+          "densities_only": list(densities_only.densities),
           "visited_tiles": {"uniform": at_budget.uniform_allocation.cost,
                             "calibrated": at_budget.allocation.cost,
-                            "matched": matched.allocation.cost},
+                            "matched": matched.allocation.cost,
+                            "densities_only": densities_only.allocation.cost},
           "psnr_db": {"uniform": uniform_db.tolist(), "calibrated": calibrated_db.tolist(),
                       "matched": matched_db.tolist()},
           "whole_model_db": [{"seed": h["seed"], "uniform": u_, "calibrated": c}
                              for h, (u_, c) in zip(held, totals)],
-          "mean_gain_db": gain, "layer_mean_gain_db": float(np.mean(change)),
+          "mean_gain_db": gain, "densities_only_gain_db": gain_alone,
+          "layer_mean_gain_db": float(np.mean(change)),
           "worst_layer": {"layer": list(LAYERS)[worst], "change_db": float(change[worst]),
                           "calibrated_db": float(calibrated_db[worst])},
           "guard": {"max_loss_db": MAX_LOSS_DB, "floor_db": FLOOR_DB},
@@ -115,26 +133,32 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
 
 def format_calibration_bench(r: dict[str, Any]) -> str:
   tiles = r["visited_tiles"]
-  lines = [f"calibrated per-layer densities vs uniform {r['density']} (measured on CPU, "
-           f"{'x'.join(map(str, r['grid']))} tokens, tiles {'x'.join(map(str, r['tiles']))}; "
-           f"calibrated on one draw, PSNR against dense on {len(r['whole_model_db'])} held-out)",
-           f"{'layer':<9}{'heads':<44}{'density':>8}{'uniform dB':>11}{'calib. dB':>10}"
-           f"{'gain':>7}"]
+  lines = [f"calibrated per-layer densities and compensation vs uniform {r['density']} "
+           f"(measured on CPU, {'x'.join(map(str, r['grid']))} tokens, tiles "
+           f"{'x'.join(map(str, r['tiles']))}; calibrated on one draw, PSNR against dense on "
+           f"{len(r['whole_model_db'])} held-out)",
+           f"{'layer':<9}{'heads':<44}{'density':>8}{'comp.':>6}{'uniform dB':>11}"
+           f"{'calib. dB':>10}{'gain':>7}"]
   for i, (name, kinds) in enumerate(r["layers"].items()):
     u, c = r["psnr_db"]["uniform"][i], r["psnr_db"]["calibrated"][i]
-    lines.append(f"{name:<9}{','.join(kinds):<44}{r['densities'][i]:>8}{u:>11.2f}{c:>10.2f}"
+    lines.append(f"{name:<9}{','.join(kinds):<44}{r['densities'][i]:>8}"
+                 f"{'on' if r['compensation'][i] else 'off':>6}{u:>11.2f}{c:>10.2f}"
                  f"{c - u:>+7.2f}")
   whole = ", ".join(f"{w['uniform']:.2f} -> {w['calibrated']:.2f}" for w in r["whole_model_db"])
   worst = r["worst_layer"]
-  lines.append(f"visited tiles per head: uniform {tiles['uniform']:.0f}, calibrated "
-               f"{tiles['calibrated']:.0f}; whole model (all layers' error), dB per held-out "
+  lines.append(f"cost per head (key tiles, compensation's row keys counted): uniform "
+               f"{tiles['uniform']:.0f}, calibrated {tiles['calibrated']:.0f}; whole model (all layers' error), dB per held-out "
                f"draw: {whole}: mean gain {r['mean_gain_db']:+.2f} dB (target +{GAIN_DB} dB: "
                f"{'met' if r['targets']['gain_met'] else 'missed'}; never worse: "
                f"{'met' if r['targets']['never_worse'] else 'missed'})")
   lines.append(f"guard: a layer gives tiles away down to {r['guard']['max_loss_db']:g} dB below "
                f"uniform or {r['guard']['floor_db']:g} dB; largest loss {worst['change_db']:+.2f}"
                f" dB ({worst['layer']}, at {worst['calibrated_db']:.2f} dB)")
+  lines.append(f"densities alone (compensation off in every layer): {r['densities_only']}, "
+               f"{tiles['densities_only']:.0f} tiles, mean gain {r['densities_only_gain_db']:+.2f}"
+               f" dB: compensation per layer adds "
+               f"{r['mean_gain_db'] - r['densities_only_gain_db']:+.2f} dB")
   lines.append(f"at uniform's measured error: {tiles['matched']:.0f} tiles "
-               f"({tiles['uniform'] / max(tiles['matched'], 1):.2f}x fewer), densities "
-               f"{r['matched_densities']}")
+               f"({tiles['uniform'] / max(tiles['matched'], 1):.2f}x fewer), rungs "
+               f"{', '.join(r['matched_rungs'])}")
   return "\n".join(lines)

@@ -3,17 +3,18 @@ own ``generate_wan``, written as an overlay config.
 
 The config runs as the user would run it (``attention=svg``, its schedule), once per prompt,
 weights loaded once. Every video self-attention call also measures, on device, its error
-against dense at each density of a ladder (:func:`maxdiffusion_svg.calibration.
-sampled_rung_errors`: sampled rows, the router's layouts, compensation as configured); only
-those few numbers leave the device. The calls the schedule makes sparse are averaged per layer
-(and Wan 2.2 expert), and :func:`maxdiffusion_svg.calibration.calibrate_layers` picks each
-layer's density within the uniform density's visited tiles (or, with a target error, the
-fewest tiles that meet it). Layers the schedule keeps dense keep the uniform density.
+against dense at each rung: a ladder of densities, each with compensation off and on
+(:func:`maxdiffusion_svg.calibration.sampled_rung_errors`: sampled rows, the router's layouts);
+only those few numbers leave the device. The calls the schedule makes sparse are averaged per
+layer (and Wan 2.2 expert), and :func:`maxdiffusion_svg.calibration.calibrate_layers` picks each
+layer's rung within the uniform rung's cost (or, with a target error, the least cost that meets
+it). Layers the schedule keeps dense keep the config's density and compensation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import tempfile
@@ -23,8 +24,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import yaml
 
-from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, calibrate_layers,
-                                          check_ladder, rung_costs, with_uniform)
+from maxdiffusion_svg.budgets import Rung
+from maxdiffusion_svg.calibration import (COMPENSATION_CHOICES, FLOOR_DB, MAX_LOSS_DB,
+                                          Calibration, calibrate_layers, candidate_rungs,
+                                          rung_costs, uniform_rung)
+from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks, launcher
@@ -33,8 +37,10 @@ from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
-KEY_FOR = {None: "svg_layer_densities", "high_noise": "svg_high_noise_layer_densities",
-           "low_noise": "svg_low_noise_layer_densities"}
+
+def key_for(what: str, expert: str | None) -> str:
+  """The overlay's key for ``expert``'s per-layer ``densities`` or ``compensation``."""
+  return f"svg_{expert + '_' if expert else ''}layer_{what}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +52,18 @@ class CalibrationPlan:
   keys: dict[str, Any]
   settings: PluginSettings
   prompts: tuple[str, ...]
-  ladder: tuple[float, ...]
+  rungs: tuple[Rung, ...]  # the candidates, every expert's uniform rung among them
   target_error: float | None
   out: pathlib.Path
   max_loss_db: float | None = MAX_LOSS_DB  # the guard (calibration.calibrate_layers)
   floor_db: float = FLOOR_DB
+  compensation: str = "both"  # calibration.COMPENSATION_CHOICES
+
+  @property
+  def per_layer_compensation(self) -> bool:
+    """Whether the overlay sets compensation per layer: the candidates held more than the
+    config's own."""
+    return {r.compensation for r in self.rungs} != {self.settings.svg.compensation}
 
 
 def read_prompts(path: str | None, keys: dict[str, Any]) -> tuple[str, ...]:
@@ -73,7 +86,7 @@ def read_prompts(path: str | None, keys: dict[str, Any]) -> tuple[str, ...]:
 def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: str | None = None,
                      ladder: Sequence[float] | None = None,
                      target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
-                     floor_db: float = FLOOR_DB) -> CalibrationPlan:
+                     floor_db: float = FLOOR_DB, compensation: str = "both") -> CalibrationPlan:
   """Every check ``calibrate`` can make before weights load."""
   from maxdiffusion_svg.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
@@ -82,6 +95,11 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   if target_error is not None and not target_error > 0:
     raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                      f"{target_error}")
+  if compensation not in COMPENSATION_CHOICES:
+    raise ValueError(f"--compensation must be one of {', '.join(COMPENSATION_CHOICES)}, got "
+                     f"{compensation!r}")
+  if True in (COMPENSATION_CHOICES[compensation] or ()):  # a compensated candidate: blocks fit?
+    check_compensation(True, settings.svg.compensation_blocks, settings.svg.block_kv)
   if max_loss_db is not None and not max_loss_db >= 0:
     raise ValueError(f"--max-layer-loss-db must be >= 0 dB, got {max_loss_db}")
   if keys.get("aot_cache_dir"):
@@ -93,14 +111,10 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
     raise ValueError(f"--out {out} must name a .yml file (the overlay config)")
   if not path.parent.exists() or not os.access(path.parent, os.W_OK):
     raise ValueError(f"--out {out}: its folder is missing or not writable")
+  rungs = candidate_rungs(settings.svg, LADDER if ladder is None else ladder, compensation,
+                          (None, *EXPERTS))  # every expert's uniform choice is a candidate
   return CalibrationPlan(config, tuple(overrides), keys, settings, read_prompts(prompts, keys),
-                         _with_uniforms(settings.svg, LADDER if ladder is None else ladder),
-                         target_error, path.resolve(), max_loss_db, floor_db)
-
-
-def _with_uniforms(svg: Any, ladder: Sequence[float]) -> tuple[float, ...]:
-  """The ladder with every expert's own density on it: the uniform choice is a candidate."""
-  return check_ladder((*check_ladder(ladder), *(svg.density_for(e) for e in EXPERTS)))
+                         rungs, target_error, path.resolve(), max_loss_db, floor_db, compensation)
 
 
 def layer_table(entries: Sequence[dict[str, Any]], expert: str | None, layers: int,
@@ -139,7 +153,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
         f"({time.perf_counter() - start:.0f} s)")
 
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_calibrate_") as tmp, \
-      record_rung_errors(plan.ladder) as entries, \
+      record_rung_errors(plan.rungs) as entries, \
       generate_wan_calls(lambda pipeline: None, on_step) as seen:
     argv = launcher.prepare_argv(["calibrate", plan.config, *plan.overrides,
                                   f"attention={KERNEL_NAME}"], tmp)[0]
@@ -165,15 +179,14 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   results: dict[str | None, Calibration] = {}
   measured: dict[str | None, list[int]] = {}
   for expert, layers in experts.items():
-    ladder = with_uniform(svg, plan.ladder, expert)  # plan.ladder holds it: the same rungs
-    table, count = layer_table(entries, expert, layers, len(plan.ladder))
+    table, count = layer_table(entries, expert, layers, len(plan.rungs))
     active = count > 0
     if not active.any():
       raise ValueError(f"no sparse call was measured{f' ({expert})' if expert else ''}: the "
                        f"schedule (svg_active_steps/svg_active_layers) keeps every call dense")
     errors = table[active]
-    costs = rung_costs(svg, grid, ladder, expert, target)
-    results[expert] = calibrate_layers(errors, costs, ladder, svg.density_for(expert),
+    costs = rung_costs(svg, grid, plan.rungs, expert, target)
+    results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
                                        plan.target_error, plan.max_loss_db, plan.floor_db)
     measured[expert] = np.flatnonzero(active).tolist()
   overlay = {BASE_KEY: str(pathlib.Path(plan.config).resolve())}
@@ -183,11 +196,15 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
             "seconds": round(time.perf_counter() - start, 1), "kind": "measured"}
   for expert, result in results.items():
     densities = [svg.density_for(expert)] * experts[expert]
-    for layer, density in zip(measured[expert], result.densities):
-      densities[layer] = density
-    overlay[KEY_FOR[expert]] = densities
+    compensation = [svg.compensation] * experts[expert]
+    for layer, rung in zip(measured[expert], result.chosen):
+      densities[layer], compensation[layer] = rung
+    overlay[key_for("densities", expert)] = densities
+    if plan.per_layer_compensation:
+      overlay[key_for("compensation", expert)] = compensation
     report["experts"][str(expert)] = {"layers": experts[expert], "measured": measured[expert],
-                                      "densities": densities, **result.as_dict()}
+                                      **result.as_dict(), "densities": densities,
+                                      "compensation": compensation}
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
 
@@ -201,7 +218,7 @@ def _svg_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 def _overlay_text(plan: CalibrationPlan, overlay: dict[str, Any]) -> str:
   head = (f"# Written by python -m maxdiffusion_svg calibrate {plan.config}"
           f"{' ' + ' '.join(plan.overrides) if plan.overrides else ''}\n"
-          f"# Per-layer densities measured on this checkpoint ({len(plan.prompts)} prompt(s));"
+          f"# Per-layer budgets measured on this checkpoint ({len(plan.prompts)} prompt(s));"
           f" run it as any config:\n#   python -m maxdiffusion_svg.generate {plan.out.name}\n")
   return head + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None)
 
@@ -211,15 +228,19 @@ def format_calibration(report: dict[str, Any]) -> str:
            f"{'x'.join(map(str, report['grid']))} tokens, {report['seconds']:.0f} s "
            f"(errors measured on device, relative to dense, sampled rows)"]
   for expert, r in report["experts"].items():
-    u = r["ladder"].index(r["uniform"])
-    lines.append(f"{'expert ' + expert if expert != 'None' else 'model'}: uniform density "
+    u = r["uniform_rung"]
+    lines.append(f"{'expert ' + expert if expert != 'None' else 'model'}: uniform "
                  f"{r['uniform']}, {r['layers']} layers")
-    lines.append(f"{'layer':>6}{'density':>9}{'error':>11}{'uniform':>11}")
-    for row, layer in enumerate(r["measured"]):
-      j = r["ladder"].index(r["densities"][layer])
-      lines.append(f"{layer:>6}{r['densities'][layer]:>9}{r['errors'][row][j]:>11.3g}"
-                   f"{r['errors'][row][u]:>11.3g}")
-    lines.append(f"visited tiles per head: {r['tiles']:.0f} (uniform {r['uniform_tiles']:.0f}); "
-                 f"total error {r['error']:.3g} (uniform {r['uniform_error']:.3g})")
+    lines.append(f"{'layer':>6}{'density':>9}{'compensation':>14}{'error':>11}{'uniform':>11}"
+                 f"{'dB vs uniform':>15}")
+    for row, (layer, j) in enumerate(zip(r["measured"], r["choice"])):
+      error, uniform = r["errors"][row][j], r["errors"][row][u]
+      change = 10 * math.log10(max(uniform, 1e-30) / max(error, 1e-30))
+      lines.append(f"{layer:>6}{r['densities'][layer]:>9}"
+                   f"{'on' if r['compensation'][layer] else 'off':>14}{error:>11.3g}"
+                   f"{uniform:>11.3g}{change:>+15.2f}")
+    lines.append(f"cost per head (key tiles, with compensation's row keys): {r['tiles']:.0f} "
+                 f"(uniform {r['uniform_tiles']:.0f}); total error {r['error']:.3g} (uniform "
+                 f"{r['uniform_error']:.3g})")
   lines.append(f"overlay written: {report['overlay']}")
   return "\n".join(lines)

@@ -106,9 +106,10 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
   kv_compute = settings.svg.tiles(target, backend).block_kv_compute
   # Our kernel's compensated calls read each row's centroids as extra keys (Splash merges them
   # after, outside its kernel); a plan that skips nothing (the dense branch) is not compensated.
-  blocks = settings.svg.compensation_for(target, backend)
+  blocks = settings.svg.any_compensation_for(target, backend)
   fits = []
   for name, plan in plans.items():
+    # (per-layer compensation: every rung's plan is checked as if compensated, the larger need)
     row_keys = plan_row_keys(plan, blocks) if blocks and backend == "pallas" else 0
     try:
       check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend, row_keys=row_keys)

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from maxdiffusion_svg.budgets import check_layer_count
+from maxdiffusion_svg.budgets import Rung, check_layer_count
 from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
@@ -81,7 +81,8 @@ class Estimate:
   sparse_steps: int
   sparse_layers: int
   layers: int
-  layer_densities: tuple[float, ...] | None = None  # the distinct per-layer densities, if any
+  layer_densities: tuple[float, ...] | None = None  # the distinct per-layer rungs' densities
+  layer_rungs: tuple[str, ...] | None = None  # ... as rungs: ``0.2`` or ``0.2+compensation``
 
   @property
   def calls(self) -> int:
@@ -128,24 +129,25 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   experts = EXPERTS if split else (None,)
   rungs = {expert: _rungs(svg, expert, layers) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
-  # per-layer densities: each rung's plan, checked and priced
-  rung_plans = {expert: {d: svg.at_density(d).plan(grid, expert, target, backend)
-                         for d in weights} for expert, weights in rungs.items()}
+  # per-layer rungs (density, compensation): each rung's plan, checked and priced
+  rung_plans = {expert: {r: svg.at_rung(r).plan(grid, expert, target, backend)
+                         for r in weights} for expert, weights in rungs.items()}
   named = {f"{expert} sparse" if expert else "sparse": plan for expert, plan in plans.items()}
-  for expert, by_density in rung_plans.items():
-    for density, plan in by_density.items():
-      named[f"{expert + ' ' if expert else ''}sparse at {density}"] = plan
+  for expert, by_rung in rung_plans.items():
+    for rung, plan in by_rung.items():
+      named[f"{expert + ' ' if expert else ''}sparse at {rung}"] = plan
   checks = check_config(keys, settings, grid, target, backend,
                         {**named, "dense": svg.dense_plan(grid, target, backend)}, steps,
                         layers, slice_type)
   rows, priced = [], []
   for expert, plan in plans.items():
     first, end = split.of(expert) if split else (0, steps)
-    weights = rungs[expert] or {svg.density_for(expert): 1.0}
-    by_density = rung_plans[expert] or {svg.density_for(expert): plan}
-    mean = lambda f: sum(w * f(by_density[d]) for d, w in weights.items())
+    own = Rung(svg.density_for(expert), svg.compensation)
+    weights = rungs[expert] or {own: 1.0}
+    by_rung = rung_plans[expert] or {own: plan}
+    mean = lambda f: sum(w * f(by_rung[r]) for r, w in weights.items())
     rows.append(Estimate(
-        expert=expert, density=round(sum(w * d for d, w in weights.items()), 6),
+        expert=expert, density=round(sum(w * r.density for r, w in weights.items()), 6),
         kept_pair_fraction=mean(lambda p: p.stats.exact_pair_fraction),
         visited_tile_fraction=mean(lambda p: p.stats.visited_tile_fraction),
         full_tiles=round(mean(lambda p: p.stats.full_tiles)),
@@ -153,13 +155,16 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
         steps=end - first, run_steps=steps,
         sparse_steps=svg.schedule.active_steps.within(first, end),
         sparse_layers=svg.schedule.active_layers.count(layers), layers=layers,
-        layer_densities=tuple(weights) if rungs[expert] else None))
-    priced.append(_weighted({d: _against_fixed_m(by_density[d], rows[-1].sparse_call_share,
-                                                 tiles, target, backend) for d in weights},
+        layer_densities=tuple(r.density for r in weights) if rungs[expert] else None,
+        layer_rungs=tuple(map(str, weights)) if rungs[expert] else None))
+    priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
+                                                 tiles, target, backend) for r in weights},
                             weights))
   combined = _combined(rows, priced)
   share, source = attention_share(grid.tokens, given_share)
-  blocks = svg.compensation_for(target, backend)  # checked by check_config above
+  # checked by check_config above; per-layer compensation: what its compensated layers add
+  compensated = any(r.compensation for weights in rungs.values() for r in weights)
+  blocks = svg.any_compensation_for(target, backend)
   return {"kind": "computed from the tile plan", "target": target.describe(),
           "libtpu_note": libtpu_note() if backend == "splash" else "",
           "backend": backend, "tiles": [tiles.block_q, tiles.block_kv],
@@ -174,21 +179,23 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
           "experts": split.as_dict() if split else None,
           "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, priced)],
           "combined": combined,
-          "compensation": _compensation(blocks, next(iter(plans.values()))),
+          "compensation": _compensation(blocks, next(iter(plans.values())),
+                                        per_layer=compensated),
           "end_to_end": {"attention_share": share, "source": source,
                          "step_speedup_bound": amdahl(share, combined["work_vs_dense"])}}
 
 
-def _compensation(blocks: int, plan) -> dict[str, Any] | None:
+def _compensation(blocks: int, plan, per_layer: bool = False) -> dict[str, Any] | None:
   """What a compensated sparse call adds: each query tile row also scores, in our kernel's
   closing step (Splash and XLA: after the kernel), the ``blocks`` centroids of each key tile it
   skips, at most ``row_keys`` of them (the slots every row holds), ``row_keys / S`` of a dense
-  call's scores; None when compensation is off."""
+  call's scores; None when compensation is off (``per_layer``: on in the layers
+  ``svg_layer_compensation`` names)."""
   if not blocks:
     return None
   row_keys = plan_row_keys(plan, blocks)
   return {"blocks": blocks, "pseudo_keys": plan.num_kv_tiles * blocks, "row_keys": row_keys,
-          "score_work_vs_dense": row_keys / plan.seq_len}
+          "score_work_vs_dense": row_keys / plan.seq_len, "per_layer": per_layer}
 
 
 def _semantic(svg: Any, grid: VideoGrid, plan: Any) -> dict[str, Any] | None:
@@ -213,19 +220,21 @@ def _semantic(svg: Any, grid: VideoGrid, plan: Any) -> dict[str, Any] | None:
           "warm_vs_attention": warm / attention}
 
 
-def _rungs(svg: Any, expert: str | None, layers: int) -> dict[float, float]:
-  """Per-layer densities: each distinct density's share of the layers the schedule makes
-  sparse (empty: one density for all)."""
-  per_layer = svg.layer_densities_for(expert)
+def _rungs(svg: Any, expert: str | None, layers: int) -> dict[Rung, float]:
+  """Per-layer rungs (density, compensation): each distinct rung's share of the layers the
+  schedule makes sparse (empty: one density for all)."""
+  for what in ("densities", "compensation"):
+    check_layer_count(getattr(svg, f"layer_{what}_for")(expert), layers,
+                      svg.layer_key(what, expert))
+  per_layer = svg.layer_rungs_for(expert)
   if per_layer is None:
     return {}
-  check_layer_count(per_layer, layers, svg.layer_densities_key(expert))
-  active = [d for i, d in enumerate(per_layer) if svg.schedule.active_layers.contains(i)]
+  active = [r for i, r in enumerate(per_layer) if svg.schedule.active_layers.contains(i)]
   active = active or list(per_layer)
-  return {d: active.count(d) / len(active) for d in sorted(set(active))}
+  return {r: active.count(r) / len(active) for r in sorted(set(active))}
 
 
-def _weighted(priced: dict[float, dict[str, Any]], weights: dict[float, float]) -> dict[str, Any]:
+def _weighted(priced: dict[Rung, dict[str, Any]], weights: dict[Rung, float]) -> dict[str, Any]:
   """One rung's pricing, or the layers' rungs priced together (their calls averaged)."""
   first = next(iter(priced.values()))
   unpriced = next((p for p in priced.values() if not p.get("priced")), None)

@@ -41,8 +41,9 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
   first, end = row["first_step"], row["first_step"] + row["steps"]
   steps = (f"{row['sparse_steps']} of its {row['steps']} steps [{first}, {end})" if wan22
            else f"{row['sparse_steps']} of {row['steps']} steps")
-  density = (f"svg_layer_densities {', '.join(map(str, row['layer_densities']))} (per layer; "
-             f"mean {row['density']} over the sparse layers" if row.get("layer_densities")
+  density = (f"per-layer rungs {', '.join(row['layer_rungs'])} (svg_layer_densities, "
+             f"svg_layer_compensation; "
+             f"mean {row['density']} over the sparse layers" if row.get("layer_rungs")
              else f"svg_density {row['density']} (band density")
   lines = [
       f"{who}{density}; with the first-frame sink "
@@ -103,7 +104,9 @@ def format_estimate(result: dict[str, Any]) -> str:
   lines.append(
       "compensation off: the tiles a sparse call skips get no weight (svg_compensation: false)"
       if comp is None else
-      f"compensation {comp['blocks']} centroids per key tile: each query of a sparse call also "
+      f"compensation {comp['blocks']} centroids per key tile"
+      f"{' in the layers svg_layer_compensation turns on' if comp.get('per_layer') else ''}: "
+      f"each query of a sparse call also "
       f"scores the centroids of the key tiles its row skips (at most {comp['row_keys']:,} of the "
       f"{comp['pseudo_keys']:,}; our kernel as it closes the row), "
       f"{comp['score_work_vs_dense']:.2%} of a dense call's scores; not in the bounds here")

@@ -157,7 +157,9 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   settings.svg.density_for(expert)  # validates the expert
   ops = list(_self_attention_ops(model))  # checks the model's layout before changing it
   check_layer_count(settings.svg.layer_densities_for(expert), model.num_layers,
-                    settings.svg.layer_densities_key(expert))
+                    settings.svg.layer_key("densities", expert))
+  check_layer_count(settings.svg.layer_compensation_for(expert), model.num_layers,
+                    settings.svg.layer_key("compensation", expert))
   model.svg_settings = settings
   model.svg_expert = expert
   for op, layer in ops:

@@ -20,6 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
 from maxdiffusion_svg.attention import profile_key
+from maxdiffusion_svg.budgets import Rung
 from maxdiffusion_svg.calibration import sampled_rung_errors
 from maxdiffusion_svg.kernels.gradient import residuals_named
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
@@ -32,19 +33,19 @@ from maxdiffusion_svg.sharding import sharded_svg_attention
 _CALL_LOG: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
     "svg_call_log", default=None)
 _CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("svg_capture", default=False)
-# ``calibrate``'s ladder and log, while it runs: each sparse call measures every rung.
-_RUNGS: contextvars.ContextVar[tuple[tuple[float, ...], list[dict[str, Any]]] | None] = (
+# ``calibrate``'s rungs and log, while it runs: each sparse call measures every rung.
+_RUNGS: contextvars.ContextVar[tuple[tuple[Rung, ...], list[dict[str, Any]]] | None] = (
     contextvars.ContextVar("svg_rungs", default=None))
 
 
 @contextlib.contextmanager
-def record_rung_errors(ladder: tuple[float, ...]) -> Iterator[list[dict[str, Any]]]:
+def record_rung_errors(rungs: tuple[Rung, ...]) -> Iterator[list[dict[str, Any]]]:
   """While the block traces, each video self-attention call also measures its error at every
-  density of ``ladder`` on device (:func:`maxdiffusion_svg.calibration.sampled_rung_errors`)
+  rung of ``rungs`` (density, compensation) on device (:func:`maxdiffusion_svg.calibration.sampled_rung_errors`)
   and logs ``{"step", "layer", "expert", "active", "errors"}`` (``active``: the schedule makes
   the call sparse). Call ``jax.effects_barrier()`` before reading the list."""
   log: list[dict[str, Any]] = []
-  token = _RUNGS.set((tuple(ladder), log))
+  token = _RUNGS.set((tuple(rungs), log))
   try:
     yield log
   finally:
@@ -53,12 +54,12 @@ def record_rung_errors(ladder: tuple[float, ...]) -> Iterator[list[dict[str, Any
 
 def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings: Any,
                   context: dict[str, Any], step: Any, layer: Any) -> None:
-  rungs = _RUNGS.get()
-  if rungs is None:
+  recording = _RUNGS.get()
+  if recording is None:
     return
-  ladder, log = rungs
+  rungs, log = recording
   svg = settings.svg
-  errors = sampled_rung_errors(q, k, v, grid=call.grid, config=svg, ladder=ladder,
+  errors = sampled_rung_errors(q, k, v, grid=call.grid, config=svg, rungs=rungs,
                                key=profile_key(svg, step, layer), scale=context["scale"],
                                expert=call.expert, target=svg.target(mesh=context["mesh"]))
 
@@ -75,8 +76,9 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
   """Logs every ``svg`` kernel execution of the functions traced inside the block.
 
   A test and benchmark aid: each execution appends ``{"kind", "sparse", "step", "layer",
-  "expert", "density", "warm"}`` (``kind``: ``self``, or ``cross``/``masked``/``short`` for
-  dense calls; ``density``: the sparse branch's; ``warm``: the semantic clustering started from
+  "expert", "density", "compensation", "warm"}`` (``kind``: ``self``, or
+  ``cross``/``masked``/``short`` for dense calls; ``density`` and ``compensation``: the sparse
+  branch's, the layer's own under per-layer keys; ``warm``: the semantic clustering started from
   the previous step's centroids)
   through ``jax.debug.callback``, so steps and layers are the traced values of that run.
   ``arrays``: self-attention entries also get ``"qkv_out"``, the call's global ``[B, H, S, D]``
@@ -94,22 +96,23 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
 
 def _record(kind: str, expert: str | None, sparse: Any = False, step: Any = -1,
             layer: Any = -1, density: Any = None,
-            arrays: tuple[jax.Array, ...] = (), warm: Any = False) -> None:
+            arrays: tuple[jax.Array, ...] = (), warm: Any = False,
+            compensation: Any = False) -> None:
   log = _CALL_LOG.get()
   if log is None:
     return
 
-  def append(sparse, step, layer, warm, density, *values):
+  def append(sparse, step, layer, warm, density, compensation, *values):
     entry = {"kind": kind, "sparse": bool(sparse), "step": int(step), "layer": int(layer),
              "expert": expert, "density": None if density < 0 else round(float(density), 6),
-             "warm": bool(warm)}
+             "compensation": bool(compensation), "warm": bool(warm)}
     if values:
       entry["qkv_out"] = tuple(np.asarray(x) for x in values)
     log.append(entry)
 
   jax.debug.callback(append, jnp.asarray(sparse), jnp.asarray(step), jnp.asarray(layer),
                      jnp.asarray(warm), jnp.asarray(-1.0 if density is None else density,
-                                                    jnp.float32),
+                                                    jnp.float32), jnp.asarray(compensation),
                      *(arrays if _CAPTURE.get() else ()))
 
 
@@ -212,10 +215,13 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if seed is not None:
     out, clusters = out
     semantic_store.write(call.semantic_store, layer, clusters, schedule.is_active(step, layer))
-  per_layer = settings.svg.layer_densities_for(call.expert)
-  density = (settings.svg.density_for(call.expert) if per_layer is None
-             else jnp.asarray(per_layer, jnp.float32)[layer])  # the layer's own
+  per_layer = settings.svg.layer_rungs_for(call.expert)
+  if per_layer is None:
+    density, compensation = settings.svg.density_for(call.expert), settings.svg.compensation
+  else:  # the layer's own rung
+    density = jnp.asarray([r.density for r in per_layer], jnp.float32)[layer]
+    compensation = jnp.asarray([r.compensation for r in per_layer])[layer]
   _record("self", call.expert, schedule.is_active(step, layer), step, layer, density,
-          arrays=(q, k, v, out),
-          warm=False if seed is None else seed.ready)
+          arrays=(q, k, v, out), warm=False if seed is None else seed.ready,
+          compensation=compensation)
   return attention_flax._reshape_heads_to_head_dim(out)  # pylint: disable=protected-access

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import enum
 
 from maxdiffusion_svg.budgets import layer_ranges
-from maxdiffusion_svg.config import KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
+from maxdiffusion_svg.config import EXPERTS, KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.layouts import ring_note
@@ -117,11 +117,15 @@ class PluginSettings:
   def compensation_text(self, target: Target | None = None, backend: str | None = None) -> str:
     """The compensation for the log lines; on ``target`` its block count is checked against
     the executor's key tile there (the refusal names ``svg_compensation_blocks``)."""
-    if not self.svg.compensation:
+    if not self.svg.compensates:
       return "compensation off"
     blocks = (self.svg.compensation_blocks if target is None
-              else self.svg.compensation_for(target, backend))
-    return f"compensation {blocks} centroids per key tile"
+              else self.svg.any_compensation_for(target, backend))
+    per_layer = [f"{f'{e} ' if e else ''}{layer_ranges(c)}" for e in (None, *EXPERTS)
+                 if (c := self.svg.layer_compensation_for(e)) is not None
+                 and (e is None or c is not self.svg.layer_compensation)]
+    where = f" (per layer: {'; '.join(per_layer)})" if per_layer else ""
+    return f"compensation {blocks} centroids per key tile{where}"
 
   def is_short(self, tokens: int) -> bool:
     """Self-attention this short runs dense (the kernel's ``short`` calls)."""

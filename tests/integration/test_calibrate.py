@@ -1,6 +1,6 @@
-"""``calibrate`` end to end on the tiny checkpoint: measured through generate_wan, an overlay that
-MaxDiffusion's own pyconfig reads, and a calibrated run no further from dense than the uniform
-one at no more visited tiles."""
+"""``calibrate`` end to end on the tiny checkpoint: measured through generate_wan (each density
+with compensation off and on), an overlay that MaxDiffusion's own pyconfig reads, and a
+calibrated run no further from dense than the uniform one at no more cost."""
 
 import numpy as np
 import pytest
@@ -45,17 +45,25 @@ def test_each_layer_is_measured_and_the_budget_held(calibrated):
   plan, report, out, messages, _ = calibrated
   model = report["experts"]["None"]
   assert model["layers"] == LAYERS and model["measured"] == [0, 1]
-  assert model["uniform"] == SVG_KEYS["svg_density"] and model["ladder"] == list(LADDER)
+  uniform = SVG_KEYS["svg_density"]  # the config's compensation: off
+  assert model["uniform"] == f"{uniform:g}"
+  assert model["rungs"] == [f"{d:g}{c}" for d in sorted({*LADDER, uniform})
+                            for c in ("", "+compensation")]
   assert model["tiles"] <= model["uniform_tiles"]
   assert model["error"] <= model["uniform_error"] + 1e-12
-  assert len(model["densities"]) == LAYERS and set(model["densities"]) <= set(LADDER)
+  assert len(model["densities"]) == LAYERS and set(model["densities"]) <= {*LADDER, uniform}
+  assert len(model["compensation"]) == LAYERS and {*model["compensation"]} <= {False, True}
   errors = np.asarray(model["errors"])
-  assert (errors[:, -1] < 1e-6).all()  # density 1 is dense
-  assert (np.diff(errors, axis=1) <= 1e-9).all()  # more tiles, no more error
+  plain, compensated = errors[:, 0::2], errors[:, 1::2]
+  assert (plain[:, -1] < 1e-6).all() and (compensated[:, -1] < 1e-6).all()  # density 1: dense
+  assert (np.diff(plain, axis=1) <= 1e-9).all()  # more tiles, no more error
+  assert (np.diff(compensated, axis=1) <= 1e-9).all()
+  costs = np.asarray(model["costs"])
+  assert (costs[1::2] >= costs[0::2]).all() and costs[-1] == costs[-2]  # row keys cost
   assert any("step" in m for m in messages) and any("prompt 1 of 1" in m for m in messages)
   assert str(out) == report["overlay"]
   text = calibrate.format_calibration(report)
-  assert "visited tiles per head" in text and str(out) in text
+  assert "cost per head (key tiles, with compensation's row keys)" in text and str(out) in text
   del plan
 
 
@@ -65,12 +73,14 @@ def test_the_overlay_round_trips_through_maxdiffusions_pyconfig(calibrated, wan2
   _, report, out, _, _ = calibrated
   written = yaml.safe_load(out.read_text())
   assert written["svg_layer_densities"] == report["experts"]["None"]["densities"]
+  assert written["svg_layer_compensation"] == report["experts"]["None"]["compensation"]
   argv = launcher.prepare_argv(["generate", str(out), *_overrides(wan21_checkpoint)],
                                str(tmp_path))[0]
   pyconfig.initialize(argv, unittest=True)
   keys = pyconfig.config.get_keys()
   settings = PluginSettings.from_mapping(keys)
   assert settings.svg.layer_densities == tuple(report["experts"]["None"]["densities"])
+  assert settings.svg.layer_compensation == tuple(report["experts"]["None"]["compensation"])
   assert settings.svg.density == SVG_KEYS["svg_density"]  # the chain to the config is kept
 
 
@@ -83,11 +93,12 @@ def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoin
   dense, _ = launch(tmp_path / "dense", [run_config, *common, "attention=dot_product"])
   video, log = launch(tmp_path / "calibrated", [str(out), *common])
   densities = report["experts"]["None"]["densities"]
+  rungs = list(zip(densities, report["experts"]["None"]["compensation"]))
   sparse = [r for r in log if r["kind"] == "self" and r["sparse"]]
-  assert {(r["layer"], r["density"]) for r in sparse} == set(enumerate(densities))
+  assert {(r["layer"], (r["density"], r["compensation"])) for r in sparse} == set(enumerate(rungs))
   assert len(sparse) >= LAYERS * (STEPS - 1)
   calibrated_db, uniform_db = wan_e2e.psnr(video, dense), wan_e2e.psnr(uniform, dense)
-  print(f"tiny Wan 2.1: calibrated {densities} {calibrated_db:.2f} dB, uniform "
+  print(f"tiny Wan 2.1: calibrated {rungs} {calibrated_db:.2f} dB, uniform "
         f"{SVG_KEYS['svg_density']} {uniform_db:.2f} dB against dense")
   assert calibrated_db >= uniform_db - 1e-9
 
@@ -112,10 +123,13 @@ def test_wan22_calibrates_each_expert_and_runs_each_ones_densities(tmp_path):
   written = yaml.safe_load(out.read_text())
   for expert in ("high_noise", "low_noise"):
     result = report["experts"][expert]
-    assert result["uniform"] in (0.5, 0.2) and result["tiles"] <= result["uniform_tiles"]
+    assert result["uniform"] in ("0.5", "0.2") and result["tiles"] <= result["uniform_tiles"]
     assert written[f"svg_{expert}_layer_densities"] == result["densities"]
+    assert written[f"svg_{expert}_layer_compensation"] == result["compensation"]
   (tmp_path / "run").mkdir()
   _, log = launch(tmp_path / "run", [str(out), *common])
-  seen = {(r["expert"], r["layer"], r["density"]) for r in log if r["kind"] == "self" and r["sparse"]}
-  assert seen == {(expert, layer, density) for expert in ("high_noise", "low_noise")
-                  for layer, density in enumerate(report["experts"][expert]["densities"])}
+  seen = {(r["expert"], r["layer"], r["density"], r["compensation"]) for r in log
+          if r["kind"] == "self" and r["sparse"]}
+  assert seen == {(expert, layer, density, on) for expert in ("high_noise", "low_noise")
+                  for layer, (density, on) in enumerate(zip(report["experts"][expert]["densities"],
+                                                            report["experts"][expert]["compensation"]))}

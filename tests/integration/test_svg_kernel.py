@@ -106,6 +106,23 @@ def test_scan_layers_on_and_off_agree(tmp_path_factory):
   assert sorted(map(str, log_scanned)) == sorted(map(str, log_looped))
 
 
+def test_per_layer_rungs_with_scan_layers_on_and_off(tmp_path_factory):
+  """``svg_layer_densities`` and ``svg_layer_compensation`` in MaxDiffusion's transformer, its
+  layers scanned (``nnx.scan``: the layer index traced) and looped (one block each): the same
+  output, each layer at its own rung, and not the uniform run's."""
+  keys = {"svg_density": 0.3, **EVERYTHING}
+  rungs = {"svg_layer_densities": [0.2, 0.6], "svg_layer_compensation": [True, False]}
+  scanned, log_scanned = forward(tmp_path_factory, 8, "svg", scan_layers=True, **keys, **rungs)
+  looped, log_looped = forward(tmp_path_factory, 8, "svg", scan_layers=False, **keys, **rungs)
+  uniform, _ = forward(tmp_path_factory, 8, "svg", **keys)
+  scale = np.abs(scanned).max()
+  np.testing.assert_allclose(looped / scale, scanned / scale, atol=1e-5)
+  assert not np.allclose(scanned / scale, uniform / scale, atol=1e-4)
+  for log in (log_scanned, log_looped):
+    assert sorted((r["layer"], r["density"], r["compensation"]) for r in log
+                  if r["kind"] == "self") == [(0, 0.2, True), (1, 0.6, False)]
+
+
 def test_the_layout_follows_the_configs_logical_axis_rules(tmp_path_factory):
   """A rule set that splits the batch over ``data`` only, on a data x fsdp x context mesh
   (2 x 2 x 2): the kernel reads the layout from the rules, as MaxDiffusion's ulysses does.
