@@ -98,14 +98,17 @@ def test_the_semantic_layout_compiles_in_the_forward_within_the_bound(compiled):
 
 @pytest.mark.full  # a third 2-layer compile (about 4 minutes here)
 def test_a_calibrated_config_compiles_in_the_forward_within_the_bound(compiled):
-  """Per-layer densities (each layer its own plan, picked by the scanned layer index): our
-  kernel for each distinct density, temporaries within the bound of the uniform config's."""
+  """Per-layer rungs (each layer its own plan, picked by the scanned layer index; layer 0
+  compensated): our kernel for each distinct rung, temporaries within the bound of the uniform
+  config's."""
   calibrated = compile_wan_forwards(
       kernels=("svg",), num_layers=LAYERS, log=lambda _: None,
       overrides={"flash_min_seq_length": 0, "svg_layer_densities": "[0.2, 0.45]",
+                 "svg_layer_compensation": "[true, false]",
                  "svg_active_layers": "[0, -1]"})["kernels"]["svg"]
   assert calibrated["ok"], calibrated["error"]
   assert "per layer 0: 0.2, 1: 0.45" in calibrated["svg"]
+  assert "(per layer: 0: true, 1: false)" in calibrated["svg"]
   # the two rungs' sparse kernels and the dense branch's (the uniform config: one and one)
   assert sum("svg_pallas_sparse" in name for name in calibrated["mosaic_kernel_names"]) == 3
   base = compiled["kernels"]["svg"]["memory"]
