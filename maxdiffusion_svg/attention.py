@@ -171,10 +171,13 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
   def build(branch: Branch) -> Callable[..., Any]:
     def run(q, k, v, key):
       routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed)
-      # The route is decided before anything is placed: scheduled among the placed copies,
-      # the router's estimate left them scattered (a v6e 720p semantic call took 1,651 MiB of
-      # temporaries where 1,384 hold the same work, svg's own 1,292).
-      routing, semantic, q, k, v = jax.lax.optimization_barrier((routing, semantic, q, k, v))
+      if semantic is not None:
+        # The route is decided before anything is placed: scheduled among the placed copies,
+        # the semantic estimate left them scattered (a v6e 720p semantic call took 1,651 MiB
+        # of temporaries where 1,384 hold the same work, svg's own 1,292). Not for the band
+        # layouts alone: there it kept the compensated call's centroids alive (the Wan 14B
+        # forward with compensation: 3,192 MiB with it, 2,873 without; the plain one 2,790).
+        routing, semantic, q, k, v = jax.lax.optimization_barrier((routing, semantic, q, k, v))
       layout = routing.temporal if semantic is None else routing.layouts
       out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,
                     branch.compensation_blocks, cents, semantic)
