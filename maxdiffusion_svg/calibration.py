@@ -123,18 +123,19 @@ def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: Video
 def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                         config: SvgConfig, rungs: Sequence[Rung], key: jax.Array,
                         scale: float | None = None, expert: str | None = None,
-                        target: Target | None = None) -> jax.Array:
-  """``float32 [K]``: one call's mean relative error per rung, on device, from
+                        target: Target | None = None) -> tuple[jax.Array, jax.Array]:
+  """``float32 [K]`` twice: one call's mean relative error per rung, on device, from
   :data:`CALIBRATION_ROWS` sampled rows against their dense output: each head takes the lower
   of its spatial and temporal errors under the rung's execution mask (as the router would
-  choose), compensated where the rung compensates. What ``calibrate`` records per step and
+  choose), compensated where the rung compensates; and the share of heads whose better layout
+  is temporal at each rung (the layouts the table reports). What ``calibrate`` records per step and
   layer of a real run, where the whole inputs cannot leave the device."""
   router = dataclasses.replace(config.router, profile_queries=CALIBRATION_ROWS)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   rows = sample_rows(key, grid.tokens, router)
   sampled = sample_dense(q, k, v, rows, scale)
   power = jnp.maximum(jnp.mean(sampled.dense ** 2, axis=(2, 3)), 1e-30)
-  errors = []
+  errors, temporal_share = [], []
   for rung in rungs:
     config_at = config.at_rung(rung)
     plan = config_at.plan(grid, expert, target=target)
@@ -143,7 +144,8 @@ def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Video
                                       sampled=sampled,
                                       compensation=(plan, blocks) if blocks else None)
     errors.append(jnp.mean(jnp.minimum(spatial, temporal) / power))
-  return jnp.stack(errors)
+    temporal_share.append(jnp.mean((temporal < spatial).astype(jnp.float32)))
+  return jnp.stack(errors), jnp.stack(temporal_share)
 
 
 @dataclasses.dataclass(frozen=True)

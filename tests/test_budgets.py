@@ -263,8 +263,9 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
                                                    seed=3))
   rungs = (Rung(0.2), Rung(0.2, True), Rung(0.5), Rung(1.0))
   config = _config()
-  got = np.asarray(calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
-                                                   rungs=rungs, key=jax.random.key(0)))
+  got, temporal = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
+                                                  rungs=rungs, key=jax.random.key(0))
+  got, temporal = np.asarray(got), np.asarray(temporal)
   dense = dense_attention(q, k, v)
   for j, (density, on) in enumerate(rungs):
     per_layout = [relative_error(scheduled_svg_attention(
@@ -272,4 +273,6 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
         step=0, layer=0), dense)[0] for name in ("spatial", "temporal")]
     mse = np.minimum(*per_layout)  # relative to each head's power: the same rows, all of them
     assert got[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), rungs[j]
+    if j < 3:  # (density 1: both layouts are dense, a tie)
+      assert temporal[j] == pytest.approx(np.mean(per_layout[1] < per_layout[0])), rungs[j]
   assert got[0] > got[2] > got[3] >= 0 and got[0] > got[1]

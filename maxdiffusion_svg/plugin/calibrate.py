@@ -118,13 +118,14 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
 
 
 def layer_table(entries: Sequence[dict[str, Any]], expert: str | None, layers: int,
-                rungs: int) -> tuple[np.ndarray, np.ndarray]:
-  """``(errors [L, K], measured [L])``: each layer's mean over its sparse calls (``measured``:
-  the calls that made the mean; 0 where the schedule kept the layer dense)."""
+                rungs: int, field: str = "errors") -> tuple[np.ndarray, np.ndarray]:
+  """``(values [L, K], measured [L])``: each layer's mean of ``field`` (``errors``, or
+  ``temporal``: the share of heads routed temporal) over its sparse calls (``measured``: the
+  calls that made the mean; 0 where the schedule kept the layer dense)."""
   total, count = np.zeros((layers, rungs)), np.zeros(layers)
   for entry in entries:
     if entry["expert"] == expert and entry["active"] and 0 <= entry["layer"] < layers:
-      total[entry["layer"]] += entry["errors"]
+      total[entry["layer"]] += entry[field]
       count[entry["layer"]] += 1
   return total / np.maximum(count, 1)[:, None], count
 
@@ -178,6 +179,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   target = svg.target(mesh=mesh)
   results: dict[str | None, Calibration] = {}
   measured: dict[str | None, list[int]] = {}
+  temporal: dict[str | None, np.ndarray] = {}
   for expert, layers in experts.items():
     table, count = layer_table(entries, expert, layers, len(plan.rungs))
     active = count > 0
@@ -189,6 +191,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
                                        plan.target_error, plan.max_loss_db, plan.floor_db)
     measured[expert] = np.flatnonzero(active).tolist()
+    temporal[expert] = layer_table(entries, expert, layers, len(plan.rungs), "temporal")[0][active]
   overlay = {BASE_KEY: str(pathlib.Path(plan.config).resolve())}
   overlay.update(_svg_overrides(plan.overrides))
   report = {"config": plan.config, "overlay": str(plan.out), "prompts": len(plan.prompts),
@@ -202,9 +205,13 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     overlay[key_for("densities", expert)] = densities
     if plan.per_layer_compensation:
       overlay[key_for("compensation", expert)] = compensation
+    chosen = list(result.allocation.choice)
     report["experts"][str(expert)] = {"layers": experts[expert], "measured": measured[expert],
                                       **result.as_dict(), "densities": densities,
-                                      "compensation": compensation}
+                                      "compensation": compensation,
+                                      "temporal_share": temporal[expert].tolist(),
+                                      "chosen_temporal_share": temporal[expert][
+                                          np.arange(len(chosen)), chosen].tolist()}
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
 
@@ -231,13 +238,14 @@ def format_calibration(report: dict[str, Any]) -> str:
     u = r["uniform_rung"]
     lines.append(f"{'expert ' + expert if expert != 'None' else 'model'}: uniform "
                  f"{r['uniform']}, {r['layers']} layers")
-    lines.append(f"{'layer':>6}{'density':>9}{'compensation':>14}{'error':>11}{'uniform':>11}"
-                 f"{'dB vs uniform':>15}")
+    lines.append(f"{'layer':>6}{'density':>9}{'compensation':>14}{'temporal heads':>16}"
+                 f"{'error':>11}{'uniform':>11}{'dB vs uniform':>15}")
     for row, (layer, j) in enumerate(zip(r["measured"], r["choice"])):
       error, uniform = r["errors"][row][j], r["errors"][row][u]
       change = 10 * math.log10(max(uniform, 1e-30) / max(error, 1e-30))
       lines.append(f"{layer:>6}{r['densities'][layer]:>9}"
-                   f"{'on' if r['compensation'][layer] else 'off':>14}{error:>11.3g}"
+                   f"{'on' if r['compensation'][layer] else 'off':>14}"
+                   f"{r['chosen_temporal_share'][row]:>16.0%}{error:>11.3g}"
                    f"{uniform:>11.3g}{change:>+15.2f}")
     lines.append(f"cost per head (key tiles, with compensation's row keys): {r['tiles']:.0f} "
                  f"(uniform {r['uniform_tiles']:.0f}); total error {r['error']:.3g} (uniform "

@@ -42,8 +42,9 @@ _RUNGS: contextvars.ContextVar[tuple[tuple[Rung, ...], list[dict[str, Any]]] | N
 def record_rung_errors(rungs: tuple[Rung, ...]) -> Iterator[list[dict[str, Any]]]:
   """While the block traces, each video self-attention call also measures its error at every
   rung of ``rungs`` (density, compensation) on device (:func:`maxdiffusion_svg.calibration.sampled_rung_errors`)
-  and logs ``{"step", "layer", "expert", "active", "errors"}`` (``active``: the schedule makes
-  the call sparse). Call ``jax.effects_barrier()`` before reading the list."""
+  and logs ``{"step", "layer", "expert", "active", "errors", "temporal"}`` (``active``: the
+  schedule makes the call sparse; ``temporal``: per rung, the share of heads whose better layout
+  is temporal). Call ``jax.effects_barrier()`` before reading the list."""
   log: list[dict[str, Any]] = []
   token = _RUNGS.set((tuple(rungs), log))
   try:
@@ -59,16 +60,17 @@ def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings:
     return
   rungs, log = recording
   svg = settings.svg
-  errors = sampled_rung_errors(q, k, v, grid=call.grid, config=svg, rungs=rungs,
-                               key=profile_key(svg, step, layer), scale=context["scale"],
-                               expert=call.expert, target=svg.target(mesh=context["mesh"]))
+  errors, temporal = sampled_rung_errors(
+      q, k, v, grid=call.grid, config=svg, rungs=rungs, key=profile_key(svg, step, layer),
+      scale=context["scale"], expert=call.expert, target=svg.target(mesh=context["mesh"]))
 
-  def append(step, layer, active, errors):
+  def append(step, layer, active, errors, temporal):
     log.append({"step": int(step), "layer": int(layer), "expert": call.expert,
-                "active": bool(active), "errors": np.asarray(errors, np.float64)})
+                "active": bool(active), "errors": np.asarray(errors, np.float64),
+                "temporal": np.asarray(temporal, np.float64)})
 
   jax.debug.callback(append, jnp.asarray(step), jnp.asarray(layer),
-                     jnp.asarray(svg.schedule.is_active(step, layer)), errors)
+                     jnp.asarray(svg.schedule.is_active(step, layer)), errors, temporal)
 
 
 @contextlib.contextmanager

@@ -64,6 +64,10 @@ def test_each_layer_is_measured_and_the_budget_held(calibrated):
   assert str(out) == report["overlay"]
   text = calibrate.format_calibration(report)
   assert "cost per head (key tiles, with compensation's row keys)" in text and str(out) in text
+  assert "temporal heads" in text  # the layouts each layer's heads took at its rung
+  share = np.asarray(model["temporal_share"])
+  assert share.shape == errors.shape and ((share >= 0) & (share <= 1)).all()
+  assert model["chosen_temporal_share"] == [share[i, j] for i, j in enumerate(model["choice"])]
   del plan
 
 
