@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def config(tmp_path) -> str:
   """A chained config holding a key of each type MaxDiffusion's pyconfig can override."""
   (tmp_path / "base.yml").write_text(yaml.safe_dump({
-      "attention": "flash", "num_inference_steps": 50, "per_device_batch_size": 1.0,
+      "model_name": "wan2.1", "attention": "flash", "num_inference_steps": 50,
+      "per_device_batch_size": 1.0,
       "enable_profiler": False, "logical_axis_rules": [["batch", "data"]],
       "flash_block_sizes": {"block_q": 512}, "lora_config": None, "output_dir": "/tmp/out",
       "run_name": "test"}))
@@ -228,3 +229,21 @@ def test_the_shipped_training_config_passes_the_training_checks():
   settings = check_training({**config_defaults(),
                              **own_chain(ROOT / "configs" / "wan_svg_train.yml")})
   assert settings is not None and settings.svg.schedule.active_steps.start == 0
+
+
+@pytest.mark.parametrize("keys, named", [
+    ({"model_name": None, "pretrained_model_name_or_path": "Lightricks/LTX-Video"},
+     ["is an LTX-Video config: LTX-Video (MaxDiffusion's legacy 13B port, generate_ltx_video) is "
+      "not supported", "calls Pallas flash attention directly"]),
+    ({"model_name": "ltx2.3"}, ["is an LTX-2 config (model_name ltx2.3): LTX-2 is not supported "
+                                "yet"]),
+    ({"model_name": "z_image"}, ["model_name is 'z_image': python -m maxdiffusion_svg.generate "
+                                 "runs Wan (model_name wan2.1 or wan2.2)"])])
+def test_a_config_of_another_model_is_refused_by_name(capsys, tmp_path, config, keys, named):
+  """Generation runs generate_wan: LTX-Video (whose attention never reaches the registry), LTX-2
+  and other models are refused before anything loads, each saying why."""
+  path = tmp_path / "other.yml"
+  path.write_text(yaml.safe_dump({"base_config": "run.yml", **keys}))
+  err = refused(capsys, str(path))
+  for text in named:
+    assert text in err, err

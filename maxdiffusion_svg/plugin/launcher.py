@@ -82,10 +82,37 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   check_overrides(config, argv[2:], chain)
   check_values(config, argv[2:])
   check_run_name(config, argv[2:])
+  if not entry.training:
+    check_model(with_overrides(config, argv[2:]), argv[1])
   if entry.training:
     from maxdiffusion_svg.plugin.training import check_training  # pylint: disable=import-outside-toplevel
     check_training(with_overrides(config, argv[2:]))
   return config, chain
+
+
+WAN_MODELS = ("wan2.1", "wan2.2")  # what generate_wan runs
+LTX2_MODELS = ("ltx2_video", "ltx2.3")  # generate_ltx2's
+
+
+def check_model(config: Mapping[str, Any], path: str) -> None:
+  """``generate`` runs Wan: a config of another model is refused by name before anything loads
+  (MaxDiffusion's generate_wan would fail on it far later, or not say why)."""
+  model = config.get("model_name")
+  if model in WAN_MODELS:
+    return
+  weights = str(config.get("pretrained_model_name_or_path") or "")
+  if model is None and ("LTX-Video" in weights or os.path.basename(path) == "ltx_video.yml"):
+    raise ValueError(f"{path} is an LTX-Video config: LTX-Video (MaxDiffusion's legacy 13B port, "
+                     f"generate_ltx_video) is not supported. Its transformer calls Pallas flash "
+                     f"attention directly, not MaxDiffusion's attention kernels, so attention: "
+                     f"svg would be ignored; run it with MaxDiffusion's own generate_ltx_video")
+  if model in LTX2_MODELS:
+    raise ValueError(f"{path} is an LTX-2 config (model_name {model}): LTX-2 is not supported "
+                     f"yet (its generate_ltx2 is not wired to the svg kernel, whose video "
+                     f"self-attention would run dense); run it with MaxDiffusion's own "
+                     f"generate_ltx2")
+  raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs Wan "
+                   f"(model_name {' or '.join(WAN_MODELS)}) through generate_wan")
 
 
 def check_form(overrides: Sequence[str]) -> None:
