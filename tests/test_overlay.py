@@ -56,7 +56,7 @@ def test_cycles_and_missing_bases_name_the_files(tmp_path):
 
 
 def test_launcher_argv_points_maxdiffusion_at_the_merged_config(tmp_path):
-  write(tmp_path / "base.yml", attention="flash", num_inference_steps=50)
+  write(tmp_path / "base.yml", model_name="wan2.1", attention="flash", num_inference_steps=50)
   top = write(tmp_path / "run.yml", base_config="base.yml", attention="svg")
   out = tmp_path / "out"
   out.mkdir()
@@ -66,7 +66,8 @@ def test_launcher_argv_points_maxdiffusion_at_the_merged_config(tmp_path):
   assert argv == ["prog", str(out / "merged_config.yml"), "num_inference_steps=3", "svg_density=0.5"]
   merged = yaml.safe_load((out / "merged_config.yml").read_text())
   # Every svg_* key is there (so each can be overridden), under the config's own keys.
-  assert merged == {**config_defaults(), "attention": "svg", "num_inference_steps": 50}
+  assert merged == {**config_defaults(), "model_name": "wan2.1", "attention": "svg",
+                    "num_inference_steps": 50}
   assert merged["svg_density"] == "preset" and merged["svg_block_kv_compute"] == 0
   with pytest.raises(ValueError, match="usage: python -m maxdiffusion_svg.generate CONFIG.yml"):
     prepare_argv(["prog", "attention=svg"], str(out))
