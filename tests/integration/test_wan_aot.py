@@ -100,7 +100,8 @@ def test_the_semantic_layout_compiles_in_the_forward_within_the_bound(compiled):
 def test_a_calibrated_config_compiles_in_the_forward_within_the_bound(compiled):
   """Per-layer rungs (each layer its own plan, picked by the scanned layer index; layer 0
   compensated): our kernel for each distinct rung, temporaries within the bound of the uniform
-  config with its heaviest rung's compensation (the switch's branches share their buffers)."""
+  config with its heaviest rung's compensation (measured: 3,148 MiB against 2,876, 1.09x: a
+  switch between a compensated and a plain rung holds more than either)."""
   common = {"flash_min_seq_length": 0, "svg_active_layers": "[0, -1]"}
   calibrated = compile_wan_forwards(
       kernels=("svg",), num_layers=LAYERS, log=lambda _: None,
