@@ -67,18 +67,18 @@ def candidate_rungs(config: SvgConfig, ladder: Sequence[float], compensation: st
   (:data:`COMPENSATION_CHOICES`; ``config``: the config's own), with each expert's uniform rung
   on it: the uniform choice is always a candidate, so the allocation is never worse than it on
   the measured inputs."""
-  if compensation not in COMPENSATION_CHOICES:
-    raise ValueError(f"--compensation must be one of {', '.join(COMPENSATION_CHOICES)}, got "
-                     f"{compensation!r}")
-  choices = COMPENSATION_CHOICES[compensation] or (config.compensation,)
+  choices = compensation_choices(compensation, config)
   rungs = {Rung(d, c) for d in check_ladder(ladder) for c in choices}
   return tuple(sorted(rungs | {uniform_rung(config, e) for e in experts}))
 
 
-def with_uniform(config: SvgConfig, ladder: Sequence[float],
-                 expert: str | None = None) -> tuple[Rung, ...]:
-  """The ladder's densities at the config's compensation, with its own density on it."""
-  return candidate_rungs(config, ladder, "config", (expert,))
+def compensation_choices(compensation: str, config: SvgConfig) -> tuple[bool, ...]:
+  """The compensation a layer may take under ``--compensation`` (``config``: the config's
+  own); any other name is refused."""
+  if compensation not in COMPENSATION_CHOICES:
+    raise ValueError(f"--compensation must be one of {', '.join(COMPENSATION_CHOICES)}, got "
+                     f"{compensation!r}")
+  return COMPENSATION_CHOICES[compensation] or (config.compensation,)
 
 
 def rung_costs(config: SvgConfig, grid: VideoGrid, rungs: Sequence[Rung],

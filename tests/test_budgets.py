@@ -163,38 +163,11 @@ def _config(density=0.25, **kw):
                    schedule=Schedule(Interval(0, None), Interval(0, None)), **kw)
 
 
-def test_one_compile_each_layer_runs_its_own_density():
-  """A traced layer picks its rung: each layer's output equals the call at its density, which
-  differ (so a wrong rung is seen), in one compiled function."""
-  q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, GRID.tokens, 64))
-  densities = (0.2, 0.8, 0.2, 0.5)
-  config = _config(layer_densities=densities)
-  traces = []
-
-  @jax.jit
-  def call(q, k, v, layer):
-    traces.append(layer)
-    return scheduled_svg_attention(q, k, v, grid=GRID, config=config, step=jnp.int32(0),
-                                   layer=layer)
-
-  dense = dense_attention(q, k, v)
-  outs = {}
-  for layer, density in enumerate(densities):
-    got = call(q, k, v, jnp.int32(layer))
-    want = scheduled_svg_attention(q, k, v, grid=GRID, config=_config(density=density),
-                                   step=0, layer=layer)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    outs[density] = relative_error(got, dense).mean()
-  assert len(traces) == 1
-  assert outs[0.2] > outs[0.5] > outs[0.8]  # the rungs differ, more tiles less error
-
-
-def test_one_compile_each_layer_runs_its_own_compensation():
-  """Compensation per layer: each layer equals the uniform call at its rung, which differ (the
-  compensated call is nearer dense at the same density), in one compiled function."""
-  q, k, v = jax.random.normal(jax.random.key(2), (3, 1, 2, GRID.tokens, 64))
-  densities, compensation = (0.2, 0.2, 0.5), (False, True, True)
-  config = _config(layer_densities=densities, layer_compensation=compensation)
+def _each_layer_at_its_rung(config, rungs, seed):
+  """Each layer's output through one jitted call with a traced layer, checked equal to the
+  uniform call at that layer's rung; returns each layer's error against dense and the number of
+  traces."""
+  q, k, v = jax.random.normal(jax.random.key(seed), (3, 1, 2, GRID.tokens, 64))
   traces = []
 
   @jax.jit
@@ -205,13 +178,33 @@ def test_one_compile_each_layer_runs_its_own_compensation():
 
   dense = dense_attention(q, k, v)
   errors = []
-  for layer, (density, on) in enumerate(zip(densities, compensation)):
+  for layer, (density, on) in enumerate(rungs):
     got = call(q, k, v, jnp.int32(layer))
     want = scheduled_svg_attention(q, k, v, grid=GRID, step=0, layer=layer,
                                    config=_config(density=density, compensation=on))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     errors.append(relative_error(got, dense).mean())
-  assert len(traces) == 1
+  return errors, len(traces)
+
+
+def test_one_compile_each_layer_runs_its_own_density():
+  """A traced layer picks its rung: each layer's output equals the call at its density, which
+  differ (so a wrong rung is seen), in one compiled function."""
+  densities = (0.2, 0.8, 0.2, 0.5)
+  errors, traces = _each_layer_at_its_rung(_config(layer_densities=densities),
+                                           [(d, False) for d in densities], seed=0)
+  outs = dict(zip(densities, errors))
+  assert traces == 1
+  assert outs[0.2] > outs[0.5] > outs[0.8]  # the rungs differ, more tiles less error
+
+
+def test_one_compile_each_layer_runs_its_own_compensation():
+  """Compensation per layer: each layer equals the uniform call at its rung, which differ (the
+  compensated call is nearer dense at the same density), in one compiled function."""
+  densities, compensation = (0.2, 0.2, 0.5), (False, True, True)
+  config = _config(layer_densities=densities, layer_compensation=compensation)
+  errors, traces = _each_layer_at_its_rung(config, list(zip(densities, compensation)), seed=2)
+  assert traces == 1
   assert errors[0] > errors[1] > errors[2]
 
 

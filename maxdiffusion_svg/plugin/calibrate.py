@@ -25,9 +25,9 @@ import numpy as np
 import yaml
 
 from maxdiffusion_svg.budgets import Rung
-from maxdiffusion_svg.calibration import (COMPENSATION_CHOICES, FLOOR_DB, MAX_LOSS_DB,
-                                          Calibration, calibrate_layers, candidate_rungs,
-                                          rung_costs, uniform_rung)
+from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, calibrate_layers,
+                                          candidate_rungs, compensation_choices, rung_costs,
+                                          uniform_rung)
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
@@ -95,10 +95,7 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   if target_error is not None and not target_error > 0:
     raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                      f"{target_error}")
-  if compensation not in COMPENSATION_CHOICES:
-    raise ValueError(f"--compensation must be one of {', '.join(COMPENSATION_CHOICES)}, got "
-                     f"{compensation!r}")
-  if True in (COMPENSATION_CHOICES[compensation] or ()):  # a compensated candidate: blocks fit?
+  if True in compensation_choices(compensation, settings.svg):  # compensated: blocks fit?
     check_compensation(True, settings.svg.compensation_blocks, settings.svg.block_kv)
   if max_loss_db is not None and not max_loss_db >= 0:
     raise ValueError(f"--max-layer-loss-db must be >= 0 dB, got {max_loss_db}")
