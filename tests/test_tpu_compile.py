@@ -326,3 +326,22 @@ def test_the_gradient_of_a_call_compiles(chip, backend):
   text = result.executable.as_text()
   assert ("svg_pallas_sparse" if backend == "pallas" else "splash_mha_fwd") in text
   assert "dkv" in text  # tokamax's backward kernel
+
+
+def test_a_per_head_budget_compiles_as_one_ragged_call():
+  """Wan 14B's 5 local heads of a CFG pair at 720p, each head at its own density: one call of
+  our kernel on a ragged grid, its tables gathered by the device's head ids."""
+  from maxdiffusion_svg.head_budgets import head_budget  # pylint: disable=import-outside-toplevel
+  mesh = chip_mesh("v6e")
+  target = target_for_devices(mesh.devices.flat)
+  grid = grid_for_resolution("720p")
+  tiles = SvgConfig().tiles(target)
+  budget = head_budget(grid, (0.1, 0.2, 0.3, 0.45, 0.7, 0.25, 0.3, 0.35), tiles.block_q,
+                       tiles.block_kv)
+  steps = budget.steps_bound(2, LOCAL_HEADS)
+  assert steps < LOCAL_HEADS * budget.carrier.stats.visited_tiles  # ragged, not the widest
+  result = compile_ok(lambda q, k, v, ids: sparse_attention(
+      q, k, v, budget.carrier, block_kv_compute=tiles.block_kv_compute, target=target,
+      head_tiles=budget.tables_for(ids), head_steps=steps),
+      qkv(mesh, grid, batch=2) + (abstract((2, LOCAL_HEADS), jnp.int32, mesh),))
+  assert result.executable.as_text().count("svg_pallas_sparse") >= 1

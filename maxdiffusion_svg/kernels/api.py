@@ -119,7 +119,8 @@ class SparseKernel:
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
                return_lse: bool = False, row_keys: RowKeys | None = None,
-               head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+               head_tiles: jax.Array | None = None,
+               head_steps: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over the plan's tiles (see :func:`sparse_attention` for the arguments)."""
     plan = self.plan
     _check_inputs(q, k, v, plan)
@@ -128,19 +129,24 @@ class SparseKernel:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if head_tiles is not None:
       _check_head_tiles(head_tiles, q.shape, plan, self.resolved)
-    executor = functools.partial(self._executor, q.shape[-1], q.dtype, v.shape[-1], scale)
+    elif head_steps is not None:
+      raise ValueError("head_steps (a per-head budget's ragged work) needs head_tiles")
+    executor = functools.partial(self._executor, q.shape[-1], q.dtype, v.shape[-1], scale,
+                                 head_steps)
     executor(return_lse, row_keys, head_tiles)  # refusals surface here, before any tracing
     attend = differentiable(executor, plan, scale, return_lse, row_keys, head_tiles,
                             self._tile_backward(q.shape[-1], q.dtype, scale, head_tiles))
     return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
 
   def _executor(self, head_dim: int, dtype: Any, value_dim: int, scale: float,
-                return_lse: bool, row_keys: RowKeys | None,
+                head_steps: int | None, return_lse: bool, row_keys: RowKeys | None,
                 head_tiles: jax.Array | None) -> Callable[..., Any]:
     """The call's executor for these row keys and tables, with or without its log-sum-exp."""
     plan, tpu, kv_compute = self.plan, self.tpu, self.block_kv_compute
     per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
     tables = 1 if head_tiles is None else head_tiles.shape[0] * head_tiles.shape[1]
+    if head_steps is not None:  # a ragged list and its heads: at most twice the heads' lists
+      tables *= 2
 
     def merged_after(run):
       """An executor without row keys of its own (or with row keys it cannot take: a per-head
@@ -157,7 +163,7 @@ class SparseKernel:
         check_shapes(head_dim, dtype, plan, kv_compute, value_dim)
         run = lambda q, k, v, lse, rk: pallas_sparse_attention(
             q, k, v, plan, scale, interpret=interpret, block_kv_compute=kv_compute,
-            return_lse=lse, row_keys=rk, head_tiles=head_tiles)
+            return_lse=lse, row_keys=rk, head_tiles=head_tiles, head_steps=head_steps)
         if per_head_bias:
           return merged_after(lambda q, k, v, lse: run(q, k, v, lse, None))
         return lambda q, k, v: run(q, k, v, return_lse, row_keys)
@@ -166,7 +172,7 @@ class SparseKernel:
 
     xla = merged_after(lambda q, k, v, lse: xla_sparse_attention(
         q, k, v, plan, scale, tiles_per_step=self.tiles_per_step, return_lse=lse,
-        head_tiles=head_tiles))
+        head_tiles=head_tiles, ragged=head_steps is not None))
 
     def on_tpu():
       """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
@@ -245,6 +251,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                      return_lse: bool = False,
                      row_keys: RowKeys | None = None,
                      head_tiles: jax.Array | None = None,
+                     head_steps: int | None = None,
                      backward: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over the tiles ``plan`` visits, with ``q, k, v`` already in the plan's layout.
 
@@ -267,7 +274,10 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   computed on device, per head). ``head_tiles [B, H, num_q_tiles, width]`` (int32, on device):
   each head's own key tiles in place of the plan's, with the plan's counts per row (an
   aligned plan; the semantic layout's tables): ``pallas`` and ``xla`` take them, Splash's
-  tables are static and it refuses them. ``backward`` (what a gradient of the call runs):
+  tables are static and it refuses them. ``head_steps`` (with ``head_tiles``): a per-head
+  budget, whose tables hold ``-1`` where a head's row visits fewer tiles than the plan's (the
+  widest head's); our kernel then walks a ragged grid of at most ``head_steps`` steps per core
+  (:func:`maxdiffusion_svg.kernels.worklist.pack_ragged_work`). ``backward`` (what a gradient of the call runs):
   ``auto``, tokamax's Splash backward kernel behind either TPU kernel where one table serves
   every head (else the portable one); ``xla``, the portable flash-style backward
   (:mod:`maxdiffusion_svg.kernels.backward`) whatever ran forward.
@@ -276,4 +286,4 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                           block_kv_compute=block_kv_compute, tiles_per_step=tiles_per_step,
                           backward=backward)
   return kernel(q, k, v, scale=scale, return_lse=return_lse, row_keys=row_keys,
-                head_tiles=head_tiles)
+                head_tiles=head_tiles, head_steps=head_steps)

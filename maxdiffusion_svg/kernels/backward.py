@@ -97,7 +97,8 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
                               tiles_per_step: int | None = None
                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(dq, dk, dv)`` in float32 of the attention over ``plan``'s visited tiles (the head's own
-  tiles with ``head_tiles``), given the forward's ``lse`` and :func:`row_delta`'s ``delta``."""
+  tiles with ``head_tiles``, ``-1`` where a head's row visits fewer), given the forward's ``lse``
+  and :func:`row_delta`'s ``delta``."""
   b, h, _, d = q.shape
   dv_dim = v.shape[-1]
   bq, bkv = plan.block_q, plan.block_kv
@@ -134,6 +135,8 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
     kpos = (c[..., None] * bkv + k_iota)[..., None, :]
     keep = is_full[:, None, None] | plan.masked_tile_rule(qpos, kpos)
     keep = keep & (r < nq)[:, None, None]  # padding steps
+    if head_tiles is not None:  # a per-head budget's row may end early (-1 in its slots)
+      keep = keep & (c >= 0)[..., None, None]
     p = jnp.where(keep, jnp.exp(s - ls[..., None]), 0.0)
     dv_c = jnp.einsum("bhcqk,bhcqd->bhckd", p.astype(dout.dtype), dos,
                       preferred_element_type=jnp.float32)
@@ -141,7 +144,7 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
     ds = (p * (dp - ds_[..., None])).astype(q.dtype)
     dq_r = jnp.einsum("bhcqk,bhckd->bhcqd", ds, ks, preferred_element_type=jnp.float32) * scale
     dk_c = jnp.einsum("bhcqk,bhcqd->bhckd", ds, qs, preferred_element_type=jnp.float32) * scale
-    c_drop = jnp.where(r < nq, c, nkv)
+    c_drop = jnp.where((r < nq) & (c >= 0), c, nkv)
     return (dq.at[:, :, r].add(dq_r, mode="drop"), _scatter_add(dk, c_drop, dk_c),
             _scatter_add(dv, c_drop, dv_c)), None
 

@@ -15,7 +15,9 @@ MaxDiffusion's fixed-m dense kernel 1.55 (docs/benchmarks.md). Three choices clo
 The grid is ``(batch x heads, steps)``: every head walks the plan's packed work list
 (:mod:`maxdiffusion_svg.kernels.worklist`); consecutive steps of a row accumulate into the
 same output block, written once when the row's last step closes it. A row that keeps no key
-gives zeros.
+gives zeros. A per-head budget's call is ragged: its grid is ``(cores, steps)``, each core
+walking its heads' own lists end to end, each step naming its head, so the call costs the
+tiles its heads visit (:func:`maxdiffusion_svg.kernels.worklist.pack_ragged_work`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
 from maxdiffusion_svg.kernels.row_keys import RowKeys, pad_row_keys
-from maxdiffusion_svg.kernels.worklist import pack_head_work, pack_work, unpack_work
+from maxdiffusion_svg.kernels.worklist import (pack_head_work, pack_ragged_work, pack_work,
+                                              ragged_cores, unpack_work)
 from maxdiffusion_svg.masks import SvgMask
 from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
 
@@ -62,16 +65,25 @@ def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
                      f"({plan.block_kv}), got {block_kv_compute}")
 
 
-def _step(work_ref, bh, t, per_head: int):
-  """The packed work word of grid step ``(bh, t)``: the shared list's, or head ``bh``'s own
-  (``per_head`` steps each, head after head)."""
-  return work_ref[bh * per_head + t] if per_head else work_ref[t]
+def _locator(per_head: int, ragged: int):
+  """``locate(i, t, *scalar_refs) -> (bh, word)``: the head and packed work word of grid step
+  ``(i, t)``. Shared list: head ``i`` walks the plan's list; per-head tables: head ``i`` walks
+  its own (``per_head`` steps each, head after head); ragged (``ragged`` steps per core): core
+  ``i`` walks its heads' lists end to end, each step naming its head."""
+  if ragged:
+    return lambda i, t, work_ref, _, heads_ref: (heads_ref[i * ragged + t],
+                                                 work_ref[i * ragged + t])
+  if per_head:
+    return lambda i, t, work_ref, _: (i, work_ref[i * per_head + t])
+  return lambda i, t, work_ref, _: (i, work_ref[t])
 
 
-def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, *refs, plan: TilePlan, bkc: int,
-            row_keys: bool, lse: bool, per_head: int):
-  # With ``row_keys`` three inputs follow: the row's extra keys, values and base-2 logit bias
-  # (lane-replicated); with ``lse`` an output follows o: the row's log-sum-exp, lane-major.
+def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, scalars: int):
+  # ``scalars`` prefetched arrays lead: the work list, each head's fixed-offset flag (and in a
+  # ragged call each step's head). With ``row_keys`` three inputs follow q, k, v and the fixed
+  # offsets: the row's extra keys, values and base-2 logit bias (lane-replicated); with ``lse``
+  # an output follows o: the row's log-sum-exp, lane-major.
+  scalar_refs, (q_ref, k_ref, v_ref, mfix_ref, *refs) = refs[:scalars], refs[scalars:]
   rk_ref = rv_ref = rb_ref = lse_ref = None
   if row_keys:
     rk_ref, rv_ref, rb_ref, *refs = refs
@@ -81,9 +93,9 @@ def _kernel(work_ref, fixed_ref, q_ref, k_ref, v_ref, mfix_ref, *refs, plan: Til
   m_ref, l_ref, acc_ref = refs
   bq, bkv = plan.block_q, plan.block_kv
   chunks = bkv // bkc
-  row, col, kind, first, last = unpack_work(_step(work_ref, pl.program_id(0), pl.program_id(1),
-                                                   per_head))
-  fixed = fixed_ref[pl.program_id(0)] > 0
+  bh, word = locate(pl.program_id(0), pl.program_id(1), *scalar_refs)
+  row, col, kind, first, last = unpack_work(word)
+  fixed = scalar_refs[1][bh] > 0
 
   rows = m_ref.shape[0]
   wide = lambda x: jnp.broadcast_to(x, (rows, bq))
@@ -195,53 +207,73 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                             scale: float, *, interpret: bool, block_kv_compute: int,
                             return_lse: bool = False,
                             row_keys: RowKeys | None = None,
-                            head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            head_tiles: jax.Array | None = None,
+                            head_steps: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel; with
   ``return_lse`` also each row's log-sum-exp (float32 ``[B, H, S]``, ``-inf`` where it keeps
   nothing), written once per row beside the output. ``row_keys``: each query tile row's extra
   keys, taken into its softmax when the row closes (one more chunk of ``m`` keys per row).
   ``head_tiles [B, H, num_q_tiles, width]``: each head's own key tiles (an aligned plan's
-  counts per row, columns computed on device): every head walks its own work list."""
+  counts per row, columns computed on device): every head walks its own work list. With
+  ``head_steps`` (a per-head budget, :mod:`maxdiffusion_svg.head_budgets`) a head's row may
+  end early (``-1`` in the rest of its slots) and the grid is ragged: the heads' lists laid end
+  to end, at most ``head_steps`` steps per core (:func:`pack_ragged_work`), so a call costs
+  the tiles its heads visit, not its widest head's."""
   b, h, s, d = q.shape
   dv = v.shape[-1]
   check_shapes(d, q.dtype, plan, block_kv_compute, dv)
   bq, bkv = plan.block_q, plan.block_kv
   fold = lambda x: x.reshape(b * h, x.shape[2], x.shape[-1])
   # A ring shard's window holds unused and padding keys: its heads take the sparse gate.
-  every_key_visited = plan.q_len is None and plan.stats.kept_pairs == s * s
+  # (A ragged call's plan holds its widest head's counts, not every head's keys.)
+  every_key_visited = (plan.q_len is None and head_steps is None
+                       and plan.stats.kept_pairs == s * s)
   offsets: FixedOffsets = fixed_offsets(fold(q), fold(k), fold(v), scale * math.log2(math.e),
                                         every_key_visited=every_key_visited)
   q_pad = _pad(offsets.q, plan.num_q_tiles * bq)
   k_pad = _pad(fold(k), plan.num_kv_tiles * bkv)
   v_pad = _pad(fold(v), plan.num_kv_tiles * bkv)
   m_pad = jnp.pad(offsets.m, ((0, 0), (0, 0), (0, plan.num_q_tiles * bq - s)))
-  if head_tiles is None:
-    work, per_head = jnp.asarray(pack_work(plan)), 0
+  if head_steps is not None:
+    cores = ragged_cores(b * h)
+    work, heads = pack_ragged_work(plan, head_tiles, head_steps, cores)
+    grid, locate, scalars = (cores, head_steps), _locator(0, head_steps), (work, offsets.fixed, heads)
   else:
-    work = pack_head_work(plan, head_tiles)
-    per_head = work.size // (b * h)
-  steps = per_head or work.size
-  word = lambda bh, t, work_ref: unpack_work(_step(work_ref, bh, t, per_head))
+    if head_tiles is None:
+      work, per_head = jnp.asarray(pack_work(plan)), 0
+    else:
+      work = pack_head_work(plan, head_tiles)
+      per_head = work.size // (b * h)
+    grid, locate = (b * h, per_head or work.size), _locator(per_head, 0)
+    scalars = (work, offsets.fixed)
 
-  def at_row(bh, t, work_ref, _):
-    return bh, word(bh, t, work_ref)[0], 0
+  def located(i, t, refs):
+    bh, word = locate(i, t, *refs)
+    return bh, unpack_work(word)
 
-  def at_col(bh, t, work_ref, _):
-    return bh, word(bh, t, work_ref)[1], 0
+  def at_row(i, t, *refs):
+    bh, word = located(i, t, refs)
+    return bh, word[0], 0
 
-  def at_row_lanes(bh, t, work_ref, _):
-    return bh, 0, word(bh, t, work_ref)[0]
+  def at_col(i, t, *refs):
+    bh, word = located(i, t, refs)
+    return bh, word[1], 0
+
+  def at_row_lanes(i, t, *refs):
+    bh, word = located(i, t, refs)
+    return bh, 0, word[0]
 
   extra_specs, extra_args = [], []
   if row_keys is not None:
     row_keys = pad_row_keys(row_keys, block_kv_compute)
     m = row_keys.bias.shape[1]
 
-    def at_row_keys(bh, t, work_ref, _):
-      return bh, word(bh, t, work_ref)[0], 0, 0
+    def at_row_keys(i, t, *refs):
+      bh, word = located(i, t, refs)
+      return bh, word[0], 0, 0
 
-    def at_row_bias(bh, t, work_ref, _):
-      return word(bh, t, work_ref)[0], 0, 0
+    def at_row_bias(i, t, *refs):
+      return located(i, t, refs)[1][0], 0, 0
 
     # Base-2 logits like the kernel's; an unused slot gets the mask value, not -inf.
     bias = np.where(np.isfinite(row_keys.bias), row_keys.bias * math.log2(math.e), _MASK_VALUE)
@@ -254,7 +286,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                                               (*bias.shape, 128)))]
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(b * h, steps),
+      num_scalar_prefetch=len(scalars), grid=grid,
       in_specs=[pl.BlockSpec((None, bq, d), at_row), pl.BlockSpec((None, bkv, d), at_col),
                 pl.BlockSpec((None, bkv, dv), at_col), pl.BlockSpec((None, 1, bq), at_row_lanes),
                 *extra_specs],
@@ -268,13 +300,13 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
     out_shape.append(jax.ShapeDtypeStruct((b * h, 1, plan.num_q_tiles * bq), jnp.float32))
   outs = pl.pallas_call(
       functools.partial(_kernel, plan=plan, bkc=block_kv_compute, row_keys=row_keys is not None,
-                        lse=return_lse, per_head=per_head),
+                        lse=return_lse, locate=locate, scalars=len(scalars)),
       grid_spec=grid_spec,
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="svg_pallas_sparse",
-  )(work, offsets.fixed, q_pad, k_pad, v_pad, m_pad, *extra_args)
+  )(*scalars, q_pad, k_pad, v_pad, m_pad, *extra_args)
   out = outs[0][:, :s].reshape(b, h, s, dv)
   if not return_lse:
     return out

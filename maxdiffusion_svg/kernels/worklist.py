@@ -18,6 +18,14 @@ from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
 
 KIND_BITS, FIRST_BIT, LAST_BIT, COL_SHIFT, ROW_SHIFT = 2, 2, 3, 4, 18
 MAX_COLS, MAX_ROWS = 1 << (ROW_SHIFT - COL_SHIFT), 1 << (31 - ROW_SHIFT)
+# A ragged call's lanes of heads: the grid's parallel dimension, which a two-core chip splits.
+RAGGED_CORES = 2
+
+
+def ragged_cores(heads: int) -> int:
+  """Lanes a ragged call on ``heads`` (batch x heads) lists splits them into: each lane gets
+  at least one head, so no lane writes an output block it never computed."""
+  return min(RAGGED_CORES, heads)
 
 
 def pack_work(plan: TilePlan) -> np.ndarray:
@@ -64,3 +72,47 @@ def pack_head_work(plan: TilePlan, kv_index: jax.Array) -> jax.Array:
   padded = plan.seq_len % plan.block_kv != 0
   kinds = jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
   return (static | cols << COL_SHIFT | kinds).astype(jnp.int32).reshape(-1)
+
+
+def pack_ragged_work(plan: TilePlan, kv_index: jax.Array, steps: int,
+                     cores: int) -> tuple[jax.Array, jax.Array]:
+  """``(work, heads)``, ``int32 [cores * steps]`` each: a per-head budget's work lists laid end
+  to end, heads split in ``cores`` contiguous groups, each group's list padded to ``steps``.
+
+  ``kv_index [B, H, num_q_tiles, width]`` (on device) holds each head's key tiles in the
+  plan's slots, ``-1`` past the head's own count in a row (a head visits a prefix of the
+  plan's slots; the plan holds the widest head's count per row). A step packs its row,
+  column, kind and open/close flags as :func:`pack_work`; ``heads`` names its head
+  (``b * H + h``). Padding steps repeat the last real step's blocks as ``EMPTY`` with no flag:
+  no copy, no compute, nothing written. ``steps`` must bound each group's visited tiles
+  (:func:`maxdiffusion_svg.head_budgets.HeadBudget.steps_bound`); more would be dropped."""
+  rows, slots = head_table_slots(plan)
+  b, h = kv_index.shape[:2]
+  n = b * h
+  cols = kv_index[:, :, rows, slots].reshape(n, rows.size)  # [heads, plan steps]
+  valid = cols >= 0
+  # The next step continues the row: a step whose next slot is this head's too is not its last.
+  same_row = np.append(rows[1:] == rows[:-1], False)
+  following = jnp.pad(valid[:, 1:], ((0, 0), (0, 1))) & same_row
+  padded = plan.seq_len % plan.block_kv != 0
+  kinds = jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
+  words = (rows.astype(np.int32) << ROW_SHIFT | jnp.maximum(cols, 0) << COL_SHIFT
+           | (valid & ~following).astype(jnp.int32) << LAST_BIT
+           | (valid & (slots == 0)).astype(jnp.int32) << FIRST_BIT | kinds)
+  per = -(-n // cores)
+  flat = lambda x: jnp.pad(x, ((0, cores * per - n), (0, 0))).reshape(cores, per * rows.size)
+  words, valid = flat(words), flat(valid)
+  heads = flat(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, rows.size)))
+  # Each core's valid steps to the front, in order (a scatter by their running count).
+  position = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, steps)
+  core = jnp.arange(cores)[:, None]
+  work = jnp.zeros((cores, steps), jnp.int32).at[core, position].set(words, mode="drop")
+  step_heads = jnp.zeros((cores, steps), jnp.int32).at[core, position].set(heads, mode="drop")
+  count = valid.sum(axis=1, keepdims=True)
+  last = jnp.maximum(count - 1, 0)
+  flags = np.int32((1 << KIND_BITS) - 1 | 1 << FIRST_BIT | 1 << LAST_BIT)
+  pad_word = jnp.take_along_axis(work, last, axis=1) & ~flags
+  pad_head = jnp.take_along_axis(step_heads, last, axis=1)
+  real = jnp.arange(steps)[None, :] < count
+  return (jnp.where(real, work, pad_word).reshape(-1),
+          jnp.where(real, step_heads, pad_head).reshape(-1))

@@ -51,13 +51,15 @@ def _work_steps(rows: np.ndarray, cols: np.ndarray, per_step: int, dummy_row: in
 def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan,
                          scale: float, tiles_per_step: int | None = None,
                          return_lse: bool = False,
-                         head_tiles: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                         head_tiles: jax.Array | None = None,
+                         ragged: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles only; with
   ``return_lse`` also each row's log-sum-exp of its kept logits (float32 ``[B, H, S]``,
   natural log, ``-inf`` where a row keeps nothing). ``head_tiles [B, H, num_q_tiles, width]``:
   each head's own key tiles with the (aligned) plan's counts per row; one scan then takes
   every tile with the aligned rule (padding keys dropped), since which tiles hold padding
-  differs per head."""
+  differs per head. ``ragged``: the tables hold ``-1`` where a head's row visits fewer tiles
+  than the plan's (a per-head budget); those slots are dropped too."""
   b, h, s, _ = q.shape
   dv = v.shape[-1]
   bq, bkv = plan.block_q, plan.block_kv
@@ -78,13 +80,16 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
     if c.ndim == 1:  # the plan's columns, shared by every head
       ks, vs = jnp.take(kt, c, axis=2), jnp.take(vt, c, axis=2)
     else:  # each head's own: [B, H, C]
-      ks = jnp.take_along_axis(kt, c[..., None, None], axis=2)
-      vs = jnp.take_along_axis(vt, c[..., None, None], axis=2)
+      ks = jnp.take_along_axis(kt, c[..., None, None], axis=2, mode="clip")
+      vs = jnp.take_along_axis(vt, c[..., None, None], axis=2, mode="clip")
     logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks, preferred_element_type=jnp.float32) * scale
     if masked:
       qpos = (r[:, None] * bq + q_iota)[:, :, None]
       kpos = (c[..., None] * bkv + k_iota)[..., None, :]
-      logits = jnp.where(plan.masked_tile_rule(qpos, kpos), logits, -jnp.inf)
+      keep = plan.masked_tile_rule(qpos, kpos)
+      if c.ndim > 1:  # a per-head budget's row may end early: -1 in its unused slots
+        keep = keep & (c >= 0)[..., None, None]
+      logits = jnp.where(keep, logits, -jnp.inf)
     # Fold the step's tiles into the state of the rows they touch (a row may recur).
     m_old = jnp.take(m, step_rows, axis=2, mode="clip")  # [B, H, C, bq]
     m_new = m_old.at[:, :, slot].max(logits.max(axis=-1))
@@ -109,7 +114,8 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
     pad = r.size - head_rows.size
     per_head = jnp.pad(head_tiles[:, :, head_rows, head_slots], ((0, 0), (0, 0), (0, pad)))
     per_head = jnp.moveaxis(per_head.reshape(b, h, *r.shape), 2, 0)  # [steps, B, H, per_step]
-    state, _ = jax.lax.scan(lambda st, w: step(st, w, plan.seq_len % bkv != 0), state,
+    masked = ragged or plan.seq_len % bkv != 0
+    state, _ = jax.lax.scan(lambda st, w: step(st, w, masked), state,
                             (step_rows, per_head, slot, r))
   else:
     for kind in (FULL, MASKED):

@@ -1,0 +1,124 @@
+"""Per-head budgets: each head at its own density in one kernel call, against each head's own
+dense masked softmax in float64; the ragged grid's cost and its static bound against brute
+force over every device's window of heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.head_budgets import check_head_densities, head_budget
+from maxdiffusion_svg.kernels.api import sparse_attention
+from maxdiffusion_svg.kernels.worklist import pack_ragged_work, ragged_cores, unpack_work
+from maxdiffusion_svg.tiles import EMPTY
+
+GRID = VideoGrid(5, 7, 15)  # 525 tokens: 5 tiles of 128, the last one padded
+DENSITIES = (0.15, 0.9, 0.35, 0.6, 1.0)
+
+
+def _inputs(batch, heads, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(key, (batch, heads, GRID.tokens, 128), jnp.float32)
+               for key in keys)
+
+
+def _reference(q, k, v, budget, head_ids):
+  """Each head's softmax over its own plan's computed mask, in float64."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  out = np.zeros_like(v)
+  for b in range(q.shape[0]):
+    for j in range(q.shape[1]):
+      mask = budget.plans[int(head_ids[b, j])].dense_mask()
+      s = np.where(mask, q[b, j] @ k[b, j].T / np.sqrt(q.shape[-1]), -np.inf)
+      p = np.exp(s - s.max(axis=1, keepdims=True))
+      out[b, j] = (p / p.sum(axis=1, keepdims=True)) @ v[b, j]
+  return out
+
+
+def _call(q, k, v, budget, head_ids, backend):
+  return sparse_attention(q, k, v, budget.carrier, backend=backend,
+                          head_tiles=budget.tables_for(head_ids),
+                          head_steps=budget.steps_bound(*head_ids.shape))
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("batch,heads", [(2, 5), (1, 3)])
+def test_each_head_attends_under_its_own_density(backend, batch, heads):
+  budget = head_budget(GRID, DENSITIES, 128, 128)
+  # Every window of heads a device may hold: here heads (h0 + j) mod 5 from h0 = 3.
+  head_ids = np.broadcast_to((3 + np.arange(heads)) % len(DENSITIES), (batch, heads))
+  q, k, v = _inputs(batch, heads)
+  out = _call(q, k, v, budget, jnp.asarray(head_ids), backend)
+  np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, budget, head_ids),
+                             atol=2e-5, rtol=2e-5)
+  # Heads at different densities really ran different masks.
+  assert len({plan.stats.visited_tiles for plan in budget.plans}) >= 3
+
+
+def test_gradients_match_each_heads_masked_softmax():
+  budget = head_budget(GRID, DENSITIES[:3], 128, 128)
+  head_ids = jnp.broadcast_to(jnp.arange(3), (1, 3))
+  q, k, v = _inputs(1, 3, seed=1)
+  masks = jnp.stack([jnp.asarray(budget.plans[h].dense_mask()) for h in range(3)])
+
+  def dense(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(128)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(jnp.where(masks, s, -jnp.inf), -1), v)
+
+  loss = lambda f: lambda *x: jnp.sum(f(*x) * jnp.cos(jnp.arange(128.0)))
+  got = jax.grad(loss(lambda *x: _call(*x, budget, head_ids, "pallas")), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4, rtol=2e-4)
+
+
+def _real_steps(work):
+  kind = unpack_work(np.asarray(work))[2]
+  return int((kind != EMPTY).sum())
+
+
+@pytest.mark.parametrize("batch,local_heads", [(1, 2), (2, 3), (1, 7), (3, 5)])
+def test_ragged_cost_follows_the_heads_and_the_bound_holds_on_every_device(batch, local_heads):
+  budget = head_budget(GRID, DENSITIES, 128, 128)
+  bound = budget.steps_bound(batch, local_heads)
+  worst = 0
+  for start in range(budget.heads):  # every window a device may hold
+    ids = np.broadcast_to((start + np.arange(local_heads)) % budget.heads, (batch, local_heads))
+    tables = budget.tables_for(jnp.asarray(ids))
+    work, heads = pack_ragged_work(budget.carrier, tables, bound, ragged_cores(ids.size))
+    cores = np.asarray(work).reshape(ragged_cores(ids.size), bound)
+    # The call walks exactly its heads' tiles: no step of the widest head's carrier.
+    assert sum(_real_steps(c) for c in cores) == budget.head_steps[ids].sum()
+    worst = max(worst, max(_real_steps(c) for c in cores))
+    # Each step names a head of its core's contiguous group.
+    per = -(-ids.size // ragged_cores(ids.size))
+    groups = np.asarray(heads).reshape(cores.shape) // per
+    assert (groups == np.arange(cores.shape[0])[:, None]).all()
+  assert worst == bound  # tight: some device needs all of it
+  assert budget.visited_tiles() == sum(plan.stats.visited_tiles for plan in budget.plans)
+  assert budget.visited_tiles() < budget.heads * budget.carrier.stats.visited_tiles
+
+
+def test_carrier_holds_every_heads_row_and_tables_mark_the_rest():
+  budget = head_budget(GRID, DENSITIES, 128, 128)
+  for h, plan in enumerate(budget.plans):
+    assert (plan.num_visited <= budget.carrier.num_visited).all()
+    used = budget.tables[h] >= 0
+    assert (used.sum(axis=1) == plan.num_visited).all()
+    for row in range(plan.num_q_tiles):
+      np.testing.assert_array_equal(budget.tables[h, row, :plan.num_visited[row]],
+                                    plan.kv_index[row, :plan.num_visited[row]])
+
+
+@pytest.mark.parametrize("value", [[], [0.3, 0.0], [1.2], "0.3", [True], None])
+def test_bad_head_densities_are_refused_by_name(value):
+  with pytest.raises(ValueError, match="svg_head_densities"):
+    check_head_densities(value)
+
+
+def test_head_steps_without_tables_is_refused():
+  budget = head_budget(GRID, DENSITIES[:2], 128, 128)
+  q, k, v = _inputs(1, 2)
+  with pytest.raises(ValueError, match="head_steps"):
+    sparse_attention(q, k, v, budget.carrier, backend="xla", head_steps=10)
