@@ -45,7 +45,7 @@ def check_layer_densities(value: Any, key: str = "svg_layer_densities") -> tuple
   """``value`` as one density per layer (None: unset). Takes a list, ``uniform`` (unset), YAML
   text of either, or a mapping of layer ranges to densities (``{0-4: 0.3, 5-39: 0.15}``, every
   layer from 0 covered once)."""
-  values = _per_layer(value, key, "densities")
+  values = per_layer_values(value, key, "densities")
   if values is None:
     return None
   for i, density in enumerate(values):
@@ -57,7 +57,7 @@ def check_layer_compensation(value: Any,
                              key: str = "svg_layer_compensation") -> tuple[bool, ...] | None:
   """``value`` as compensation on or off per layer (None: unset, every layer
   ``svg_compensation``); the forms of :func:`check_layer_densities`, with true/false values."""
-  values = _per_layer(value, key, "booleans")
+  values = per_layer_values(value, key, "booleans")
   if values is None:
     return None
   for i, on in enumerate(values):
@@ -66,7 +66,7 @@ def check_layer_compensation(value: Any,
   return tuple(bool(on) for on in values)
 
 
-def _per_layer(value: Any, key: str, what: str) -> list[Any] | None:
+def per_layer_values(value: Any, key: str, what: str) -> list[Any] | None:
   """A per-layer key's values as a list (None: unset); the items are the caller's to check."""
   if value is None or (isinstance(value, (list, tuple, dict)) and not value):
     return None
@@ -78,7 +78,7 @@ def _per_layer(value: Any, key: str, what: str) -> list[Any] | None:
     except yaml.YAMLError as e:
       raise ValueError(f"{key}: cannot read {value!r} (a list of {what} per layer, a "
                        f"mapping of layer ranges to {what}, or {UNIFORM!r})") from e
-    return _per_layer(value, key, what)
+    return per_layer_values(value, key, what)
   if isinstance(value, Mapping):
     value = _from_ranges(value, key)
   if not isinstance(value, (list, tuple)):

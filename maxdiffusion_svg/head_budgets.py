@@ -17,107 +17,166 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 
+from maxdiffusion_svg.budgets import UNIFORM, per_layer_values
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.worklist import ragged_cores
-from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan, TileMode, plan_tiles
+from maxdiffusion_svg.masks import check_density
+from maxdiffusion_svg.tiles import EMPTY, FULL, MASKED, TilePlan, TileMode, plan_tiles
 
 
-def check_head_densities(value: object, name: str = "svg_head_densities") -> tuple[float, ...]:
-  """One density in (0, 1] per head, refused by ``name`` otherwise."""
-  if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
-    raise ValueError(f"{name} must be a non-empty list of densities in (0, 1], one per head, "
-                     f"got {value!r}")
+def check_head_densities(value: Any, key: str = "svg_head_densities"
+                         ) -> tuple[tuple[float, ...], ...] | None:
+  """``value`` as one list of per-head densities per layer (None: unset). Takes ``uniform``
+  (unset), one list of densities (one per head, every layer the same: a 1-tuple), a list of such
+  lists (one per layer), a mapping of layer ranges to such lists (``{0-9: [...], 10-39:
+  [...]}``), or YAML text of any. Every list has the same number of heads, each density in
+  (0, 1]; refused by ``key`` otherwise."""
+  if isinstance(value, str) and value.strip() != UNIFORM:
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+      raise ValueError(f"{key}: cannot read {value!r} ({_FORMS})") from e
+  if isinstance(value, (list, tuple)) and value and all(
+      isinstance(d, (int, float, np.integer, np.floating)) and not isinstance(d, bool)
+      for d in value):
+    value = [value]  # one list of heads: every layer
+  layers = per_layer_values(value, key, "per-head density lists")
+  if layers is None:
+    return None
   out = []
-  for i, d in enumerate(value):
-    if isinstance(d, bool) or not isinstance(d, (int, float, np.floating, np.integer)) \
-        or not 0.0 < float(d) <= 1.0:
-      raise ValueError(f"{name}[{i}] must be a density in (0, 1], got {d!r}")
-    out.append(float(d))
+  for i, heads in enumerate(layers):
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence) or not heads:
+      raise ValueError(f"{key}[{i}] must be a non-empty list of densities, one per head "
+                       f"({_FORMS}), got {heads!r}")
+    for h, density in enumerate(heads):
+      check_density(density, f"{key}[{i}][{h}]")
+    out.append(tuple(float(d) for d in heads))
+  if len({len(heads) for heads in out}) > 1:
+    raise ValueError(f"{key}: every layer must list the same number of heads, got "
+                     f"{sorted({len(heads) for heads in out})}")
   return tuple(out)
+
+
+_FORMS = ("one density per head for every layer, a list of such lists per layer, a mapping of "
+          f"layer ranges to such lists, or {UNIFORM!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HeadBudget:
-  """Each head's plan at its own density, the carrier plan and the heads' tables."""
+  """Each (layer, head)'s plan at its own density, the carrier plan and the tables. One layer
+  stands for every layer."""
 
-  densities: tuple[float, ...]  # one per (global) head
-  plans: tuple[TilePlan, ...]  # one per head, aligned, on the same tiles
+  densities: tuple[tuple[float, ...], ...]  # [layers][heads] (global heads)
+  plans: tuple[tuple[TilePlan, ...], ...]  # [layers][heads], aligned, on the same tiles
   carrier: TilePlan  # per row the widest head's count: the slots every head's table fills
-  tables: np.ndarray  # int32 [heads, num_q_tiles, carrier.width]; -1 past a head's count
+  tables: np.ndarray  # int32 [layers, heads, num_q_tiles, carrier.width]; -1 past a head's count
+
+  @property
+  def layers(self) -> int:
+    return len(self.plans)
 
   @property
   def heads(self) -> int:
-    return len(self.plans)
+    return len(self.plans[0])
 
   @functools.cached_property
   def head_steps(self) -> np.ndarray:
-    """``int64 [heads]``: the tiles each head visits (its work list's length)."""
-    return np.array([plan.stats.visited_tiles for plan in self.plans], np.int64)
+    """``int64 [layers, heads]``: the tiles each head visits (its work list's length)."""
+    return np.array([[plan.stats.visited_tiles for plan in layer] for layer in self.plans],
+                    np.int64)
 
-  def visited_tiles(self) -> int:
-    """Tiles one example's heads visit in all (the call's cost, per example)."""
-    return int(self.head_steps.sum())
+  @functools.cached_property
+  def visited(self) -> np.ndarray:
+    """``bool [layers, heads, num_q_tiles, num_kv_tiles]``: which key tiles each head's rows
+    visit (the router's execution masks)."""
+    return np.stack([np.stack([plan.tile_map() != EMPTY for plan in layer])
+                     for layer in self.plans])
+
+  def visited_tiles(self, layer: int = 0) -> int:
+    """Tiles one example's heads visit in ``layer`` (the call's cost, per example)."""
+    return int(self.head_steps[layer].sum())
 
   def steps_bound(self, batch: int, local_heads: int) -> int:
-    """The most steps one core of a ragged call on ``[batch, local_heads]`` heads can walk.
+    """The most steps one lane of a ragged call on ``[batch, local_heads]`` heads can walk, in
+    any layer.
 
     A device's heads are a window of consecutive heads (mod ``heads``) in each batch row: the
     whole call on one device, ``H/n`` heads after the Ulysses exchange, or ``B*H/n`` folded
     heads with the batch folded in. Every window start is tried, so the bound holds on every
-    device; a device's cores split its ``batch x local_heads`` lists as the kernel does."""
+    device; a device's lanes split its ``batch x local_heads`` lists as the kernel does."""
     n = batch * local_heads
     cores = ragged_cores(n)
     per = -(-n // cores)
     starts = np.arange(self.heads)[:, None]
     ids = (starts + np.arange(local_heads)[None, :]) % self.heads  # [starts, local_heads]
-    steps = np.tile(self.head_steps[ids], (1, batch))  # [starts, n], batch row after row
-    steps = np.pad(steps, ((0, 0), (0, cores * per - n)))
-    return int(steps.reshape(self.heads, cores, per).sum(axis=2).max())
+    steps = np.tile(self.head_steps[:, ids], (1, 1, batch))  # [layers, starts, n]
+    steps = np.pad(steps, ((0, 0), (0, 0), (0, cores * per - n)))
+    return int(steps.reshape(self.layers, self.heads, cores, per).sum(axis=3).max())
 
-  def tables_for(self, head_ids: jax.Array) -> jax.Array:
-    """``int32 [*head_ids.shape, num_q_tiles, width]``: the tables of the heads named."""
-    return jnp.take(jnp.asarray(self.tables), head_ids, axis=0)
+  def _at(self, table: np.ndarray, layer: Any, head_ids: jax.Array) -> jax.Array:
+    if self.layers == 1 or layer is None:
+      return jnp.take(jnp.asarray(table[0]), head_ids, axis=0)
+    if isinstance(layer, (int, np.integer)):
+      return jnp.take(jnp.asarray(table[int(layer)]), head_ids, axis=0)
+    return jnp.asarray(table)[layer, head_ids]
+
+  def tables_for(self, head_ids: jax.Array, layer: Any = None) -> jax.Array:
+    """``int32 [*head_ids.shape, num_q_tiles, width]``: the tables of the heads named, in
+    ``layer`` (a Python int or a traced index; None with one layer)."""
+    return self._at(self.tables, layer, head_ids)
+
+  def visited_for(self, head_ids: jax.Array, layer: Any = None) -> jax.Array:
+    """``bool [*head_ids.shape, num_q_tiles, num_kv_tiles]``: :attr:`visited` of the heads
+    named, in ``layer``."""
+    return self._at(self.visited, layer, head_ids)
 
 
-def head_budget(grid: VideoGrid, densities: Sequence[float], block_q: int, block_kv: int, *,
+def head_budget(grid: VideoGrid, densities: Any, block_q: int, block_kv: int, *,
                 include_sink: bool = True) -> HeadBudget:
-  """The per-head budget of ``densities`` (one per head) on ``grid``'s aligned tiles
-  (cached: static per shape)."""
-  return _head_budget(grid, check_head_densities(densities), block_q, block_kv, include_sink)
+  """The per-head budget of ``densities`` (:func:`check_head_densities`'s forms) on
+  ``grid``'s aligned tiles (cached: static per shape)."""
+  layers = check_head_densities(densities)
+  if layers is None:
+    raise ValueError("svg_head_densities is unset (uniform): there is no per-head budget")
+  return _head_budget(grid, layers, block_q, block_kv, include_sink)
 
 
 @functools.lru_cache(maxsize=32)
-def _head_budget(grid: VideoGrid, densities: tuple[float, ...], block_q: int, block_kv: int,
-                 include_sink: bool) -> HeadBudget:
-  plans = tuple(plan_tiles(grid, d, block_q, block_kv, TileMode.ALIGNED,
-                           include_sink=include_sink) for d in densities)
-  counts = np.stack([plan.num_visited for plan in plans])  # [heads, q_tiles]
+def _head_budget(grid: VideoGrid, densities: tuple[tuple[float, ...], ...], block_q: int,
+                 block_kv: int, include_sink: bool) -> HeadBudget:
+  plans = tuple(tuple(plan_tiles(grid, d, block_q, block_kv, TileMode.ALIGNED,
+                                 include_sink=include_sink) for d in layer)
+                for layer in densities)
+  flat = [plan for layer in plans for plan in layer]
+  counts = np.stack([plan.num_visited for plan in flat])  # [layers * heads, q_tiles]
   widest = counts.argmax(axis=0)  # per row, a head with the most tiles
   width = int(counts.max())
   slots = np.arange(width)
-  tables = np.full((len(plans), counts.shape[1], width), -1, np.int32)
-  for h, plan in enumerate(plans):
+  tables = np.full((len(flat), counts.shape[1], width), -1, np.int32)
+  for i, plan in enumerate(flat):
     cols = np.pad(plan.kv_index, ((0, 0), (0, width - plan.width)), mode="edge")
-    tables[h] = np.where(slots[None, :] < plan.num_visited[:, None], cols, -1)
-  carrier = _carrier(plans, tables[widest, np.arange(counts.shape[1])], counts.max(axis=0))
+    tables[i] = np.where(slots[None, :] < plan.num_visited[:, None], cols, -1)
+  carrier = _carrier(flat, tables[widest, np.arange(counts.shape[1])], counts.max(axis=0))
+  tables = tables.reshape(len(plans), len(plans[0]), *tables.shape[1:])
   tables.setflags(write=False)
   return HeadBudget(densities, plans, carrier, tables)
 
 
-def _carrier(plans: tuple[TilePlan, ...], kv_index: np.ndarray, counts: np.ndarray) -> TilePlan:
+def _carrier(plans: list[TilePlan], kv_index: np.ndarray, counts: np.ndarray) -> TilePlan:
   """The plan whose rows hold the widest head's tiles (that head's columns): the slots a ragged
   call's tables fill. Its pair statistics are the densest head's."""
   densest = max(plans, key=lambda plan: plan.stats.visited_tiles)
   present = np.arange(kv_index.shape[1])[None, :] < counts[:, None]
   padded = densest.seq_len % densest.block_kv != 0
   kind = np.where(present, np.where(padded & (kv_index == densest.num_kv_tiles - 1), MASKED, FULL),
-                  0).astype(np.int8)
+                  EMPTY).astype(np.int8)
   kv_index = np.where(present, kv_index, np.take_along_axis(
       kv_index, np.maximum(counts - 1, 0)[:, None], axis=1)).astype(np.int32)
   for a in (kv_index, kind, counts):

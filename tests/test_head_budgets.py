@@ -29,7 +29,7 @@ def _reference(q, k, v, budget, head_ids):
   out = np.zeros_like(v)
   for b in range(q.shape[0]):
     for j in range(q.shape[1]):
-      mask = budget.plans[int(head_ids[b, j])].dense_mask()
+      mask = budget.plans[0][int(head_ids[b, j])].dense_mask()
       s = np.where(mask, q[b, j] @ k[b, j].T / np.sqrt(q.shape[-1]), -np.inf)
       p = np.exp(s - s.max(axis=1, keepdims=True))
       out[b, j] = (p / p.sum(axis=1, keepdims=True)) @ v[b, j]
@@ -53,14 +53,14 @@ def test_each_head_attends_under_its_own_density(backend, batch, heads):
   np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, budget, head_ids),
                              atol=2e-5, rtol=2e-5)
   # Heads at different densities really ran different masks.
-  assert len({plan.stats.visited_tiles for plan in budget.plans}) >= 3
+  assert len({plan.stats.visited_tiles for plan in budget.plans[0]}) >= 3
 
 
 def test_gradients_match_each_heads_masked_softmax():
   budget = head_budget(GRID, DENSITIES[:3], 128, 128)
   head_ids = jnp.broadcast_to(jnp.arange(3), (1, 3))
   q, k, v = _inputs(1, 3, seed=1)
-  masks = jnp.stack([jnp.asarray(budget.plans[h].dense_mask()) for h in range(3)])
+  masks = jnp.stack([jnp.asarray(budget.plans[0][h].dense_mask()) for h in range(3)])
 
   def dense(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(128)
@@ -89,32 +89,56 @@ def test_ragged_cost_follows_the_heads_and_the_bound_holds_on_every_device(batch
     work, heads = pack_ragged_work(budget.carrier, tables, bound, ragged_cores(ids.size))
     cores = np.asarray(work).reshape(ragged_cores(ids.size), bound)
     # The call walks exactly its heads' tiles: no step of the widest head's carrier.
-    assert sum(_real_steps(c) for c in cores) == budget.head_steps[ids].sum()
+    assert sum(_real_steps(c) for c in cores) == budget.head_steps[0][ids].sum()
     worst = max(worst, max(_real_steps(c) for c in cores))
     # Each step names a head of its core's contiguous group.
     per = -(-ids.size // ragged_cores(ids.size))
     groups = np.asarray(heads).reshape(cores.shape) // per
     assert (groups == np.arange(cores.shape[0])[:, None]).all()
   assert worst == bound  # tight: some device needs all of it
-  assert budget.visited_tiles() == sum(plan.stats.visited_tiles for plan in budget.plans)
+  assert budget.visited_tiles() == sum(plan.stats.visited_tiles for plan in budget.plans[0])
   assert budget.visited_tiles() < budget.heads * budget.carrier.stats.visited_tiles
 
 
 def test_carrier_holds_every_heads_row_and_tables_mark_the_rest():
   budget = head_budget(GRID, DENSITIES, 128, 128)
-  for h, plan in enumerate(budget.plans):
+  for h, plan in enumerate(budget.plans[0]):
     assert (plan.num_visited <= budget.carrier.num_visited).all()
-    used = budget.tables[h] >= 0
+    used = budget.tables[0, h] >= 0
     assert (used.sum(axis=1) == plan.num_visited).all()
     for row in range(plan.num_q_tiles):
-      np.testing.assert_array_equal(budget.tables[h, row, :plan.num_visited[row]],
+      np.testing.assert_array_equal(budget.tables[0, h, row, :plan.num_visited[row]],
                                     plan.kv_index[row, :plan.num_visited[row]])
 
 
-@pytest.mark.parametrize("value", [[], [0.3, 0.0], [1.2], "0.3", [True], None])
+def test_head_densities_read_every_form():
+  assert check_head_densities("uniform") is None and check_head_densities(None) is None
+  assert check_head_densities([0.3, 1]) == ((0.3, 1.0),)  # one list of heads: every layer
+  assert check_head_densities("[[0.3, 0.2], [0.5, 0.1]]") == ((0.3, 0.2), (0.5, 0.1))
+  assert check_head_densities({"0-1": [0.3, 0.2], 2: [0.5, 0.1]}) == (
+      (0.3, 0.2), (0.3, 0.2), (0.5, 0.1))
+
+
+@pytest.mark.parametrize("value", [[0.3, 0.0], [1.2], "0.3", [True], [[0.3], []],
+                                   [[0.3, 0.2], [0.3]], {"1": [0.3]}, "[0.3, "])
 def test_bad_head_densities_are_refused_by_name(value):
   with pytest.raises(ValueError, match="svg_head_densities"):
     check_head_densities(value)
+
+
+def test_per_layer_tables_share_one_carrier_and_one_bound():
+  budget = head_budget(GRID, [[0.15, 0.35], [0.9, 0.15], [0.35, 0.35]], 128, 128)
+  assert budget.layers == 3 and budget.heads == 2
+  for layer in range(3):
+    for h in range(2):
+      plan = budget.plans[layer][h]
+      assert (plan.num_visited <= budget.carrier.num_visited).all()
+      assert (budget.visited[layer, h] == (plan.tile_map() != EMPTY)).all()
+  ids = jnp.asarray([[1, 0]])
+  traced = jax.jit(lambda layer: budget.tables_for(ids, layer))(1)
+  np.testing.assert_array_equal(np.asarray(traced), budget.tables[1][[1, 0]][None])
+  assert budget.steps_bound(1, 2) == budget.head_steps.max()  # a lane per head
+  assert budget.steps_bound(2, 2) == budget.head_steps.sum(axis=1).max()  # a lane per example
 
 
 def test_head_steps_without_tables_is_refused():
