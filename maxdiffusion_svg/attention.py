@@ -10,7 +10,7 @@ re-routing never recompiles.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,13 +61,16 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
 def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array,
             grid: VideoGrid, scale: float | None, compensation_blocks: int,
             cents: dict[Layout, Centroids] | None,
-            semantic: SemanticLayout | None) -> jax.Array:
-  """:func:`placed_attention` on a prepared kernel (its plan's tiles)."""
+            semantic: SemanticLayout | None, heads: HeadTables | None = None) -> jax.Array:
+  """:func:`placed_attention` on a prepared kernel (its plan's tiles); with ``heads``, each
+  head on its own tables (a per-head budget, on the kernel's carrier plan)."""
   if semantic is not None:
     return _semantic_placed(kernel, q, k, v, temporal, semantic, grid, scale,
                             compensation_blocks, cents)
   placed = [place(x, temporal, grid) for x in (q, k, v)]
-  if compensation_blocks:
+  if heads is not None:  # the band in each head's placed order: its tables need no routing
+    out = kernel(*placed, scale=scale, head_tiles=heads.tables, head_steps=heads.steps)
+  elif compensation_blocks:
     out = compensated_call(kernel, *placed, blocks=compensation_blocks, scale=scale,
                            cents=None if cents is None else per_head(cents, temporal))
   else:
@@ -142,12 +145,44 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
   return key
 
 
+class HeadTables(NamedTuple):
+  """A per-head budget's call on one device: its heads' tables (``int32 [B, H, q_tiles,
+  width]``), which key tiles they visit (the router's masks) and the ragged grid's length."""
+
+  tables: jax.Array
+  visited: jax.Array
+  steps: int
+
+
+def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], layer: Any,
+                head_ids: jax.Array | None) -> HeadTables | None:
+  """The tables of the heads a call holds (``head_ids [B, H]``: which of the model's heads,
+  default all of them in order) in ``layer``, or None without a per-head budget."""
+  heads = branch.heads
+  if heads is None:
+    return None
+  key = call.config.head_key(call.expert)
+  if head_ids is None:
+    if shape[1] != heads.heads:
+      raise ValueError(f"{key} lists {heads.heads} heads; the call has {shape[1]}")
+    head_ids = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape[:2])
+  if heads.layers > 1:
+    if layer is None:
+      raise ValueError(f"{key} gives {heads.layers} layers: the call needs its layer index")
+    if isinstance(layer, int) and not 0 <= layer < heads.layers:
+      raise ValueError(f"{key} gives {heads.layers} layers; the call's layer is {layer}")
+  return HeadTables(heads.tables_for(head_ids, layer), heads.visited_for(head_ids, layer),
+                    heads.steps_bound(*shape[:2]))
+
+
 def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array,
-          key: jax.Array, scale: float | None, seed: Seed | None
+          key: jax.Array, scale: float | None, seed: Seed | None,
+          heads: HeadTables | None = None
           ) -> tuple[Routing, dict[Layout, Centroids] | None, SemanticLayout | None]:
-  """Each head's layout, judged on the mask ``branch``'s kernel will run: the routing, each
-  layout's centroids (with compensation: the router judges with them, the kernel merges
-  them) and the semantic candidate's order and table (where semantic is among the layouts)."""
+  """Each head's layout, judged on the mask ``branch``'s kernel will run (with ``heads``, each
+  head's own): the routing, each layout's centroids (with compensation: the router judges with
+  them, the kernel merges them) and the semantic candidate's order and table (where semantic
+  is among the layouts)."""
   plan, blocks = branch.plan, branch.compensation_blocks
   cents = ({layout: layout_centroids(k, v, call.grid, layout, plan, blocks) for layout in Layout}
            if blocks else None)
@@ -155,22 +190,28 @@ def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax
               else semantic_layout(q, k, v, plan, call.semantic, scale, call.semantic_group, seed))
   routing = profile_heads(q, k, v, grid=call.grid, config=call.router, key=key, scale=scale,
                           plan=plan, compensation_blocks=blocks, cents=cents,
-                          layouts=call.config.layouts, semantic=semantic)
+                          layouts=call.config.layouts, semantic=semantic,
+                          head_visited=None if heads is None else heads.visited)
   return routing, cents, semantic
 
 
 def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
                            key: jax.Array | None = None, scale: float | None = None,
-                           return_info: bool = False, seed: Seed | None = None) -> Any:
-  """:func:`svg_attention` of a prepared call: route -> place -> sparse kernel -> restore."""
+                           return_info: bool = False, seed: Seed | None = None,
+                           layer: Any = None, head_ids: jax.Array | None = None) -> Any:
+  """:func:`svg_attention` of a prepared call: route -> place -> sparse kernel -> restore.
+  With a per-head budget (``svg_head_densities``), ``layer`` picks its layer's densities and
+  ``head_ids [B, H]`` names the model's heads the call holds (default: all, in order)."""
   check_qkv(q, k, v, call.grid)
   key = profile_key(call.config) if key is None else key
   if seed is not None and call.semantic is None:
     raise ValueError("a warm start (seed) is for calls with semantic among svg_layouts")
 
   def build(branch: Branch) -> Callable[..., Any]:
+    heads = head_tables(call, branch, q.shape, layer, head_ids)
+
     def run(q, k, v, key):
-      routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed)
+      routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed, heads)
       if semantic is not None:
         # The route is decided before anything is placed: scheduled among the placed copies,
         # the semantic estimate left them scattered (a v6e 720p semantic call took 1,651 MiB
@@ -180,7 +221,7 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
         routing, semantic, q, k, v = jax.lax.optimization_barrier((routing, semantic, q, k, v))
       layout = routing.temporal if semantic is None else routing.layouts
       out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,
-                    branch.compensation_blocks, cents, semantic)
+                    branch.compensation_blocks, cents, semantic, heads)
       return out, routing, None if semantic is None else semantic.clusters
     return run
 
@@ -191,12 +232,23 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
   info = {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
           "temporal_error": routing.temporal_error, "layout": routing.layouts,
           # every layout runs the band's count per query tile row: what the kernel visits
-          "visited_tiles": jnp.full(q.shape[:2], plan.stats.visited_tiles, jnp.int32),
+          "visited_tiles": _visited_tiles(call, q.shape, layer, head_ids),
           "plan": plan.stats.as_dict()}
   if routing.left_out is not None:
     info["left_out"] = routing.left_out
     info["clusters"] = clusters
   return out, info
+
+
+def _visited_tiles(call: PreparedCall, shape: tuple[int, ...], layer: Any,
+                   head_ids: jax.Array | None) -> jax.Array:
+  """``int32 [B, H]``: the tiles each head's call visits (the host's plan, or its own)."""
+  heads = call.host.heads
+  if heads is None:
+    return jnp.full(shape[:2], call.host.plan.stats.visited_tiles, jnp.int32)
+  steps = jnp.asarray(heads.head_steps, jnp.int32)[0 if layer is None else layer]
+  ids = (jnp.broadcast_to(jnp.arange(shape[1]), shape[:2]) if head_ids is None else head_ids)
+  return jnp.take(steps, ids)
 
 
 def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
@@ -238,8 +290,10 @@ def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Vid
 def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
                                  step: Any, layer: Any, scale: float | None = None,
                                  key: jax.Array | None = None, return_layout: bool = False,
-                                 seed: Seed | None = None) -> Any:
-  """:func:`scheduled_svg_attention` of a prepared call."""
+                                 seed: Seed | None = None,
+                                 head_ids: jax.Array | None = None) -> Any:
+  """:func:`scheduled_svg_attention` of a prepared call (``head_ids``: which of the model's
+  heads the call holds, for a per-head budget; default all, in order)."""
   check_qkv(q, k, v, call.grid)
   config = call.config
   active = config.schedule.is_active(step, layer)
@@ -249,7 +303,7 @@ def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array,
   def sparse_at(rung: PreparedCall) -> Callable[..., Any]:
     def sparse(q, k, v):
       out, info = prepared_svg_attention(rung, q, k, v, key=key, scale=scale, return_info=True,
-                                         seed=seed)
+                                         seed=seed, layer=layer, head_ids=head_ids)
       extra = {"layout": info["layout"]}
       if seed is not None:
         extra["clusters"] = info["clusters"]

@@ -12,6 +12,7 @@ from maxdiffusion_svg.budgets import (UNIFORM, Rung, check_layer_compensation,
                                       check_layer_densities)
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.head_budgets import HeadBudget, check_head_densities, head_budget
 from maxdiffusion_svg.kernels.api import BACKENDS
 from maxdiffusion_svg.layouts import DEFAULT_LAYOUTS, SEMANTIC, check_layouts, ring_layouts
 from maxdiffusion_svg.masks import check_density
@@ -36,7 +37,8 @@ UNSET_BY = {"svg_density": PRESET, "svg_active_steps": PRESET, "svg_active_layer
             "svg_layer_densities": UNIFORM, "svg_high_noise_layer_densities": UNIFORM,
             "svg_low_noise_layer_densities": UNIFORM, "svg_layer_compensation": UNIFORM,
             "svg_high_noise_layer_compensation": UNIFORM,
-            "svg_low_noise_layer_compensation": UNIFORM}
+            "svg_low_noise_layer_compensation": UNIFORM, "svg_head_densities": UNIFORM,
+            "svg_high_noise_head_densities": UNIFORM, "svg_low_noise_head_densities": UNIFORM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,11 @@ class SvgConfig:
   layer_compensation: tuple[bool, ...] | None = None
   high_noise_layer_compensation: tuple[bool, ...] | None = None
   low_noise_layer_compensation: tuple[bool, ...] | None = None
+  # One density per head, for every layer or per layer (maxdiffusion_svg.head_budgets); None:
+  # every head the layer's density. Each Wan 2.2 expert may have its own.
+  head_densities: tuple[tuple[float, ...], ...] | None = None
+  high_noise_head_densities: tuple[tuple[float, ...], ...] | None = None
+  low_noise_head_densities: tuple[tuple[float, ...], ...] | None = None
   # The head layouts the router chooses among (maxdiffusion_svg.layouts); semantic: SVG2's
   # clustered order with a tile table per head (maxdiffusion_svg.semantic).
   layouts: tuple[str, ...] = DEFAULT_LAYOUTS
@@ -120,6 +127,7 @@ class SvgConfig:
     if self.compensates:  # a layer compensates: the blocks must fit the key tile as with the key
       check_compensation(True, self.compensation_blocks, self.block_kv)
     object.__setattr__(self, "layouts", check_layouts(self.layouts))
+    self._check_head_densities()
     check_semantic(self.semantic_clusters, self.semantic_iterations,
                    warm_iterations=self.semantic_warm_iterations)
     if SEMANTIC in self.layouts:
@@ -129,6 +137,56 @@ class SvgConfig:
       if self.backend == "splash":
         raise ValueError("svg_layouts with semantic needs svg_backend pallas, xla or auto: Splash's "
                          "tile tables are static, a semantic head's are computed on device")
+
+  def _check_head_densities(self) -> None:
+    """Per-head budgets: read, and refused by key where they cannot run (yet)."""
+    for expert in ("", "high_noise_", "low_noise_"):
+      name = f"{expert}head_densities"
+      object.__setattr__(self, name, check_head_densities(getattr(self, name), f"svg_{name}"))
+    for expert in (None, *EXPERTS):
+      key = self.head_key(expert)
+      if self.head_densities_for(expert) is None:
+        continue
+      if self.layer_densities_for(expert) is not None:
+        raise ValueError(f"{key} and {self.layer_key('densities', expert)} both set each "
+                         f"layer's budget: give one (a per-head list per layer holds both)")
+      if self.tile_mode is not TileMode.ALIGNED:
+        raise ValueError(f"{key} needs svg_tile_mode aligned (a head's tiles run whole), got "
+                         f"{self.tile_mode.value}")
+      if self.backend == "splash":
+        raise ValueError(f"{key} needs svg_backend pallas, xla or auto: Splash's tile tables "
+                         f"are shared by every head")
+      if self.compensates:
+        raise ValueError(f"{key} with compensation (svg_compensation or a per-layer "
+                         f"compensation key) is not built yet: set one of them")
+      if SEMANTIC in self.layouts:
+        raise ValueError(f"{key} with semantic among svg_layouts is not built yet: a semantic "
+                         f"head's table has the band's count per row")
+
+  def head_densities_for(self, expert: str | None = None) -> tuple[tuple[float, ...], ...] | None:
+    """Per-head densities for ``expert`` (its own, else the shared key), one list per layer
+    (one list: every layer), or None: every head runs its layer's density."""
+    shared = self.head_densities
+    if expert is None:
+      return shared
+    self.density_for(expert)  # validates the expert
+    own = getattr(self, f"{expert}_head_densities")
+    return shared if own is None else own
+
+  def head_key(self, expert: str | None = None) -> str:
+    """The key :meth:`head_densities_for` reads for ``expert``."""
+    own = f"svg_{expert}_head_densities"
+    return own if expert and getattr(self, own[len("svg_"):]) is not None else "svg_head_densities"
+
+  def head_budget_on(self, grid: VideoGrid, tiles: SplashTiles,
+                     expert: str | None = None) -> HeadBudget | None:
+    """Each head's plan on ``tiles`` (:mod:`maxdiffusion_svg.head_budgets`), or None where no
+    per-head key is set for ``expert``."""
+    densities = self.head_densities_for(expert)
+    if densities is None:
+      return None
+    return head_budget(grid, densities, tiles.block_q, tiles.block_kv,
+                       include_sink=self.include_sink)
 
   def on_ring(self, ulysses: int, ring: int) -> "SvgConfig":
     """This config as a ring of ``ring`` sequence shards runs it: semantic left out of the
@@ -215,6 +273,8 @@ class SvgConfig:
                                low_noise_density=None, layer_densities=None,
                                high_noise_layer_densities=None, low_noise_layer_densities=None,
                                compensation=bool(rung.compensation), layer_compensation=None,
+                               head_densities=None, high_noise_head_densities=None,
+                               low_noise_head_densities=None,
                                high_noise_layer_compensation=None,
                                low_noise_layer_compensation=None)
 
@@ -373,6 +433,9 @@ KEYS = {
     "svg_layer_compensation": "layer_compensation",
     "svg_high_noise_layer_compensation": "high_noise_layer_compensation",
     "svg_low_noise_layer_compensation": "low_noise_layer_compensation",
+    "svg_head_densities": "head_densities",
+    "svg_high_noise_head_densities": "high_noise_head_densities",
+    "svg_low_noise_head_densities": "low_noise_head_densities",
     "svg_layouts": "layouts",
     "svg_semantic_clusters": "semantic_clusters",
     "svg_semantic_iterations": "semantic_iterations",

@@ -23,6 +23,7 @@ import jax
 from maxdiffusion_svg.budgets import Rung
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.head_budgets import HeadBudget
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.router import RouterConfig
 from maxdiffusion_svg.semantic import SemanticConfig, group_size
@@ -38,9 +39,10 @@ class Branch:
 
   executor: Executor  # backend and target (and the TPU a lowering for one is held to)
   tiles: SplashTiles
-  plan: TilePlan  # the sparse plan every head shares
+  plan: TilePlan  # the sparse plan every head shares (with per-head budgets: their carrier)
   compensation_blocks: int  # centroids per key tile; 0: off
   grid: VideoGrid
+  heads: HeadBudget | None = None  # each head's own plan (svg_head_densities), else None
   kernel: SparseKernel = dataclasses.field(init=False, repr=False, compare=False)
   # The schedule's dense branch: every tile of the same tiles, no mask, and its kernel.
   dense_plan: TilePlan = dataclasses.field(init=False, repr=False, compare=False)
@@ -151,6 +153,7 @@ def _prepared(config: SvgConfig, grid: VideoGrid, expert: str | None, target: Ta
   branches = []
   for executor in executors:
     tiles = config.tiles_on(executor.target, executor.backend)
-    plan = config.plan_on(grid, tiles, expert)
-    branches.append(Branch(executor, tiles, plan, config.compensation_on(tiles), grid))
+    heads = config.head_budget_on(grid, tiles, expert)
+    plan = config.plan_on(grid, tiles, expert) if heads is None else heads.carrier
+    branches.append(Branch(executor, tiles, plan, config.compensation_on(tiles), grid, heads))
   return PreparedCall(config, grid, expert, target, tuple(branches))

@@ -150,8 +150,26 @@ def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: Layout
   return centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadTileMask:
+  """Each head's own execution mask (a per-head budget's): the key tiles its query tiles visit,
+  ``visited [B, H, num_q_tiles, num_kv_tiles]`` in its placed order, whole tiles kept."""
+
+  visited: jax.Array
+  block_q: int
+  block_kv: int
+
+  def keep(self, rows: jax.Array, grid: VideoGrid, layout: Layout) -> jax.Array:
+    """``bool [B, H, R, S]``: which keys each head's frame-major ``rows`` keep, placed by
+    ``layout`` (O(B x H x R x S), as the sampled logits)."""
+    keys = jnp.arange(grid.tokens, dtype=jnp.int32)
+    row_tiles = layout_positions(grid, layout, rows) // self.block_q
+    key_tiles = layout_positions(grid, layout, keys) // self.block_kv
+    return jnp.take(jnp.take(self.visited, row_tiles, axis=2), key_tiles, axis=3)
+
+
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
-                  mask: Mask, *, scale: float | None = None,
+                  mask: Mask | HeadTileMask, *, scale: float | None = None,
                   compensation: Compensated | None = None,
                   cents: dict[Layout, Centroids] | None = None,
                   sampled: Sampled | None = None) -> tuple[jax.Array, jax.Array]:
@@ -164,7 +182,10 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
   errors = []
   for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
-    keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
+    if isinstance(mask, HeadTileMask):
+      keep = mask.keep(rows, grid, layout)
+    else:
+      keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
     out = _masked_output(logits, v32, keep)
     if compensation is not None:
       plan, blocks = compensation
@@ -304,7 +325,8 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                   compensation_blocks: int = 0,
                   cents: dict[Layout, Centroids] | None = None,
                   layouts: tuple[str, ...] | None = None,
-                  semantic: SemanticLayout | None = None) -> Routing:
+                  semantic: SemanticLayout | None = None,
+                  head_visited: jax.Array | None = None) -> Routing:
   """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
@@ -315,6 +337,8 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   (``cents``: each layout's centroids, where the caller has them). ``layouts``: the candidate
   layouts (default: the config's ``layouts``, else spatial and temporal); ``semantic`` (each
   head's semantic order and table) is required where semantic is among them.
+  ``head_visited [B, H, num_q_tiles, num_kv_tiles]`` (a per-head budget's tables, with
+  execution masks): each head is judged under its own mask, in ``plan``'s tiles.
   """
   router = getattr(config, "router", config)
   q, k, v, cents, semantic = constants((q, k, v, cents, semantic))
@@ -324,6 +348,8 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   if plan is None and router.profile_masks == "execution" and hasattr(config, "plan"):
     plan = config.plan(grid, expert)
   mask = routing_mask(grid, router, plan)
+  if head_visited is not None and router.profile_masks == "execution":
+    mask = HeadTileMask(jax.lax.stop_gradient(head_visited), plan.block_q, plan.block_kv)
   rows = sample_rows(key, grid.tokens, router)
   compensation = None
   if compensation_blocks and router.profile_masks == "execution":

@@ -242,16 +242,24 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
 def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v: jax.Array, *,
              key: jax.Array | None, scale: float | None, step: Any, layer: Any,
              return_info: bool, fold_batch: bool, on_routing: Callable[..., None] | None,
-             seed: Seed | None) -> Any:
-  """:func:`sharded_svg_attention` of a prepared call on a validated exchange."""
+             seed: Seed | None, head_ids: jax.Array | None = None) -> Any:
+  """:func:`sharded_svg_attention` of a prepared call on a validated exchange. ``head_ids
+  [B, H]``: which of the model's heads each (example, head) is, for a per-head budget
+  (default: all, in order); they travel with the heads through the exchange."""
   batch, heads = q.shape[:2]
+  if call.host.heads is not None and head_ids is None:
+    if heads != call.host.heads.heads:
+      raise ValueError(f"{call.config.head_key(call.expert)} lists {call.host.heads.heads} "
+                       f"heads; the call has {heads}")
+    head_ids = jnp.broadcast_to(jnp.arange(heads, dtype=jnp.int32), (batch, heads))
   if fold_batch and batch > 1 and ex.batch_shards == 1:
     folded = _sharded(  # the exchange does not depend on the batch or the heads' count
         call, ex, *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)),
         key=key, scale=scale, step=step, layer=layer, return_info=return_info,
         fold_batch=False, on_routing=on_routing,
         seed=None if seed is None else seed._replace(
-            centroids=seed.centroids.reshape(1, batch * heads, *seed.centroids.shape[2:])))
+            centroids=seed.centroids.reshape(1, batch * heads, *seed.centroids.shape[2:])),
+        head_ids=None if head_ids is None else head_ids.reshape(1, batch * heads))
     out, info = folded if return_info or seed is not None else (folded, None)
     out = out.reshape(q.shape[:2] + out.shape[2:])
     if seed is not None:
@@ -274,6 +282,10 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
     raise ValueError(f"seed centroids must be [B, H, C, D] = {tuple(q.shape[:2])} + ..., got "
                      f"{tuple(seed.centroids.shape)}")
   plan_stats = {"plan": call.host.plan.stats.as_dict()}
+  if ex.ring > 1 and head_ids is not None:
+    raise ValueError(f"{call.config.head_key(call.expert)} does not run on a ring (ulysses_shards "
+                     f"{ex.ulysses} of a context axis of {ex.shards}): set ulysses_shards to the "
+                     f"context axis, or leave the per-head key unset")
   if ex.ring > 1:
     result = ring_svg_attention(q, k, v, mesh=ex.mesh, seq_axis=ex.seq_axis,
                                 batch_axes=ex.batch_axes, ulysses=ex.ulysses,
@@ -296,13 +308,17 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
   seeded = seed is not None
   schedule = call.config.schedule
 
+  per_head = head_ids is not None
+
   def local(q, k, v, *values):
     given = {**static, **dict(zip(traced, values[:len(traced)]))}
+    local_ids = values[-1] if per_head else None  # this device's heads, after the exchange
     if scheduled:
       local_seed = Seed(values[len(traced)], given["ready"]) if seeded else None
       out = prepared_scheduled_attention(call, q, k, v, step=given["step"],
                                          layer=given["layer"], key=given["key"], scale=scale,
-                                         return_layout=on_routing is not None, seed=local_seed)
+                                         return_layout=on_routing is not None, seed=local_seed,
+                                         head_ids=local_ids)
       if on_routing is None and not seeded:
         return out
       out, aux = out
@@ -311,14 +327,16 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
                    given["step"], given["layer"])
       return (out, aux["clusters"]) if seeded else out
     out, info = prepared_svg_attention(call, q, k, v, key=given["key"], scale=scale,
-                                       return_info=True)
+                                       return_info=True, head_ids=local_ids)
     info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}
     return (out, info) if return_info else out
 
   seed_in = (seed.centroids.astype(jnp.float32),) if seeded else ()
-  run = exchange_heads(local, ex, extra_specs=(P(),) * len(traced) + (ex.head_spec,) * seeded,
+  ids_in = (head_ids,) if per_head else ()
+  run = exchange_heads(local, ex, extra_specs=(P(),) * len(traced) + (ex.head_spec,) * seeded
+                       + (ex.head_spec,) * per_head,
                        aux_spec=ex.head_spec if return_info or seeded else None)
-  result = run(q, k, v, *traced.values(), *seed_in)
+  result = run(q, k, v, *traced.values(), *seed_in, *ids_in)
   if not return_info:
     return result
   out, info = result

@@ -2,6 +2,8 @@
 dense masked softmax in float64; the ragged grid's cost and its static bound against brute
 force over every device's window of heads."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,3 +148,121 @@ def test_head_steps_without_tables_is_refused():
   q, k, v = _inputs(1, 2)
   with pytest.raises(ValueError, match="head_steps"):
     sparse_attention(q, k, v, budget.carrier, backend="xla", head_steps=10)
+
+
+# --- The attention path: route each head under its own mask, run it on its own plan ----------
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention  # noqa: E402
+from maxdiffusion_svg.bench.synthetic import planted_qkv  # noqa: E402
+from maxdiffusion_svg.config import SvgConfig  # noqa: E402
+from maxdiffusion_svg.geometry import Layout, layout_positions  # noqa: E402
+from maxdiffusion_svg.router import route_heads  # noqa: E402
+from maxdiffusion_svg.schedule import Interval, Schedule  # noqa: E402
+from maxdiffusion_svg.sharding import sharded_svg_attention  # noqa: E402
+
+PLANTED_GRID = VideoGrid(6, 8, 16)  # 768 tokens: 96 per shard on 8
+TYPES = ("spatial", "temporal", "temporal", "spatial", "temporal", "spatial", "spatial", "temporal")
+HEADS = (0.15, 0.6, 0.3, 1.0, 0.15, 0.45, 0.3, 0.6)
+KEY = jax.random.key(7)
+
+
+def _config(heads=HEADS, **kw):
+  return SvgConfig(**{"block_q": 128, "block_kv": 128, "backend": "xla", "profile_queries": 16,
+                      "head_densities": heads, **kw})
+
+
+def _planted(batch=2):
+  return [jnp.asarray(x) for x in planted_qkv(PLANTED_GRID, TYPES, head_dim=32, seed=2,
+                                              batch=batch)]
+
+
+def _placed_reference(q, k, v, plans, temporal):
+  """Each head's softmax, in float64, over its own plan's mask read in its routed order."""
+  grid, tokens = PLANTED_GRID, np.arange(PLANTED_GRID.tokens)
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  out = np.zeros_like(v)
+  for b in range(q.shape[0]):
+    for h in range(q.shape[1]):
+      layout = Layout.TEMPORAL_MAJOR if temporal[b, h] else Layout.FRAME_MAJOR
+      pos = layout_positions(grid, layout, tokens)
+      mask = plans[h].dense_mask()[np.ix_(pos, pos)]
+      s = np.where(mask, q[b, h] @ k[b, h].T / np.sqrt(q.shape[-1]), -np.inf)
+      p = np.exp(s - s.max(axis=1, keepdims=True))
+      out[b, h] = (p / p.sum(axis=1, keepdims=True)) @ v[b, h]
+  return out
+
+
+def test_each_head_is_routed_and_run_at_its_own_density():
+  q, k, v = _planted()
+  cfg = _config()
+  out, info = svg_attention(q, k, v, grid=PLANTED_GRID, config=cfg, key=KEY, return_info=True)
+  budget = head_budget(PLANTED_GRID, HEADS, 128, 128)
+  temporal = np.asarray(info["temporal"])
+  assert temporal.any() and not temporal.all()
+  np.testing.assert_allclose(np.asarray(out), _placed_reference(q, k, v, budget.plans[0], temporal),
+                             atol=2e-5, rtol=2e-5)
+  # Each head is routed as a call at its own density would route it (same sampled rows).
+  for h, density in enumerate(HEADS):
+    alone = route_heads(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], grid=PLANTED_GRID,
+                        config=dataclasses.replace(cfg, head_densities=None, density=density),
+                        key=KEY)
+    np.testing.assert_array_equal(np.asarray(alone)[:, 0], temporal[:, h])
+  np.testing.assert_array_equal(np.asarray(info["visited_tiles"]),
+                                np.broadcast_to(budget.head_steps[0], temporal.shape))
+
+
+def test_per_layer_head_densities_follow_a_traced_layer_in_one_compile():
+  q, k, v = _planted(batch=1)
+  layers = (HEADS, HEADS[::-1], (1.0,) * 8)
+  cfg = _config(heads=layers, schedule=Schedule(active_steps=Interval(0, None)))
+  traces = []
+
+  def call(layer):
+    traces.append(1)
+    return scheduled_svg_attention(q, k, v, grid=PLANTED_GRID, config=cfg, step=0, layer=layer,
+                                   key=KEY)
+
+  run = jax.jit(call)
+  for layer, heads in enumerate(layers):
+    want = svg_attention(q, k, v, grid=PLANTED_GRID, config=_config(heads=heads),
+                         key=jax.random.fold_in(jax.random.fold_in(KEY, layer), 0))
+    np.testing.assert_allclose(np.asarray(run(jnp.int32(layer))), np.asarray(want), atol=1e-5)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
+def test_sharded_equals_one_device(shape):
+  """The device's head ids travel with its heads through the exchange (with the CFG batch
+  folded in where nothing shards it), so every device walks its own heads' tables."""
+  devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  mesh = Mesh(devices, ("data", "fsdp", "context", "tensor"))
+  q, k, v = _planted()
+  cfg = _config()
+  want, want_info = svg_attention(q, k, v, grid=PLANTED_GRID, config=cfg, key=KEY, return_info=True)
+  spec = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
+  qs, ks, vs = (jax.device_put(x, spec) for x in (q, k, v))
+  out, info = jax.jit(lambda q, k, v: sharded_svg_attention(
+      q, k, v, mesh=mesh, grid=PLANTED_GRID, config=cfg, key=KEY, return_info=True))(qs, ks, vs)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(info["temporal"]), np.asarray(want_info["temporal"]))
+
+
+def test_per_head_budgets_refuse_what_they_cannot_run_by_key():
+  q, k, v = _planted(batch=1)
+  with pytest.raises(ValueError, match="svg_head_densities lists 3 heads; the call has 8"):
+    svg_attention(q, k, v, grid=PLANTED_GRID, config=_config(heads=(0.3, 0.3, 0.3)), key=KEY)
+  with pytest.raises(ValueError, match="svg_head_densities gives 2 layers"):
+    svg_attention(q, k, v, grid=PLANTED_GRID, config=_config(heads=(HEADS, HEADS)), key=KEY)
+  for extra, match in (({"compensation": True}, "compensation"),
+                       ({"tile_mode": "split"}, "aligned"),
+                       ({"backend": "splash"}, "Splash"),
+                       ({"layer_densities": (0.3,)}, "svg_layer_densities"),
+                       ({"layouts": ("spatial", "temporal", "semantic")}, "semantic")):
+    with pytest.raises(ValueError, match=match):
+      _config(**extra)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 1, 8, 1), ("data", "fsdp", "context", "tensor"))
+  with pytest.raises(ValueError, match="svg_head_densities does not run on a ring"):
+    sharded_svg_attention(q, k, v, mesh=mesh, grid=PLANTED_GRID, config=_config(), key=KEY,
+                          ulysses_shards=2)
