@@ -30,5 +30,7 @@ OVERRIDES = {
     "svg_semantic_warm_iterations": "2", "svg_layer_densities": "[0.2, 0.4]",
     "svg_high_noise_layer_densities": "{0-1: 0.5}", "svg_low_noise_layer_densities": "[0.1, 0.3]",
     "svg_layer_compensation": "[true, false]", "svg_high_noise_layer_compensation": "{0-1: true}",
-    "svg_low_noise_layer_compensation": "[false, true]",
+    "svg_low_noise_layer_compensation": "[false, true]", "svg_head_densities": "[0.2, 0.4]",
+    "svg_high_noise_head_densities": "[[0.5, 0.3]]",
+    "svg_low_noise_head_densities": "{0-1: [0.1, 0.3]}",
 }
