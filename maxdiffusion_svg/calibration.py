@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.attention import svg_attention
-from maxdiffusion_svg.budgets import Allocation, Rung, allocate, least_cost
+from maxdiffusion_svg.budgets import Allocation, Rung, allocate, allocate_greedy, least_cost
 from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
@@ -104,32 +104,37 @@ def relative_error(out: Any, dense: Any) -> np.ndarray:
 
 def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: VideoGrid,
                  rungs: Sequence[Rung], *, target: Target | None = None,
-                 log: Callable[[str], None] = lambda _: None) -> np.ndarray:
-  """``[L, K]``: each layer's mean relative error (over its heads and samples) at each rung.
-  ``layers[l]``: that layer's ``(q, k, v)`` samples, ``[B, H, S, D]`` frame-major."""
+                 log: Callable[[str], None] = lambda _: None,
+                 per_head: bool = False) -> np.ndarray:
+  """``[L, K]``: each layer's mean relative error (over its heads and samples) at each rung
+  (``per_head``: ``[L, H, K]``, each head's, over its samples). ``layers[l]``: that layer's
+  ``(q, k, v)`` samples, ``[B, H, S, D]`` frame-major."""
   dense = jax.jit(dense_attention)
   calls = [jax.jit(lambda q, k, v, c=config.at_rung(r): svg_attention(
       q, k, v, grid=grid, config=c, target=target)) for r in rungs]
-  errors = np.zeros((len(layers), len(rungs)))
+  heads = layers[0][0][0].shape[1]
+  errors = np.zeros((len(layers), heads, len(rungs)))
   for i, samples in enumerate(layers):
     for q, k, v in samples:
       ref = dense(q, k, v)
       for j, call in enumerate(calls):
-        errors[i, j] += relative_error(call(q, k, v), ref).mean() / len(samples)
+        errors[i, :, j] += relative_error(call(q, k, v), ref).mean(axis=0) / len(samples)
     log(f"layer {i}: {len(samples)} samples x {len(rungs)} rungs")
-  return errors
+  return errors if per_head else errors.mean(axis=1)
 
 
 def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                         config: SvgConfig, rungs: Sequence[Rung], key: jax.Array,
                         scale: float | None = None, expert: str | None = None,
-                        target: Target | None = None) -> tuple[jax.Array, jax.Array]:
+                        target: Target | None = None,
+                        per_head: bool = False) -> tuple[jax.Array, jax.Array]:
   """``float32 [K]`` twice: one call's mean relative error per rung, on device, from
   :data:`CALIBRATION_ROWS` sampled rows against their dense output: each head takes the lower
   of its spatial and temporal errors under the rung's execution mask (as the router would
   choose), compensated where the rung compensates; and the share of heads whose better layout
   is temporal at each rung (the layouts the table reports). What ``calibrate`` records per step and
-  layer of a real run, where the whole inputs cannot leave the device."""
+  layer of a real run, where the whole inputs cannot leave the device. ``per_head``: ``[K, H]``
+  each, every head's over the batch (what per-head budgets allocate)."""
   router = dataclasses.replace(config.router, profile_queries=CALIBRATION_ROWS)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   rows = sample_rows(key, grid.tokens, router)
@@ -143,8 +148,9 @@ def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: Video
     spatial, temporal = layout_errors(q, k, v, rows, grid, plan.computed_mask, scale=scale,
                                       sampled=sampled,
                                       compensation=(plan, blocks) if blocks else None)
-    errors.append(jnp.mean(jnp.minimum(spatial, temporal) / power))
-    temporal_share.append(jnp.mean((temporal < spatial).astype(jnp.float32)))
+    over = (lambda x: jnp.mean(x, axis=0)) if per_head else jnp.mean
+    errors.append(over(jnp.minimum(spatial, temporal) / power))
+    temporal_share.append(over((temporal < spatial).astype(jnp.float32)))
   return jnp.stack(errors), jnp.stack(temporal_share)
 
 
@@ -205,3 +211,100 @@ def calibrate_layers(errors: Any, costs: Any, rungs: Sequence[Rung], uniform: Ru
     chosen = least_cost(errors, costs, target_error * layers, caps)
   return Calibration(rungs, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
                      tuple(rungs[i] for i in chosen.choice), uniform, chosen, uniform_allocation)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadCalibration:
+  """Per-head densities, (layer, head) items allocated together, beside the uniform density's.
+  An item's error is its head's relative error over the layer's heads (so a layer's items sum to
+  the layer's mean, and totals read as :class:`Calibration`'s)."""
+
+  densities: tuple[float, ...]  # the candidates
+  costs: tuple[float, ...]  # key tiles per head's call, per candidate
+  errors: np.ndarray  # [L, H, K], measured (each head's share of its layer's mean)
+  chosen: tuple[tuple[float, ...], ...]  # [L][H]
+  choice: np.ndarray  # [L, H] indices into ``densities``
+  uniform: float
+  allocation: Allocation
+  uniform_allocation: Allocation
+
+  @property
+  def tiles(self) -> float:
+    """Key tiles per head over the layers (the mean head's): comparable with a per-layer
+    :class:`Calibration`'s cost."""
+    return self.allocation.cost / self.errors.shape[1]
+
+  @property
+  def uniform_tiles(self) -> float:
+    return self.uniform_allocation.cost / self.errors.shape[1]
+
+  def layer_errors(self) -> np.ndarray:
+    """``[L]``: each layer's error at the chosen densities (its heads' mean)."""
+    rows = np.arange(self.errors.shape[0])[:, None]
+    cols = np.arange(self.errors.shape[1])[None, :]
+    return self.errors[rows, cols, self.choice].sum(axis=1)
+
+  def as_dict(self) -> dict[str, Any]:
+    u = self.densities.index(self.uniform)
+    return {"densities": list(self.densities), "costs": list(self.costs),
+            "head_densities": [list(layer) for layer in self.chosen], "uniform": self.uniform,
+            "layer_errors": self.layer_errors().tolist(),
+            "uniform_layer_errors": self.errors[:, :, u].sum(axis=1).tolist(),
+            "tiles": self.tiles, "uniform_tiles": self.uniform_tiles,
+            "error": self.allocation.error, "uniform_error": self.uniform_allocation.error}
+
+
+def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform: float,
+                    target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
+                    floor_db: float = FLOOR_DB) -> HeadCalibration:
+  """Densities per (layer, head) from measured ``errors [L, H, K]`` (each head's relative error
+  at ``densities``, which holds ``uniform``): the least total error within the uniform
+  density's cost (every head at it), or with ``target_error`` (a mean relative error per layer)
+  about the fewest tiles that meet it (:func:`~maxdiffusion_svg.budgets.allocate_greedy`:
+  layers x heads is too many items for the exact front). The guard is per head, as
+  :func:`calibrate_layers`' per layer."""
+  errors, costs = np.asarray(errors, np.float64), np.asarray(costs, np.float64)
+  densities = tuple(float(d) for d in densities)
+  if float(uniform) not in densities:
+    raise ValueError(f"the densities {list(densities)} must hold the uniform density {uniform}")
+  u = densities.index(float(uniform))
+  layers, heads, _ = errors.shape
+  items = errors.reshape(layers * heads, -1) / heads  # each head's share of its layer's mean
+  n = items.shape[0]
+  uniform_allocation = Allocation((u,) * n, float(costs[u] * n), float(items[:, u].sum()))
+  caps = None if max_loss_db is None else np.maximum(
+      items[:, u] * 10 ** (max_loss_db / 10), 10 ** (-floor_db / 10) / heads)
+  if target_error is None:
+    chosen = allocate_greedy(items, costs, uniform_allocation.cost, caps)
+  else:
+    if not target_error > 0:
+      raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
+                       f"{target_error}")
+    chosen = _least_cost_greedy(items, costs, target_error * layers, caps)
+  choice = np.asarray(chosen.choice).reshape(layers, heads)
+  return HeadCalibration(densities, tuple(costs.tolist()), errors / heads,
+                         tuple(tuple(densities[k] for k in row) for row in choice), choice,
+                         float(uniform), chosen, uniform_allocation)
+
+
+def _least_cost_greedy(items: np.ndarray, costs: np.ndarray, target: float,
+                       caps: Any) -> Allocation:
+  """About the fewest tiles whose greedy allocation meets ``target``: a bisection on the
+  budget (the greedy's error falls as its budget grows)."""
+  lo, hi = float(costs.min()) * len(items), float(costs.max()) * len(items)
+  best = allocate_greedy(items, costs, hi, caps)
+  if best.error > target + 1e-12:
+    raise ValueError(f"--target-error is below the least total error {best.error:.4g} any "
+                     f"choice reaches")
+  for _ in range(40):
+    mid = (lo + hi) / 2
+    try:
+      trial = allocate_greedy(items, costs, mid, caps)
+    except ValueError:
+      lo = mid
+      continue
+    if trial.error <= target + 1e-12:
+      best, hi = trial, mid
+    else:
+      lo = mid
+  return best

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from maxdiffusion_svg.attention import scheduled_svg_attention
-from maxdiffusion_svg.budgets import (Rung, allocate, check_layer_compensation,
+from maxdiffusion_svg.budgets import (Rung, allocate, allocate_greedy, check_layer_compensation,
                                       check_layer_densities, least_cost, levels)
-from maxdiffusion_svg.calibration import (calibrate_layers, candidate_rungs, relative_error,
-                                          rung_costs)
+from maxdiffusion_svg.calibration import (calibrate_heads, calibrate_layers, candidate_rungs,
+                                          relative_error, rung_costs)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
@@ -56,6 +56,44 @@ def test_allocation_is_optimal_against_brute_force(seed):
       (costs[np.arange(layers), ch].sum(), errors[np.arange(layers), ch].sum(), ch)
       for ch in itertools.product(range(rungs), repeat=layers)] if e <= target)
   assert cheapest.error <= target and cheapest.cost == pytest.approx(want[0])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_allocation_holds_the_budget_within_one_step_of_brute_force(seed):
+  """Layers x heads is too many items for the exact front: the greedy allocation never spends
+  more than the budget, is never better than the optimum (a check on the brute force), and is
+  within the largest single step's error of it; with a guard, no item above its cap."""
+  rng = np.random.default_rng(seed)
+  items, rungs = 6, 4
+  costs = np.broadcast_to(np.sort(rng.integers(1, 25, rungs)), (items, rungs)).astype(float)
+  errors = np.sort(rng.random((items, rungs)), axis=1)[:, ::-1].copy()
+  budget = float(costs[:, 1].sum()) + seed  # budgets on and off the rungs' sums
+  got = allocate_greedy(errors, costs, budget)
+  error, _, _ = _brute(errors, costs, lambda c, e: c <= budget)
+  step = np.max(errors[:, :-1] - errors[:, 1:])
+  assert got.cost <= budget and got.cost == pytest.approx(costs[0, list(got.choice)].sum())
+  assert error - 1e-12 <= got.error <= error + step
+  caps = errors[:, 1] * 1.2
+  guarded = allocate_greedy(errors, costs, budget, caps)
+  assert all(errors[i, r] <= caps[i] * (1 + 1e-9) for i, r in enumerate(guarded.choice))
+  with pytest.raises(ValueError, match="budget"):
+    allocate_greedy(errors, costs, float(costs[:, 0].sum()) - 1)
+
+
+def test_head_calibration_holds_uniform_tiles_and_reports_per_head_densities():
+  rng = np.random.default_rng(3)
+  densities, costs = (0.1, 0.2, 0.4, 1.0), np.array([10.0, 20.0, 40.0, 100.0])
+  errors = np.sort(rng.random((3, 4, 4)), axis=2)[:, :, ::-1]  # [layers, heads, densities]
+  result = calibrate_heads(errors, costs, densities, 0.2)
+  assert result.tiles <= result.uniform_tiles == 3 * 20.0  # per head, over the layers
+  assert result.allocation.error <= result.uniform_allocation.error
+  assert np.array(result.chosen).shape == (3, 4)
+  assert result.uniform_allocation.error == pytest.approx(errors[:, :, 1].mean(axis=1).sum())
+  np.testing.assert_allclose(result.layer_errors().sum(), result.allocation.error)
+  met = calibrate_heads(errors, costs, densities, 0.2, target_error=errors[:, :, 2].mean())
+  assert met.allocation.error <= errors[:, :, 2].mean() * 3 + 1e-12
+  with pytest.raises(ValueError, match="uniform density 0.3"):
+    calibrate_heads(errors, costs, densities, 0.3)
 
 
 def test_calibration_never_exceeds_uniform_tiles_nor_its_error():
@@ -259,6 +297,8 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
   got, temporal = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
                                                   rungs=rungs, key=jax.random.key(0))
   got, temporal = np.asarray(got), np.asarray(temporal)
+  heads, _ = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config, rungs=rungs,
+                                             key=jax.random.key(0), per_head=True)
   dense = dense_attention(q, k, v)
   for j, (density, on) in enumerate(rungs):
     per_layout = [relative_error(scheduled_svg_attention(
@@ -266,6 +306,7 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
         step=0, layer=0), dense)[0] for name in ("spatial", "temporal")]
     mse = np.minimum(*per_layout)  # relative to each head's power: the same rows, all of them
     assert got[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), rungs[j]
+    np.testing.assert_allclose(np.asarray(heads)[j], mse, rtol=2e-3, atol=1e-9)  # each head
     if j < 3:  # (density 1: both layouts are dense, a tie)
       assert temporal[j] == pytest.approx(np.mean(per_layout[1] < per_layout[0])), rungs[j]
   assert got[0] > got[2] > got[3] >= 0 and got[0] > got[1]

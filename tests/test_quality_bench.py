@@ -147,3 +147,12 @@ def _check_calibration(cal, cfg):
   dense = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v64)
   rel = ((np.asarray(out, np.float64) - dense) ** 2).sum((-1, -2)) / (dense ** 2).sum((-1, -2))
   assert cal["psnr_db"]["calibrated"][2] == pytest.approx(-10 * np.log10(rel.mean()), abs=0.05)
+  # Per head: within uniform's tiles, densities from the ladder, and the same layer run with its
+  # heads' densities (svg_head_densities) gives the PSNR reported.
+  heads = cal["per_head"]
+  assert heads["tiles"] <= tiles["uniform"] + 1e-9
+  assert {d for layer in heads["head_densities"] for d in layer} <= set(cfg.ladder) | {cfg.density}
+  out = svg_attention(q, k, v, grid=cfg.grid, config=dataclasses.replace(
+      cfg.svg_config(), head_densities=(tuple(heads["head_densities"][2]),)))
+  rel = ((np.asarray(out, np.float64) - dense) ** 2).sum((-1, -2)) / (dense ** 2).sum((-1, -2))
+  assert heads["psnr_db"][2] == pytest.approx(-10 * np.log10(rel.mean()), abs=0.05)

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_layers,
-                                          candidate_rungs, layer_errors, rung_costs,
-                                          uniform_rung)
+from maxdiffusion_svg.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_heads,
+                                          calibrate_layers, candidate_rungs, layer_errors,
+                                          rung_costs, uniform_rung)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 
@@ -77,7 +77,9 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   rungs = candidate_rungs(config, cfg.ladder, cfg.compensation)
   uniform = uniform_rung(config)
   costs = rung_costs(config, cfg.grid, rungs)
-  measured = layer_errors(layer_inputs(cfg, cfg.calibration_seed), config, cfg.grid, rungs)
+  measured_heads = layer_errors(layer_inputs(cfg, cfg.calibration_seed), config, cfg.grid, rungs,
+                                per_head=True)
+  measured = measured_heads.mean(axis=1)
   log(f"  calibrated on seed {cfg.calibration_seed}: {time.perf_counter() - start:.0f} s")
   at_budget = calibrate_layers(measured, costs, rungs, uniform)
   # the least tiles whose measured error matches uniform's: the speed-up at matched quality
@@ -87,15 +89,26 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   alone = [j for j, r in enumerate(rungs) if r.compensation == uniform.compensation]
   densities_only = calibrate_layers(measured[:, alone], costs[alone],
                                     [rungs[j] for j in alone], uniform)
+  # per head: each (layer, head) its own density, compensation as the config has it
+  per_head = calibrate_heads(measured_heads[:, :, alone], costs[alone],
+                             [rungs[j].density for j in alone], uniform.density)
+  heads_matched = calibrate_heads(measured_heads[:, :, alone], costs[alone],
+                                  [rungs[j].density for j in alone], uniform.density,
+                                  target_error=at_budget.uniform_allocation.error / len(LAYERS))
   u = rungs.index(uniform)
   held = []
   for seed in cfg.held_out_seeds:
-    errors = layer_errors(layer_inputs(cfg, seed), config, cfg.grid, rungs)
+    head_errors = layer_errors(layer_inputs(cfg, seed), config, cfg.grid, rungs, per_head=True)
+    errors = head_errors.mean(axis=1)
     pick = lambda choice: errors[np.arange(len(LAYERS)), list(choice)]
+    pick_heads = lambda choice: np.take_along_axis(
+        head_errors[:, :, alone], choice[:, :, None], axis=2)[:, :, 0].mean(axis=1)
     held.append({"seed": seed, "uniform": errors[:, u],
                  "calibrated": pick(at_budget.allocation.choice),
                  "matched": pick(matched.allocation.choice),
-                 "densities_only": pick(alone[j] for j in densities_only.allocation.choice)})
+                 "densities_only": pick(alone[j] for j in densities_only.allocation.choice),
+                 "per_head": pick_heads(per_head.choice),
+                 "per_head_matched": pick_heads(heads_matched.choice)})
     log(f"  held-out seed {seed}: {time.perf_counter() - start:.0f} s")
   mean = lambda name: np.mean([h[name] for h in held], axis=0)
   uniform_db, calibrated_db, matched_db = (_psnr(mean(n)) for n in ("uniform", "calibrated", "matched"))
@@ -103,6 +116,9 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   gain = float(np.mean([c - u_ for u_, c in totals]))  # the whole model's, over the draws
   gain_alone = float(np.mean([_psnr(h["densities_only"].mean()) - u_
                               for h, (u_, _) in zip(held, totals)]))
+  whole = lambda name: [_psnr(h[name].mean()) for h in held]
+  head_gain = float(np.mean(np.subtract(whole("per_head"), whole("uniform"))))
+  head_vs_layer = float(np.mean(np.subtract(whole("per_head"), whole("densities_only"))))
   never_worse = all(c >= u_ - 1e-9 for u_, c in totals)
   change = calibrated_db - uniform_db
   worst = int(np.argmin(change))
@@ -128,6 +144,14 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
           "guard": {"max_loss_db": MAX_LOSS_DB, "floor_db": FLOOR_DB},
           "targets": {"gain_met": gain >= GAIN_DB, "never_worse": never_worse},
           "calibration": at_budget.as_dict(),
+          "per_head": {"head_densities": [list(layer) for layer in per_head.chosen],
+                       "tiles": per_head.tiles, "matched_tiles": heads_matched.tiles,
+                       "whole_model_db": whole("per_head"),
+                       "densities_only_db": whole("densities_only"),
+                       "gain_db": head_gain, "vs_densities_per_layer_db": head_vs_layer,
+                       "never_worse": all(p >= u_ - 1e-9 for p, u_ in
+                                          zip(whole("per_head"), whole("uniform"))),
+                       "psnr_db": _psnr(mean("per_head")).tolist()},
           "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -161,4 +185,14 @@ def format_calibration_bench(r: dict[str, Any]) -> str:
   lines.append(f"at uniform's measured error: {tiles['matched']:.0f} tiles "
                f"({tiles['uniform'] / max(tiles['matched'], 1):.2f}x fewer), rungs "
                f"{', '.join(r['matched_rungs'])}")
+  h = r["per_head"]
+  spread = ", ".join(f"{name} {min(d):g}-{max(d):g}" for name, d in
+                     zip(r["layers"], h["head_densities"]))
+  lines.append(f"per-head densities (svg_head_densities, compensation off): {h['tiles']:.0f} tiles"
+               f" per head, "
+               f"mean gain {h['gain_db']:+.2f} dB over uniform, {h['vs_densities_per_layer_db']:+.2f}"
+               f" dB over densities per layer (never worse: "
+               f"{'met' if h['never_worse'] else 'missed'}); at uniform's error "
+               f"{h['matched_tiles']:.0f} tiles ({tiles['uniform'] / max(h['matched_tiles'], 1):.2f}x"
+               f" fewer); heads' densities per layer: {spread}")
   return "\n".join(lines)
