@@ -118,13 +118,15 @@ def check_layer_count(values: Sequence[Any] | None, num_layers: int,
 
 def layer_ranges(values: Sequence[Any]) -> str:
   """Per-layer ``values`` as runs of layers: ``0-9: 0.3, 10-39: 0.15`` (the form the keys
-  read; booleans as ``true``/``false``)."""
+  read; booleans as ``true``/``false``, text as it is)."""
   runs, start = [], 0
   for i in range(1, len(values) + 1):
     if i == len(values) or values[i] != values[start]:
       span = f"{start}-{i - 1}" if i - 1 > start else f"{start}"
       value = values[start]
-      runs.append(f"{span}: {str(value).lower() if isinstance(value, bool) else f'{value:g}'}")
+      text = (str(value).lower() if isinstance(value, bool)
+              else value if isinstance(value, str) else f"{value:g}")
+      runs.append(f"{span}: {text}")
       start = i
   return ", ".join(runs)
 

@@ -32,18 +32,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                               "are written into the overlay too (the budget was theirs)")
   calibrate.add_argument("--out", required=True, metavar="OVERLAY.yml",
                          help="the overlay to write: base_config CONFIG plus "
-                              "svg_layer_densities and svg_layer_compensation (per expert for "
-                              "Wan 2.2)")
+                              "svg_layer_densities and svg_layer_compensation, or with "
+                              "--per-head svg_head_densities (per expert for Wan 2.2)")
   calibrate.add_argument("--prompts", metavar="FILE",
                          help="prompts to measure on, one per line (default: the config's)")
   calibrate.add_argument("--ladder", type=_ladder, metavar="D1,D2,...",
                          help="densities a layer may take (default 0.05,0.1,0.15,0.2,0.3,0.45,"
                               "0.7,1.0; the config's density is added)")
   calibrate.add_argument("--compensation", choices=("both", "off", "on", "config"),
-                         default="both",
+                         default=None,
                          help="compensation a layer may take: both (each density with it off "
                               "and on, default), only off, only on, or the config's "
-                              "svg_compensation (then no svg_layer_compensation is written)")
+                              "svg_compensation (then no svg_layer_compensation is written); "
+                              "off with --per-head")
+  calibrate.add_argument("--per-head", action="store_true",
+                         help="a density per (layer, head), written as svg_head_densities: "
+                              "each head's error measured on device, layers x heads allocated "
+                              "together within the uniform density's tiles (no compensation)")
   calibrate.add_argument("--target-error", type=float, metavar="E",
                          help="instead of the uniform density's tiles: the fewest tiles whose "
                               "mean relative error per layer is at most E")
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
   # pylint: enable=import-outside-toplevel
   plan = plan_calibration(args.config, args.overrides, args.out, args.prompts, args.ladder,
                           args.target_error, None if args.no_guard else args.max_layer_loss_db,
-                          args.floor_db, args.compensation)
+                          args.floor_db, args.compensation, args.per_head)
   report, _ = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
   print(format_calibration(report))
   if args.json:

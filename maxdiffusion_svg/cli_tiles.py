@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                              "heads; implies --chip")
   estimate.add_argument("--layers", type=_positive,
                         help="transformer layers (default: 30 for a 1.3B checkpoint, else 40)")
+  estimate.add_argument("--heads", type=_positive,
+                        help="attention heads, which svg_head_densities lists (default: 12 for "
+                             "a 1.3B checkpoint, else 40)")
   estimate.add_argument("--attention-share", type=_share, metavar="F",
                         help="self-attention's share of a dense step's time, for the end-to-end "
                              "bound (default: the seed design's 55.5%% at 720p and 88.2%% at "
@@ -97,7 +100,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     for name, hint in _instead(args).items():
       raise ValueError(f"{flag(name)} does not apply with --config: {hint}")
     return
-  for name in ("slice", "layers", "attention_share"):
+  for name in ("slice", "layers", "heads", "attention_share"):
     if getattr(args, name) is not None:
       raise ValueError(f"{flag(name)} needs --config (a generation config to check)")
   for name in ("chip", "libtpu_init_args"):  # the report's tiles are our kernel's on every chip
@@ -160,6 +163,6 @@ def _estimate(args: argparse.Namespace) -> int:
     config[key] = yaml.safe_load(text)
   target = chip_target(slice_chip(args.slice, args.chip), args.libtpu_init_args)
   result = estimate_config(config, target, layers=args.layers, slice_type=args.slice,
-                           given_share=args.attention_share)
+                           given_share=args.attention_share, heads=args.heads)
   _report(args, format_estimate(result), result)
   return 0

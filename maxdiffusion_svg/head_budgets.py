@@ -64,6 +64,18 @@ def check_head_densities(value: Any, key: str = "svg_head_densities"
   return tuple(out)
 
 
+def check_head_shape(densities: tuple[tuple[float, ...], ...], layers: int, heads: int,
+                     key: str = "svg_head_densities") -> None:
+  """A model of ``layers`` layers and ``heads`` heads takes one list per layer (or one for
+  every layer) of one density per head."""
+  if len(densities) not in (1, layers):
+    raise ValueError(f"{key} gives {len(densities)} layers; the model has {layers} (give one "
+                     f"list of heads per layer, one list for every layer, or {UNIFORM!r})")
+  if len(densities[0]) != heads:
+    raise ValueError(f"{key} lists {len(densities[0])} heads; the model has {heads} (one "
+                     f"density per attention head)")
+
+
 _FORMS = ("one density per head for every layer, a list of such lists per layer, a mapping of "
           f"layer ranges to such lists, or {UNIFORM!r}")
 
@@ -188,4 +200,4 @@ def _carrier(plans: list[TilePlan], kv_index: np.ndarray, counts: np.ndarray) ->
                              num_visited=counts.astype(np.int32), stats=stats)
 
 
-__all__ = ["HeadBudget", "check_head_densities", "head_budget"]
+__all__ = ["HeadBudget", "check_head_densities", "check_head_shape", "head_budget"]

@@ -25,9 +25,9 @@ import numpy as np
 import yaml
 
 from maxdiffusion_svg.budgets import Rung
-from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, calibrate_layers,
-                                          candidate_rungs, compensation_choices, rung_costs,
-                                          uniform_rung)
+from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, HeadCalibration,
+                                          calibrate_heads, calibrate_layers, candidate_rungs,
+                                          compensation_choices, rung_costs, uniform_rung)
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
@@ -39,7 +39,10 @@ from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
 
 def key_for(what: str, expert: str | None) -> str:
-  """The overlay's key for ``expert``'s per-layer ``densities`` or ``compensation``."""
+  """The overlay's key for ``expert``'s per-layer ``densities`` or ``compensation``, or its
+  per-head densities (``what="head"``)."""
+  if what == "head":
+    return f"svg_{expert + '_' if expert else ''}head_densities"
   return f"svg_{expert + '_' if expert else ''}layer_{what}"
 
 
@@ -58,12 +61,14 @@ class CalibrationPlan:
   max_loss_db: float | None = MAX_LOSS_DB  # the guard (calibration.calibrate_layers)
   floor_db: float = FLOOR_DB
   compensation: str = "both"  # calibration.COMPENSATION_CHOICES
+  per_head: bool = False  # a density per (layer, head): svg_head_densities
 
   @property
   def per_layer_compensation(self) -> bool:
     """Whether the overlay sets compensation per layer: the candidates held more than the
-    config's own."""
-    return {r.compensation for r in self.rungs} != {self.settings.svg.compensation}
+    config's own (never with per-head budgets, which do not compensate)."""
+    return (not self.per_head
+            and {r.compensation for r in self.rungs} != {self.settings.svg.compensation})
 
 
 def read_prompts(path: str | None, keys: dict[str, Any]) -> tuple[str, ...]:
@@ -86,12 +91,18 @@ def read_prompts(path: str | None, keys: dict[str, Any]) -> tuple[str, ...]:
 def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: str | None = None,
                      ladder: Sequence[float] | None = None,
                      target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
-                     floor_db: float = FLOOR_DB, compensation: str = "both") -> CalibrationPlan:
-  """Every check ``calibrate`` can make before weights load."""
+                     floor_db: float = FLOOR_DB, compensation: str | None = None,
+                     per_head: bool = False) -> CalibrationPlan:
+  """Every check ``calibrate`` can make before weights load. ``compensation`` (``--compensation``)
+  defaults to ``both``, and to ``off`` with ``per_head`` (``--per-head``), whose budgets do not
+  compensate."""
   from maxdiffusion_svg.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
   settings = PluginSettings.from_mapping(keys)
+  compensation = compensation or ("off" if per_head else "both")
+  if per_head:
+    _check_per_head(settings, compensation)
   if target_error is not None and not target_error > 0:
     raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                      f"{target_error}")
@@ -111,20 +122,39 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   rungs = candidate_rungs(settings.svg, LADDER if ladder is None else ladder, compensation,
                           (None, *EXPERTS))  # every expert's uniform choice is a candidate
   return CalibrationPlan(config, tuple(overrides), keys, settings, read_prompts(prompts, keys),
-                         rungs, target_error, path.resolve(), max_loss_db, floor_db, compensation)
+                         rungs, target_error, path.resolve(), max_loss_db, floor_db, compensation,
+                         per_head)
+
+
+def _check_per_head(settings: PluginSettings, compensation: str) -> None:
+  """What ``--per-head`` cannot calibrate, refused by name before weights load."""
+  svg = settings.svg
+  if compensation not in ("off", "config") or (compensation == "config" and svg.compensation):
+    raise ValueError(f"--per-head takes --compensation off (got {compensation}): per-head "
+                     f"budgets do not compensate yet")
+  if svg.compensates:
+    raise ValueError("--per-head: the config compensates (svg_compensation or a per-layer "
+                     "compensation key), which per-head budgets do not yet: set them off")
+  if svg.tile_mode.value != "aligned" or svg.backend == "splash":
+    raise ValueError("--per-head needs svg_tile_mode aligned and svg_backend pallas, xla or auto")
+  if "semantic" in svg.layouts:
+    raise ValueError("--per-head: svg_layouts holds semantic, which per-head budgets do not "
+                     "take yet")
 
 
 def layer_table(entries: Sequence[dict[str, Any]], expert: str | None, layers: int,
                 rungs: int, field: str = "errors") -> tuple[np.ndarray, np.ndarray]:
-  """``(values [L, K], measured [L])``: each layer's mean of ``field`` (``errors``, or
-  ``temporal``: the share of heads routed temporal) over its sparse calls (``measured``: the
-  calls that made the mean; 0 where the schedule kept the layer dense)."""
-  total, count = np.zeros((layers, rungs)), np.zeros(layers)
+  """``(values [L, K, ...], measured [L])``: each layer's mean of ``field`` (``errors``;
+  ``temporal``: the share of heads routed temporal; ``head_errors``: ``[K, H]`` each head's)
+  over its sparse calls (``measured``: the calls that made the mean; 0 where the schedule kept
+  the layer dense)."""
+  shape = next((np.shape(e[field]) for e in entries if e["expert"] == expert), (rungs,))
+  total, count = np.zeros((layers, *shape)), np.zeros(layers)
   for entry in entries:
     if entry["expert"] == expert and entry["active"] and 0 <= entry["layer"] < layers:
       total[entry["layer"]] += entry[field]
       count[entry["layer"]] += 1
-  return total / np.maximum(count, 1)[:, None], count
+  return total / np.maximum(count, 1).reshape(-1, *[1] * len(shape)), count
 
 
 def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
@@ -174,7 +204,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     mesh = getattr(seen["pipeline"], "mesh", None)
   experts = {getattr(model, "svg_expert", None): model.num_layers for model in models}
   target = svg.target(mesh=mesh)
-  results: dict[str | None, Calibration] = {}
+  results: dict[str | None, Calibration | HeadCalibration] = {}
   measured: dict[str | None, list[int]] = {}
   temporal: dict[str | None, np.ndarray] = {}
   for expert, layers in experts.items():
@@ -185,8 +215,14 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
                        f"schedule (svg_active_steps/svg_active_layers) keeps every call dense")
     errors = table[active]
     costs = rung_costs(svg, grid, plan.rungs, expert, target)
-    results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
-                                       plan.target_error, plan.max_loss_db, plan.floor_db)
+    if plan.per_head:  # [layers, K, H] -> [layers, H, K]: each head's own errors
+      heads = layer_table(entries, expert, layers, len(plan.rungs), "head_errors")[0][active]
+      results[expert] = calibrate_heads(np.swapaxes(heads, 1, 2), costs,
+                                        [r.density for r in plan.rungs], svg.density_for(expert),
+                                        plan.target_error, plan.max_loss_db, plan.floor_db)
+    else:
+      results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
+                                         plan.target_error, plan.max_loss_db, plan.floor_db)
     measured[expert] = np.flatnonzero(active).tolist()
     temporal[expert] = layer_table(entries, expert, layers, len(plan.rungs), "temporal")[0][active]
   overlay = {BASE_KEY: str(pathlib.Path(plan.config).resolve())}
@@ -195,6 +231,10 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
             "steps": steps, "grid": [grid.frames, grid.height, grid.width], "experts": {},
             "seconds": round(time.perf_counter() - start, 1), "kind": "measured"}
   for expert, result in results.items():
+    if plan.per_head:
+      report["experts"][str(expert)] = _head_overlay(overlay, result, expert, experts[expert],
+                                                     measured[expert], svg.density_for(expert))
+      continue
     densities = [svg.density_for(expert)] * experts[expert]
     compensation = [svg.compensation] * experts[expert]
     for layer, rung in zip(measured[expert], result.chosen):
@@ -211,6 +251,19 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
                                           np.arange(len(chosen)), chosen].tolist()}
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
+
+
+def _head_overlay(overlay: dict[str, Any], result: HeadCalibration, expert: str | None,
+                  layers: int, measured: list[int], density: float) -> dict[str, Any]:
+  """Writes ``expert``'s per-head densities into ``overlay`` (layers the schedule keeps dense
+  at the config's density) and returns what the table reports."""
+  heads = result.errors.shape[1]
+  rows = [[density] * heads for _ in range(layers)]
+  for layer, chosen in zip(measured, result.chosen):
+    rows[layer] = list(chosen)
+  overlay[key_for("head", expert)] = rows
+  return {"layers": layers, "measured": measured, "per_head": True, "heads": heads,
+          **result.as_dict(), "head_densities": rows}
 
 
 def _svg_overrides(overrides: Sequence[str]) -> dict[str, Any]:
@@ -232,6 +285,9 @@ def format_calibration(report: dict[str, Any]) -> str:
            f"{'x'.join(map(str, report['grid']))} tokens, {report['seconds']:.0f} s "
            f"(errors measured on device, relative to dense, sampled rows)"]
   for expert, r in report["experts"].items():
+    if r.get("per_head"):
+      lines.extend(_head_table(expert, r))
+      continue
     u = r["uniform_rung"]
     lines.append(f"{'expert ' + expert if expert != 'None' else 'model'}: uniform "
                  f"{r['uniform']}, {r['layers']} layers")
@@ -249,3 +305,21 @@ def format_calibration(report: dict[str, Any]) -> str:
                  f"{r['uniform_error']:.3g})")
   lines.append(f"overlay written: {report['overlay']}")
   return "\n".join(lines)
+
+
+def _head_table(expert: str, r: dict[str, Any]) -> list[str]:
+  """Per layer: its heads' densities (least, mean, most), error, uniform's and the change."""
+  lines = [f"{'expert ' + expert if expert != 'None' else 'model'}: uniform {r['uniform']:g}, "
+           f"{r['layers']} layers x {r['heads']} heads (per-head densities)",
+           f"{'layer':>6}{'least':>7}{'mean':>7}{'most':>7}{'error':>11}{'uniform':>11}"
+           f"{'dB vs uniform':>15}"]
+  for row, layer in enumerate(r["measured"]):
+    heads = r["head_densities"][layer]
+    error, uniform = r["layer_errors"][row], r["uniform_layer_errors"][row]
+    change = 10 * math.log10(max(uniform, 1e-30) / max(error, 1e-30))
+    lines.append(f"{layer:>6}{min(heads):>7g}{float(np.mean(heads)):>7.3f}{max(heads):>7g}"
+                 f"{error:>11.3g}{uniform:>11.3g}{change:>+15.2f}")
+  lines.append(f"cost per head (key tiles over the layers): {r['tiles']:.0f} (uniform "
+               f"{r['uniform_tiles']:.0f}); total error {r['error']:.3g} (uniform "
+               f"{r['uniform_error']:.3g})")
+  return lines

@@ -16,6 +16,7 @@ import math
 from typing import Any, Mapping
 
 from maxdiffusion_svg.budgets import Rung, check_layer_count
+from maxdiffusion_svg.head_budgets import check_head_shape
 from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
@@ -30,6 +31,7 @@ from maxdiffusion_svg.target import Target, resolve_backend
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.
 LAYERS_1_3B, LAYERS_14B = 30, 40
+HEADS_1_3B, HEADS_14B = 12, 40
 # Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
 # 2.1 14B, eight v6e chips): "full attention's share of per-layer latency" grows "from 55.5% to
 # 88.2%" from 720p to 1440p. Other sizes: interpolated in log-odds over log tokens.
@@ -40,6 +42,11 @@ STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 def layers_of(config: Mapping[str, Any]) -> int:
   name = str(config.get("pretrained_model_name_or_path", ""))
   return LAYERS_1_3B if "1.3B" in name else LAYERS_14B
+
+
+def heads_of(config: Mapping[str, Any]) -> int:
+  name = str(config.get("pretrained_model_name_or_path", ""))
+  return HEADS_1_3B if "1.3B" in name else HEADS_14B
 
 
 def attention_share(tokens: int, given: float | None = None) -> tuple[float, str]:
@@ -83,6 +90,7 @@ class Estimate:
   layers: int
   layer_densities: tuple[float, ...] | None = None  # the distinct per-layer rungs' densities
   layer_rungs: tuple[str, ...] | None = None  # ... as rungs: ``0.2`` or ``0.2+compensation``
+  per_head: bool = False  # the rungs are the heads' densities (svg_head_densities)
 
   @property
   def calls(self) -> int:
@@ -109,7 +117,8 @@ class Estimate:
 
 def estimate_config(config: Mapping[str, Any], target: Target, layers: int | None = None,
                     slice_type: str | None = None,
-                    given_share: float | None = None) -> dict[str, Any]:
+                    given_share: float | None = None,
+                    heads: int | None = None) -> dict[str, Any]:
   """The pre-flight and estimate for a merged MaxDiffusion config (its ``svg_*`` keys over
   their defaults) on ``target``; ``slice_type`` (e.g. ``v6e-8``) adds the mesh's checks."""
   keys = {**config_defaults(), **config}
@@ -122,12 +131,13 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   svg = settings.svg
   grid = VideoGrid.for_video(keys["num_frames"], keys["height"], keys["width"])
   layers = layers_of(keys) if layers is None else layers
+  heads = heads_of(keys) if heads is None else heads
   target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
   split = expert_steps(keys, steps) if keys.get("model_name") == "wan2.2" else None
   experts = EXPERTS if split else (None,)
-  rungs = {expert: _rungs(svg, expert, layers) for expert in experts}
+  rungs = {expert: _rungs(svg, expert, layers, heads) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
   # per-layer rungs (density, compensation): each rung's plan, checked and priced
   rung_plans = {expert: {r: svg.at_rung(r).plan(grid, expert, target, backend)
@@ -156,7 +166,8 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
         sparse_steps=svg.schedule.active_steps.within(first, end),
         sparse_layers=svg.schedule.active_layers.count(layers), layers=layers,
         layer_densities=tuple(r.density for r in weights) if rungs[expert] else None,
-        layer_rungs=tuple(map(str, weights)) if rungs[expert] else None))
+        layer_rungs=tuple(map(str, weights)) if rungs[expert] else None,
+        per_head=svg.head_densities_for(expert) is not None))
     priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
                                                  tiles, target, backend) for r in weights},
                             weights))
@@ -220,12 +231,20 @@ def _semantic(svg: Any, grid: VideoGrid, plan: Any) -> dict[str, Any] | None:
           "warm_vs_attention": warm / attention}
 
 
-def _rungs(svg: Any, expert: str | None, layers: int) -> dict[Rung, float]:
+def _rungs(svg: Any, expert: str | None, layers: int, heads: int) -> dict[Rung, float]:
   """Per-layer rungs (density, compensation): each distinct rung's share of the layers the
-  schedule makes sparse (empty: one density for all)."""
+  schedule makes sparse (empty: one density for all). Per-head densities: each distinct
+  density's share of the sparse layers' heads (a ragged call costs its heads' tiles)."""
   for what in ("densities", "compensation"):
     check_layer_count(getattr(svg, f"layer_{what}_for")(expert), layers,
                       svg.layer_key(what, expert))
+  per_head = svg.head_densities_for(expert)
+  if per_head is not None:
+    check_head_shape(per_head, layers, heads, svg.head_key(expert))
+    rows = per_head if len(per_head) > 1 else per_head * layers
+    sparse = [row for i, row in enumerate(rows) if svg.schedule.active_layers.contains(i)]
+    flat = [d for row in (sparse or rows) for d in row]
+    return {Rung(d): flat.count(d) / len(flat) for d in sorted(set(flat))}
   per_layer = svg.layer_rungs_for(expert)
   if per_layer is None:
     return {}

@@ -41,10 +41,14 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
   first, end = row["first_step"], row["first_step"] + row["steps"]
   steps = (f"{row['sparse_steps']} of its {row['steps']} steps [{first}, {end})" if wan22
            else f"{row['sparse_steps']} of {row['steps']} steps")
-  density = (f"per-layer rungs {', '.join(row['layer_rungs'])} (svg_layer_densities, "
-             f"svg_layer_compensation; "
-             f"mean {row['density']} over the sparse layers" if row.get("layer_rungs")
-             else f"svg_density {row['density']} (band density")
+  if row.get("per_head"):
+    density = (f"per-head densities {', '.join(row['layer_rungs'])} (svg_head_densities; mean "
+               f"{row['density']} over the sparse layers' heads, each head on its own plan")
+  elif row.get("layer_rungs"):
+    density = (f"per-layer rungs {', '.join(row['layer_rungs'])} (svg_layer_densities, "
+               f"svg_layer_compensation; mean {row['density']} over the sparse layers")
+  else:
+    density = f"svg_density {row['density']} (band density"
   lines = [
       f"{who}{density}; with the first-frame sink "
       f"{row['kept_pair_fraction']:.1%} of pairs kept); a sparse call visits "

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxdiffusion_svg.budgets import check_layer_count
+from maxdiffusion_svg.head_budgets import check_head_shape
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin import contract, preflight, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
@@ -160,6 +161,10 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
                     settings.svg.layer_key("densities", expert))
   check_layer_count(settings.svg.layer_compensation_for(expert), model.num_layers,
                     settings.svg.layer_key("compensation", expert))
+  per_head = settings.svg.head_densities_for(expert)
+  if per_head is not None and ops:
+    check_head_shape(per_head, model.num_layers, int(ops[0][0].heads),
+                     settings.svg.head_key(expert))
   model.svg_settings = settings
   model.svg_expert = expert
   for op, layer in ops:

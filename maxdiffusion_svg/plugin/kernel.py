@@ -42,9 +42,11 @@ _RUNGS: contextvars.ContextVar[tuple[tuple[Rung, ...], list[dict[str, Any]]] | N
 def record_rung_errors(rungs: tuple[Rung, ...]) -> Iterator[list[dict[str, Any]]]:
   """While the block traces, each video self-attention call also measures its error at every
   rung of ``rungs`` (density, compensation) on device (:func:`maxdiffusion_svg.calibration.sampled_rung_errors`)
-  and logs ``{"step", "layer", "expert", "active", "errors", "temporal"}`` (``active``: the
-  schedule makes the call sparse; ``temporal``: per rung, the share of heads whose better layout
-  is temporal). Call ``jax.effects_barrier()`` before reading the list."""
+  and logs ``{"step", "layer", "expert", "active", "errors", "temporal", "head_errors"}``
+  (``active``: the schedule makes the call sparse; ``errors``: per rung, the mean over heads;
+  ``temporal``: per rung, the share of heads whose better layout is temporal; ``head_errors
+  [K, H]``: each head's, what per-head budgets allocate). Call ``jax.effects_barrier()`` before
+  reading the list."""
   log: list[dict[str, Any]] = []
   token = _RUNGS.set((tuple(rungs), log))
   try:
@@ -62,12 +64,14 @@ def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings:
   svg = settings.svg
   errors, temporal = sampled_rung_errors(
       q, k, v, grid=call.grid, config=svg, rungs=rungs, key=profile_key(svg, step, layer),
-      scale=context["scale"], expert=call.expert, target=svg.target(mesh=context["mesh"]))
+      scale=context["scale"], expert=call.expert, target=svg.target(mesh=context["mesh"]),
+      per_head=True)
 
   def append(step, layer, active, errors, temporal):
+    errors, temporal = np.asarray(errors, np.float64), np.asarray(temporal, np.float64)
     log.append({"step": int(step), "layer": int(layer), "expert": call.expert,
-                "active": bool(active), "errors": np.asarray(errors, np.float64),
-                "temporal": np.asarray(temporal, np.float64)})
+                "active": bool(active), "errors": errors.mean(axis=1),
+                "temporal": temporal.mean(axis=1), "head_errors": errors})
 
   jax.debug.callback(append, jnp.asarray(step), jnp.asarray(layer),
                      jnp.asarray(svg.schedule.is_active(step, layer)), errors, temporal)
@@ -80,7 +84,8 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
   A test and benchmark aid: each execution appends ``{"kind", "sparse", "step", "layer",
   "expert", "density", "compensation", "warm"}`` (``kind``: ``self``, or
   ``cross``/``masked``/``short`` for dense calls; ``density`` and ``compensation``: the sparse
-  branch's, the layer's own under per-layer keys; ``warm``: the semantic clustering started from
+  branch's, the layer's own under per-layer keys (the mean of its heads' under
+  ``svg_head_densities``); ``warm``: the semantic clustering started from
   the previous step's centroids)
   through ``jax.debug.callback``, so steps and layers are the traced values of that run.
   ``arrays``: self-attention entries also get ``"qkv_out"``, the call's global ``[B, H, S, D]``
@@ -218,7 +223,12 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     out, clusters = out
     semantic_store.write(call.semantic_store, layer, clusters, schedule.is_active(step, layer))
   per_layer = settings.svg.layer_rungs_for(call.expert)
-  if per_layer is None:
+  heads = settings.svg.head_densities_for(call.expert)
+  if heads is not None:  # per-head budgets: the mean of the layer's heads
+    means = [float(np.mean(layer_heads)) for layer_heads in heads]
+    density = jnp.asarray(means, jnp.float32)[layer if len(means) > 1 else 0]
+    compensation = False
+  elif per_layer is None:
     density, compensation = settings.svg.density_for(call.expert), settings.svg.compensation
   else:  # the layer's own rung
     density = jnp.asarray([r.density for r in per_layer], jnp.float32)[layer]

@@ -153,6 +153,12 @@ def _steps(kwargs: dict[str, Any], call: Any) -> int:
 def _density(model: Any) -> str:
   """The density a model's sparse calls ran: one, or per layer range (``svg_layer_densities``)."""
   svg = model.svg_settings.svg
+  per_head = svg.head_densities_for(model.svg_expert)
+  if per_head is not None:  # each layer's heads, as least-most (mean), per layer range
+    spans = [f"{min(row):g}-{max(row):g} (mean {sum(row) / len(row):.3g})" for row in per_head]
+    which = "every layer" if len(per_head) == 1 else layer_ranges(spans)
+    return (f"densities per head (svg_head_densities), {spans[0]} in every layer"
+            if len(per_head) == 1 else f"densities per head (svg_head_densities) {which}")
   per_layer = svg.layer_densities_for(model.svg_expert)
   if per_layer is None:
     return f"density {svg.density_for(model.svg_expert)}"

@@ -79,6 +79,13 @@ class PluginSettings:
       if per_layer is not None and (expert is None or per_layer is not svg.layer_densities):
         who = f"{expert.replace('_', '-')} " if expert else ""
         densities += f", {who}per layer {layer_ranges(per_layer)}"
+      per_head = svg.head_densities_for(expert)
+      if per_head is not None and (expert is None or per_head is not svg.head_densities):
+        who = f"{expert.replace('_', '-')} " if expert else ""
+        flat = [d for row in per_head for d in row]
+        densities += (f", {who}per head (svg_head_densities: {len(per_head[0])} heads x "
+                      f"{'every layer' if len(per_head) == 1 else f'{len(per_head)} layers'}, "
+                      f"{min(flat):g} to {max(flat):g}, mean {sum(flat) / len(flat):.3g})")
     steps, layers = svg.schedule.active_steps, svg.schedule.active_layers
     if target is None:
       tiles = "default" if svg.block_q is None and svg.block_kv is None else (
