@@ -32,6 +32,14 @@ def _overrides(checkpoint):
 
 
 @pytest.fixture(scope="module")
+def dense_video(wan21_checkpoint, run_config, tmp_path_factory):
+  """The tiny checkpoint's dense video, which both calibrated runs are judged against."""
+  video, _ = launch(tmp_path_factory.mktemp("dense"),
+                    [run_config, *_overrides(wan21_checkpoint), "attention=dot_product"])
+  return video
+
+
+@pytest.fixture(scope="module")
 def calibrated(wan21_checkpoint, run_config, tmp_path_factory):
   out = tmp_path_factory.mktemp("calibrate") / "calibrated.yml"
   plan = calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
@@ -88,13 +96,11 @@ def test_the_overlay_round_trips_through_maxdiffusions_pyconfig(calibrated, wan2
   assert settings.svg.density == SVG_KEYS["svg_density"]  # the chain to the config is kept
 
 
-def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoint, run_config,
+def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoint, dense_video,
                                                      tmp_path):
   _, report, out, _, uniform = calibrated  # the calibration's own run: the uniform density's
-  common = _overrides(wan21_checkpoint)
-  for name in ("dense", "calibrated"):
-    (tmp_path / name).mkdir()
-  dense, _ = launch(tmp_path / "dense", [run_config, *common, "attention=dot_product"])
+  common, dense = _overrides(wan21_checkpoint), dense_video
+  (tmp_path / "calibrated").mkdir()
   video, log = launch(tmp_path / "calibrated", [str(out), *common])
   densities = report["experts"]["None"]["densities"]
   rungs = list(zip(densities, report["experts"]["None"]["compensation"]))
@@ -137,3 +143,43 @@ def test_wan22_calibrates_each_expert_and_runs_each_ones_densities(tmp_path):
   assert seen == {(expert, layer, density, on) for expert in ("high_noise", "low_noise")
                   for layer, (density, on) in enumerate(zip(report["experts"][expert]["densities"],
                                                             report["experts"][expert]["compensation"]))}
+
+
+def test_per_head_calibration_writes_head_densities_that_the_run_uses(
+    wan21_checkpoint, run_config, calibrated, dense_video, tmp_path):
+  """``--per-head``: each head's error measured through generate_wan, layers x heads allocated
+  within the uniform density's tiles, ``svg_head_densities`` written; MaxDiffusion's pyconfig
+  reads the overlay, and the run's calls run each layer's heads (the call log's density is
+  their mean) no further from dense than the uniform run."""
+  from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.testing.tiny_wan import HEADS  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "heads.yml"
+  plan = calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
+                                    ladder=LADDER, per_head=True)
+  assert plan.compensation == "off" and not plan.per_layer_compensation
+  report, _ = calibrate.run_calibration(plan, log=lambda _: None)
+  model = report["experts"]["None"]
+  rows = model["head_densities"]
+  assert model["per_head"] and len(rows) == LAYERS and all(len(r) == HEADS for r in rows)
+  assert {d for row in rows for d in row} <= {*LADDER, SVG_KEYS["svg_density"]}
+  assert model["tiles"] <= model["uniform_tiles"] + 1e-9
+  assert model["error"] <= model["uniform_error"] + 1e-12
+  assert "per-head densities" in calibrate.format_calibration(report)
+  written = yaml.safe_load(out.read_text())
+  assert written["svg_head_densities"] == rows and "svg_layer_densities" not in written
+  argv = launcher.prepare_argv(["generate", str(out), *_overrides(wan21_checkpoint)],
+                               str(tmp_path))[0]
+  pyconfig.initialize(argv, unittest=True)
+  settings = PluginSettings.from_mapping(pyconfig.config.get_keys())
+  assert settings.svg.head_densities == tuple(map(tuple, rows))
+  common, dense = _overrides(wan21_checkpoint), dense_video
+  (tmp_path / "heads").mkdir()
+  video, log = launch(tmp_path / "heads", [str(out), *common])
+  means = [round(float(np.mean(row)), 6) for row in rows]
+  sparse = [r for r in log if r["kind"] == "self" and r["sparse"]]
+  assert {(r["layer"], r["density"]) for r in sparse} == set(enumerate(means))
+  uniform = calibrated[4]
+  assert wan_e2e.psnr(video, dense) >= wan_e2e.psnr(uniform, dense) - 1e-9
+  with pytest.raises(ValueError, match="--per-head takes --compensation off"):
+    calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
+                               ladder=LADDER, per_head=True, compensation="both")

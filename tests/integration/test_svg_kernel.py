@@ -123,6 +123,27 @@ def test_per_layer_rungs_with_scan_layers_on_and_off(tmp_path_factory):
                   if r["kind"] == "self") == [(0, 0.2, True), (1, 0.6, False)]
 
 
+def test_per_head_densities_with_scan_layers_on_and_off_and_sharded(tmp_path_factory):
+  """``svg_head_densities`` in MaxDiffusion's transformer: each layer's heads at their own
+  densities, scanned and looped, on 8 devices (each device's heads after the exchange) and on
+  one: the same output, not the uniform run's, and the call log has each layer's mean."""
+  per_head = [[0.2 if h % 2 else 0.6 for h in range(tiny_wan.HEADS)],
+              [1.0] + [0.2] * (tiny_wan.HEADS - 1)]
+  keys = {"svg_density": 0.3, "svg_head_densities": per_head, **EVERYTHING}
+  scanned, log_scanned = forward(tmp_path_factory, 8, "svg", scan_layers=True, **keys)
+  looped, log_looped = forward(tmp_path_factory, 8, "svg", scan_layers=False, **keys)
+  single, _ = forward(tmp_path_factory, 1, "svg", **keys)
+  uniform, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
+  scale = np.abs(scanned).max()
+  np.testing.assert_allclose(looped / scale, scanned / scale, atol=1e-5)
+  np.testing.assert_allclose(single / scale, scanned / scale, atol=1e-5)
+  assert not np.allclose(scanned / scale, uniform / scale, atol=1e-4)
+  means = [round(float(np.mean(row)), 6) for row in per_head]
+  for log in (log_scanned, log_looped):
+    assert sorted((r["layer"], r["density"]) for r in log if r["kind"] == "self") == [
+        (0, means[0]), (1, means[1])]
+
+
 def test_the_layout_follows_the_configs_logical_axis_rules(tmp_path_factory):
   """A rule set that splits the batch over ``data`` only, on a data x fsdp x context mesh
   (2 x 2 x 2): the kernel reads the layout from the rules, as MaxDiffusion's ulysses does.
