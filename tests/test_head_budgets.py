@@ -8,11 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.bench.synthetic import planted_qkv
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.head_budgets import check_head_densities, head_budget
 from maxdiffusion_svg.kernels.api import sparse_attention
 from maxdiffusion_svg.kernels.worklist import pack_ragged_work, ragged_cores, unpack_work
+from maxdiffusion_svg.router import route_heads
+from maxdiffusion_svg.schedule import Interval, Schedule
+from maxdiffusion_svg.sharding import sharded_svg_attention
 from maxdiffusion_svg.tiles import EMPTY
 
 GRID = VideoGrid(5, 7, 15)  # 525 tokens: 5 tiles of 128, the last one padded
@@ -151,16 +158,6 @@ def test_head_steps_without_tables_is_refused():
 
 
 # --- The attention path: route each head under its own mask, run it on its own plan ----------
-
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention  # noqa: E402
-from maxdiffusion_svg.bench.synthetic import planted_qkv  # noqa: E402
-from maxdiffusion_svg.config import SvgConfig  # noqa: E402
-from maxdiffusion_svg.geometry import Layout, layout_positions  # noqa: E402
-from maxdiffusion_svg.router import route_heads  # noqa: E402
-from maxdiffusion_svg.schedule import Interval, Schedule  # noqa: E402
-from maxdiffusion_svg.sharding import sharded_svg_attention  # noqa: E402
 
 PLANTED_GRID = VideoGrid(6, 8, 16)  # 768 tokens: 96 per shard on 8
 TYPES = ("spatial", "temporal", "temporal", "spatial", "temporal", "spatial", "spatial", "temporal")

@@ -122,3 +122,23 @@ def test_a_calibrated_config_compiles_in_the_forward_within_the_bound(compiled):
         f"{base['temp'] / 2**20:,.0f} MiB")
   assert calibrated["memory"]["temp"] <= TEMP_RATIO_BOUND * compensated["memory"]["temp"], (
       calibrated["memory"], compensated["memory"])
+
+
+@pytest.mark.full  # one more 2-layer compile (about 2 minutes here)
+def test_per_head_densities_compile_in_the_forward_as_one_kernel(compiled):
+  """``svg_head_densities`` (40 heads from 0.1 to 0.7 in each of the 2 layers): one sparse kernel
+  on a ragged grid for every layer (the tables are data the scanned layer index picks) beside
+  the dense branch's, temporaries within the bound of the uniform forward's (measured: 2,472.5
+  MiB against 2,471.8 at the heads' mean density 0.4; docs/measurements/
+  wan14b_forward_v6e8_per_head.json)."""
+  heads = [[round(0.1 + 0.6 * ((h * 7 + layer * 3) % 40) / 39, 2) for h in range(40)]
+           for layer in range(LAYERS)]
+  per_head = compile_wan_forwards(
+      kernels=("svg",), num_layers=LAYERS, log=lambda _: None,
+      overrides={"flash_min_seq_length": 0, "svg_active_layers": "[0, -1]",
+                 "svg_head_densities": str(heads)})["kernels"]["svg"]
+  assert per_head["ok"], per_head["error"]
+  assert "per head (svg_head_densities: 40 heads x 2 layers, 0.1 to 0.7" in per_head["svg"]
+  assert sum("svg_pallas_sparse" in name for name in per_head["mosaic_kernel_names"]) == 2
+  base = compiled["kernels"]["svg"]["memory"]
+  assert per_head["memory"]["temp"] <= TEMP_RATIO_BOUND * base["temp"], (per_head["memory"], base)
