@@ -197,18 +197,8 @@ def calibrate_layers(errors: Any, costs: Any, rungs: Sequence[Rung], uniform: Ru
   if uniform not in rungs:
     raise ValueError(f"the rungs {[str(r) for r in rungs]} must hold the uniform rung {uniform}")
   u = rungs.index(uniform)
-  layers = errors.shape[0]
-  uniform_allocation = Allocation((u,) * layers, float(costs[u] * layers),
-                                  float(errors[:, u].sum()))
-  caps = None if max_loss_db is None else np.maximum(errors[:, u] * 10 ** (max_loss_db / 10),
-                                                      10 ** (-floor_db / 10))
-  if target_error is None:
-    chosen = allocate(errors, costs, uniform_allocation.cost, caps)
-  else:
-    if not target_error > 0:
-      raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
-                       f"{target_error}")
-    chosen = least_cost(errors, costs, target_error * layers, caps)
+  chosen, uniform_allocation = _spend(errors, costs, u, target_error, errors.shape[0],
+                                      max_loss_db, floor_db)
   return Calibration(rungs, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
                      tuple(rungs[i] for i in chosen.choice), uniform, chosen, uniform_allocation)
 
@@ -270,21 +260,32 @@ def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform
   u = densities.index(float(uniform))
   layers, heads, _ = errors.shape
   items = errors.reshape(layers * heads, -1) / heads  # each head's share of its layer's mean
-  n = items.shape[0]
-  uniform_allocation = Allocation((u,) * n, float(costs[u] * n), float(items[:, u].sum()))
-  caps = None if max_loss_db is None else np.maximum(
-      items[:, u] * 10 ** (max_loss_db / 10), 10 ** (-floor_db / 10) / heads)
-  if target_error is None:
-    chosen = allocate_greedy(items, costs, uniform_allocation.cost, caps)
-  else:
-    if not target_error > 0:
-      raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
-                       f"{target_error}")
-    chosen = _least_cost_greedy(items, costs, target_error * layers, caps)
+  chosen, uniform_allocation = _spend(items, costs, u, target_error, layers, max_loss_db,
+                                      floor_db, floor_share=1 / heads, exact=False)
   choice = np.asarray(chosen.choice).reshape(layers, heads)
   return HeadCalibration(densities, tuple(costs.tolist()), errors / heads,
                          tuple(tuple(densities[k] for k in row) for row in choice), choice,
                          float(uniform), chosen, uniform_allocation)
+
+
+def _spend(items: np.ndarray, costs: np.ndarray, u: int, target_error: float | None,
+           layers: int, max_loss_db: float | None, floor_db: float, floor_share: float = 1.0,
+           exact: bool = True) -> tuple[Allocation, Allocation]:
+  """``(chosen, uniform)``: the allocation of ``items [N, K]`` (layers, or layers x heads) within
+  the uniform rung ``u``'s cost, or with ``target_error`` (per layer) the least cost meeting it;
+  each item capped by the guard (``floor_share``: an item's share of the floor). ``exact``: the
+  multiple-choice front, else the greedy (many items)."""
+  n = items.shape[0]
+  uniform = Allocation((u,) * n, float(costs[u] * n), float(items[:, u].sum()))
+  caps = None if max_loss_db is None else np.maximum(
+      items[:, u] * 10 ** (max_loss_db / 10), 10 ** (-floor_db / 10) * floor_share)
+  if target_error is None:
+    return (allocate if exact else allocate_greedy)(items, costs, uniform.cost, caps), uniform
+  if not target_error > 0:
+    raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
+                     f"{target_error}")
+  return (least_cost if exact else _least_cost_greedy)(items, costs, target_error * layers,
+                                                       caps), uniform
 
 
 def _least_cost_greedy(items: np.ndarray, costs: np.ndarray, target: float,
