@@ -186,6 +186,29 @@ def exchange_heads(fn: Callable[..., Any], ex: HeadExchange, *,
   return run
 
 
+def per_local_heads(fn: Callable[..., Any], ex: HeadExchange,
+                    extra_specs: Sequence[P] = ()) -> Callable[..., Any]:
+  """``g(q, k, v, *extras)``: ``fn``'s per-head values of each device's local heads (a tuple of
+  ``[b, H/n, ...]`` arrays, as :func:`exchange_heads` gives ``fn`` its inputs), gathered to
+  ``[B, H, ...]``, with no output exchanged back: for measurements of the heads (what
+  ``calibrate`` records), which then cost each device its own heads only."""
+  def body(q, k, v, *extras):
+    q, k, v = (_to_local_heads(x, ex)[:, :, :ex.seq_len] for x in (q, k, v))
+    return fn(q, k, v, *extras)
+
+  def run(q, k, v, *extras):
+    q, k, v = (ex.reshard(_pad_seq(x, ex.padded_len), ex.qkv_spec) for x in (q, k, v))
+    shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // ex.shards,
+                                                        ex.seq_len, x.shape[3]), x.dtype)
+                                  for x in (q, k, v)), *extras)
+    mapped = jax.shard_map(body, mesh=ex.mesh, in_specs=(ex.qkv_spec,) * 3 + tuple(extra_specs),
+                           out_specs=jax.tree.map(lambda _: ex.head_spec, shapes),
+                           check_vma=False)
+    return mapped(q, k, v, *extras)
+
+  return run
+
+
 def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                           grid: VideoGrid, config: SvgConfig, key: jax.Array | None = None,
                           scale: float | None = None, step: Any = None, layer: Any = None,

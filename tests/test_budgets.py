@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from maxdiffusion_svg.attention import scheduled_svg_attention
 from maxdiffusion_svg.budgets import (Rung, allocate, allocate_greedy, check_layer_compensation,
@@ -310,3 +311,29 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
     if j < 3:  # (density 1: both layouts are dense, a tie)
       assert temporal[j] == pytest.approx(np.mean(per_layout[1] < per_layout[0])), rungs[j]
   assert got[0] > got[2] > got[3] >= 0 and got[0] > got[1]
+
+
+@pytest.mark.parametrize("shape,spec", [
+    ((1, 1, 8, 1), P(None, None, "context", None)),  # the CFG pair folded into the heads
+    ((2, 1, 4, 1), P(("data", "fsdp"), None, "context", None)),  # the batch over data
+    ((1, 1, 2, 4), P(None, None, "context", None))])  # a ring: the global measurement stands
+def test_each_device_measures_its_own_heads_as_one_device_measures_them(shape, spec):
+  """calibrate's on-device measurement inside the head exchange (each device its own heads)
+  equals the single-device one, per head and in the mean."""
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg import calibration  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "fsdp", "context", "tensor"))
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(
+      GRID, ("spatial", "moving", "temporal", "mixed50") * 2, 64, seed=3, batch=2))
+  kwargs = {"grid": GRID, "config": _config(), "rungs": (Rung(0.2), Rung(0.2, True), Rung(0.5)),
+            "key": jax.random.key(0)}
+  for per_head in (True, False):
+    want = calibration.sampled_rung_errors(q, k, v, per_head=per_head, **kwargs)
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    ulysses = 2 if shape[3] == 4 else None
+    got = jax.jit(lambda q, k, v: calibration.sharded_rung_errors(
+        q, k, v, mesh=mesh, qkv_spec=spec, ulysses_shards=ulysses, per_head=per_head,
+        **kwargs))(*placed)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-9)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxdiffusion_svg.attention import profile_key
 from maxdiffusion_svg.budgets import Rung
-from maxdiffusion_svg.calibration import sampled_rung_errors
+from maxdiffusion_svg.calibration import sharded_rung_errors
 from maxdiffusion_svg.kernels.gradient import residuals_named
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
@@ -62,10 +62,12 @@ def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings:
     return
   rungs, log = recording
   svg = settings.svg
-  errors, temporal = sampled_rung_errors(
-      q, k, v, grid=call.grid, config=svg, rungs=rungs, key=profile_key(svg, step, layer),
-      scale=context["scale"], expert=call.expert, target=svg.target(mesh=context["mesh"]),
-      per_head=True)
+  # Each device measures its own heads after the exchange, as the kernel runs them.
+  errors, temporal = sharded_rung_errors(
+      q, k, v, mesh=context["mesh"], qkv_spec=qkv_layout(context["axis_names_q"]),
+      ulysses_shards=context["ulysses_shards"], per_head=True, grid=call.grid, config=svg,
+      rungs=rungs, key=profile_key(svg, step, layer), scale=context["scale"],
+      expert=call.expert, target=svg.target(mesh=context["mesh"]))
 
   def append(step, layer, active, errors, temporal):
     errors, temporal = np.asarray(errors, np.float64), np.asarray(temporal, np.float64)
