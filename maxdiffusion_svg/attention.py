@@ -246,7 +246,8 @@ def _visited_tiles(call: PreparedCall, shape: tuple[int, ...], layer: Any,
   heads = call.host.heads
   if heads is None:
     return jnp.full(shape[:2], call.host.plan.stats.visited_tiles, jnp.int32)
-  steps = jnp.asarray(heads.head_steps, jnp.int32)[0 if layer is None else layer]
+  steps = jnp.asarray(heads.head_steps, jnp.int32)[
+      0 if layer is None or heads.layers == 1 else layer]
   ids = (jnp.broadcast_to(jnp.arange(shape[1]), shape[:2]) if head_ids is None else head_ids)
   return jnp.take(steps, ids)
 
