@@ -378,3 +378,34 @@ def test_per_layer_densities_are_priced_layer_by_layer_and_counted(tmp_path, cap
   code, out, err, _ = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_compensation": [True] * 2})
   assert code == 2
   assert run_refusal(lambda: check_layer_count((True,) * 2, 40, "svg_layer_compensation")) in err
+
+
+def test_per_head_densities_are_priced_head_by_head_and_their_ragged_call_checked(tmp_path,
+                                                                                  capsys):
+  """``svg_head_densities``: the sparse calls' tiles are each head's own plan, averaged over
+  the sparse layers' heads; the ragged call's work lists are checked in SMEM for the heads a
+  device holds (as the run checks them), refused at 1440p on one device where a v6e-8's
+  devices hold them; a list of the wrong heads or layers is refused as the run refuses it."""
+  from maxdiffusion_svg.head_budgets import check_head_shape  # pylint: disable=import-outside-toplevel
+  heads = [0.1, 0.3, 0.5, 0.2] * 10
+  code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "svg_head_densities": heads})
+  assert code == 0, out
+  grid = grid_for_resolution("720p")
+  fraction = lambda d: plan_tiles(grid, d, 3328, 1536, "aligned").stats.visited_tile_fraction
+  row = result["rows"][0]
+  assert row["visited_tile_fraction"] == pytest.approx(sum(map(fraction, heads)) / len(heads))
+  assert row["per_head"] and row["layer_densities"] == [0.1, 0.2, 0.3, 0.5]
+  assert "per-head densities 0.1, 0.2, 0.3, 0.5 (svg_head_densities; mean 0.275" in out
+  assert "per head (svg_head_densities: 40 heads x every layer, 0.1 to 0.5, mean 0.275)" in out
+  assert "per-head ragged plan" in out
+  dense_heads = {**WAN14B, "height": 1440, "width": 2560,
+                 "svg_head_densities": [0.3, 0.6, 0.9, 0.5] * 10}
+  code, out, _, _ = tiles(tmp_path, capsys, dense_heads, "--slice", "v6e-8")
+  assert code == 0, out  # 5 heads a device: the CFG pair's 10 lists fit
+  code, _, err, _ = tiles(tmp_path, capsys, dense_heads)  # all 40 on one device: they do not
+  assert code == 2 and "svg_head_densities' ragged list" in err
+  for bad, layers, count in (([0.3] * 39, 40, 40), ([[0.3] * 40] * 2, 40, 40)):
+    code, _, err, _ = tiles(tmp_path, capsys, {**WAN14B, "svg_head_densities": bad})
+    assert code == 2
+    shaped = tuple(map(tuple, bad)) if isinstance(bad[0], list) else (tuple(bad),)
+    assert run_refusal(lambda: check_head_shape(shaped, layers, count)) in err

@@ -21,6 +21,7 @@ from maxdiffusion_svg.kernels.splash import splash_sparse_attention
 from maxdiffusion_svg.kernels.splash_backward import (backward_tiles, check_backward_fits,
                                                       splash_sparse_attention_backward)
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
+from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
 from maxdiffusion_svg.target import (BACKENDS, TPU_BACKENDS, Target, lowering_tpu_target,
                                      resolve_backend, target_for_call)
@@ -145,8 +146,8 @@ class SparseKernel:
     plan, tpu, kv_compute = self.plan, self.tpu, self.block_kv_compute
     per_head_bias = row_keys is not None and not isinstance(row_keys.bias, np.ndarray)
     tables = 1 if head_tiles is None else head_tiles.shape[0] * head_tiles.shape[1]
-    if head_steps is not None:  # a ragged list and its heads: at most twice the heads' lists
-      tables *= 2
+    if head_steps is not None:  # a ragged list and its heads' ids, in plan-long work lists
+      tables = ragged_tables(plan, tables, head_steps)
 
     def merged_after(run):
       """An executor without row keys of its own (or with row keys it cannot take: a per-head

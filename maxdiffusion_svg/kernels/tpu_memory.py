@@ -152,10 +152,11 @@ def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int 
         f"{_keys_to_change(plan)}")
   if smem > target.smem and tables > 1:
     raise ValueError(
-        f"{name}'s per-head tile tables (svg_layouts semantic) for {tables} heads of "
-        f"{plan.num_q_tiles}x{plan.num_kv_tiles} tiles need about {smem / 1024:.0f} KiB of SMEM, "
-        f"over {target.chip}'s {target.smem // 1024} KiB: shard the heads over more devices "
-        f"(ulysses_shards), raise svg_block_q or svg_block_kv, or drop semantic from svg_layouts")
+        f"{name}'s per-head tile tables (svg_layouts semantic, or svg_head_densities' ragged "
+        f"list) for {tables} work lists of {plan.num_q_tiles}x{plan.num_kv_tiles} tiles need "
+        f"about {smem / 1024:.0f} KiB of SMEM, over {target.chip}'s {target.smem // 1024} KiB: "
+        f"shard the heads over more devices (ulysses_shards), raise svg_block_q or svg_block_kv, "
+        f"or drop semantic from svg_layouts (or svg_head_densities)")
   if smem > target.smem:
     raise ValueError(
         f"{name}'s tile tables for {plan.num_q_tiles}x{plan.num_kv_tiles} tiles of "

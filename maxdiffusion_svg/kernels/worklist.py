@@ -74,6 +74,12 @@ def pack_head_work(plan: TilePlan, kv_index: jax.Array) -> jax.Array:
   return (static | cols << COL_SHIFT | kinds).astype(jnp.int32).reshape(-1)
 
 
+def ragged_tables(plan: TilePlan, heads: int, steps: int) -> int:
+  """A ragged call's SMEM in the plan's work lists (what the VMEM/SMEM checks count): its work
+  list and each step's head, ``steps`` per lane of ``heads`` (batch x heads) lists."""
+  return -(-2 * ragged_cores(heads) * steps // plan.work_list()[0].size)
+
+
 def pack_ragged_work(plan: TilePlan, kv_index: jax.Array, steps: int,
                      cores: int) -> tuple[jax.Array, jax.Array]:
   """``(work, heads)``, ``int32 [cores * steps]`` each: a per-head budget's work lists laid end

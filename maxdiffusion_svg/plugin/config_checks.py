@@ -29,6 +29,7 @@ from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import check_tpu_call
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
+from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
@@ -98,9 +99,12 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
 
 
 def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Target,
-                 backend: str, dtype: str) -> list[dict[str, Any]]:
+                 backend: str, dtype: str,
+                 tables: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
   """Every plan the first call compiles, checked as the run checks it on ``target``: the need
-  and the limit of each, or the run's refusal."""
+  and the limit of each, or the run's refusal. ``tables``: per plan, the work lists in SMEM
+  where heads walk their own (a per-head budget's ragged call), else one."""
+  tables = tables or {}
   if backend not in TPU_BACKENDS:
     return []
   kv_compute = settings.svg.tiles(target, backend).block_kv_compute
@@ -112,21 +116,28 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
     # (per-layer compensation: every rung's plan is checked as if compensated, the larger need)
     row_keys = plan_row_keys(plan, blocks) if blocks and backend == "pallas" else 0
     try:
-      check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend, row_keys=row_keys)
+      check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend, row_keys=row_keys,
+                     tables=tables.get(name, 1))
     except ValueError as err:
       raise _refused(f"at its first call ({name} plan)", err) from None
     fits.append({"plan": name, "vmem": kernel_vmem(plan, HEAD_DIM, dtype, kv_compute, target,
                                                      backend, row_keys),
-                 "vmem_limit": target.vmem_limit, "smem": kernel_smem(plan, backend),
+                 "vmem_limit": target.vmem_limit,
+                 "smem": kernel_smem(plan, backend, tables.get(name, 1)),
                  "smem_limit": target.smem, "row_keys": row_keys})
   return fits
 
 
 def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoGrid,
                  target: Target, backend: str, plans: Mapping[str, Any], steps: int, layers: int,
-                 slice_type: str | None) -> dict[str, Any]:
+                 slice_type: str | None, per_head: Mapping[str, Any] | None = None
+                 ) -> dict[str, Any]:
   """Every check, in the order the run makes them; raises :class:`Refused` on the first the
-  run would stop on. Returns what passed and the warnings."""
+  run would stop on. Returns what passed and the warnings. ``per_head``: the per-head budgets
+  (:class:`~maxdiffusion_svg.head_budgets.HeadBudget`) by the name of the plan that carries
+  each one's ragged call, checked with its work list and heads for the (example, head)s a
+  device holds (the CFG pair folded into the heads the slice leaves each device; without
+  ``--slice``, all of them on one)."""
   heads, heads_source = heads_of(keys)
   warnings = []
   try:
@@ -147,7 +158,10 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
     warnings.append(f"self-attention of {grid.tokens:,} tokens is shorter than "
                     f"svg_min_seq_length {settings.min_seq_length}: every call runs dense")
   dtype = str(keys.get("activations_dtype") or "bfloat16")
-  fits = check_kernel(settings, plans, target, backend, dtype)
+  local = 2 * (mesh["heads_per_device"] if mesh else heads)  # the CFG pair's (example, head)s
+  fits = check_kernel(settings, plans, target, backend, dtype,
+                      {name: ragged_tables(budget.carrier, local, budget.steps_bound(1, local))
+                       for name, budget in (per_head or {}).items()})
   return {"heads": heads, "heads_source": heads_source, "head_dim": HEAD_DIM, "dtype": dtype,
           "slice": mesh, "compensation": compensation, "kernel": fits, "warnings": warnings}
 

@@ -146,9 +146,15 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   for expert, by_rung in rung_plans.items():
     for rung, plan in by_rung.items():
       named[f"{expert + ' ' if expert else ''}sparse at {rung}"] = plan
+  ragged = {}  # per-head budgets: each expert's one ragged call, on the carrier of its heads
+  for expert in experts:
+    budget = svg.head_budget_on(grid, tiles, expert)
+    if budget is not None:
+      ragged[f"{expert + ' ' if expert else ''}per-head ragged"] = budget
   checks = check_config(keys, settings, grid, target, backend,
-                        {**named, "dense": svg.dense_plan(grid, target, backend)}, steps,
-                        layers, slice_type)
+                        {**named, **{name: b.carrier for name, b in ragged.items()},
+                         "dense": svg.dense_plan(grid, target, backend)},
+                        steps, layers, slice_type, ragged)
   rows, priced = [], []
   for expert, plan in plans.items():
     first, end = split.of(expert) if split else (0, steps)
