@@ -69,7 +69,15 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temp
                             compensation_blocks, cents)
   placed = [place(x, temporal, grid) for x in (q, k, v)]
   if heads is not None:  # the band in each head's placed order: its tables need no routing
-    out = kernel(*placed, scale=scale, head_tiles=heads.tables, head_steps=heads.steps)
+    kwargs = {"head_tiles": heads.tables, "head_steps": heads.steps}
+    if compensation_blocks:  # each head's own skipped tiles, by its layout's centroids
+      plan = kernel.plan
+      head_cents = per_head(cents, temporal) if cents is not None else centroids(
+          placed[1], placed[2], block_kv=plan.block_kv, blocks=compensation_blocks,
+          seq_len=plan.seq_len)
+      kwargs["row_keys"] = table_row_keys(head_cents, heads.visited, plan, compensation_blocks,
+                                          q.dtype, heads.fewest_visited)
+    out = kernel(*placed, scale=scale, **kwargs)
   elif compensation_blocks:
     out = compensated_call(kernel, *placed, blocks=compensation_blocks, scale=scale,
                            cents=None if cents is None else per_head(cents, temporal))
@@ -147,11 +155,13 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
 
 class HeadTables(NamedTuple):
   """A per-head budget's call on one device: its heads' tables (``int32 [B, H, q_tiles,
-  width]``), which key tiles they visit (the router's masks) and the ragged grid's length."""
+  width]``), which key tiles they visit (the router's masks, compensation's skipped tiles), the
+  ragged grid's length and the fewest tiles any head's row visits."""
 
   tables: jax.Array
   visited: jax.Array
   steps: int
+  fewest_visited: int
 
 
 def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], layer: Any,
@@ -172,7 +182,7 @@ def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], laye
     if isinstance(layer, int) and not 0 <= layer < heads.layers:
       raise ValueError(f"{key} gives {heads.layers} layers; the call's layer is {layer}")
   return HeadTables(heads.tables_for(head_ids, layer), heads.visited_for(head_ids, layer),
-                    heads.steps_bound(*shape[:2]))
+                    heads.steps_bound(*shape[:2]), heads.fewest_visited)
 
 
 def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array,

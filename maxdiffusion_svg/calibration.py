@@ -294,13 +294,14 @@ class HeadCalibration:
 
 def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform: float,
                     target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
-                    floor_db: float = FLOOR_DB) -> HeadCalibration:
+                    floor_db: float = FLOOR_DB, budget: float | None = None) -> HeadCalibration:
   """Densities per (layer, head) from measured ``errors [L, H, K]`` (each head's relative error
   at ``densities``, which holds ``uniform``): the least total error within the uniform
   density's cost (every head at it), or with ``target_error`` (a mean relative error per layer)
   about the fewest tiles that meet it (:func:`~maxdiffusion_svg.budgets.allocate_greedy`:
   layers x heads is too many items for the exact front). The guard is per head, as
-  :func:`calibrate_layers`' per layer."""
+  :func:`calibrate_layers`' per layer. ``budget``: key tiles per head over the layers to spend
+  instead of the uniform density's (e.g. a plain call's, for compensated candidates)."""
   errors, costs = np.asarray(errors, np.float64), np.asarray(costs, np.float64)
   densities = tuple(float(d) for d in densities)
   if float(uniform) not in densities:
@@ -309,7 +310,8 @@ def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform
   layers, heads, _ = errors.shape
   items = errors.reshape(layers * heads, -1) / heads  # each head's share of its layer's mean
   chosen, uniform_allocation = _spend(items, costs, u, target_error, layers, max_loss_db,
-                                      floor_db, floor_share=1 / heads, exact=False)
+                                      floor_db, floor_share=1 / heads, exact=False,
+                                      budget=None if budget is None else budget * heads)
   choice = np.asarray(chosen.choice).reshape(layers, heads)
   return HeadCalibration(densities, tuple(costs.tolist()), errors / heads,
                          tuple(tuple(densities[k] for k in row) for row in choice), choice,
@@ -318,17 +320,19 @@ def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform
 
 def _spend(items: np.ndarray, costs: np.ndarray, u: int, target_error: float | None,
            layers: int, max_loss_db: float | None, floor_db: float, floor_share: float = 1.0,
-           exact: bool = True) -> tuple[Allocation, Allocation]:
+           exact: bool = True, budget: float | None = None) -> tuple[Allocation, Allocation]:
   """``(chosen, uniform)``: the allocation of ``items [N, K]`` (layers, or layers x heads) within
   the uniform rung ``u``'s cost, or with ``target_error`` (per layer) the least cost meeting it;
   each item capped by the guard (``floor_share``: an item's share of the floor). ``exact``: the
-  multiple-choice front, else the greedy (many items)."""
+  multiple-choice front, else the greedy (many items). ``budget``: the cost to spend in place
+  of the uniform rung's."""
   n = items.shape[0]
   uniform = Allocation((u,) * n, float(costs[u] * n), float(items[:, u].sum()))
   caps = None if max_loss_db is None else np.maximum(
       items[:, u] * 10 ** (max_loss_db / 10), 10 ** (-floor_db / 10) * floor_share)
   if target_error is None:
-    return (allocate if exact else allocate_greedy)(items, costs, uniform.cost, caps), uniform
+    spend = uniform.cost if budget is None else budget
+    return (allocate if exact else allocate_greedy)(items, costs, spend, caps), uniform
   if not target_error > 0:
     raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                      f"{target_error}")

@@ -44,11 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                          help="compensation a layer may take: both (each density with it off "
                               "and on, default), only off, only on, or the config's "
                               "svg_compensation (then no svg_layer_compensation is written); "
-                              "off with --per-head")
+                              "config with --per-head")
   calibrate.add_argument("--per-head", action="store_true",
                          help="a density per (layer, head), written as svg_head_densities: "
                               "each head's error measured on device, layers x heads allocated "
-                              "together within the uniform density's tiles (no compensation)")
+                              "together within the uniform density's tiles (every head "
+                              "compensated as svg_compensation says)")
   calibrate.add_argument("--target-error", type=float, metavar="E",
                          help="instead of the uniform density's tiles: the fewest tiles whose "
                               "mean relative error per layer is at most E")

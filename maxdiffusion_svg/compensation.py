@@ -246,13 +246,15 @@ def compensated_call(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
 
 
 def table_row_keys(cents: Centroids, visited: jax.Array, plan: TilePlan, blocks: int,
-                   dtype: Any) -> RowKeys:
+                   dtype: Any, fewest_visited: int | None = None) -> RowKeys:
   """:func:`row_keys` where each head has its own tiles (``visited [B, H, num_q_tiles,
   num_kv_tiles]``, on device: the semantic layout's tables, with the plan's counts per row):
   each row's skipped sub-blocks packed first, their logit bias per head. ``cents``: each
-  head's own centroids (``[B, H, N, D]``)."""
+  head's own centroids (``[B, H, N, D]``). ``fewest_visited``: the fewest tiles any head's row
+  visits, where heads visit fewer than the plan's (a per-head budget; default the plan's)."""
   seen = jnp.repeat(~visited, blocks, axis=-1) & np.isfinite(cents.log_count)  # [B, H, nq, N]
-  m = min(_slots(int(plan.num_kv_tiles - plan.num_visited.min()) * blocks), cents.log_count.size)
+  fewest = int(plan.num_visited.min()) if fewest_visited is None else fewest_visited
+  m = min(_slots(int(plan.num_kv_tiles - fewest) * blocks), cents.log_count.size)
   order = jnp.argsort(~seen, axis=-1, stable=True)[..., :m]  # [B, H, nq, m]: seen ones first
   used = jnp.take_along_axis(seen, order, axis=-1)
   pick = lambda x: jnp.take_along_axis(x[:, :, None], order[..., None], axis=3)

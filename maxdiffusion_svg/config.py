@@ -156,9 +156,10 @@ class SvgConfig:
       if self.backend == "splash":
         raise ValueError(f"{key} needs svg_backend pallas, xla or auto: Splash's tile tables "
                          f"are shared by every head")
-      if self.compensates:
-        raise ValueError(f"{key} with compensation (svg_compensation or a per-layer "
-                         f"compensation key) is not built yet: set one of them")
+      if self.layer_compensation_for(expert) is not None:
+        raise ValueError(f"{key} with {self.layer_key('compensation', expert)} is not built "
+                         f"yet: every head of a per-head budget compensates as svg_compensation "
+                         f"says")
       if SEMANTIC in self.layouts:
         raise ValueError(f"{key} with semantic among svg_layouts is not built yet: a semantic "
                          f"head's table has the band's count per row")

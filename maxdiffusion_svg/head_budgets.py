@@ -111,6 +111,12 @@ class HeadBudget:
     return np.stack([np.stack([plan.tile_map() != EMPTY for plan in layer])
                      for layer in self.plans])
 
+  @functools.cached_property
+  def fewest_visited(self) -> int:
+    """The fewest key tiles any head's query tile row visits (the most a row skips, which a
+    compensated call's row keys must hold)."""
+    return int(min(plan.num_visited.min() for layer in self.plans for plan in layer))
+
   def visited_tiles(self, layer: int = 0) -> int:
     """Tiles one example's heads visit in ``layer`` (the call's cost, per example)."""
     return int(self.head_steps[layer].sum())

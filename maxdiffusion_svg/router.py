@@ -133,12 +133,18 @@ def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scal
 
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
                      grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
-                     scale: float) -> jax.Array:
+                     scale: float, visited: jax.Array | None = None) -> jax.Array:
   """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
   its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
-  skips in ``layout`` (``cents``: that layout's)."""
+  skips in ``layout`` (``cents``: that layout's; ``visited [B, H, q_tiles, kv_tiles]``: each
+  head's own tiles, a per-head budget's, in place of the plan's)."""
   tiles = layout_positions(grid, layout, rows) // plan.block_q
-  bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
+  if visited is None:
+    bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
+  else:  # [B, H, N, R]: each head's skipped sub-blocks
+    blocks = cents.log_count.size // visited.shape[-1]
+    skipped = jnp.repeat(~jnp.take(visited, tiles, axis=2), blocks, axis=-1)  # [B, H, R, N]
+    bias = jnp.where(skipped, jnp.asarray(cents.log_count), -jnp.inf).swapaxes(-1, -2)
   extra, extra_lse = softmax_over(qs, cents.k, cents.v, bias, scale)
   return merge(exact, lse, extra, extra_lse)
 
@@ -191,7 +197,8 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
       plan, blocks = compensation
       lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
       layout_cents = (cents or {}).get(layout) or layout_centroids(k, v, grid, layout, plan, blocks)
-      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, layout_cents, scale)
+      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, layout_cents, scale,
+                             mask.visited if isinstance(mask, HeadTileMask) else None)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 

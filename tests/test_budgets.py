@@ -93,6 +93,8 @@ def test_head_calibration_holds_uniform_tiles_and_reports_per_head_densities():
   np.testing.assert_allclose(result.layer_errors().sum(), result.allocation.error)
   met = calibrate_heads(errors, costs, densities, 0.2, target_error=errors[:, :, 2].mean())
   assert met.allocation.error <= errors[:, :, 2].mean() * 3 + 1e-12
+  tight = calibrate_heads(errors, costs, densities, 0.2, budget=45.0)  # a given budget is held
+  assert tight.tiles <= 45.0
   with pytest.raises(ValueError, match="uniform density 0.3"):
     calibrate_heads(errors, costs, densities, 0.3)
 

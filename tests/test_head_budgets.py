@@ -252,7 +252,7 @@ def test_per_head_budgets_refuse_what_they_cannot_run_by_key():
     svg_attention(q, k, v, grid=PLANTED_GRID, config=_config(heads=(0.3, 0.3, 0.3)), key=KEY)
   with pytest.raises(ValueError, match="svg_head_densities gives 2 layers"):
     svg_attention(q, k, v, grid=PLANTED_GRID, config=_config(heads=(HEADS, HEADS)), key=KEY)
-  for extra, match in (({"compensation": True}, "compensation"),
+  for extra, match in (({"layer_compensation": (True,)}, "svg_layer_compensation"),
                        ({"tile_mode": "split"}, "aligned"),
                        ({"backend": "splash"}, "Splash"),
                        ({"layer_densities": (0.3,)}, "svg_layer_densities"),
@@ -263,3 +263,22 @@ def test_per_head_budgets_refuse_what_they_cannot_run_by_key():
   with pytest.raises(ValueError, match="svg_head_densities does not run on a ring"):
     sharded_svg_attention(q, k, v, mesh=mesh, grid=PLANTED_GRID, config=_config(), key=KEY,
                           ulysses_shards=2)
+
+
+def test_with_compensation_each_head_is_its_own_compensated_call():
+  """``svg_compensation`` with per-head densities: each head's skipped tiles (its own) are
+  compensated by its layout's centroids, and it is routed as a compensated call at its own
+  density would route it: each head equals that call on the head alone."""
+  q, k, v = _planted(batch=1)
+  cfg = _config(compensation=True, compensation_blocks=4)
+  out, info = svg_attention(q, k, v, grid=PLANTED_GRID, config=cfg, key=KEY, return_info=True)
+  plain = svg_attention(q, k, v, grid=PLANTED_GRID, config=_config(), key=KEY)
+  assert not np.allclose(np.asarray(out), np.asarray(plain), atol=1e-4)
+  for h, density in enumerate(HEADS):
+    alone, alone_info = svg_attention(
+        q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], grid=PLANTED_GRID, key=KEY, return_info=True,
+        config=dataclasses.replace(cfg, head_densities=None, density=density))
+    np.testing.assert_array_equal(np.asarray(alone_info["temporal"])[:, 0],
+                                  np.asarray(info["temporal"])[:, h])
+    np.testing.assert_allclose(np.asarray(out)[:, h], np.asarray(alone)[:, 0], atol=2e-5,
+                               rtol=2e-5)

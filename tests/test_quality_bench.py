@@ -151,6 +151,8 @@ def _check_calibration(cal, cfg):
   # heads' densities (svg_head_densities) gives the PSNR reported.
   heads = cal["per_head"]
   assert heads["tiles"] <= tiles["uniform"] + 1e-9
+  # every call compensated: the tiny ladder (0.35, 1) has no compensated choice in budget
+  assert heads["compensated"] is None
   assert {d for layer in heads["head_densities"] for d in layer} <= set(cfg.ladder) | {cfg.density}
   out = svg_attention(q, k, v, grid=cfg.grid, config=dataclasses.replace(
       cfg.svg_config(), head_densities=(tuple(heads["head_densities"][2]),)))

@@ -66,7 +66,7 @@ class CalibrationPlan:
   @property
   def per_layer_compensation(self) -> bool:
     """Whether the overlay sets compensation per layer: the candidates held more than the
-    config's own (never with per-head budgets, which do not compensate)."""
+    config's own (never with per-head budgets, whose heads compensate as the config says)."""
     return (not self.per_head
             and {r.compensation for r in self.rungs} != {self.settings.svg.compensation})
 
@@ -94,13 +94,13 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
                      floor_db: float = FLOOR_DB, compensation: str | None = None,
                      per_head: bool = False) -> CalibrationPlan:
   """Every check ``calibrate`` can make before weights load. ``compensation`` (``--compensation``)
-  defaults to ``both``, and to ``off`` with ``per_head`` (``--per-head``), whose budgets do not
-  compensate."""
+  defaults to ``both``, and to ``config`` with ``per_head`` (``--per-head``), whose heads all
+  compensate as ``svg_compensation`` says."""
   from maxdiffusion_svg.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
   settings = PluginSettings.from_mapping(keys)
-  compensation = compensation or ("off" if per_head else "both")
+  compensation = compensation or ("config" if per_head else "both")
   if per_head:
     _check_per_head(settings, compensation)
   if target_error is not None and not target_error > 0:
@@ -129,12 +129,13 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
 def _check_per_head(settings: PluginSettings, compensation: str) -> None:
   """What ``--per-head`` cannot calibrate, refused by name before weights load."""
   svg = settings.svg
-  if compensation not in ("off", "config") or (compensation == "config" and svg.compensation):
-    raise ValueError(f"--per-head takes --compensation off (got {compensation}): per-head "
-                     f"budgets do not compensate yet")
-  if svg.compensates:
-    raise ValueError("--per-head: the config compensates (svg_compensation or a per-layer "
-                     "compensation key), which per-head budgets do not yet: set them off")
+  if compensation_choices(compensation, svg) != (svg.compensation,):
+    raise ValueError(f"--per-head calibrates densities at the config's compensation "
+                     f"(svg_compensation: {str(svg.compensation).lower()}), every head of a call "
+                     f"alike: give --compensation config (got {compensation})")
+  if any(svg.layer_compensation_for(e) is not None for e in (None, *EXPERTS)):
+    raise ValueError("--per-head: the config sets compensation per layer "
+                     "(svg_layer_compensation), which per-head budgets do not take yet")
   if svg.tile_mode.value != "aligned" or svg.backend == "splash":
     raise ValueError("--per-head needs svg_tile_mode aligned and svg_backend pallas, xla or auto")
   if "semantic" in svg.layouts:

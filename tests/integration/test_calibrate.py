@@ -156,7 +156,7 @@ def test_per_head_calibration_writes_head_densities_that_the_run_uses(
   out = tmp_path / "heads.yml"
   plan = calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
                                     ladder=LADDER, per_head=True)
-  assert plan.compensation == "off" and not plan.per_layer_compensation
+  assert plan.compensation == "config" and not plan.per_layer_compensation
   report, _ = calibrate.run_calibration(plan, log=lambda _: None)
   model = report["experts"]["None"]
   rows = model["head_densities"]
@@ -180,6 +180,6 @@ def test_per_head_calibration_writes_head_densities_that_the_run_uses(
   assert {(r["layer"], r["density"]) for r in sparse} == set(enumerate(means))
   uniform = calibrated[4]
   assert wan_e2e.psnr(video, dense) >= wan_e2e.psnr(uniform, dense) - 1e-9
-  with pytest.raises(ValueError, match="--per-head takes --compensation off"):
+  with pytest.raises(ValueError, match="--per-head calibrates densities at the config's"):
     calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
                                ladder=LADDER, per_head=True, compensation="both")
