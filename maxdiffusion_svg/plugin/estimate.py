@@ -180,7 +180,8 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   combined = _combined(rows, priced)
   share, source = attention_share(grid.tokens, given_share)
   # checked by check_config above; per-layer compensation: what its compensated layers add
-  compensated = any(r.compensation for weights in rungs.values() for r in weights)
+  compensated = any(svg.layer_compensation_for(expert) is not None for expert in experts) and any(
+      r.compensation for weights in rungs.values() for r in weights)
   blocks = svg.any_compensation_for(target, backend)
   return {"kind": "computed from the tile plan", "target": target.describe(),
           "libtpu_note": libtpu_note() if backend == "splash" else "",
@@ -250,7 +251,7 @@ def _rungs(svg: Any, expert: str | None, layers: int, heads: int) -> dict[Rung, 
     rows = per_head if len(per_head) > 1 else per_head * layers
     sparse = [row for i, row in enumerate(rows) if svg.schedule.active_layers.contains(i)]
     flat = [d for row in (sparse or rows) for d in row]
-    return {Rung(d): flat.count(d) / len(flat) for d in sorted(set(flat))}
+    return {Rung(d, svg.compensation): flat.count(d) / len(flat) for d in sorted(set(flat))}
   per_layer = svg.layer_rungs_for(expert)
   if per_layer is None:
     return {}
