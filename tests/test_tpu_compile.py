@@ -328,11 +328,14 @@ def test_the_gradient_of_a_call_compiles(chip, backend):
   assert "dkv" in text  # tokamax's backward kernel
 
 
-def test_a_per_head_budget_compiles_as_one_ragged_call():
+@pytest.mark.parametrize("chip", ["v6e", *(pytest.param(c, marks=pytest.mark.full)
+                                           for c in ("v5e", "v5p", "v4", "tpu7x"))])
+def test_a_per_head_budget_compiles_as_one_ragged_call(chip):
   """Wan 14B's 5 local heads of a CFG pair at 720p, each head at its own density: one call of
-  our kernel on a ragged grid, its tables gathered by the device's head ids."""
+  our kernel on a ragged grid, its tables gathered by the device's head ids (on two-core chips,
+  v4 and v5p, its two lanes are the cores' parallel dimension)."""
   from maxdiffusion_svg.head_budgets import head_budget  # pylint: disable=import-outside-toplevel
-  mesh = chip_mesh("v6e")
+  mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat)
   grid = grid_for_resolution("720p")
   tiles = SvgConfig().tiles(target)
