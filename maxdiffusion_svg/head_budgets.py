@@ -28,7 +28,7 @@ from maxdiffusion_svg.budgets import UNIFORM, per_layer_values
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.worklist import ragged_cores
 from maxdiffusion_svg.masks import check_density
-from maxdiffusion_svg.tiles import EMPTY, FULL, MASKED, TilePlan, TileMode, plan_tiles
+from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan, TileMode, plan_tiles
 
 
 def check_head_densities(value: Any, key: str = "svg_head_densities"
@@ -108,7 +108,7 @@ class HeadBudget:
   def visited(self) -> np.ndarray:
     """``bool [layers, heads, num_q_tiles, num_kv_tiles]``: which key tiles each head's rows
     visit (the router's execution masks)."""
-    return np.stack([np.stack([plan.tile_map() != EMPTY for plan in layer])
+    return np.stack([np.stack([plan.computed_mask.visited for plan in layer])
                      for layer in self.plans])
 
   @functools.cached_property
@@ -174,36 +174,33 @@ def _head_budget(grid: VideoGrid, densities: tuple[tuple[float, ...], ...], bloc
                 for layer in densities)
   flat = [plan for layer in plans for plan in layer]
   counts = np.stack([plan.num_visited for plan in flat])  # [layers * heads, q_tiles]
-  widest = counts.argmax(axis=0)  # per row, a head with the most tiles
   width = int(counts.max())
-  slots = np.arange(width)
-  tables = np.full((len(flat), counts.shape[1], width), -1, np.int32)
-  for i, plan in enumerate(flat):
-    cols = np.pad(plan.kv_index, ((0, 0), (0, width - plan.width)), mode="edge")
-    tables[i] = np.where(slots[None, :] < plan.num_visited[:, None], cols, -1)
-  carrier = _carrier(flat, tables[widest, np.arange(counts.shape[1])], counts.max(axis=0))
+  # Each head's columns and kinds in the widest row's slots (unused slots repeat the last
+  # column as a plan's do, kind EMPTY).
+  cols = np.stack([np.pad(plan.kv_index, ((0, 0), (0, width - plan.width)), mode="edge")
+                   for plan in flat])
+  kinds = np.stack([np.pad(plan.kind, ((0, 0), (0, width - plan.width))) for plan in flat])
+  tables = np.where(np.arange(width) < counts[..., None], cols, -1).astype(np.int32)
+  rows, widest = np.arange(counts.shape[1]), counts.argmax(axis=0)  # per row, a widest head
+  carrier = _carrier(flat, cols[widest, rows], kinds[widest, rows], counts.max(axis=0))
   tables = tables.reshape(len(plans), len(plans[0]), *tables.shape[1:])
   tables.setflags(write=False)
   return HeadBudget(densities, plans, carrier, tables)
 
 
-def _carrier(plans: list[TilePlan], kv_index: np.ndarray, counts: np.ndarray) -> TilePlan:
-  """The plan whose rows hold the widest head's tiles (that head's columns): the slots a ragged
+def _carrier(plans: list[TilePlan], kv_index: np.ndarray, kind: np.ndarray,
+             counts: np.ndarray) -> TilePlan:
+  """The plan whose rows are the widest head's (its columns and kinds): the slots a ragged
   call's tables fill. Its pair statistics are the densest head's."""
   densest = max(plans, key=lambda plan: plan.stats.visited_tiles)
-  present = np.arange(kv_index.shape[1])[None, :] < counts[:, None]
-  padded = densest.seq_len % densest.block_kv != 0
-  kind = np.where(present, np.where(padded & (kv_index == densest.num_kv_tiles - 1), MASKED, FULL),
-                  EMPTY).astype(np.int8)
-  kv_index = np.where(present, kv_index, np.take_along_axis(
-      kv_index, np.maximum(counts - 1, 0)[:, None], axis=1)).astype(np.int32)
+  kv_index, kind, counts = kv_index.astype(np.int32), kind.astype(np.int8), counts.astype(np.int32)
   for a in (kv_index, kind, counts):
     a.setflags(write=False)
   stats = dataclasses.replace(densest.stats, visited_tiles=int(counts.sum()),
                               masked_tiles=int((kind == MASKED).sum()),
                               full_tiles=int((kind == FULL).sum()))
-  return dataclasses.replace(densest, kv_index=kv_index, kind=kind,
-                             num_visited=counts.astype(np.int32), stats=stats)
+  return dataclasses.replace(densest, kv_index=kv_index, kind=kind, num_visited=counts,
+                             stats=stats)
 
 
 __all__ = ["HeadBudget", "check_head_densities", "check_head_shape", "head_budget"]

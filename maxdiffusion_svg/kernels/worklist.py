@@ -69,9 +69,14 @@ def pack_head_work(plan: TilePlan, kv_index: jax.Array) -> jax.Array:
   rows, slots = head_table_slots(plan)
   static = pack_work(plan) & ~np.int32((MAX_COLS - 1) << COL_SHIFT | ((1 << KIND_BITS) - 1))
   cols = kv_index[:, :, rows, slots]  # [B, H, steps]
+  return (static | cols << COL_SHIFT | _column_kinds(plan, cols)).astype(jnp.int32).reshape(-1)
+
+
+def _column_kinds(plan: TilePlan, cols: jax.Array) -> jax.Array:
+  """Each head's own column's kind, by the aligned rule: ``MASKED`` where it holds padding
+  keys (the last column of a padded sequence), else ``FULL``."""
   padded = plan.seq_len % plan.block_kv != 0
-  kinds = jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
-  return (static | cols << COL_SHIFT | kinds).astype(jnp.int32).reshape(-1)
+  return jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
 
 
 def ragged_tables(plan: TilePlan, heads: int, steps: int) -> int:
@@ -100,11 +105,9 @@ def pack_ragged_work(plan: TilePlan, kv_index: jax.Array, steps: int,
   # The next step continues the row: a step whose next slot is this head's too is not its last.
   same_row = np.append(rows[1:] == rows[:-1], False)
   following = jnp.pad(valid[:, 1:], ((0, 0), (0, 1))) & same_row
-  padded = plan.seq_len % plan.block_kv != 0
-  kinds = jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
   words = (rows.astype(np.int32) << ROW_SHIFT | jnp.maximum(cols, 0) << COL_SHIFT
            | (valid & ~following).astype(jnp.int32) << LAST_BIT
-           | (valid & (slots == 0)).astype(jnp.int32) << FIRST_BIT | kinds)
+           | (valid & (slots == 0)).astype(jnp.int32) << FIRST_BIT | _column_kinds(plan, cols))
   per = -(-n // cores)
   flat = lambda x: jnp.pad(x, ((0, cores * per - n), (0, 0))).reshape(cores, per * rows.size)
   words, valid = flat(words), flat(valid)
