@@ -166,12 +166,14 @@ def skips_any(plan: TilePlan) -> bool:
   return bool(_skipped(plan).any())
 
 
-def skipped_bias(skipped: np.ndarray, log_count: np.ndarray) -> np.ndarray:
-  """``float32 [rows, tiles * blocks]``: each pseudo-key's additive logit for each query tile
-  row, ``log(count)`` where the row skips the key tile, ``-inf`` where it visits it (its keys
-  are already exact) or the block holds only padding."""
-  blocks = log_count.size // skipped.shape[1]
-  return np.where(np.repeat(skipped, blocks, axis=1), log_count[None, :], -np.inf).astype(np.float32)
+def skipped_bias(skipped: Any, log_count: np.ndarray) -> Any:
+  """``float32 [..., rows, tiles * blocks]``: each pseudo-key's additive logit for each query
+  tile row, ``log(count)`` where the row skips the key tile, ``-inf`` where it visits it (its
+  keys are already exact) or the block holds only padding. ``skipped [..., rows, tiles]``:
+  static (numpy), or on device (a per-head budget's heads, each its own)."""
+  xp = jnp if isinstance(skipped, jax.Array) else np
+  blocks = log_count.size // skipped.shape[-1]
+  return xp.where(xp.repeat(skipped, blocks, axis=-1), log_count, -np.inf).astype(np.float32)
 
 
 def plan_bias(plan: TilePlan, log_count: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.compensation import (Centroids, block_means, centroid_log_counts, centroids,
-                                           ordered_block_means, plan_bias)
+                                           ordered_block_means, plan_bias, skipped_bias)
 from maxdiffusion_svg.geometry import (Layout, VideoGrid, layout_positions, temporal_major_order,
                                        to_temporal_major)
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
@@ -141,10 +141,8 @@ def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.
   tiles = layout_positions(grid, layout, rows) // plan.block_q
   if visited is None:
     bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
-  else:  # [B, H, N, R]: each head's skipped sub-blocks
-    blocks = cents.log_count.size // visited.shape[-1]
-    skipped = jnp.repeat(~jnp.take(visited, tiles, axis=2), blocks, axis=-1)  # [B, H, R, N]
-    bias = jnp.where(skipped, jnp.asarray(cents.log_count), -jnp.inf).swapaxes(-1, -2)
+  else:  # [B, H, N, R]: each head's own skipped sub-blocks
+    bias = skipped_bias(~jnp.take(visited, tiles, axis=2), cents.log_count).swapaxes(-1, -2)
   extra, extra_lse = softmax_over(qs, cents.k, cents.v, bias, scale)
   return merge(exact, lse, extra, extra_lse)
 
