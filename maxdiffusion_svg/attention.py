@@ -164,6 +164,16 @@ class HeadTables(NamedTuple):
   fewest_visited: int
 
 
+def all_heads(call: PreparedCall, shape: tuple[int, ...]) -> jax.Array:
+  """``int32 [B, H]``: every head of the model, in order, for a call on all of them under a
+  per-head budget (whose head count must be the call's)."""
+  listed = call.host.heads.heads
+  if shape[1] != listed:
+    raise ValueError(f"{call.config.head_key(call.expert)} lists {listed} heads; the call has "
+                     f"{shape[1]}")
+  return jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape[:2])
+
+
 def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], layer: Any,
                 head_ids: jax.Array | None) -> HeadTables | None:
   """The tables of the heads a call holds (``head_ids [B, H]``: which of the model's heads,
@@ -172,10 +182,7 @@ def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], laye
   if heads is None:
     return None
   key = call.config.head_key(call.expert)
-  if head_ids is None:
-    if shape[1] != heads.heads:
-      raise ValueError(f"{key} lists {heads.heads} heads; the call has {shape[1]}")
-    head_ids = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape[:2])
+  head_ids = all_heads(call, shape) if head_ids is None else head_ids
   if heads.layers > 1:
     if layer is None:
       raise ValueError(f"{key} gives {heads.layers} layers: the call needs its layer index")
@@ -258,8 +265,7 @@ def _visited_tiles(call: PreparedCall, shape: tuple[int, ...], layer: Any,
     return jnp.full(shape[:2], call.host.plan.stats.visited_tiles, jnp.int32)
   steps = jnp.asarray(heads.head_steps, jnp.int32)[
       0 if layer is None or heads.layers == 1 else layer]
-  ids = (jnp.broadcast_to(jnp.arange(shape[1]), shape[:2]) if head_ids is None else head_ids)
-  return jnp.take(steps, ids)
+  return jnp.take(steps, all_heads(call, shape) if head_ids is None else head_ids)
 
 
 def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,

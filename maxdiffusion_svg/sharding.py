@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from maxdiffusion_svg.attention import (check_qkv, prepared_scheduled_attention,
+from maxdiffusion_svg.attention import (all_heads, check_qkv, prepared_scheduled_attention,
                                         prepared_svg_attention)
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
@@ -271,10 +271,7 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
   (default: all, in order); they travel with the heads through the exchange."""
   batch, heads = q.shape[:2]
   if call.host.heads is not None and head_ids is None:
-    if heads != call.host.heads.heads:
-      raise ValueError(f"{call.config.head_key(call.expert)} lists {call.host.heads.heads} "
-                       f"heads; the call has {heads}")
-    head_ids = jnp.broadcast_to(jnp.arange(heads, dtype=jnp.int32), (batch, heads))
+    head_ids = all_heads(call, q.shape)
   if fold_batch and batch > 1 and ex.batch_shards == 1:
     folded = _sharded(  # the exchange does not depend on the batch or the heads' count
         call, ex, *(x.reshape(1, batch * heads, *x.shape[2:]) for x in (q, k, v)),
