@@ -133,14 +133,10 @@ def _check_per_head(settings: PluginSettings, compensation: str) -> None:
     raise ValueError(f"--per-head calibrates densities at the config's compensation "
                      f"(svg_compensation: {str(svg.compensation).lower()}), every head of a call "
                      f"alike: give --compensation config (got {compensation})")
-  if any(svg.layer_compensation_for(e) is not None for e in (None, *EXPERTS)):
-    raise ValueError("--per-head: the config sets compensation per layer "
-                     "(svg_layer_compensation), which per-head budgets do not take yet")
-  if svg.tile_mode.value != "aligned" or svg.backend == "splash":
-    raise ValueError("--per-head needs svg_tile_mode aligned and svg_backend pallas, xla or auto")
-  if "semantic" in svg.layouts:
-    raise ValueError("--per-head: svg_layouts holds semantic, which per-head budgets do not "
-                     "take yet")
+  try:  # the overlay's svg_head_densities, refused now as the run would refuse it
+    dataclasses.replace(svg, head_densities=((svg.density,),))
+  except ValueError as err:
+    raise ValueError(f"--per-head: {err}") from None
 
 
 def layer_table(entries: Sequence[dict[str, Any]], expert: str | None, layers: int,
