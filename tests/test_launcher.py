@@ -235,15 +235,24 @@ def test_the_shipped_training_config_passes_the_training_checks():
     ({"model_name": None, "pretrained_model_name_or_path": "Lightricks/LTX-Video"},
      ["is an LTX-Video config: LTX-Video (MaxDiffusion's legacy 13B port, generate_ltx_video) is "
       "not supported", "calls Pallas flash attention directly"]),
-    ({"model_name": "ltx2.3"}, ["is an LTX-2 config (model_name ltx2.3): LTX-2 is not supported "
-                                "yet"]),
     ({"model_name": "z_image"}, ["model_name is 'z_image': python -m maxdiffusion_svg.generate "
-                                 "runs Wan (model_name wan2.1 or wan2.2)"])])
+                                 "runs Wan (model_name wan2.1 or wan2.2) through generate_wan and "
+                                 "LTX-2 (model_name ltx2_video or ltx2.3) through generate_ltx2"])])
 def test_a_config_of_another_model_is_refused_by_name(capsys, tmp_path, config, keys, named):
-  """Generation runs generate_wan: LTX-Video (whose attention never reaches the registry), LTX-2
-  and other models are refused before anything loads, each saying why."""
+  """Generation runs generate_wan or generate_ltx2: LTX-Video (whose attention never reaches
+  the registry) and other models are refused before anything loads, each saying why."""
   path = tmp_path / "other.yml"
   path.write_text(yaml.safe_dump({"base_config": "run.yml", **keys}))
   err = refused(capsys, str(path))
   for text in named:
     assert text in err, err
+
+
+@pytest.mark.parametrize("keys, main", [({"model_name": "wan2.1"}, "generate_wan"),
+                                        ({"model_name": "wan2.2"}, "generate_wan"),
+                                        ({"model_name": "ltx2_video"}, "generate_ltx2"),
+                                        ({"model_name": "ltx2.3"}, "generate_ltx2")])
+def test_generation_runs_the_model_familys_own_main(keys, main):
+  from maxdiffusion_svg.plugin.launcher import GENERATE, TRAIN, maxdiffusion_main
+  assert maxdiffusion_main(keys, GENERATE) == main
+  assert maxdiffusion_main(keys, TRAIN) == "train_wan"  # training is Wan 2.1's trainer

@@ -30,12 +30,12 @@ from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, He
                                           compensation_choices, rung_costs, uniform_rung)
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
-from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks, launcher
 from maxdiffusion_svg.plugin.compare import generate_wan_calls, check_checkpoint
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from maxdiffusion_svg.video_models import grid_of
 
 
 def key_for(what: str, expert: str | None) -> str:
@@ -169,7 +169,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   start = time.perf_counter()
   keys, svg = plan.keys, plan.settings.svg
   steps = int(keys["num_inference_steps"])
-  grid = VideoGrid.for_video(keys["num_frames"], keys["height"], keys["width"])
+  grid = grid_of(keys)
   done = {"steps": 0}
 
   def on_step() -> None:

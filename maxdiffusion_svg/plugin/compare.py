@@ -34,6 +34,7 @@ from maxdiffusion_svg.layouts import check_layouts
 from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
+from maxdiffusion_svg.video_models import grid_of
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -286,7 +287,7 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
   plugin.register()
   keys = plan.keys
   steps = int(keys["num_inference_steps"])
-  grid = VideoGrid.for_video(keys["num_frames"], keys["height"], keys["width"])
+  grid = grid_of(keys)
   result: dict[str, Any] = {
       "config": plan.config, "overrides": list(plan.overrides),
       "checkpoint": keys["pretrained_model_name_or_path"], "prompt": keys["prompt"],

@@ -33,8 +33,9 @@ from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
+from maxdiffusion_svg.video_models import WAN, video_model
 
-HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40)
+HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40), LTX-2's video
 # Heads by checkpoint name, where its config.json is not on this host: Wan 2.1 1.3B has 12,
 # the 14B models and each Wan 2.2 A14B expert 40.
 HEADS_1_3B, HEADS_14B = 12, 40
@@ -59,6 +60,10 @@ def heads_of(config: Mapping[str, Any]) -> tuple[int, str]:
   name = str(config.get("pretrained_model_name_or_path", ""))
   if (pathlib.Path(name) / "transformer" / "config.json").is_file():
     return preflight.transformer_heads(name), f"{name}/transformer/config.json"
+  family = video_model(config)
+  if family is not WAN:
+    return family.heads, (f"{family.name}'s by its model_name; a checkpoint folder's "
+                          f"config.json is read where it is one")
   size = "1.3B" if "1.3B" in name else "14B"
   return (HEADS_1_3B if size == "1.3B" else HEADS_14B,
           f"a {size} by its name; a checkpoint folder's config.json is read where it is one")

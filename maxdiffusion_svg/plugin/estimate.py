@@ -27,6 +27,7 @@ from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
 from maxdiffusion_svg.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.target import Target, resolve_backend
+from maxdiffusion_svg.video_models import WAN, VideoModel, grid_of, video_model
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.
@@ -40,21 +41,40 @@ STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 
 
 def layers_of(config: Mapping[str, Any]) -> int:
+  family = video_model(config)
+  if family is not WAN:
+    return family.layers
   name = str(config.get("pretrained_model_name_or_path", ""))
   return LAYERS_1_3B if "1.3B" in name else LAYERS_14B
 
 
 def heads_of(config: Mapping[str, Any]) -> int:
+  family = video_model(config)
+  if family is not WAN:
+    return family.heads
   name = str(config.get("pretrained_model_name_or_path", ""))
   return HEADS_1_3B if "1.3B" in name else HEADS_14B
 
 
-def attention_share(tokens: int, given: float | None = None) -> tuple[float, str]:
+# LTX-2's video stream: model width 4096 (32 heads x 128); per token and block, its
+# projections and feed-forward (self-attention q/k/v/o, text and audio cross-attention q/o, a
+# 4x feed-forward) cost about 32·d² FLOPs, and self-attention's scores and values 4·N·d.
+LTX2_WIDTH, LTX2_DENSE_FLOPS_PER_D2 = 4096, 32
+
+
+def attention_share(tokens: int, given: float | None = None,
+                    family: VideoModel = WAN) -> tuple[float, str]:
   """Self-attention's share of a dense step at ``tokens`` and where it comes from."""
   if given is not None:
     if not 0 < given <= 1:
       raise ValueError(f"--attention-share must be a fraction in (0, 1], got {given}")
     return given, "given with --attention-share"
+  if family is not WAN:  # no measured share: a FLOP model of one block
+    attention, rest = 4 * tokens * LTX2_WIDTH, LTX2_DENSE_FLOPS_PER_D2 * LTX2_WIDTH ** 2
+    return attention / (attention + rest), (
+        f"modelled from {family.name}'s FLOPs per block (self-attention 4·N·d against "
+        f"{LTX2_DENSE_FLOPS_PER_D2}·d² of projections and feed-forward, d {LTX2_WIDTH}; not "
+        f"measured: give --attention-share)")
   for count, share, name in STATED_SHARES:
     if tokens == count:
       return share, f"assumed, from {SHARE_SOURCE} (stated at {name})"
@@ -129,7 +149,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   steps = keys["num_inference_steps"]
   settings = PluginSettings.from_mapping(keys)
   svg = settings.svg
-  grid = VideoGrid.for_video(keys["num_frames"], keys["height"], keys["width"])
+  grid = grid_of(keys)
   layers = layers_of(keys) if layers is None else layers
   heads = heads_of(keys) if heads is None else heads
   target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
@@ -178,7 +198,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
                                                  tiles, target, backend) for r in weights},
                             weights))
   combined = _combined(rows, priced)
-  share, source = attention_share(grid.tokens, given_share)
+  share, source = attention_share(grid.tokens, given_share, video_model(keys))
   # checked by check_config above; per-layer compensation: what its compensated layers add
   compensated = any(svg.layer_compensation_for(expert) is not None for expert in experts) and any(
       r.compensation for weights in rungs.values() for r in weights)

@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import os
 from typing import Any, Callable, Iterator
 
@@ -44,7 +45,8 @@ from flax import nnx
 from maxdiffusion_svg.budgets import check_layer_count
 from maxdiffusion_svg.head_budgets import check_head_shape
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import contract, preflight, run_summary, semantic_store
+from maxdiffusion_svg.video_models import LTX2, WAN
+from maxdiffusion_svg.plugin import contract, hooks_ltx2, preflight, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -123,7 +125,10 @@ SELF_ATTENTION_CHECKPOINT_NAME = "self_attn"
 
 
 def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
-  """(op, layer) for every self-attention op; layer None for the stacked scanned op."""
+  """(op, layer) for every video self-attention op; layer None for the stacked scanned op."""
+  if hooks_ltx2.is_ltx2(model):
+    yield from hooks_ltx2.self_attention_ops(model)
+    return
   contract.require_attributes(model, type(model).__name__, ("scan_layers", "blocks", "num_layers"),
                               "the svg kernel tags each block's self-attention with its layer")
   blocks = [(model.blocks, None)] if model.scan_layers else [
@@ -144,10 +149,11 @@ def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
 
 def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None,
                         mesh: Any = None, warm_start: bool = True) -> Any:
-  """Attaches what the ``svg`` kernel needs to a ``WanModel`` (in place; returns it).
+  """Attaches what the ``svg`` kernel needs to a ``WanModel`` or an LTX-2 transformer (in
+  place; returns it).
 
-  Done by the hooks for every transformer a Wan pipeline loads; call it yourself for a
-  ``WanModel`` built another way. ``expert``: ``high_noise``/``low_noise`` for Wan 2.2.
+  Done by the hooks for every transformer a Wan or LTX-2 pipeline loads; call it yourself for
+  one built another way. ``expert``: ``high_noise``/``low_noise`` for Wan 2.2.
   With semantic among the layouts, ``svg_semantic_warm_iterations`` above 0 and
   ``warm_start``, the model also holds its semantic
   centroids (a warm start across denoising steps; each Wan 2.2 expert its own), replicated over
@@ -167,6 +173,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
                      settings.svg.head_key(expert))
   model.svg_settings = settings
   model.svg_expert = expert
+  model.svg_video_model = LTX2 if hooks_ltx2.is_ltx2(model) else WAN  # its pixel-to-grid map
   for op, layer in ops:
     index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
     # A plain array leaf (``[num_layers]`` under ``scan_layers``, sliced per layer by
@@ -217,6 +224,20 @@ def counts_calls(model: Any) -> bool:
 # ------------------------------------------------------------------------------ wrappers
 
 
+def call_of(model: Any, grid: VideoGrid, timestep: Any) -> ModelCall:
+  """What a transformer call at ``timestep`` on ``grid`` tells its kernels: the step as a
+  traced count of the run's schedule timesteps above ``timestep``."""
+  step = None
+  if is_prepared(model) and model.svg_schedule_set:
+    # TI2V gives per-token timesteps (0 on the first frame): the step's is the largest.
+    t = jnp.max(jnp.asarray(timestep, jnp.float32))
+    step = jnp.sum(model.svg_timesteps[...] > t).astype(jnp.int32)
+  return ModelCall(type(model).__name__, grid, getattr(model, "svg_settings", None),
+                   getattr(model, "svg_expert", None), step, counts_calls(model),
+                   # centroids carry over steps of a denoising run only (a step is known)
+                   semantic_store.refs(model) if step is not None else None)
+
+
 def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
@@ -224,17 +245,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
     _, _, frames, height, width = hidden_states.shape
     p_t, p_h, p_w = self.config.patch_size
     grid = VideoGrid(frames // p_t, height // p_h, width // p_w)
-    step = None
-    if is_prepared(self) and self.svg_schedule_set:
-      # TI2V gives per-token timesteps (0 on the first frame): the step's is the largest.
-      t = jnp.max(jnp.asarray(timestep, jnp.float32))
-      step = jnp.sum(self.svg_timesteps[...] > t).astype(jnp.int32)
-    call = ModelCall(type(self).__name__, grid, getattr(self, "svg_settings", None),
-                     getattr(self, "svg_expert", None), step,
-                     counts_calls(self),
-                     # centroids carry over steps of a denoising run only (a step is known)
-                     semantic_store.refs(self) if step is not None else None)
-    with model_call(call):
+    with model_call(call_of(self, grid, timestep)):
       return original(self, hidden_states, timestep, *args, **kwargs)
 
   return wrapper
@@ -299,6 +310,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
         model.svg_uncounted = "aot_cache_dir is set: its executables cannot hold host callbacks"
       from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
       line = settings.summary(settings.svg.target(mesh=mesh), _ring(config, mesh))
+      line += f"; dense by design: {model.svg_video_model.dense_by_design}"
       if aot and settings.svg.semantic is not None and settings.svg.semantic_warm_iterations:
         line += f"; semantic {semantic_store.NO_WARM_START_WITH_AOT}"
       max_logging.log(f"maxdiffusion_svg: {subfolder or 'transformer'}"
@@ -364,11 +376,25 @@ def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
   def wrapper(cache_dir, meta, mesh):
     from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
     config = pyconfig.config
-    if config is not None and meta.get("attention") == KERNEL_NAME:
+    if config is not None and _attention_of(meta) == KERNEL_NAME:
       meta = {**meta, "svg": repr(PluginSettings.from_mapping(config.get_keys()))}
     return original(cache_dir, meta, mesh)
 
   return wrapper
+
+
+def _attention_of(meta: dict[str, Any]) -> Any:
+  """The ``attention`` key of an AOT cache's metadata: at the top (``generate_wan``) or inside
+  its ``config``, a mapping or its JSON text (``generate_ltx2``)."""
+  if "attention" in meta:
+    return meta["attention"]
+  config = meta.get("config")
+  if isinstance(config, str):
+    try:
+      config = json.loads(config)
+    except ValueError:
+      return None
+  return config.get("attention") if isinstance(config, dict) else None
 
 
 def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = ()) -> preflight.Job:
@@ -415,7 +441,7 @@ def _all_subclasses(cls: type) -> Iterator[type]:
 
 
 def install() -> None:
-  """Installs every hook (idempotent). Imports MaxDiffusion's Wan modules."""
+  """Installs every hook (idempotent). Imports MaxDiffusion's Wan and LTX-2 modules."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion import aot_cache, generate_wan
   from maxdiffusion.models import attention_flax
@@ -439,3 +465,4 @@ def install() -> None:
         _set_timesteps)
   _wrap(aot_cache, "install", _aot_install)
   _wrap(generate_wan, "run", _preflight)
+  hooks_ltx2.install(_wrap)

@@ -1,6 +1,6 @@
 """The ``svg`` attention kernel as MaxDiffusion calls it: ``(q, k, v, context) -> [B, S, H*D]``.
 
-Video self-attention of a prepared Wan transformer runs ``sharded_svg_attention`` on the
+Video self-attention of a prepared Wan or LTX-2 transformer runs ``sharded_svg_attention`` on the
 call's mesh, with the step, layer and expert the hooks supply. Cross-attention, masked
 calls and short sequences run MaxDiffusion's dense path, as users expect. Anything else
 (a model the hooks do not cover, a sequence that is not the video grid) raises.
@@ -168,14 +168,16 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   from maxdiffusion.models import attention_flax  # pylint: disable=import-outside-toplevel
   call = hooks.current_model_call()
   if call is None:
-    raise ValueError(f"attention={KERNEL_NAME!r} was called outside a Wan transformer; it "
+    raise ValueError(f"attention={KERNEL_NAME!r} was called outside a Wan or LTX-2 transformer; it "
                      f"supports {SUPPORTED_MODELS}. Use another attention kernel for this model.")
   if call.settings is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: this {call.model} was not prepared for SVG "
                      f"(no svg settings); it supports {SUPPORTED_MODELS}.")
   settings = call.settings
   seq_len = q.shape[2] if q.ndim == 4 else q.shape[1]
-  if q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn":
+  # Video self-attention: a tagged op (every model's blocks' attn1), or Wan's by its name.
+  layer = hooks.layer_index(hooks.current_attention_op())
+  if layer is None and (q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn"):
     dense_reason = "cross"
   elif context["attention_mask"] is not None:
     dense_reason = "masked"
@@ -185,8 +187,13 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     dense_reason = None
   if dense_reason is not None:
     _record(dense_reason, call.expert)
+    if call.count_calls and dense_reason != "short":  # short: the summary says so itself
+      run_summary.on_dense(dense_reason)
     return dense_attention(q, k, v, context,
                            settings.resolved_dense_kernel(settings.svg.target(mesh=context["mesh"]).platform))
+  if q.ndim == 3:  # LTX-2's [B, S, H*D]
+    q, k, v = (attention_flax._unflatten_heads(x, context["heads"])  # pylint: disable=protected-access
+               for x in (q, k, v))
   if seq_len != call.grid.tokens:
     raise ValueError(f"attention={KERNEL_NAME!r}: self-attention of {seq_len} tokens in "
                      f"{call.model}, but its video grid {call.grid} has {call.grid.tokens}; "
@@ -197,11 +204,10 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     if not _is_everything(schedule.active_steps):
       raise ValueError(f"attention={KERNEL_NAME!r}: svg_active_steps is "
                        f"{schedule.active_steps} but the denoising step is unknown: run the "
-                       f"model through a Wan pipeline, or call "
+                       f"model through a Wan or LTX-2 pipeline, or call "
                        f"maxdiffusion_svg.plugin.set_denoising_schedule(model, timesteps); "
                        f"a training step has none: set svg_active_steps: [0, -1] to train")
     step = 0
-  layer = hooks.layer_index(hooks.current_attention_op())
   if layer is None:
     raise ValueError(f"attention={KERNEL_NAME!r}: a self-attention op of {call.model} has no "
                      f"layer index (prepare_transformer tags blocks[*].attn1 only)")

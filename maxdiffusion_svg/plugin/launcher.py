@@ -1,9 +1,9 @@
-"""``python -m maxdiffusion_svg.generate CONFIG [key=value ...]``: Wan generation with SVG, on
-an unmodified MaxDiffusion; ``python -m maxdiffusion_svg.train ...``: its Wan 2.1 trainer.
+"""``python -m maxdiffusion_svg.generate CONFIG [key=value ...]``: Wan or LTX-2 generation with
+SVG, on an unmodified MaxDiffusion; ``python -m maxdiffusion_svg.train ...``: its Wan 2.1 trainer.
 
 Merges the config's ``base_config`` chain into one complete YAML (in a temporary folder,
 kept for the run) over every ``svg_*`` key's default, registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
-way its own ``__main__`` does (``train_wan``'s for training, after the training checks of
+way its own ``__main__`` does (``generate_ltx2``'s for an LTX-2 config, ``train_wan``'s for training, after the training checks of
 :mod:`training`). The SVG summary line is logged when each transformer is built.
 Before any of that (and before MaxDiffusion or JAX is imported, for ``--help`` and the form of
 the arguments) every mistake it can see is refused in one line with exit status 2.
@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
+from maxdiffusion_svg.video_models import LTX2, WAN, video_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,11 @@ class Entry:
   training: bool = False
 
   @property
+  def starts(self) -> str:
+    return (self.maxdiffusion_main if self.training
+            else "the model's own main (generate_wan or generate_ltx2)")
+
+  @property
   def usage_line(self) -> str:
     return f"usage: python -m maxdiffusion_svg.{self.name} CONFIG.yml [key=value ...]"
 
@@ -45,7 +51,7 @@ class Entry:
 
 {self.what}
 on an unmodified MaxDiffusion: merges CONFIG's base_config chain into one YAML over every svg_*
-key's default, checks the overrides, registers the plugin and starts {self.maxdiffusion_main}.
+key's default, checks the overrides, registers the plugin and starts {self.starts}.
 
   CONFIG.yml   a config, e.g. {self.example}; its base_config is looked up beside it, then
                among the installed MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)
@@ -56,8 +62,9 @@ Keys: docs/reference.md ("Config keys"); guide: docs/{"fine-tuning" if self.trai
 
 
 GENERATE = Entry("generate", "generate_wan",
-                 "Runs MaxDiffusion's Wan generation (generate_wan) with Sparse VideoGen attention "
-                 "(attention: svg)", "configs/wan_svg.yml")
+                 "Runs MaxDiffusion's Wan or LTX-2 generation (generate_wan, generate_ltx2, by the "
+                 "config's model_name)\nwith Sparse VideoGen attention (attention: svg)",
+                 "configs/wan_svg.yml")
 TRAIN = Entry("train", "train_wan",
               "Fine-tunes Wan 2.1 with MaxDiffusion's own trainer (train_wan) and Sparse VideoGen "
               "attention\n(attention: svg): every training step sparse in svg_active_layers",
@@ -90,15 +97,15 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   return config, chain
 
 
-WAN_MODELS = ("wan2.1", "wan2.2")  # what generate_wan runs
-LTX2_MODELS = ("ltx2_video", "ltx2.3")  # generate_ltx2's
+WAN_MODELS = WAN.model_names  # what generate_wan runs
+LTX2_MODELS = LTX2.model_names  # generate_ltx2's
 
 
 def check_model(config: Mapping[str, Any], path: str) -> None:
-  """``generate`` runs Wan: a config of another model is refused by name before anything loads
-  (MaxDiffusion's generate_wan would fail on it far later, or not say why)."""
+  """``generate`` runs Wan and LTX-2: a config of another model is refused by name before
+  anything loads (MaxDiffusion's main would fail on it far later, or not say why)."""
   model = config.get("model_name")
-  if model in WAN_MODELS:
+  if model in WAN_MODELS or model in LTX2_MODELS:
     return
   weights = str(config.get("pretrained_model_name_or_path") or "")
   if model is None and ("LTX-Video" in weights or os.path.basename(path) == "ltx_video.yml"):
@@ -106,13 +113,15 @@ def check_model(config: Mapping[str, Any], path: str) -> None:
                      f"generate_ltx_video) is not supported. Its transformer calls Pallas flash "
                      f"attention directly, not MaxDiffusion's attention kernels, so attention: "
                      f"svg would be ignored; run it with MaxDiffusion's own generate_ltx_video")
-  if model in LTX2_MODELS:
-    raise ValueError(f"{path} is an LTX-2 config (model_name {model}): LTX-2 is not supported "
-                     f"yet (its generate_ltx2 is not wired to the svg kernel, whose video "
-                     f"self-attention would run dense); run it with MaxDiffusion's own "
-                     f"generate_ltx2")
   raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs Wan "
-                   f"(model_name {' or '.join(WAN_MODELS)}) through generate_wan")
+                   f"(model_name {' or '.join(WAN_MODELS)}) through generate_wan and LTX-2 "
+                   f"(model_name {' or '.join(LTX2_MODELS)}) through generate_ltx2")
+
+
+def maxdiffusion_main(config: Mapping[str, Any], entry: Entry) -> str:
+  """The MaxDiffusion module whose main runs ``config``: the model family's generate entry
+  point (``generate_wan``, ``generate_ltx2``), or the entry's own (training)."""
+  return entry.maxdiffusion_main if entry.training else video_model(config).generate_main
 
 
 def check_form(overrides: Sequence[str]) -> None:
@@ -219,13 +228,14 @@ def run(argv: Sequence[str], entry: Entry = GENERATE) -> None:
 
   from maxdiffusion_svg import plugin
   # pylint: enable=import-outside-toplevel
-  maxdiffusion_main = importlib.import_module(f"maxdiffusion.{entry.maxdiffusion_main}")
   plugin.register()
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_") as directory:
+    config, _ = checked_config(argv, entry)
+    main = maxdiffusion_main(with_overrides(config, argv[2:]), entry)
     maxdiffusion_argv, chain = prepare_argv(argv, directory, entry)
     max_logging.log(f"maxdiffusion_svg: config {' -> '.join(chain)} merged into "
-                    f"{maxdiffusion_argv[1]}")
-    maxdiffusion_main.main(maxdiffusion_argv)
+                    f"{maxdiffusion_argv[1]}; running {main}")
+    importlib.import_module(f"maxdiffusion.{main}").main(maxdiffusion_argv)
 
 
 @quiet_on_broken_pipe  # `... | head` ends quietly, whatever MaxDiffusion prints

@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.budgets import layer_ranges
-from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC, TEMPORAL
 from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.target import TPU_BACKENDS
+from maxdiffusion_svg.video_models import WAN
 
 # Layer ranges the temporal share is reported over.
 RANGES = 4
@@ -41,7 +41,12 @@ class _Tally:
   temporal: dict[int, int] = dataclasses.field(default_factory=dict)  # per layer, sparse calls
   semantic: dict[int, int] = dataclasses.field(default_factory=dict)
   heads: dict[int, int] = dataclasses.field(default_factory=dict)
+  dense: dict[str, int] = dataclasses.field(default_factory=dict)  # other calls, by kind
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+  def add_dense(self, kind: str) -> None:
+    with self.lock:
+      self.dense[kind] = self.dense.get(kind, 0) + 1
 
   def add(self, active, step, layer, temporal, heads, semantic=0) -> None:
     step, layer, active = int(step), int(layer), bool(active)
@@ -71,6 +76,13 @@ def on_routing(layout: jax.Array, active: Any, step: Any, layer: Any) -> None:
                      count(TEMPORAL), jnp.int32(layout.size), count(SEMANTIC))
 
 
+def on_dense(kind: str) -> None:
+  """A call the kernel ran dense outside video self-attention (``cross``: cross-attention and
+  any other untagged op, e.g. LTX-2's audio self-attention; ``masked``): one host callback
+  per execution (outside the head exchange: once per call)."""
+  jax.debug.callback(lambda: _TALLY.add_dense(kind))
+
+
 @dataclasses.dataclass(frozen=True)
 class CallCounts:
   """Self-attention calls of one pipeline call."""
@@ -82,6 +94,7 @@ class CallCounts:
   by_range: tuple[tuple[int, int, float], ...] = ()  # (first layer, last layer, share)
   semantic_share: float | None = None  # None: semantic is not among the layouts
   semantic_by_range: tuple[tuple[int, int, float], ...] = ()
+  other_dense: tuple[tuple[str, int], ...] = ()  # counted calls outside video self-attention
 
 
 def _shares(counts: dict[int, int], heads: dict[int, int],
@@ -105,10 +118,12 @@ def counted_calls(layers: int, semantic: bool = False) -> CallCounts:
   with tally.lock:
     calls, heads = dict(tally.calls), dict(tally.heads)
     temporal, semantic_heads = dict(tally.temporal), dict(tally.semantic)
+    other = tuple(sorted(tally.dense.items()))
   sparse = sum(calls.values())
   share, ranges = _shares(temporal, heads, layers)
   sem_share, sem_ranges = _shares(semantic_heads, heads, layers) if semantic else (None, ())
-  return CallCounts(sparse, len(calls) - sparse, True, share, ranges, sem_share, sem_ranges)
+  return CallCounts(sparse, len(calls) - sparse, True, share, ranges, sem_share, sem_ranges,
+                    other)
 
 
 def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
@@ -123,7 +138,8 @@ def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
 
 
 def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
-                 denoise_s: float | None, why_uncounted: str = "") -> str:
+                 denoise_s: float | None, why_uncounted: str = "",
+                 dense_by_design: str = "cross-attention") -> str:
   """One line for the log."""
   calls = counts.sparse + counts.dense
   how = "counted" if counts.counted else f"from the schedule, not counted ({why_uncounted})"
@@ -141,6 +157,10 @@ def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
   parts.append(kernel)
   if denoise_s is not None and steps:
     parts.append(f"{denoise_s / steps:.3f} s per step (denoising {denoise_s:.1f} s)")
+  if counts.other_dense:
+    kinds = ", ".join(f"{n:,} {kind}" for kind, n in counts.other_dense)
+    parts.append(f"other attention calls dense: {kinds} ({dense_by_design} runs "
+                 f"svg_dense_kernel)")
   return "; ".join(parts)
 
 
@@ -182,7 +202,7 @@ def _kernel(models: list[Any], mesh: Any) -> str:
 
 def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any], call: Any,
                counted: bool) -> str | None:
-  """The summary of a Wan pipeline call just finished through its svg-prepared ``models``
+  """The summary of a Wan or LTX-2 pipeline call just finished through its svg-prepared ``models``
   (None if there are none); ``counted``: their calls reported to the tally."""
   if not models:
     return None
@@ -191,7 +211,8 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
   denoise = trace.get("denoise_total")
   settings = models[0].svg_settings
   frames, height, width = (kwargs.get(k) for k in ("num_frames", "height", "width"))
-  tokens = VideoGrid.for_video(frames, height, width).tokens if all(
+  family = getattr(models[0], "svg_video_model", WAN)  # how its pixels map to tokens
+  tokens = family.grid(frames, height, width).tokens if all(
       isinstance(x, int) for x in (frames, height, width)) else None
   why = models[0].svg_uncounted
   if tokens is not None and settings.is_short(tokens):
@@ -205,4 +226,5 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
               f"(the model's self-attention runs another kernel)")
   else:
     counts = scheduled_calls(settings, steps, layers, tokens)
-  return summary_line(counts, steps, layers, _kernel(models, mesh), denoise, why)
+  return summary_line(counts, steps, layers, _kernel(models, mesh), denoise, why,
+                      family.dense_by_design)

@@ -59,7 +59,7 @@ def test_masked_cross_attention_uses_maxdiffusions_mask_handling():
 
 def test_outside_a_wan_transformer_is_an_error():
   q = jnp.zeros((1, 8, 16))
-  with pytest.raises(ValueError, match="called outside a Wan transformer; it supports Wan 2.1"):
+  with pytest.raises(ValueError, match="called outside a Wan or LTX-2 transformer; it supports Wan 2.1"):
     dispatch(q, q, q, "svg")
 
 

@@ -1,0 +1,97 @@
+"""The hooks for LTX-2 and LTX-2.3 (``generate_ltx2``), beside Wan's in :mod:`hooks`.
+
+LTX-2's attention calls reach the kernel as 3-D ``[B, S, H*D]`` q/k/v, none with a residual
+checkpoint name, so the kernel cannot tell video self-attention from the rest by the call: it
+goes by the op. Each block's ``attn1`` (video self-attention) is tagged with its layer, as
+Wan's are; every other op of a block (audio self-attention, the text and audio-video
+cross-attentions) is untagged and runs dense, counted as such.
+
+* ``ltx2_pipeline.create_sharded_logical_transformer``: the Wan factory hook's job (settings
+  checked before weights load, the model prepared, the settings line logged).
+* ``LTX2VideoTransformer3DModel.__call__``: the grid from its ``num_frames``/``height``/
+  ``width`` arguments (latent units, static ints) over the patch size; the step from its
+  ``timestep`` against the run's schedule, traced, as for Wan.
+* ``LTX2Pipeline.__call__`` and ``FlaxFlowMatchScheduler.set_timesteps_ltx2``: the run's
+  timesteps written into the transformer before the pipeline splits it; the run summary.
+* ``generate_ltx2.run``: the job's pre-flight checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Iterator
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin import contract
+
+LTX2_MODEL = "LTX2VideoTransformer3DModel"
+
+
+def is_ltx2(model: Any) -> bool:
+  """An LTX-2 transformer (MaxDiffusion's ``LTX2VideoTransformer3DModel`` or a subclass)."""
+  return any(cls.__name__ == LTX2_MODEL for cls in type(model).__mro__)
+
+
+def self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
+  """(op, layer) of each block's video self-attention ``attn1``; layer None for the stacked
+  op of ``scan_layers``."""
+  contract.require_attributes(model, LTX2_MODEL, ("scan_layers", "transformer_blocks",
+                                                  "num_layers"),
+                              "the svg kernel tags each block's video self-attention")
+  blocks = [(model.transformer_blocks, None)] if model.scan_layers else [
+      (block, i) for i, block in enumerate(model.transformer_blocks)]
+  for block, layer in blocks:
+    op = getattr(getattr(block, "attn1", None), "attention_op", None)
+    if op is None or not hasattr(op, "apply_attention") or not hasattr(op, "heads"):
+      raise contract.MaxDiffusionDrift(
+          f"MaxDiffusion drift: {LTX2_MODEL}'s transformer_blocks should hold video "
+          f"self-attention as attn1.attention_op (an NNXAttentionOp), found "
+          f"{type(op).__name__ if op is not None else 'no attn1.attention_op'}; "
+          f"maxdiffusion_svg is tested with MaxDiffusion {contract.TESTED_COMMIT}.")
+    yield op, layer
+
+
+def _grid(model: Any, frames: Any, height: Any, width: Any) -> VideoGrid:
+  """The packed video's grid from the call's latent sizes, which must be static ints."""
+  if not all(isinstance(x, int) for x in (frames, height, width)):
+    raise ValueError(f"attention='svg': {LTX2_MODEL} was called without static num_frames, "
+                     f"height and width (got {frames!r}, {height!r}, {width!r}); the svg "
+                     f"kernel needs the video's latent grid, which LTX-2's pipeline passes")
+  p_t, p = int(getattr(model, "patch_size_t", 1)), int(getattr(model, "patch_size", 1))
+  return VideoGrid(frames // p_t, height // p, width // p)
+
+
+def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
+  signature = inspect.signature(original)
+
+  @functools.wraps(original)
+  def wrapper(self, *args, **kwargs):
+    from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
+    if not hooks.is_prepared(self):
+      return original(self, *args, **kwargs)
+    bound = signature.bind(self, *args, **kwargs).arguments
+    grid = _grid(self, bound.get("num_frames"), bound.get("height"), bound.get("width"))
+    with hooks.model_call(hooks.call_of(self, grid, bound["timestep"])):
+      return original(self, *args, **kwargs)
+
+  return wrapper
+
+
+def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
+  """Installs LTX-2's hooks with :func:`hooks._wrap` (idempotent)."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import generate_ltx2
+  from maxdiffusion.models.ltx2 import transformer_ltx2
+  from maxdiffusion.pipelines.ltx2 import ltx2_pipeline
+  from maxdiffusion.schedulers import scheduling_flow_match_flax
+
+  from maxdiffusion_svg.plugin import hooks
+  # pylint: enable=import-outside-toplevel
+  wrap(transformer_ltx2.LTX2VideoTransformer3DModel, "__call__", _model_call)
+  wrap(ltx2_pipeline, "create_sharded_logical_transformer",
+       hooks._create_transformer)  # pylint: disable=protected-access
+  wrap(ltx2_pipeline.LTX2Pipeline, "__call__", hooks._pipeline_call)  # pylint: disable=protected-access
+  wrap(scheduling_flow_match_flax.FlaxFlowMatchScheduler, "set_timesteps_ltx2",
+       hooks._set_timesteps)  # pylint: disable=protected-access
+  wrap(generate_ltx2, "run", hooks._preflight)  # pylint: disable=protected-access
