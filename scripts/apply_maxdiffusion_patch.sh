@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Applies patches/maxdiffusion-plugins.patch to a MaxDiffusion source tree (a checkout of the tested
 # commit 7cfb8801d41d or a compatible one), or with --check only tells whether it applies.
-# The patch adds lines only (zero context): plugin entry points, base_config, Wan dispatch in generate.
+# The patch adds lines only (zero context): plugin entry points, base_config, Wan and LTX-2 dispatch in generate.
 #   scripts/apply_maxdiffusion_patch.sh [--check] /path/to/maxdiffusion
 set -euo pipefail
 patch="$(cd "$(dirname "$0")/.." && pwd)/patches/maxdiffusion-plugins.patch"

@@ -18,6 +18,7 @@ cross-attentions) is untagged and runs dense, counted as such.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable, Iterator
@@ -81,6 +82,11 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
 def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   """Installs LTX-2's hooks with :func:`hooks._wrap` (idempotent)."""
   # pylint: disable=import-outside-toplevel
+  # MaxDiffusion's LTX-2 modules import TensorFlow before transformers imports Triton, whose
+  # library then crashes the process as it loads (TensorFlow 2.21 with Triton 3.x, where torch
+  # brings Triton); loaded first, Triton is fine.
+  with contextlib.suppress(ImportError):
+    import triton  # noqa: F401  # pylint: disable=unused-import
   from maxdiffusion import generate_ltx2
   from maxdiffusion.models.ltx2 import transformer_ltx2
   from maxdiffusion.pipelines.ltx2 import ltx2_pipeline

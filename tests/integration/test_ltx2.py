@@ -1,0 +1,190 @@
+"""The svg kernel inside a tiny random LTX-2 transformer built the pipeline's way: video
+self-attention (each block's attn1) sparse, audio self-attention and every cross-attention
+dense, through the forward and through LTX2Pipeline's own denoising loop."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg import plugin
+from maxdiffusion_svg.attention import scheduled_svg_attention
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.schedule import Interval
+from maxdiffusion_svg.testing import tiny_ltx2
+from tiny_runs import ROOT
+
+GRID = VideoGrid(*tiny_ltx2.LATENT_GRID)
+EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
+# Per block through the svg kernel: attn1 (video self-attention, svg), then audio
+# self-attention and the two text cross-attentions (dense). The audio<->video
+# cross-attentions run their own keys' kernels (a2v/v2a_attention_kernel).
+DENSE_PER_LAYER = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+  plugin.register()
+
+
+_RESULTS = {}
+
+
+def build(tmp_path_factory, devices, attention, **keys):
+  config = tiny_ltx2.init_config(tiny_ltx2.write_config(
+      str(tmp_path_factory.mktemp("config")), attention=attention, **keys))
+  mesh = tiny_ltx2.make_mesh(config, devices)
+  return config, mesh, tiny_ltx2.build_transformer(config, mesh)
+
+
+def forward(tmp_path_factory, devices, attention, **keys):
+  """Video and audio output on fixed inputs (batch 2, as with CFG) and the call log; cached."""
+  cache_key = repr((devices, attention, sorted(keys.items())))
+  if cache_key not in _RESULTS:
+    config, mesh, model = build(tmp_path_factory, devices, attention, **keys)
+    latents, audio, text, audio_text = tiny_ltx2.inputs(batch=2)
+    with plugin.record_calls(arrays=True) as log:
+      video, audio_out = tiny_ltx2.forward(model, mesh[1], config, latents, audio, text,
+                                           audio_text, 500.0)
+      jax.effects_barrier()
+    _RESULTS[cache_key] = (np.asarray(video), np.asarray(audio_out), log)
+  return _RESULTS[cache_key]
+
+
+def kinds(log):
+  return collections.Counter(r["kind"] for r in log)
+
+
+def rel(a, b):
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_density_one_equals_the_dense_kernel(tmp_path_factory):
+  """At density 1 every tile runs: the output is the model's dense kernel's (on CPU, the
+  dot_product LTX-2 falls back to), video and audio; audio and cross calls ran dense."""
+  video, audio, _ = forward(tmp_path_factory, 1, "dot_product")
+  svg_video, svg_audio, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
+  np.testing.assert_allclose(svg_video, video, atol=1e-5 * np.abs(video).max())
+  np.testing.assert_allclose(svg_audio, audio, atol=1e-5 * np.abs(audio).max())
+  assert kinds(log) == {"self": 2, "cross": 2 * DENSE_PER_LAYER}
+  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
+
+
+@pytest.mark.full  # the CI tier runs sparse calls through the pipeline below
+def test_sparse_at_0_3_is_the_svg_attention_of_the_calls_own_qkv(tmp_path_factory):
+  """At 0.3 the video changes but stays close; each self-attention call is exactly the
+  library's SVG attention of its own q, k, v (recomputed on one device)."""
+  video, _, _ = forward(tmp_path_factory, 1, "dot_product")
+  sparse, _, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+  assert 1e-3 < rel(sparse, video) < 0.1, rel(sparse, video)
+  svg = PluginSettings.from_mapping({**tiny_ltx2.BASE_KEYS, "svg_density": 0.3,
+                                     **EVERYTHING}).svg
+  selfs = [r for r in log if r["kind"] == "self"]
+  assert [(r["layer"], r["sparse"], r["density"]) for r in selfs] == [(0, True, 0.3),
+                                                                      (1, True, 0.3)]
+  for record in selfs:
+    q, k, v, out = record["qkv_out"]
+    assert q.shape == (2, tiny_ltx2.HEADS, GRID.tokens, tiny_ltx2.HEAD_DIM)
+    want = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg, step=0,
+                                              layer=record["layer"], expert=None,
+                                              scale=tiny_ltx2.HEAD_DIM ** -0.5))
+    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max())
+    dense = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg.at_density(1.0),
+                                               step=0, layer=record["layer"], expert=None,
+                                               scale=tiny_ltx2.HEAD_DIM ** -0.5))
+    assert rel(out, dense) > 1e-3  # really sparse
+
+
+@pytest.mark.full
+def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
+  """Context-sharded over 8 devices (heads exchanged, 1 head per device), the same output."""
+  one, one_audio, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+  eight, eight_audio, log = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
+  np.testing.assert_allclose(eight, one, atol=1e-5 * np.abs(one).max())
+  np.testing.assert_allclose(eight_audio, one_audio, atol=1e-5 * np.abs(one_audio).max())
+  assert kinds(log) == {"self": 2, "cross": 2 * DENSE_PER_LAYER}
+
+
+def summary_lines(capsys):
+  return [line for line in capsys.readouterr().out.splitlines()
+          if "maxdiffusion_svg: run summary" in line]  # max_logging prints
+
+
+def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls(
+    tmp_path_factory, traced_kernels, capsys):
+  """LTX2Pipeline's own scanned loop: the step traced from the timestep (steps 1.. sparse,
+  layer 0 dense), one trace of each call site for two runs, and the run summary's counts."""
+  config, mesh, model = build(tmp_path_factory, 8, "svg", svg_density=0.3,
+                              svg_active_steps=[1, None], svg_active_layers=[1, None])
+  pipe = tiny_ltx2.pipeline(config, mesh, model)
+  _, _, text, _ = tiny_ltx2.inputs(batch=1)
+  with plugin.record_calls() as log:
+    first = tiny_ltx2.generate(pipe, 3, text)
+    jax.effects_barrier()
+    calls = len(log)
+    second = tiny_ltx2.generate(pipe, 3, text)
+    jax.effects_barrier()
+  selfs = sorted((r["step"], r["layer"], r["sparse"]) for r in log[:calls] if r["kind"] == "self")
+  assert selfs == [(s, l, s >= 1 and l >= 1) for s in range(3) for l in range(2)]
+  assert kinds(log[:calls]) == {"self": 6, "cross": 6 * DENSE_PER_LAYER}
+  # one trace per call site (scanned blocks: attn1, audio_attn1, attn2, audio_attn2)
+  assert len(traced_kernels) == 1 + DENSE_PER_LAYER, traced_kernels
+  np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(second[0]))
+  lines = summary_lines(capsys)
+  assert len(lines) == 2 and all(
+      "run summary: 3 steps x 2 layers: 6 self-attention calls, 2 sparse and 4 dense "
+      "(counted)" in line and line.endswith(
+          f"; other attention calls dense: {6 * DENSE_PER_LAYER} cross (audio self-attention, "
+          f"text and audio-video cross-attention runs svg_dense_kernel)")
+      for line in lines), lines
+
+
+ENTRY_SCRIPT = """
+import json, runpy, sys
+from maxdiffusion_svg import plugin
+plugin.register()  # its import order (Triton before TensorFlow) as the entry points have it
+from maxdiffusion import generate_ltx2
+def run(config, pipeline=None, **kwargs):
+  from maxdiffusion_svg.plugin.settings import PluginSettings
+  keys = config.get_keys()
+  svg = PluginSettings.from_mapping(keys).svg
+  print("RAN " + json.dumps({k: keys[k] for k in ("model_name", "attention", "height", "width")}
+                            | {"density": svg.density, "steps": str(svg.schedule.active_steps)}))
+run._svg_hook = True  # stands in for generate_ltx2.run and its pre-flight hook: nothing loads
+generate_ltx2.run = run
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module, config", [
+    pytest.param("maxdiffusion_svg.generate", "ltx2_svg.yml", marks=pytest.mark.full),
+    ("maxdiffusion.generate", "ltx2_svg.yml"),  # the patched entry point, the config alone
+    pytest.param("maxdiffusion_svg.generate", "ltx2_3_svg.yml", marks=pytest.mark.full),
+    pytest.param("maxdiffusion.generate", "ltx2_3_svg.yml", marks=pytest.mark.full)])
+def test_both_entry_points_run_generate_ltx2_with_the_config(module, config, patched_maxdiffusion,
+                                                             tmp_path):
+  """An LTX-2 config through our launcher and through a patched MaxDiffusion generate: each
+  reaches generate_ltx2's run with the merged config and its svg_* keys (run replaced)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
+                                                      str(ROOT)])}
+  result = subprocess.run(
+      [sys.executable, "-c", ENTRY_SCRIPT, module, str(ROOT / "configs" / config),
+       "svg_density=0.25", "run_name=ltx2", "enable_ml_diagnostics=false"], cwd=tmp_path, env=env, capture_output=True,
+      text=True, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  ran = json.loads(result.stdout.split("RAN ", 1)[1].splitlines()[0])
+  model = "ltx2.3" if config == "ltx2_3_svg.yml" else "ltx2_video"
+  assert ran == {"model_name": model, "attention": "svg", "height": 704, "width": 1280,
+                 "density": 0.25, "steps": str(Interval(8, None))}
