@@ -155,7 +155,9 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
-  split = expert_steps(keys, steps) if keys.get("model_name") == "wan2.2" else None
+  # Wan 2.2's experts split the steps (not Animate's single transformer)
+  split = (expert_steps(keys, steps)
+           if keys.get("model_name") == "wan2.2" and video_model(keys) is WAN else None)
   experts = EXPERTS if split else (None,)
   rungs = {expert: _rungs(svg, expert, layers, heads) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}

@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -45,9 +46,10 @@ from flax import nnx
 from maxdiffusion_svg.budgets import check_layer_count
 from maxdiffusion_svg.head_budgets import check_head_shape
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.video_models import LTX2, WAN
+from maxdiffusion_svg.video_models import (LTX2, VACE_BLOCKS, WAN, WAN_ANIMATE, WAN_VACE,
+                                           VideoModel)
 from maxdiffusion_svg.plugin import contract, hooks_ltx2, preflight, run_summary, semantic_store
-from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS, PluginSettings
+from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
 MAX_STEPS = 1000
@@ -147,6 +149,27 @@ def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
     yield op, layer
 
 
+def _dense_by_design_ops(model: Any) -> Iterator[tuple[Any, str]]:
+  """(op, kind) of self-attention that runs dense by design: a Wan VACE model's control
+  blocks (``vace_blocks[*].attn1``), counted as ``vace`` calls."""
+  for block in getattr(model, "vace_blocks", None) or ():
+    op = getattr(getattr(block, "attn1", None), "attention_op", None)
+    if op is None:
+      raise contract.MaxDiffusionDrift(
+          f"MaxDiffusion drift: {type(model).__name__}'s vace_blocks should hold self-attention "
+          f"as attn1.attention_op; maxdiffusion_svg is tested with MaxDiffusion "
+          f"{contract.TESTED_COMMIT}.")
+    yield op, VACE_BLOCKS
+
+
+def _family(model: Any) -> VideoModel:
+  if hooks_ltx2.is_ltx2(model):
+    return LTX2
+  if any(cls.__name__ == "WanAnimateTransformer3DModel" for cls in type(model).__mro__):
+    return WAN_ANIMATE
+  return WAN_VACE if getattr(model, "vace_blocks", None) is not None else WAN
+
+
 def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None,
                         mesh: Any = None, warm_start: bool = True) -> Any:
   """Attaches what the ``svg`` kernel needs to a ``WanModel`` or an LTX-2 transformer (in
@@ -173,7 +196,9 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
                      settings.svg.head_key(expert))
   model.svg_settings = settings
   model.svg_expert = expert
-  model.svg_video_model = LTX2 if hooks_ltx2.is_ltx2(model) else WAN  # its pixel-to-grid map
+  model.svg_video_model = _family(model)  # its pixel-to-grid map, what runs dense by design
+  for op, kind in _dense_by_design_ops(model):
+    op.svg_dense_by_design = kind  # static: the kernel runs it dense and counts it as `kind`
   for op, layer in ops:
     index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
     # A plain array leaf (``[num_layers]`` under ``scan_layers``, sliced per layer by
@@ -291,18 +316,44 @@ def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
+def _animate_pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
+  """Wan Animate splits its transformer before its segments set their timesteps (each segment
+  restarts the same schedule): the run's schedule is written first, from the same scheduler and
+  step count, so the split state carries it (the pipeline hook then logs the summary)."""
+  logged = _pipeline_call(original)
+  steps_default = inspect.signature(original).parameters["num_inference_steps"].default
 
   @functools.wraps(original)
-  def wrapper(devices_array, mesh, rngs, config, restored_checkpoint=None, subfolder=""):
+  def wrapper(self, *args, **kwargs):
+    models = prepared_transformers(self)
+    if models:
+      steps = kwargs.get("num_inference_steps", steps_default)
+      state = self.scheduler.set_timesteps(self.scheduler_state, num_inference_steps=steps,
+                                           shape=(1,))
+      for model in models:
+        set_denoising_schedule(model, state.timesteps)
+    return logged(self, *args, **kwargs)
+
+  return wrapper
+
+
+def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
+  signature = inspect.signature(original)  # each factory's own default subfolder
+
+  @functools.wraps(original)
+  def wrapper(devices_array, mesh, rngs, config, *args, **kwargs):
+    bound = signature.bind(devices_array, mesh, rngs, config, *args, **kwargs)
+    bound.apply_defaults()
+    subfolder = bound.arguments.get("subfolder") or ""
     settings = None
     if config.attention == KERNEL_NAME:
       settings = PluginSettings.from_mapping(config.get_keys())  # fails before weights load
       settings.compensation_text(settings.svg.target(mesh=mesh))  # blocks vs the mesh's key tile
-    model = original(devices_array, mesh, rngs, config, restored_checkpoint=restored_checkpoint,
-                     subfolder=subfolder)
+    model = original(devices_array, mesh, rngs, config, *args, **kwargs)
     if settings is not None:
-      expert = EXPERT_OF_SUBFOLDER.get(subfolder) if config.model_name == "wan2.2" else None
+      # Wan 2.2's two experts (Animate, also model_name wan2.2, has one transformer)
+      expert = (EXPERT_OF_SUBFOLDER.get(subfolder)
+                if config.model_name == "wan2.2" and _family(model) is WAN else None)
       aot = bool(getattr(config, "aot_cache_dir", ""))
       prepare_transformer(model, settings, expert, mesh, warm_start=not aot)
       if settings.run_summary and aot:
@@ -335,25 +386,6 @@ def _ring(config: Any, mesh: Any) -> tuple[int, int]:
   return ulysses, context // ulysses
 
 
-def _refusing(model_class: str) -> _Wrapper:
-  """Wraps a transformer factory whose model svg does not support: refused before it loads."""
-
-  def make(original: Callable[..., Any]) -> Callable[..., Any]:
-
-    @functools.wraps(original)
-    def wrapper(devices_array, mesh, rngs, config, *args, **kwargs):
-      if getattr(config, "attention", None) == KERNEL_NAME:
-        raise ValueError(f"attention={KERNEL_NAME!r} does not support {model_class} (built by "
-                         f"{original.__module__}.{original.__name__}); it supports "
-                         f"{SUPPORTED_MODELS}. Set attention to another kernel (e.g. flash or "
-                         f"ulysses) for this model.")
-      return original(devices_array, mesh, rngs, config, *args, **kwargs)
-
-    return wrapper
-
-  return make
-
-
 def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
@@ -365,6 +397,7 @@ def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
                                   ("timesteps",), "the svg step is counted from the schedule")
       for model in prepared_transformers(pipeline):
         set_denoising_schedule(model, state.timesteps)
+      run_summary.on_schedule()
     return state
 
   return wrapper
@@ -415,11 +448,12 @@ def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = ()) ->
 def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
-  def wrapper(config, pipeline=None, *args, **kwargs):
+  def wrapper(config, *args, **kwargs):
+    pipeline = args[0] if args else kwargs.get("pipeline")  # generate_wan_animate takes none
     if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
       settings = PluginSettings.from_mapping(config.get_keys())
       preflight.check_job(job_of(config, settings.svg.backend, settings.svg.layouts), os.environ)
-    return original(config, pipeline, *args, **kwargs)
+    return original(config, *args, **kwargs)
 
   return wrapper
 
@@ -443,9 +477,10 @@ def _all_subclasses(cls: type) -> Iterator[type]:
 def install() -> None:
   """Installs every hook (idempotent). Imports MaxDiffusion's Wan and LTX-2 modules."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion import aot_cache, generate_wan
+  from maxdiffusion import aot_cache, generate_wan, generate_wan_animate
   from maxdiffusion.models import attention_flax
-  from maxdiffusion.models.wan.transformers import transformer_wan
+  from maxdiffusion.models.wan.transformers import (transformer_wan, transformer_wan_animate,
+                                                    transformer_wan_vace)
   from maxdiffusion.pipelines.wan import (wan_pipeline, wan_pipeline_2_1, wan_pipeline_2_2,  # noqa: F401
                                           wan_pipeline_animate, wan_pipeline_i2v_2p1,
                                           wan_pipeline_i2v_2p2, wan_vace_pipeline_2_1)
@@ -455,9 +490,11 @@ def install() -> None:
   _wrap(transformer_wan.WanModel, "__call__", _model_call)
   _wrap(attention_flax.NNXAttentionOp, "apply_attention", _binding_self(_ATTENTION_OP))
   _wrap(wan_pipeline, "create_sharded_logical_transformer", _create_transformer)
-  _wrap(wan_vace_pipeline_2_1, "create_sharded_logical_transformer", _refusing("WanVACEModel"))
-  _wrap(wan_pipeline_animate, "create_sharded_animate_transformer",
-        _refusing("WanAnimateTransformer3DModel"))
+  _wrap(transformer_wan_vace.WanVACEModel, "__call__", _model_call)  # overrides WanModel's
+  _wrap(wan_vace_pipeline_2_1, "create_sharded_logical_transformer", _create_transformer)
+  _wrap(wan_pipeline_animate, "create_sharded_animate_transformer", _create_transformer)
+  _wrap(transformer_wan_animate.WanAnimateTransformer3DModel, "__call__", _model_call)
+  _wrap(wan_pipeline_animate.WanAnimatePipeline, "__call__", _animate_pipeline_call)
   for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
     if "__call__" in vars(pipeline):
       _wrap(pipeline, "__call__", _pipeline_call)
@@ -465,4 +502,5 @@ def install() -> None:
         _set_timesteps)
   _wrap(aot_cache, "install", _aot_install)
   _wrap(generate_wan, "run", _preflight)
+  _wrap(generate_wan_animate, "run", _preflight)
   hooks_ltx2.install(_wrap)

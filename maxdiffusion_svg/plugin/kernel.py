@@ -85,7 +85,8 @@ def record_calls(arrays: bool = False) -> Iterator[list[dict[str, Any]]]:
 
   A test and benchmark aid: each execution appends ``{"kind", "sparse", "step", "layer",
   "expert", "density", "compensation", "warm"}`` (``kind``: ``self``, or
-  ``cross``/``masked``/``short`` for dense calls; ``density`` and ``compensation``: the sparse
+  ``cross``/``masked``/``short``/``vace`` for dense calls (``cross``: any op not tagged as
+  video self-attention, e.g. LTX-2's audio self-attention; ``vace``: Wan VACE's control blocks); ``density`` and ``compensation``: the sparse
   branch's, the layer's own under per-layer keys (the mean of its heads' under
   ``svg_head_densities``); ``warm``: the semantic clustering started from
   the previous step's centroids)
@@ -176,8 +177,11 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   settings = call.settings
   seq_len = q.shape[2] if q.ndim == 4 else q.shape[1]
   # Video self-attention: a tagged op (every model's blocks' attn1), or Wan's by its name.
-  layer = hooks.layer_index(hooks.current_attention_op())
-  if layer is None and (q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn"):
+  op = hooks.current_attention_op()
+  layer = hooks.layer_index(op)
+  if getattr(op, "svg_dense_by_design", None):  # e.g. Wan VACE's control blocks
+    dense_reason = op.svg_dense_by_design
+  elif layer is None and (q.ndim != 4 or context["residual_checkpoint_name"] != "self_attn"):
     dense_reason = "cross"
   elif context["attention_mask"] is not None:
     dense_reason = "masked"

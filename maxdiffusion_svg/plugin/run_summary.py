@@ -42,6 +42,7 @@ class _Tally:
   semantic: dict[int, int] = dataclasses.field(default_factory=dict)
   heads: dict[int, int] = dataclasses.field(default_factory=dict)
   dense: dict[str, int] = dataclasses.field(default_factory=dict)  # other calls, by kind
+  schedules: int = 0  # timesteps the pipeline set: Wan Animate sets them once per segment
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
   def add_dense(self, kind: str) -> None:
@@ -74,6 +75,18 @@ def on_routing(layout: jax.Array, active: Any, step: Any, layer: Any) -> None:
   jax.debug.callback(lambda *xs: _TALLY.add(*xs),
                      jnp.asarray(active), jnp.asarray(step), jnp.asarray(layer),
                      count(TEMPORAL), jnp.int32(layout.size), count(SEMANTIC))
+
+
+def on_schedule() -> None:
+  """The pipeline set its timesteps (host side): each time starts a run of the schedule, e.g.
+  one per Wan Animate segment, whose calls repeat the same (step, layer) keys."""
+  with _TALLY.lock:
+    _TALLY.schedules += 1
+
+
+def segments() -> int:
+  """How many runs of the schedule the call just finished made (at least 1)."""
+  return max(1, _TALLY.schedules)
 
 
 def on_dense(kind: str) -> None:
@@ -139,11 +152,14 @@ def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
 
 def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
                  denoise_s: float | None, why_uncounted: str = "",
-                 dense_by_design: str = "cross-attention") -> str:
-  """One line for the log."""
+                 dense_by_design: str = "cross-attention", runs: int = 1) -> str:
+  """One line for the log; ``runs``: runs of the schedule (Wan Animate's segments), whose
+  self-attention calls ``counts`` holds once."""
+  counts = dataclasses.replace(counts, sparse=counts.sparse * runs, dense=counts.dense * runs)
   calls = counts.sparse + counts.dense
   how = "counted" if counts.counted else f"from the schedule, not counted ({why_uncounted})"
-  parts = [f"run summary: {steps} steps x {layers} layers: {calls:,} self-attention calls, "
+  segments = f" x {runs} segments" if runs > 1 else ""
+  parts = [f"run summary: {steps} steps x {layers} layers{segments}: {calls:,} self-attention calls, "
            f"{counts.sparse:,} sparse and {counts.dense:,} dense ({how})"]
   if counts.temporal_share is not None:
     spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in counts.by_range)
@@ -227,4 +243,4 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
   else:
     counts = scheduled_calls(settings, steps, layers, tokens)
   return summary_line(counts, steps, layers, _kernel(models, mesh), denoise, why,
-                      family.dense_by_design)
+                      family.dense_by_design, segments())

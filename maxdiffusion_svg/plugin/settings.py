@@ -18,9 +18,9 @@ from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.layouts import ring_note
 from maxdiffusion_svg.target import TPU_BACKENDS, Target
 
-SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel transformers (T2V, I2V) and LTX-2 / LTX-2.3 "
-                    "LTX2VideoTransformer3DModel transformers built by a MaxDiffusion Wan or "
-                    "LTX-2 pipeline, or prepared with maxdiffusion_svg.plugin.prepare_transformer")
+SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel (T2V, I2V), Wan VACE, Wan Animate and LTX-2 / LTX-2.3 "
+                    "transformers built by a MaxDiffusion pipeline, or prepared with "
+                    "maxdiffusion_svg.plugin.prepare_transformer")
 KERNEL_NAME = "svg"
 # svg_* keys the kernel reads itself (SvgConfig reads the rest).
 PLUGIN_KEYS = ("svg_dense_kernel", "svg_min_seq_length", "svg_run_summary")

@@ -1,5 +1,7 @@
 """What runs dense, what raises, and the AOT cache key."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,7 +116,7 @@ def test_an_unprepared_wan_transformer_is_an_error(tmp_path):
 
 def test_a_step_schedule_needs_the_denoising_step(tmp_path):
   with pytest.raises(ValueError, match="the denoising step is unknown: run the model through "
-                                       "a Wan pipeline"):
+                                       "a Wan or LTX-2 pipeline"):
     build_and_run(tmp_path, devices=1, svg_active_steps=[3, None])
 
 
@@ -125,28 +127,30 @@ def test_short_sequences_run_dense(tmp_path):
   assert sorted(r["kind"] for r in log) == ["cross", "cross", "short", "short"]
 
 
-def test_aot_cache_keys_on_the_svg_settings(tmp_path):
+@pytest.mark.parametrize("meta", [
+    {"attention": "svg"},  # generate_wan's
+    {"config": json.dumps({"attention": "svg", "scan_layers": True})}])  # generate_ltx2's
+def test_aot_cache_keys_on_the_svg_settings(tmp_path, meta):
   fingerprints = []
   for density in (0.3, 0.4):
     tiny_wan.init_config(tiny_wan.write_config(tmp_path, attention="svg", svg_density=density))
-    aot_cache.install(str(tmp_path / "aot"), meta={"attention": "svg"}, mesh=None)
+    aot_cache.install(str(tmp_path / "aot"), meta=meta, mesh=None)
     fingerprints.append(aot_cache._STATE.fingerprint)  # pylint: disable=protected-access
   aot_cache.install("", meta={}, mesh=None)
   assert fingerprints[0] != fingerprints[1]
 
 
-@pytest.mark.parametrize("module, function, model", [
-    ("wan_vace_pipeline_2_1", "create_sharded_logical_transformer", "WanVACEModel"),
-    ("wan_pipeline_animate", "create_sharded_animate_transformer",
-     "WanAnimateTransformer3DModel")])
-def test_unsupported_transformers_are_refused_before_they_load(tmp_path, module, function,
-                                                               model):
-  """The factory is refused before its body runs (which reads the checkpoint's config first)."""
+@pytest.mark.parametrize("module, function", [
+    ("wan.wan_vace_pipeline_2_1", "create_sharded_logical_transformer"),
+    ("wan.wan_pipeline_animate", "create_sharded_animate_transformer"),
+    ("ltx2.ltx2_pipeline", "create_sharded_logical_transformer")])
+def test_every_factory_checks_the_svg_keys_before_weights_load(tmp_path, module, function):
+  """Each model's factory refuses a bad svg_* value before its body runs (which reads the
+  checkpoint's config first, here a name that exists nowhere)."""
   import importlib  # pylint: disable=import-outside-toplevel
-  pipelines = importlib.import_module(f"maxdiffusion.pipelines.wan.{module}")
-  config = tiny_wan.init_config(tiny_wan.write_config(tmp_path, attention="svg"))
+  pipelines = importlib.import_module(f"maxdiffusion.pipelines.{module}")
+  config = tiny_wan.init_config(tiny_wan.write_config(
+      tmp_path, attention="svg", svg_density=1.5, pretrained_model_name_or_path="/nonexistent"))
   mesh = tiny_wan.make_mesh(config, 1)
-  with pytest.raises(ValueError, match=rf"attention='svg' does not support {model} \(built by "
-                                       rf"maxdiffusion.pipelines.wan.{module}.{function}\); it "
-                                       rf"supports Wan 2.1 / 2.2 WanModel"):
+  with pytest.raises(ValueError, match=r"svg_density must be .*\(0, 1\]"):
     getattr(pipelines, function)(mesh[0], mesh[1], tiny_wan.nnx.Rngs(0), config)

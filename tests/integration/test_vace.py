@@ -1,0 +1,126 @@
+"""The svg kernel inside a tiny random Wan VACE transformer built the pipeline's way: the main
+blocks' self-attention sparse over the video and its reference frame, the control blocks'
+self-attention and every cross-attention dense, through the forward and VaceWanPipeline2_1."""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg import plugin
+from maxdiffusion_svg.attention import scheduled_svg_attention
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.testing import tiny_vace, tiny_wan
+
+EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
+_, FRAMES, HEIGHT, WIDTH = tiny_vace.LATENT
+GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # 1 reference + 4 video frames, patch 1x2x2
+LAYERS = 2  # main blocks, each with a control block (vace_layers [0, 1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+  plugin.register()
+
+
+_RESULTS = {}
+
+
+def build(tmp_path_factory, devices, attention, **keys):
+  config = tiny_vace.init_config(tiny_vace.write_config(
+      str(tmp_path_factory.mktemp("config")), attention=attention, **keys))
+  mesh = tiny_vace.make_mesh(config, devices)
+  return config, mesh, tiny_vace.build_transformer(config, mesh)
+
+
+def forward(tmp_path_factory, devices, attention, **keys):
+  """The output on fixed inputs (batch 2, as with CFG) and the call log; cached."""
+  cache_key = repr((devices, attention, sorted(keys.items())))
+  if cache_key not in _RESULTS:
+    config, mesh, model = build(tmp_path_factory, devices, attention, **keys)
+    latents, control, text = tiny_vace.inputs(batch=2)
+    with plugin.record_calls(arrays=True) as log:
+      out = tiny_vace.forward(model, mesh[1], config, latents, control, text, 500)
+      jax.effects_barrier()
+    _RESULTS[cache_key] = (np.asarray(out), log)
+  return _RESULTS[cache_key]
+
+
+def kinds(log):
+  return collections.Counter(r["kind"] for r in log)
+
+
+def rel(a, b):
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_density_one_equals_dot_product_and_the_control_blocks_run_dense(tmp_path_factory):
+  dense, _ = forward(tmp_path_factory, 1, "dot_product")
+  svg, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
+  np.testing.assert_allclose(svg, dense, atol=1e-5 * np.abs(dense).max())
+  # main and control blocks: a cross-attention each; the control blocks' self-attention dense
+  assert kinds(log) == {"self": LAYERS, "vace": LAYERS, "cross": 2 * LAYERS}
+  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
+
+
+@pytest.mark.full  # the CI tier runs sparse calls through the pipeline below
+def test_sparse_at_0_3_is_the_svg_of_the_video_and_reference_grid(tmp_path_factory):
+  """Each sparse call is the library's SVG of its own q, k, v on the (1 + 4)-frame grid: the
+  first-frame sink is the reference frame."""
+  dense, _ = forward(tmp_path_factory, 1, "dot_product")
+  sparse, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+  assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
+  svg = PluginSettings.from_mapping({**tiny_wan.BASE_KEYS, "svg_density": 0.3,
+                                     **EVERYTHING}).svg
+  for record in (r for r in log if r["kind"] == "self"):
+    q, k, v, out = record["qkv_out"]
+    assert q.shape[2] == GRID.tokens
+    want = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg, step=0,
+                                              layer=record["layer"], expert=None,
+                                              scale=q.shape[-1] ** -0.5))
+    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.full
+def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
+  one, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+  eight, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
+  np.testing.assert_allclose(eight, one, atol=1e-5 * np.abs(one).max())
+
+
+def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls(
+    tmp_path_factory, traced_kernels, capsys):
+  """VaceWanPipeline2_1's own loop with a reference image: steps 1.. sparse and layer 0 dense,
+  one trace per call site for two runs, and the run summary's counts."""
+  config, mesh, model = build(tmp_path_factory, 8, "svg", svg_density=0.3,
+                              svg_active_steps=[1, None], svg_active_layers=[1, None])
+  pipe = tiny_vace.pipeline(config, mesh, model)
+  _, _, text = tiny_vace.inputs(batch=1)
+  with plugin.record_calls() as log:
+    first = tiny_vace.generate(pipe, 3, text, guidance_scale=5.0)
+    jax.effects_barrier()
+    calls, traces = len(log), len(traced_kernels)
+    second = tiny_vace.generate(pipe, 3, text, guidance_scale=5.0)
+    jax.effects_barrier()
+  selfs = sorted((r["step"], r["layer"], r["sparse"]) for r in log[:calls] if r["kind"] == "self")
+  assert selfs == [(s, l, s >= 1 and l >= 1) for s in range(3) for l in range(LAYERS)]
+  assert kinds(log[:calls]) == {"self": 6, "vace": 6, "cross": 12}
+  # Per block, attn1 and attn2 of the main and of the control blocks (unscanned), each traced
+  # twice: the loop's first step compiles apart (dot_product's too: 16 traces), whatever the
+  # routing; the second run compiles nothing.
+  assert traces == len(traced_kernels) == 2 * 4 * LAYERS, traced_kernels
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+  lines = [line for line in capsys.readouterr().out.splitlines()
+           if "maxdiffusion_svg: run summary" in line]
+  assert len(lines) == 2 and all(
+      "run summary: 3 steps x 2 layers: 6 self-attention calls, 2 sparse and 4 dense "
+      "(counted)" in line and line.endswith(
+          "; other attention calls dense: 12 cross, 6 vace (cross-attention and the VACE "
+          "control blocks' self-attention runs svg_dense_kernel)") for line in lines), lines
