@@ -198,6 +198,9 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if q.ndim == 3:  # LTX-2's [B, S, H*D]
     q, k, v = (attention_flax._unflatten_heads(x, context["heads"])  # pylint: disable=protected-access
                for x in (q, k, v))
+  # LTX-2 normalises q and k in float32 and projects v in the activations' dtype: the
+  # attention runs in v's (bfloat16 on TPU), as its MXU would take them.
+  q, k = q.astype(v.dtype), k.astype(v.dtype)
   if seq_len != call.grid.tokens:
     raise ValueError(f"attention={KERNEL_NAME!r}: self-attention of {seq_len} tokens in "
                      f"{call.model}, but its video grid {call.grid} has {call.grid.tokens}; "

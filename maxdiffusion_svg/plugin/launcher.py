@@ -69,6 +69,10 @@ TRAIN = Entry("train", "train_wan",
               "Fine-tunes Wan 2.1 with MaxDiffusion's own trainer (train_wan) and Sparse VideoGen "
               "attention\n(attention: svg): every training step sparse in svg_active_layers",
               "configs/wan_svg_train.yml", training=True)
+TRAIN_VACE = Entry("train_vace", "train_wan_vace",
+                   "Fine-tunes Wan VACE with MaxDiffusion's own trainer (train_wan_vace) and Sparse "
+                   "VideoGen\nattention (attention: svg) in the main blocks: every training step "
+                   "sparse in svg_active_layers", "configs/wan_vace_svg.yml", training=True)
 USAGE_LINE, USAGE = GENERATE.usage_line, GENERATE.usage
 HELP = ("-h", "--help")
 

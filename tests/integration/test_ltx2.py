@@ -3,10 +3,6 @@ self-attention (each block's attn1) sparse, audio self-attention and every cross
 dense, through the forward and through LTX2Pipeline's own denoising loop."""
 
 import collections
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -21,9 +17,7 @@ from maxdiffusion_svg import plugin
 from maxdiffusion_svg.attention import scheduled_svg_attention
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.schedule import Interval
 from maxdiffusion_svg.testing import tiny_ltx2
-from tiny_runs import ROOT
 
 GRID = VideoGrid(*tiny_ltx2.LATENT_GRID)
 EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
@@ -150,41 +144,12 @@ def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls
       for line in lines), lines
 
 
-ENTRY_SCRIPT = """
-import json, runpy, sys
-from maxdiffusion_svg import plugin
-plugin.register()  # its import order (Triton before TensorFlow) as the entry points have it
-from maxdiffusion import generate_ltx2
-def run(config, pipeline=None, **kwargs):
-  from maxdiffusion_svg.plugin.settings import PluginSettings
-  keys = config.get_keys()
-  svg = PluginSettings.from_mapping(keys).svg
-  print("RAN " + json.dumps({k: keys[k] for k in ("model_name", "attention", "height", "width")}
-                            | {"density": svg.density, "steps": str(svg.schedule.active_steps)}))
-run._svg_hook = True  # stands in for generate_ltx2.run and its pre-flight hook: nothing loads
-generate_ltx2.run = run
-sys.argv = sys.argv[1:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-"""
 
-
-@pytest.mark.parametrize("module, config", [
-    pytest.param("maxdiffusion_svg.generate", "ltx2_svg.yml", marks=pytest.mark.full),
-    ("maxdiffusion.generate", "ltx2_svg.yml"),  # the patched entry point, the config alone
-    pytest.param("maxdiffusion_svg.generate", "ltx2_3_svg.yml", marks=pytest.mark.full),
-    pytest.param("maxdiffusion.generate", "ltx2_3_svg.yml", marks=pytest.mark.full)])
-def test_both_entry_points_run_generate_ltx2_with_the_config(module, config, patched_maxdiffusion,
-                                                             tmp_path):
-  """An LTX-2 config through our launcher and through a patched MaxDiffusion generate: each
-  reaches generate_ltx2's run with the merged config and its svg_* keys (run replaced)."""
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
-                                                      str(ROOT)])}
-  result = subprocess.run(
-      [sys.executable, "-c", ENTRY_SCRIPT, module, str(ROOT / "configs" / config),
-       "svg_density=0.25", "run_name=ltx2", "enable_ml_diagnostics=false"], cwd=tmp_path, env=env, capture_output=True,
-      text=True, check=False)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  ran = json.loads(result.stdout.split("RAN ", 1)[1].splitlines()[0])
-  model = "ltx2.3" if config == "ltx2_3_svg.yml" else "ltx2_video"
-  assert ran == {"model_name": model, "attention": "svg", "height": 704, "width": 1280,
-                 "density": 0.25, "steps": str(Interval(8, None))}
+def test_bfloat16_activations_run_sparse_with_float32_q_and_k(tmp_path_factory):
+  """LTX-2 normalises q and k in float32 and projects v in bfloat16: the svg kernel runs them
+  in v's dtype, at density 1 as close to the dense kernel as bfloat16 allows."""
+  keys = {"activations_dtype": "bfloat16", "weights_dtype": "bfloat16"}
+  video, _, _ = forward(tmp_path_factory, 1, "dot_product", **keys)
+  svg_video, _, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING, **keys)
+  assert all(r["sparse"] for r in log if r["kind"] == "self")
+  assert rel(svg_video.astype(np.float32), video.astype(np.float32)) < 2e-2

@@ -1,0 +1,589 @@
+"""LTX-2 19B's transformer forward, compiled by libtpu for a TPU slice from any host.
+
+The LTX-2 counterpart of :mod:`maxdiffusion_svg.bench.wan_aot`: one row per attention kernel and
+video size. ``flash`` is LTX-2's default in MaxDiffusion (``ltx2_video.yml``);
+``ulysses_custom_fixed_m`` is MaxDiffusion's own dense kernel at its fast Wan recipe's blocks
+(``wan_aot.KERNEL_KEYS``), the fastest dense attention it offers; ``svg`` is ours. The model is
+built by MaxDiffusion's LTX-2 ``create_sharded_logical_transformer`` from a config
+(MaxDiffusion's ``ltx2_video.yml`` unless another is given, ``base_config`` chains merged,
+``attention`` replaced per row), with its loaders replaced so that no weight exists: the
+Hugging Face config (LTX-2 19B's architecture, :data:`LTX2_19B`, optionally fewer layers), the
+weight reader (each parameter's shape and final dtype) and the device placement (a
+``ShapeDtypeStruct`` carrying the parameter's ``NamedSharding`` from MaxDiffusion's logical
+axis rules). The mesh is MaxDiffusion's, from the config's ``ici_*`` parallelism, over the
+abstract devices of a TPU topology (``v6e:2x4``: 8 chips, all on ``context``). The ``svg``
+transformer is prepared by the plugin's create-transformer hook (``register()``), and a 40-step
+schedule is written so that the kernel's step is traced from the timestep input.
+
+MaxDiffusion's jitted LTX-2 ``transformer_forward_pass`` (video and audio latents of the CFG
+pair in, both velocity predictions out) is lowered on ``ShapeDtypeStruct`` inputs, as its
+denoising loop calls it, and compiled by libtpu, Mosaic kernels included. Each row records
+whether it compiled (else the compiler's error line), per-device memory from
+``memory_analysis()``, compile seconds and the Mosaic kernel calls (``tpu_custom_call``) in the
+compiled HLO. Nothing runs on a device.
+
+``python -m maxdiffusion_svg.bench.ltx2_aot --help`` runs it from a shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Sequence
+from unittest import mock
+
+from maxdiffusion_svg.bench.wan_aot import (KERNEL_KEYS as WAN_KERNEL_KEYS, _counts, abstract_tree,
+                                            init_config, mosaic_kernel_names, mosaic_kernels,
+                                            topology_mesh)
+from maxdiffusion_svg.target import MIB
+
+KERNELS = ("flash", "ulysses_custom_fixed_m", "svg")
+# MaxDiffusion's fixed-m kernel at its fast recipe (the blocks it ships for Wan; LTX-2 has no
+# recipe of its own). flash keeps ltx2_video.yml's own flash_block_sizes. LTX-2 hands its
+# attention float32 q and k (its q/k RMSNorm runs in float32) and bfloat16 v: at these blocks
+# the fixed-m kernel then needs more scoped VMEM than the compiler has (libtpu 0.0.50.1, v6e:
+# 80.41M of 79.00M at 14,080 tokens), a row the compiler refuses.
+KERNEL_KEYS = {"ulysses_custom_fixed_m": WAN_KERNEL_KEYS["ulysses_custom_fixed_m"]}
+CONFIG_NAME = "ltx2_video.yml"  # MaxDiffusion's LTX-2 config, the default base
+
+# LTX-2 19B's transformer as its Hugging Face checkpoint (Lightricks/LTX-2, transformer/
+# config.json) gives it: the values diffusers' LTX-2 conversion script writes for version
+# "2.0". MaxDiffusion's LTX2VideoTransformer3DModel defaults hold the same but for rope_type
+# (its default "interleaved"; the checkpoint's "split") and activation_fn (the checkpoint's
+# "gelu-approximate", which MaxDiffusion's loader turns into its "gelu").
+LTX2_19B = {
+    "in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+    "num_attention_heads": 32, "attention_head_dim": 128, "cross_attention_dim": 4096,
+    "vae_scale_factors": [8, 32, 32], "pos_embed_max_pos": 20, "base_height": 2048,
+    "base_width": 2048, "audio_in_channels": 128, "audio_out_channels": 128,
+    "audio_patch_size": 1, "audio_patch_size_t": 1, "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64, "audio_cross_attention_dim": 2048, "audio_scale_factor": 4,
+    "audio_pos_embed_max_pos": 20, "audio_sampling_rate": 16000, "audio_hop_length": 160,
+    "num_layers": 48, "activation_fn": "gelu-approximate", "qk_norm": "rms_norm_across_heads",
+    "norm_elementwise_affine": False, "norm_eps": 1e-06, "caption_channels": 3840,
+    "attention_bias": True, "attention_out_bias": True, "rope_theta": 10000.0,
+    "rope_double_precision": True, "causal_offset": 1, "timestep_scale_multiplier": 1000,
+    "cross_attn_timestep_scale_multiplier": 1000, "rope_type": "split",
+}
+# LTX-2's video VAE: one latent frame per 8 frames (the first alone), 32x32 pixels per latent.
+VAE_TEMPORAL, VAE_SPATIAL = 8, 32
+# LTX-2's audio VAE (16 kHz, mel hop 160, 4x temporal compression): 25 audio latents a second,
+# 8 channels x 16 mel bins (64 / 4) packed into the transformer's 128 audio channels.
+AUDIO_LATENTS_PER_SECOND = 16000 / 160 / 4
+TEXT_LEN = 1024  # ltx2_video.yml's max_sequence_length: the connectors' output tokens
+FPS = 24.0  # ltx2_video.yml's fps
+NUM_STEPS = 40  # ltx2_video.yml's num_inference_steps: the schedule written into svg's model
+# Pixel videos by name: 121 frames (ltx2_video.yml's num_frames) at 1280x704 and 1920x1088.
+RESOLUTIONS = {"720p": (121, 704, 1280), "1080p": (121, 1088, 1920)}
+
+
+def default_config() -> pathlib.Path:
+  """MaxDiffusion's ``ltx2_video.yml`` (found where the plugin's overlay finds bases)."""
+  from maxdiffusion_svg.plugin.overlay import maxdiffusion_config_dirs  # pylint: disable=import-outside-toplevel
+  for folder in maxdiffusion_config_dirs():
+    if (folder / CONFIG_NAME).is_file():
+      return folder / CONFIG_NAME
+  raise FileNotFoundError(f"MaxDiffusion's {CONFIG_NAME} was not found: is MaxDiffusion "
+                          f"importable?")
+
+
+def latent_grid(frames: int, height: int, width: int) -> tuple[int, int, int]:
+  """``(frames, height, width)`` of LTX-2's latent (patch 1: one video token per cell)."""
+  if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+    raise ValueError(f"frames must be 1 + a multiple of {VAE_TEMPORAL}, got {frames}")
+  if height % VAE_SPATIAL or width % VAE_SPATIAL:
+    raise ValueError(f"height and width must be multiples of {VAE_SPATIAL}, got "
+                     f"{height}x{width}")
+  return (frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL
+
+
+def audio_frames(frames: int, fps: float = FPS) -> int:
+  """Audio latent length of a ``frames``-frame video, as LTX2Pipeline derives it."""
+  return round(frames / fps * AUDIO_LATENTS_PER_SECOND)
+
+
+def ltx2_pipeline_module() -> Any:
+  """MaxDiffusion's ``ltx2_pipeline``, imported the way its entry points load it: Triton first
+  (as the plugin's LTX-2 hooks do), then ``pyconfig``. Imported first on its own, the pipeline
+  loads TensorFlow before ``transformers`` loads Triton (through ``torch._dynamo``), whose
+  library then segfaults the process (TensorFlow 2.21 with Triton 3.x here)."""
+  try:
+    importlib.import_module("triton")
+  except ImportError:
+    pass
+  importlib.import_module("maxdiffusion.pyconfig")
+  from maxdiffusion.pipelines.ltx2 import ltx2_pipeline  # pylint: disable=import-outside-toplevel
+  return ltx2_pipeline
+
+
+def resolution_video(resolution: str | Sequence[int]) -> tuple[int, int, int]:
+  """``(frames, height, width)`` of a named resolution or of a ``(frames, height, width)``."""
+  if isinstance(resolution, str):
+    if resolution not in RESOLUTIONS:
+      raise ValueError(f"resolution must be among {', '.join(RESOLUTIONS)} or (frames, height, "
+                       f"width), got {resolution!r}")
+    return RESOLUTIONS[resolution]
+  frames, height, width = (int(x) for x in resolution)
+  return frames, height, width
+
+
+# -------------------------------------------------------------------- the weightless model
+
+
+class _CompileOnlyJax:
+  """``jax`` as the LTX-2 factory sees it while it places weights: one of several processes
+  (so each parameter goes through ``device_put_replicated``, replaced below, not a batched
+  ``device_put`` of host arrays) with nothing to wait for."""
+
+  def __getattr__(self, name: str) -> Any:
+    import jax  # pylint: disable=import-outside-toplevel
+    return getattr(jax, name)
+
+  @staticmethod
+  def process_count() -> int:
+    return 2
+
+  @staticmethod
+  def block_until_ready(tree: Any) -> Any:
+    return tree
+
+
+@contextlib.contextmanager
+def weightless_loaders(num_layers: int):
+  """LTX-2's ``create_sharded_logical_transformer`` without weights: LTX-2 19B's architecture
+  with ``num_layers`` layers, each parameter a ``ShapeDtypeStruct`` with its final dtype and
+  the ``NamedSharding`` the pipeline computed for it."""
+  # pylint: disable=import-outside-toplevel
+  import flax
+  import jax
+  # pylint: enable=import-outside-toplevel
+  ltx2_pipeline = ltx2_pipeline_module()
+  architecture = {**LTX2_19B, "num_layers": num_layers}
+
+  def load_config(*args, return_unused_kwargs=False, **kwargs):
+    del args
+    return (dict(architecture), kwargs) if return_unused_kwargs else dict(architecture)
+
+  def load_weights(_path, eval_shapes, *args, cast_dtype_fn=None, **kwargs):
+    del args, kwargs
+    flat = flax.traverse_util.flatten_dict(eval_shapes)
+    return flax.traverse_util.unflatten_dict({
+        name: jax.ShapeDtypeStruct(x.shape, cast_dtype_fn(name) if cast_dtype_fn else x.dtype)
+        for name, x in flat.items()})
+
+  def place(value, sharding):
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+  model = ltx2_pipeline.LTX2VideoTransformer3DModel
+  with mock.patch.object(model, "load_config", side_effect=load_config), \
+       mock.patch.object(ltx2_pipeline, "load_transformer_weights", side_effect=load_weights), \
+       mock.patch.object(ltx2_pipeline, "device_put_replicated", side_effect=place), \
+       mock.patch.object(ltx2_pipeline, "jax", _CompileOnlyJax()):
+    yield
+
+
+def weightless_transformer(config, mesh_devices, num_layers: int, subfolder: str = "transformer"):
+  """The pipeline's ``LTX2VideoTransformer3DModel`` for ``config`` (prepared by the hooks when
+  ``attention`` is ``svg``), its parameters abstract and sharded on the mesh."""
+  # pylint: disable=import-outside-toplevel
+  from flax import nnx
+  # pylint: enable=import-outside-toplevel
+  ltx2_pipeline = ltx2_pipeline_module()
+  array, mesh = mesh_devices
+  with weightless_loaders(num_layers), mesh:
+    return ltx2_pipeline.create_sharded_logical_transformer(
+        devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config, subfolder=subfolder)
+
+
+# ---------------------------------------------------------------------------- compiling
+
+
+def _with_semantic_store(forward: Any) -> Callable[..., Any]:
+  """LTX-2's ``forward`` (``graphdef, state, ...``: the whole model state) with the semantic
+  store's abstract values made mutable arrays inside the trace, as a run's are (see
+  ``wan_aot._with_semantic_store`` for Wan's split state)."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from flax import nnx
+
+  from maxdiffusion_svg.plugin import semantic_store
+  # pylint: enable=import-outside-toplevel
+
+  def as_ref(var: Any) -> Any:  # a new mutable array
+    return type(var)(var[...], ref=True) if isinstance(var, semantic_store.STORES) else var
+
+  def wrapped(graphdef, state, *args, **kwargs):
+    state = jax.tree.map(as_ref, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return forward.jitted(graphdef, state, *args, **kwargs)
+
+  return jax.jit(wrapped, static_argnames=forward.static_argnames)
+
+
+def compile_forward(kernel: str, config_path: str | pathlib.Path | None = None,
+                    topology: str = "v6e:2x4", video: Sequence[int] = RESOLUTIONS["720p"],
+                    batch: int = 2, text_len: int = TEXT_LEN, num_layers: int | None = None,
+                    options: dict[str, str] | None = None,
+                    log: Callable[[str], None] = print,
+                    hlo_dir: str | pathlib.Path | None = None,
+                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+  """One kernel's row at one video size (see :func:`compile_ltx2_forwards`)."""
+  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from flax import nnx
+  from flax.linen import partitioning as nn_partitioning
+
+  from maxdiffusion_svg.tpu_aot import abstract, compile_lowered
+  # pylint: enable=import-outside-toplevel
+  frames, height, width = video
+  grid = latent_grid(frames, height, width)
+  audio = audio_frames(frames)
+  svg = kernel == "svg"
+  if svg:  # the flash and fixed-m rows are MaxDiffusion alone: no hook is needed for them
+    from maxdiffusion_svg import plugin  # pylint: disable=import-outside-toplevel
+    plugin.register()
+  keys = {"num_frames": frames, "height": height, "width": width, **(overrides or {})}
+  config = init_config(config_path or default_config(), kernel, **keys)
+  layers = num_layers or LTX2_19B["num_layers"]
+  mesh_devices = topology_mesh(config, topology)
+  mesh = mesh_devices[1]
+  row: dict[str, Any] = {"kernel": kernel, "ok": False, "error": "", "memory": {},
+                         "seconds": None, "lower_seconds": None, "mosaic_kernels": None,
+                         "mosaic_kernel_names": [], "num_layers": layers, "topology": topology,
+                         "mesh": dict(mesh.shape), "video": (frames, height, width),
+                         "latent": grid, "tokens": grid[0] * grid[1] * grid[2],
+                         "audio_frames": audio, "batch": batch, "text_len": text_len,
+                         "flash_min_seq_length": config.flash_min_seq_length,
+                         "flash_block_sizes": dict(config.flash_block_sizes)}
+  start = time.perf_counter()
+  model = weightless_transformer(config, mesh_devices, layers)
+  if svg:
+    from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
+    if not hooks.is_prepared(model):
+      raise RuntimeError("the svg transformer was not prepared by the create-transformer hook")
+    settings = model.svg_settings
+    row["svg"] = settings.summary(settings.svg.target(mesh=mesh))
+    # LTX-2's timesteps are its sigmas x 1000, decreasing: the kernel's step is then a traced
+    # function of the timestep input.
+    hooks.set_denoising_schedule(model, jnp.linspace(1000.0, 1000.0 / NUM_STEPS, NUM_STEPS))
+  graphdef, state = nnx.split(model)
+  state = abstract_tree(state, mesh)
+  dtype = jnp.bfloat16  # the connectors' output (ltx2_video.yml: activations bfloat16)
+  latents = abstract((batch, row["tokens"], LTX2_19B["in_channels"]), jnp.float32, mesh)
+  audio_latents = abstract((batch, audio, LTX2_19B["audio_in_channels"]), jnp.float32, mesh)
+  timestep = abstract((), jnp.float32, mesh)
+  text = abstract((batch, text_len, LTX2_19B["caption_channels"]), dtype, mesh)
+  mask = abstract((batch, text_len), jnp.bool_, mesh)
+  forward = ltx2_pipeline_module().transformer_forward_pass
+  from maxdiffusion_svg.plugin import semantic_store  # pylint: disable=import-outside-toplevel
+  call = (_with_semantic_store(forward) if semantic_store.refs(model) is not None
+          else getattr(forward, "jitted", forward))
+  with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
+    # as run_diffusion_loop calls it: sigma is the timestep; CFG without STG
+    lowered = call.lower(graphdef, state, latents, audio_latents, timestep, text, text, mask,
+                         mask, latent_num_frames=grid[0], latent_height=grid[1],
+                         latent_width=grid[2], audio_num_frames=audio,
+                         fps=float(getattr(config, "fps", FPS)),
+                         global_batch_size=max(batch // 2, 1), sigma=timestep,
+                         audio_sigma=timestep, use_cross_timestep=False, is_cfg_stg_mode=False)
+  row["lower_seconds"] = round(time.perf_counter() - start, 1)
+  log(f"  {kernel}: built and lowered in {row['lower_seconds']} s; compiling for {topology}...")
+  result = compile_lowered(lowered, options)
+  row.update(ok=result.ok, error=result.error, memory=result.memory,
+             seconds=round(result.seconds, 1))
+  if result.ok:
+    text_hlo = result.executable.as_text()
+    row["mosaic_kernels"] = mosaic_kernels(text_hlo)
+    row["mosaic_kernel_names"] = mosaic_kernel_names(text_hlo)
+    if hlo_dir is not None:
+      path = (pathlib.Path(hlo_dir) /
+              f"ltx2_{kernel}_{'x'.join(map(str, grid))}_{layers}layers.hlo.txt")
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(text_hlo, encoding="utf-8")
+      row["hlo"] = str(path)
+  log(f"  {kernel}: {'compiled' if result.ok else 'FAILED'} in {row['seconds']} s"
+      f"{'' if result.ok else ': ' + result.error}")
+  return row
+
+
+def compile_ltx2_forwards(kernels: Sequence[str] = KERNELS, num_layers: int | None = 2,
+                          resolutions: Sequence[str | Sequence[int]] = ("720p",),
+                          log: Callable[[str], None] = print,
+                          overrides: dict[str, Any] | None = None,
+                          config_path: str | pathlib.Path | None = None,
+                          topology: str = "v6e:2x4", batch: int = 2, text_len: int = TEXT_LEN,
+                          options: dict[str, str] | None = None,
+                          hlo_dir: str | pathlib.Path | None = None) -> dict[str, Any]:
+  """LTX-2 19B's forward compiled for ``topology`` with each attention kernel at each video size.
+
+  ``resolutions``: names of :data:`RESOLUTIONS` or ``(frames, height, width)``; ``batch`` 2 is
+  classifier-free guidance's pair; ``num_layers`` (None: the model's 48) reduces depth, the
+  layers still one scanned body, so per-device temporaries are one layer's; ``config_path``
+  (None: MaxDiffusion's ``ltx2_video.yml``) is merged with its bases and each row's
+  ``attention``; ``overrides`` are config keys set for every row (``svg_*`` keys among them);
+  ``options`` are XLA TPU compiler flags; ``hlo_dir`` keeps each compiled HLO text. Returns
+  ``{"topology", "config", "num_layers", ..., "resolutions": {name: {"video", "latent",
+  "tokens", "audio_frames", "kernels": {kernel: row}}}}``; a row is :func:`compile_forward`'s
+  (``ok, error, memory`` per device in bytes, ``seconds`` to compile, ``lower_seconds`` to build
+  and lower, ``mosaic_kernels`` and their names). The compiler's failure is a row; an error
+  while building or tracing the model (a config or plugin check) propagates.
+  """
+  layers = num_layers or LTX2_19B["num_layers"]
+  config = config_path or default_config()
+  result: dict[str, Any] = {
+      "topology": topology, "config": str(config), "num_layers": layers,
+      "full_depth": layers == LTX2_19B["num_layers"], "batch": batch, "text_len": text_len,
+      "options": dict(options or {}), "overrides": dict(overrides or {}), "resolutions": {}}
+  for resolution in resolutions:
+    video = resolution_video(resolution)
+    name = resolution if isinstance(resolution, str) else "x".join(map(str, video))
+    grid = latent_grid(*video)
+    entry = {"video": video, "latent": grid, "tokens": grid[0] * grid[1] * grid[2],
+             "audio_frames": audio_frames(video[0]), "kernels": {}}
+    result["resolutions"][name] = entry
+    for kernel in kernels:
+      log(f"LTX-2 19B forward, attention={kernel}, {layers} layers, {video[2]}x{video[1]} "
+          f"{video[0]} frames (latent {'x'.join(map(str, grid))} = {entry['tokens']:,} tokens, "
+          f"{entry['audio_frames']} audio), batch {batch}, on {topology}:")
+      row = compile_forward(kernel, config, topology, video, batch, text_len, layers, options,
+                            log, hlo_dir, {**(overrides or {}), **KERNEL_KEYS.get(kernel, {})})
+      entry["kernels"][kernel] = row
+      result["mesh"] = row["mesh"]
+  return result
+
+
+def format_ltx2_forwards(result: dict[str, Any]) -> str:
+  """A markdown table of :func:`compile_ltx2_forwards`' result (memory per device, MiB)."""
+  mesh = ", ".join(f"{k} {v}" for k, v in result.get("mesh", {}).items())
+  depth = (f"{result['num_layers']} layers" + ("" if result.get("full_depth")
+                                                else f" (reduced from {LTX2_19B['num_layers']})"))
+  lines = [f"LTX-2 19B forward compiled for {result['topology']} (mesh {mesh}): {depth}, scan; "
+           f"batch {result['batch']} (CFG), {result['text_len']} text tokens; per-device memory "
+           f"from memory_analysis()",
+           "",
+           "| video | latent (tokens) | kernel | compiles | arguments MiB | outputs MiB | temp MiB "
+           "| compile s | Mosaic kernels | error |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+
+  def mib(row, name):
+    value = row["memory"].get(name)
+    return "-" if value is None else f"{value / MIB:,.1f}"
+
+  named = []
+  for name, entry in result["resolutions"].items():
+    frames, height, width = entry["video"]
+    latent = f"{'x'.join(map(str, entry['latent']))} ({entry['tokens']:,})"
+    for kernel, row in entry["kernels"].items():
+      error = row["error"].replace("|", "\\|") if row["error"] else ""
+      calls = "-" if row["mosaic_kernels"] is None else str(row["mosaic_kernels"])
+      lines.append(f"| {name} ({width}x{height}, {frames} frames) | {latent} | {kernel} "
+                   f"| {'yes' if row['ok'] else 'no'} | {mib(row, 'argument')} "
+                   f"| {mib(row, 'output')} | {mib(row, 'temp')} | {row['seconds']} | {calls} "
+                   f"| {error} |")
+      if row["mosaic_kernel_names"]:
+        named.append(f"{name} {kernel}: " + ", ".join(
+            f"{n}x {k}" for k, n in _counts(row["mosaic_kernel_names"])))
+  if named:
+    lines += ["", "Mosaic kernels by name: " + "; ".join(named) + "."]
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------- the static schedule's speed bound
+
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SVG_CONFIG = REPO / "configs" / "ltx2_svg.yml"
+
+
+def _flash_prices(row: dict[str, Any]) -> Any:
+  """``schedule_costs.KernelPrices`` of MaxDiffusion's flash from a ``schedule.run_case`` row:
+  Splash runs every tile with one body (the padding mask evaluated in each)."""
+  from maxdiffusion_svg.schedule_costs import KernelPrices  # pylint: disable=import-outside-toplevel
+  kernel, case = row["kernel"], row["case"]
+  region = lambda key: (kernel.get(key) or {}).get("bundles", 0)
+  return KernelPrices(tiles=(case["block_q"], case["block_kv"], case["block_kv_compute"]),
+                      full=region("full"), online=region("full"), masked=region("masked"),
+                      row=region("row_init") + region("row_final"),
+                      step=kernel["step_overhead"])
+
+
+def static_schedule_bounds(resolutions: Sequence[str | Sequence[int]] = ("720p", "1080p"),
+                           chip: str = "v6e", svg_config: str | pathlib.Path | None = None,
+                           overrides: dict[str, Any] | None = None,
+                           context_shards: int = 8,
+                           log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Self-attention's speed bound for LTX-2 against MaxDiffusion's kernels, by libtpu's static
+  schedule (issue slots as scheduled: no DMA or memory stalls, no clock), per video size.
+
+  Ours and MaxDiffusion's ``ulysses_custom_fixed_m`` (fast recipe) are priced as ``tiles
+  --config`` prices them (:func:`maxdiffusion_svg.plugin.estimate.estimate_config` on
+  ``svg_config``, default ``configs/ltx2_svg.yml``, at the video's size: the run's sparse share
+  of calls, each call one head over the whole sequence, from ``schedule_costs.PRICES``).
+  MaxDiffusion's ``flash``, LTX-2's default, is compiled here at ``ltx2_video.yml``'s
+  ``flash_block_sizes`` under the chip's default scoped-VMEM limit (its LTX-2 command sets
+  none) with its schedule dumped (``bench.schedule.run_case``, a child process) and priced two
+  ways: one head over the whole sequence (the convention of ``bench schedule``), and per
+  device as the forward runs it (queries split over ``context_shards``, each padded to
+  ``block_q``, every head on every device, keys whole) against our ``heads / context_shards``
+  local heads over the whole sequence. Returns ``{"chip", "libtpu", "resolutions": {name:
+  {...}}}``."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case
+  from maxdiffusion_svg.plugin.estimate import estimate_config
+  from maxdiffusion_svg.plugin.overlay import load_config
+  from maxdiffusion_svg.schedule_costs import LIBTPU
+  from maxdiffusion_svg.target import tpu_target
+  # pylint: enable=import-outside-toplevel
+  svg_keys, _ = load_config(svg_config or SVG_CONFIG)
+  flash_keys, _ = load_config(default_config())
+  blocks = flash_keys["flash_block_sizes"]
+  block_q = max(blocks["block_q"], blocks.get("block_q_dkv", 0))  # as MaxDiffusion pads q
+  block_kv = max(blocks["block_kv"], blocks.get("block_kv_dkv", 0))
+  heads = LTX2_19B["num_attention_heads"]
+  local_heads = heads // context_shards
+  out: dict[str, Any] = {"kind": "compiler-static schedule", "chip": chip, "libtpu": LIBTPU,
+                         "svg_config": str(svg_config or SVG_CONFIG),
+                         "flash_blocks": [block_q, block_kv, blocks["block_kv_compute"]],
+                         "heads": heads, "context_shards": context_shards, "resolutions": {}}
+  for resolution in resolutions:
+    frames, height, width = resolution_video(resolution)
+    name = resolution if isinstance(resolution, str) else f"{width}x{height}x{frames}"
+    grid = latent_grid(frames, height, width)
+    tokens = grid[0] * grid[1] * grid[2]
+    keys = {**svg_keys, **(overrides or {}), "num_frames": frames, "height": height,
+            "width": width}
+    estimate = estimate_config(keys, tpu_target(chip))
+    row = estimate["rows"][0]
+    ours = row["vs_fixed_m"]
+    if not ours.get("priced"):
+      raise ValueError(f"our calls cannot be priced by the static schedule: {ours['why']}")
+    flash_row = run_case(ScheduleCase(chip, grid, 1.0, "aligned", block_q, block_kv,
+                                      blocks["block_kv_compute"], None,
+                                      kernel="maxdiffusion_flash"), log)
+    entry: dict[str, Any] = {
+        "video": [frames, height, width], "grid": list(grid), "tokens": tokens,
+        "density": row["density"], "tiles": estimate["tiles"],
+        "full_tiles": row["full_tiles"], "masked_tiles": row["masked_tiles"],
+        "sparse_call_share": row["sparse_call_share"], "sparse_steps": row["sparse_steps"],
+        "steps": row["steps"], "sparse_layers": row["sparse_layers"], "layers": row["layers"],
+        "ours": {path: {k: ours[path][k] for k in ("sparse_call", "dense_call", "run_call")}
+                 for path in ("fixed", "online")},
+        "fixed_m_call": ours["fixed_m_call"],
+        "vs_fixed_m": {path: ours[path]["bound"] for path in ("fixed", "online")},
+        "flash": {"ok": flash_row["ok"], "error": flash_row.get("error", ""),
+                  "seconds": flash_row.get("seconds")}}
+    out["resolutions"][name] = entry
+    if not flash_row["ok"]:
+      continue
+    prices = _flash_prices(flash_row)
+    q_local = -(-tokens // context_shards)
+    rows_local, cols = -(-q_local // block_q), -(-tokens // block_kv)
+    per_device = heads * prices.call(rows_local * cols, 0, rows_local)
+    entry["flash"].update(
+        call=flash_row["static_bundles"], tiles_visited=flash_row["tiles_visited"],
+        bodies={"full": prices.full, "row": prices.row, "step": prices.step},
+        per_device_call=per_device, per_device_tiles=heads * rows_local * cols,
+        per_device_shape=[heads, q_local, tokens])
+    for path in ("fixed", "online"):
+      run, sparse, dense = (ours[path][k] for k in ("run_call", "sparse_call", "dense_call"))
+      entry.setdefault("vs_flash", {})[path] = {
+          "bound": flash_row["static_bundles"] / run,
+          "sparse_call": sparse / flash_row["static_bundles"],
+          "dense_call": dense / flash_row["static_bundles"],
+          "per_device_bound": per_device / (local_heads * run),
+          "per_device_sparse_call": local_heads * sparse / per_device,
+          "per_device_dense_call": local_heads * dense / per_device}
+  return out
+
+
+def format_static_schedule_bounds(result: dict[str, Any]) -> str:
+  """The bounds of :func:`static_schedule_bounds`, one line per video size and kernel."""
+  bq, bkv, bkc = result["flash_blocks"]
+  lines = [f"compiler-static schedule (libtpu {result['libtpu']}, TPU {result['chip']}): "
+           f"LTX-2 video self-attention, {result['heads']} heads over {result['context_shards']} "
+           f"devices, head_dim 128, bf16; issue slots as scheduled, not time", "",
+           "| video | tokens | density | sparse calls | ours: sparse / dense call (M bundles) "
+           "| fixed-m call | vs fixed-m (online) | flash call | vs flash, one head (online) "
+           "| flash per device | vs flash per device (online) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  m = lambda x: f"{x / 1e6:.3f}"
+  for name, e in result["resolutions"].items():
+    ours, flash = e["ours"]["fixed"], e["flash"]
+    head = (f"| {name} | {e['tokens']:,} | {e['density']} | {e['sparse_steps']} of {e['steps']}"
+            f" steps x {e['sparse_layers']} of {e['layers']} layers "
+            f"({e['sparse_call_share']:.1%}) | {m(ours['sparse_call'])} / {m(ours['dense_call'])}"
+            f" | {m(e['fixed_m_call'])} | {e['vs_fixed_m']['fixed']:.2f}x "
+            f"({e['vs_fixed_m']['online']:.2f}x)")
+    if not flash["ok"]:
+      lines.append(f"{head} | flash failed: {flash['error']} | | | |")
+      continue
+    vs = e["vs_flash"]
+    lines.append(f"{head} | {m(flash['call'])} | {vs['fixed']['bound']:.2f}x "
+                 f"({vs['online']['bound']:.2f}x) | {m(flash['per_device_call'])} "
+                 f"({flash['per_device_tiles']:,} tiles) | {vs['fixed']['per_device_bound']:.2f}x "
+                 f"({vs['online']['per_device_bound']:.2f}x) |")
+  lines += ["", f"flash: MaxDiffusion's Splash at ltx2_video.yml's blocks {bq}x{bkv}, kv step "
+                f"{bkc}, default scoped VMEM; 'one head': one head over the whole sequence, as "
+                f"bench schedule prices Wan's; 'per device': every head's queries split over "
+                f"the context axis as LTX-2's forward runs flash, against our "
+                f"{result['heads'] // result['context_shards']} local heads after the "
+                f"exchange. Ours and fixed-m: tiles --config's pricing (schedule_costs.PRICES); "
+                f"bounds count the dense steps and layers."]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """``python -m maxdiffusion_svg.bench.ltx2_aot [--kernels ...] [--resolutions ...]``."""
+  parser = argparse.ArgumentParser(
+      prog="python -m maxdiffusion_svg.bench.ltx2_aot",
+      description="LTX-2 19B's transformer forward compiled by libtpu for a TPU slice, per "
+                  "attention kernel and video size (no TPU needed).")
+  parser.add_argument("--kernels", default=",".join(KERNELS),
+                      help=f"comma-separated attention kernels (default {','.join(KERNELS)})")
+  parser.add_argument("--resolutions", default="720p",
+                      help=f"comma-separated, among {', '.join(RESOLUTIONS)} (default 720p)")
+  parser.add_argument("--layers", type=int, default=2,
+                      help="transformer layers (default 2; 0: the model's 48)")
+  parser.add_argument("--config", default=None,
+                      help=f"config YAML (default MaxDiffusion's {CONFIG_NAME})")
+  parser.add_argument("--topology", default="v6e:2x4")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config key for every row (repeatable; the value is YAML)")
+  parser.add_argument("--json", default=None, help="also write the result to this file")
+  parser.add_argument("--hlo-dir", default=None, help="keep each compiled HLO text here")
+  parser.add_argument("--static-schedule", action="store_true",
+                      help="instead: self-attention's bound against MaxDiffusion's flash and "
+                           "fixed-m kernels by libtpu's static schedule (--config: the svg "
+                           "config, default configs/ltx2_svg.yml)")
+  args = parser.parse_args(argv)
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  resolutions = tuple(args.resolutions.split(","))
+  import yaml  # pylint: disable=import-outside-toplevel
+  overrides = {}
+  for item in args.set:
+    key, sep, value = item.partition("=")
+    if not sep:
+      parser.error(f"--set wants KEY=VALUE, got {item!r}")
+    overrides[key] = yaml.safe_load(value)
+  if args.static_schedule:
+    result = static_schedule_bounds(resolutions, svg_config=args.config, overrides=overrides,
+                                    log=log)
+    print(format_static_schedule_bounds(result))
+  else:
+    result = compile_ltx2_forwards(
+        kernels=tuple(args.kernels.split(",")), num_layers=args.layers or None,
+        resolutions=resolutions, overrides=overrides, config_path=args.config,
+        topology=args.topology, hlo_dir=args.hlo_dir, log=log)
+    print(format_ltx2_forwards(result))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1, default=str)
+  return result
+
+
+if __name__ == "__main__":
+  main()

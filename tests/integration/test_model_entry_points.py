@@ -1,0 +1,73 @@
+"""Each model family's shipped config through our launcher and through a patched MaxDiffusion
+``generate``: it reaches that model's own MaxDiffusion entry point (``generate_ltx2``,
+``generate_wan_animate``; ``train_wan_vace`` through ``maxdiffusion_svg.train_vace``) with the
+merged config and its ``svg_*`` keys. The entry point's work function is replaced, so nothing
+loads."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from tiny_runs import ROOT
+
+SCRIPT = """
+import json, runpy, sys
+from maxdiffusion_svg import plugin
+plugin.register()  # its import order (Triton before TensorFlow) as the entry points have it
+import importlib
+ENTRY = sys.argv[1]
+module, function = ENTRY.split(":")
+target = importlib.import_module(module)
+def run(config, *args, **kwargs):
+  from maxdiffusion_svg.plugin.settings import PluginSettings
+  keys = config.get_keys()
+  svg = PluginSettings.from_mapping(keys).svg
+  print("RAN " + json.dumps({"entry": ENTRY, "model_name": keys["model_name"],
+                             "attention": keys["attention"], "density": svg.density,
+                             "steps": [svg.schedule.active_steps.start,
+                                       svg.schedule.active_steps.end]}))
+run._svg_hook = True  # stands in for the work function and its pre-flight hook: nothing loads
+setattr(target, function, run)
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+LTX2 = "maxdiffusion.generate_ltx2:run"
+ANIMATE = "maxdiffusion.generate_wan_animate:run"
+VACE = "maxdiffusion.train_wan_vace:train"
+
+
+@pytest.mark.parametrize("module, config, entry, model, steps", [
+    ("maxdiffusion.generate", "ltx2_svg.yml", LTX2, "ltx2_video", [8, None]),  # the patch, alone
+    pytest.param("maxdiffusion_svg.generate", "ltx2_svg.yml", LTX2, "ltx2_video", [8, None],
+                 marks=pytest.mark.full),
+    pytest.param("maxdiffusion_svg.generate", "ltx2_3_svg.yml", LTX2, "ltx2.3", [8, None],
+                 marks=pytest.mark.full),
+    pytest.param("maxdiffusion.generate", "ltx2_3_svg.yml", LTX2, "ltx2.3", [8, None],
+                 marks=pytest.mark.full),
+    ("maxdiffusion_svg.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None]),
+    pytest.param("maxdiffusion.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None],
+                 marks=pytest.mark.full),
+    pytest.param("maxdiffusion_svg.train_vace", "wan_vace_svg.yml", VACE, "wan2.1", [0, None],
+                 marks=pytest.mark.full)])
+def test_each_config_reaches_its_models_entry_point(module, config, entry, model, steps,
+                                                     patched_maxdiffusion, tmp_path):
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
+                                                      str(ROOT)])}
+  extra = ["train_data_dir=/nonexistent", "output_dir=/tmp/out"] if "train" in module else []
+  result = subprocess.run(
+      [sys.executable, "-c", SCRIPT, entry, module, str(ROOT / "configs" / config),
+       "svg_density=0.25", "run_name=entry", "enable_ml_diagnostics=false", *extra],
+      cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  ran = json.loads(result.stdout.split("RAN ", 1)[1].splitlines()[0])
+  assert ran == {"entry": entry, "model_name": model, "attention": "svg", "density": 0.25,
+                 "steps": steps}
