@@ -53,9 +53,9 @@ VACE = "maxdiffusion.train_wan_vace:train"
                  marks=pytest.mark.full),
     pytest.param("maxdiffusion.generate", "ltx2_3_svg.yml", LTX2, "ltx2.3", [8, None],
                  marks=pytest.mark.full),
-    ("maxdiffusion_svg.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None]),
-    pytest.param("maxdiffusion.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None],
-                 marks=pytest.mark.full),
+    pytest.param("maxdiffusion_svg.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2",
+                 [6, None], marks=pytest.mark.full),
+    ("maxdiffusion.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None]),
     pytest.param("maxdiffusion_svg.train_vace", "wan_vace_svg.yml", VACE, "wan2.1", [0, None],
                  marks=pytest.mark.full)])
 def test_each_config_reaches_its_models_entry_point(module, config, entry, model, steps,

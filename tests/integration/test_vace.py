@@ -61,6 +61,7 @@ def rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+@pytest.mark.full  # the CI tier runs this model through its pipeline below
 def test_density_one_equals_dot_product_and_the_control_blocks_run_dense(tmp_path_factory):
   dense, _ = forward(tmp_path_factory, 1, "dot_product")
   svg, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
