@@ -26,9 +26,8 @@ from maxdiffusion_svg.bench.ltx2_aot import (LTX2_19B, audio_frames, compile_ltx
 LAYERS = 2
 # svg's forward against flash's (per device, 2 layers): svg exchanges the video tokens for 4
 # local heads over the whole sequence (flash keeps every head on an eighth of the queries, the
-# keys gathered) and holds the schedule's sparse and dense branches in one executable. Measured
-# with q and k cast to v's bfloat16 before the svg kernel: 1,022 MiB against flash's 1,798
-# (0.57x; 1920x1088: 2,506 against 4,616). svg must not need more than flash; a materialised
+# keys gathered) and holds the schedule's sparse and dense branches in one executable. Measured:
+# 802 MiB against flash's 1,798 (0.45x; 1920x1088: 2,506 against 4,616). svg must not need more than flash; a materialised
 # [heads, S, S] score array (0.74 GiB per head and video in float32 at 14,080 tokens) fails.
 TEMP_RATIO_BOUND = 1.0
 
