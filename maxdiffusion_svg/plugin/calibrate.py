@@ -31,7 +31,7 @@ from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, He
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.plugin import hooks, launcher
-from maxdiffusion_svg.plugin.compare import generate_wan_calls, check_checkpoint
+from maxdiffusion_svg.plugin.compare import check_checkpoint, check_generate_wan, generate_wan_calls
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
@@ -99,6 +99,7 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   from maxdiffusion_svg.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
+  check_generate_wan(keys, "calibrate")
   settings = PluginSettings.from_mapping(keys)
   compensation = compensation or ("config" if per_head else "both")
   if per_head:

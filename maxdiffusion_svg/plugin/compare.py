@@ -34,7 +34,7 @@ from maxdiffusion_svg.layouts import check_layouts
 from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
-from maxdiffusion_svg.video_models import grid_of
+from maxdiffusion_svg.video_models import WAN, grid_of, video_model
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -145,6 +145,7 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
   """Every check ``compare`` can make before weights load: one line each."""
   argv = ["compare", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
+  check_generate_wan(keys, "compare")
   dense = dense or base_attention(config)
   if dense is None:
     raise ValueError(f"no dense kernel: {config}'s base_config chain sets no attention other "
@@ -177,6 +178,16 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
   if not os.access(out, os.W_OK):
     raise ValueError(f"--out {out} is not writable")
   return Plan(config, tuple(overrides), tuple(runs), keys, settings, out.resolve(), lpips)
+
+
+def check_generate_wan(keys: dict[str, Any], tool: str) -> None:
+  """``compare`` and ``calibrate`` drive ``generate_wan``: another model's config is refused by
+  name before anything loads."""
+  family = video_model(keys)
+  if family is not WAN:
+    raise ValueError(f"{tool} runs generate_wan's models (Wan 2.1 / 2.2 T2V and I2V); "
+                     f"{family.name} ({family.generate_main}) is not supported by {tool} yet: "
+                     f"run it with python -m maxdiffusion_svg.generate, once per kernel")
 
 
 def check_checkpoint(name: str) -> None:

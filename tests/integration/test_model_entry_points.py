@@ -6,6 +6,7 @@ loads."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,18 @@ def test_each_config_reaches_its_models_entry_point(module, config, entry, model
   ran = json.loads(result.stdout.split("RAN ", 1)[1].splitlines()[0])
   assert ran == {"entry": entry, "model_name": model, "attention": "svg", "density": 0.25,
                  "steps": steps}
+
+
+@pytest.mark.parametrize("config, model", [("ltx2_svg.yml", "LTX-2 (generate_ltx2)"),
+                                           ("wan_animate_svg.yml",
+                                            "Wan Animate (generate_wan_animate)")])
+def test_compare_and_calibrate_refuse_other_models_by_name(config, model, tmp_path):
+  from maxdiffusion_svg.plugin.calibrate import plan_calibration  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin.compare import plan_comparison  # pylint: disable=import-outside-toplevel
+  path = str(ROOT / "configs" / config)
+  with pytest.raises(ValueError, match=rf"compare runs generate_wan's models .*; {re.escape(model)} "
+                                       rf"is not supported by compare yet"):
+    plan_comparison(path, ["prompt=a cat"], "flash", ["config"], str(tmp_path), False)
+  with pytest.raises(ValueError, match=rf"calibrate runs generate_wan's models .*; "
+                                       rf"{re.escape(model)} is not supported by calibrate yet"):
+    plan_calibration(path, ["prompt=a cat"], str(tmp_path / "out.yml"))
