@@ -2,8 +2,6 @@
 blocks' self-attention sparse over the reference slot and the segment's frames, text and image
 cross-attention dense, through the forward and WanAnimatePipeline's segments."""
 
-import collections
-
 import jax
 import numpy as np
 import pytest
@@ -14,12 +12,10 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.attention import scheduled_svg_attention
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.testing import tiny_animate, tiny_wan
-
-EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
+from maxdiffusion_svg.testing import tiny_animate
+from model_checks import (EVERYTHING, assert_calls_are_svg, assert_close, kinds, rel,
+                          summary_lines)
 FRAMES, HEIGHT, WIDTH = tiny_animate.LATENT
 GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # the reference slot + 3 frames, patch 1x2x2
 LAYERS = 2
@@ -54,19 +50,11 @@ def forward(tmp_path_factory, devices, attention, **keys):
   return _RESULTS[cache_key]
 
 
-def kinds(log):
-  return collections.Counter(r["kind"] for r in log)
-
-
-def rel(a, b):
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 @pytest.mark.full  # the CI tier runs this model through its pipeline below
 def test_density_one_equals_dot_product(tmp_path_factory):
   dense, _ = forward(tmp_path_factory, 1, "dot_product")
   svg, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
-  np.testing.assert_allclose(svg, dense, atol=1e-5 * np.abs(dense).max())
+  assert_close(svg, dense)
   assert kinds(log) == {"self": LAYERS, "cross": 2 * LAYERS}  # text and image cross-attention
   assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
 
@@ -78,22 +66,14 @@ def test_sparse_at_0_3_is_the_svg_of_the_reference_slot_and_frames(tmp_path_fact
   dense, _ = forward(tmp_path_factory, 1, "dot_product")
   sparse, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
-  svg = PluginSettings.from_mapping({**tiny_wan.BASE_KEYS, "svg_density": 0.3,
-                                     **EVERYTHING}).svg
-  for record in (r for r in log if r["kind"] == "self"):
-    q, k, v, out = record["qkv_out"]
-    assert q.shape[2] == GRID.tokens
-    want = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg, step=0,
-                                              layer=record["layer"], expert=None,
-                                              scale=q.shape[-1] ** -0.5))
-    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max())
+  assert_calls_are_svg(log, GRID, 0.3)
 
 
 @pytest.mark.full
 def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
   one, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   eight, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
-  np.testing.assert_allclose(eight, one, atol=1e-5 * np.abs(one).max())
+  assert_close(eight, one)
 
 
 def test_segments_restart_the_schedule_with_one_compile_and_count_their_calls(
@@ -118,8 +98,7 @@ def test_segments_restart_the_schedule_with_one_compile_and_count_their_calls(
   assert sorted(selfs) == sorted(one_segment * 2)
   assert traces == len(traced_kernels), traced_kernels  # the second run compiled nothing
   np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
-  lines = [line for line in capsys.readouterr().out.splitlines()
-           if "maxdiffusion_svg: run summary" in line]
+  lines = summary_lines(capsys)
   assert len(lines) == 2 and all(
       "run summary: 3 steps x 2 layers x 2 segments: 12 self-attention calls, 4 sparse and 8 "
       "dense (counted)" in line and line.endswith(

@@ -2,8 +2,6 @@
 self-attention (each block's attn1) sparse, audio self-attention and every cross-attention
 dense, through the forward and through LTX2Pipeline's own denoising loop."""
 
-import collections
-
 import jax
 import numpy as np
 import pytest
@@ -14,13 +12,12 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.attention import scheduled_svg_attention
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.testing import tiny_ltx2
+from model_checks import (EVERYTHING, assert_calls_are_svg, assert_close, kinds, rel,
+                          summary_lines)
 
 GRID = VideoGrid(*tiny_ltx2.LATENT_GRID)
-EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
 # Per block through the svg kernel: attn1 (video self-attention, svg), then audio
 # self-attention and the two text cross-attentions (dense). The audio<->video
 # cross-attentions run their own keys' kernels (a2v/v2a_attention_kernel).
@@ -56,21 +53,13 @@ def forward(tmp_path_factory, devices, attention, **keys):
   return _RESULTS[cache_key]
 
 
-def kinds(log):
-  return collections.Counter(r["kind"] for r in log)
-
-
-def rel(a, b):
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 def test_density_one_equals_the_dense_kernel(tmp_path_factory):
   """At density 1 every tile runs: the output is the model's dense kernel's (on CPU, the
   dot_product LTX-2 falls back to), video and audio; audio and cross calls ran dense."""
   video, audio, _ = forward(tmp_path_factory, 1, "dot_product")
   svg_video, svg_audio, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
-  np.testing.assert_allclose(svg_video, video, atol=1e-5 * np.abs(video).max())
-  np.testing.assert_allclose(svg_audio, audio, atol=1e-5 * np.abs(audio).max())
+  assert_close(svg_video, video)
+  assert_close(svg_audio, audio)
   assert kinds(log) == {"self": 2, "cross": 2 * DENSE_PER_LAYER}
   assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
 
@@ -82,22 +71,8 @@ def test_sparse_at_0_3_is_the_svg_attention_of_the_calls_own_qkv(tmp_path_factor
   video, _, _ = forward(tmp_path_factory, 1, "dot_product")
   sparse, _, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   assert 1e-3 < rel(sparse, video) < 0.1, rel(sparse, video)
-  svg = PluginSettings.from_mapping({**tiny_ltx2.BASE_KEYS, "svg_density": 0.3,
-                                     **EVERYTHING}).svg
-  selfs = [r for r in log if r["kind"] == "self"]
-  assert [(r["layer"], r["sparse"], r["density"]) for r in selfs] == [(0, True, 0.3),
-                                                                      (1, True, 0.3)]
-  for record in selfs:
-    q, k, v, out = record["qkv_out"]
-    assert q.shape == (2, tiny_ltx2.HEADS, GRID.tokens, tiny_ltx2.HEAD_DIM)
-    want = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg, step=0,
-                                              layer=record["layer"], expert=None,
-                                              scale=tiny_ltx2.HEAD_DIM ** -0.5))
-    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max())
-    dense = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg.at_density(1.0),
-                                               step=0, layer=record["layer"], expert=None,
-                                               scale=tiny_ltx2.HEAD_DIM ** -0.5))
-    assert rel(out, dense) > 1e-3  # really sparse
+  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
+  assert_calls_are_svg(log, GRID, 0.3)
 
 
 @pytest.mark.full
@@ -105,14 +80,9 @@ def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
   """Context-sharded over 8 devices (heads exchanged, 1 head per device), the same output."""
   one, one_audio, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   eight, eight_audio, log = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
-  np.testing.assert_allclose(eight, one, atol=1e-5 * np.abs(one).max())
-  np.testing.assert_allclose(eight_audio, one_audio, atol=1e-5 * np.abs(one_audio).max())
+  assert_close(eight, one)
+  assert_close(eight_audio, one_audio)
   assert kinds(log) == {"self": 2, "cross": 2 * DENSE_PER_LAYER}
-
-
-def summary_lines(capsys):
-  return [line for line in capsys.readouterr().out.splitlines()
-          if "maxdiffusion_svg: run summary" in line]  # max_logging prints
 
 
 def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls(

@@ -2,8 +2,6 @@
 blocks' self-attention sparse over the video and its reference frame, the control blocks'
 self-attention and every cross-attention dense, through the forward and VaceWanPipeline2_1."""
 
-import collections
-
 import jax
 import numpy as np
 import pytest
@@ -14,12 +12,10 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.attention import scheduled_svg_attention
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.testing import tiny_vace, tiny_wan
-
-EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
+from maxdiffusion_svg.testing import tiny_vace
+from model_checks import (EVERYTHING, assert_calls_are_svg, assert_close, kinds, rel,
+                          summary_lines)
 _, FRAMES, HEIGHT, WIDTH = tiny_vace.LATENT
 GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # 1 reference + 4 video frames, patch 1x2x2
 LAYERS = 2  # main blocks, each with a control block (vace_layers [0, 1])
@@ -53,19 +49,11 @@ def forward(tmp_path_factory, devices, attention, **keys):
   return _RESULTS[cache_key]
 
 
-def kinds(log):
-  return collections.Counter(r["kind"] for r in log)
-
-
-def rel(a, b):
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 @pytest.mark.full  # the CI tier runs this model through its pipeline below
 def test_density_one_equals_dot_product_and_the_control_blocks_run_dense(tmp_path_factory):
   dense, _ = forward(tmp_path_factory, 1, "dot_product")
   svg, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
-  np.testing.assert_allclose(svg, dense, atol=1e-5 * np.abs(dense).max())
+  assert_close(svg, dense)
   # main and control blocks: a cross-attention each; the control blocks' self-attention dense
   assert kinds(log) == {"self": LAYERS, "vace": LAYERS, "cross": 2 * LAYERS}
   assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
@@ -78,22 +66,14 @@ def test_sparse_at_0_3_is_the_svg_of_the_video_and_reference_grid(tmp_path_facto
   dense, _ = forward(tmp_path_factory, 1, "dot_product")
   sparse, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
-  svg = PluginSettings.from_mapping({**tiny_wan.BASE_KEYS, "svg_density": 0.3,
-                                     **EVERYTHING}).svg
-  for record in (r for r in log if r["kind"] == "self"):
-    q, k, v, out = record["qkv_out"]
-    assert q.shape[2] == GRID.tokens
-    want = np.asarray(scheduled_svg_attention(q, k, v, grid=GRID, config=svg, step=0,
-                                              layer=record["layer"], expert=None,
-                                              scale=q.shape[-1] ** -0.5))
-    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max())
+  assert_calls_are_svg(log, GRID, 0.3)
 
 
 @pytest.mark.full
 def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
   one, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   eight, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
-  np.testing.assert_allclose(eight, one, atol=1e-5 * np.abs(one).max())
+  assert_close(eight, one)
 
 
 def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls(
@@ -118,8 +98,7 @@ def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls
   # routing; the second run compiles nothing.
   assert traces == len(traced_kernels) == 2 * 4 * LAYERS, traced_kernels
   np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
-  lines = [line for line in capsys.readouterr().out.splitlines()
-           if "maxdiffusion_svg: run summary" in line]
+  lines = summary_lines(capsys)
   assert len(lines) == 2 and all(
       "run summary: 3 steps x 2 layers: 6 self-attention calls, 2 sparse and 4 dense "
       "(counted)" in line and line.endswith(

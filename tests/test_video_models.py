@@ -1,0 +1,48 @@
+"""Each video model family's pixel-to-grid map and config dispatch, against the numbers its
+MaxDiffusion pipeline gives (VAE compression, patch size, reference frames)."""
+
+import pytest
+
+from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, grid_of,
+                                           video_model)
+
+
+@pytest.mark.parametrize("family, video, grid", [
+    (WAN, (81, 720, 1280), (21, 45, 80)),  # 4x / 8x VAE, patch 1x2x2
+    (LTX2, (121, 704, 1280), (16, 22, 40)),  # 8x / 32x VAE, patch 1: 14,080 tokens
+    (LTX2, (121, 1088, 1920), (16, 34, 60)),  # 32,640
+    (LTX2, (121, 2176, 3840), (16, 68, 120)),  # 130,560
+    (WAN_ANIMATE, (77, 720, 1280), (21, 45, 80)),  # the reference slot + 20 latent frames
+    (WAN_VACE, (81, 720, 1280), (21, 45, 80))])
+def test_each_family_maps_pixels_to_its_grid(family, video, grid):
+  assert family.grid(*video) == VideoGrid(*grid)
+
+
+def test_a_size_the_vae_does_not_divide_is_refused():
+  with pytest.raises(ValueError, match="height must be a multiple of vae_spatial\\*patch = 32"):
+    LTX2.grid(121, 720, 1280)
+  with pytest.raises(ValueError, match="num_frames must be 1 \\+ a multiple of vae_temporal=8"):
+    LTX2.grid(120, 704, 1280)
+
+
+@pytest.mark.parametrize("keys, family", [
+    ({"model_name": "wan2.1"}, WAN), ({"model_name": "wan2.2"}, WAN), ({}, WAN),
+    ({"model_name": "ltx2_video"}, LTX2), ({"model_name": "ltx2.3"}, LTX2),
+    ({"model_name": "wan2.2", "pose_video_path": ""}, WAN_ANIMATE)])
+def test_a_config_names_its_family(keys, family):
+  assert video_model(keys) is family
+
+
+def test_an_unknown_model_is_refused_by_name():
+  with pytest.raises(ValueError, match="model_name 'flux' is not a video model the svg kernel "
+                                       "runs; it runs wan2.1, wan2.2, ltx2_video, ltx2.3"):
+    video_model({"model_name": "flux"})
+
+
+def test_a_config_grid_reads_its_familys_frames_key():
+  keys = {"model_name": "wan2.2", "pose_video_path": "", "segment_frame_length": 77,
+          "num_frames": 121, "height": 720, "width": 1280}
+  assert grid_of(keys) == VideoGrid(21, 45, 80)  # a segment, not the whole video
+  assert grid_of({"model_name": "ltx2_video", "num_frames": 121, "height": 704,
+                  "width": 1280}).tokens == 14_080
