@@ -46,3 +46,12 @@ def test_a_config_grid_reads_its_familys_frames_key():
   assert grid_of(keys) == VideoGrid(21, 45, 80)  # a segment, not the whole video
   assert grid_of({"model_name": "ltx2_video", "num_frames": 121, "height": 704,
                   "width": 1280}).tokens == 14_080
+
+
+def test_the_attention_share_is_modelled_for_ltx2_and_the_seeds_for_wan_families():
+  from maxdiffusion_svg.plugin.estimate import attention_share  # pylint: disable=import-outside-toplevel
+  share, source = attention_share(14_080, family=LTX2)
+  assert share == pytest.approx(14_080 / (14_080 + 8 * 4096)) and "modelled from LTX-2" in source
+  for family in (WAN, WAN_ANIMATE, WAN_VACE):  # Wan blocks: the seed design's stated 720p share
+    share, source = attention_share(75_600, family=family)
+    assert share == 0.555 and "seed design" in source

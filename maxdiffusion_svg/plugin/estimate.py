@@ -27,7 +27,7 @@ from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
 from maxdiffusion_svg.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.target import Target, resolve_backend
-from maxdiffusion_svg.video_models import WAN, VideoModel, grid_of, video_model
+from maxdiffusion_svg.video_models import LTX2, WAN, VideoModel, grid_of, video_model
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.
@@ -69,7 +69,7 @@ def attention_share(tokens: int, given: float | None = None,
     if not 0 < given <= 1:
       raise ValueError(f"--attention-share must be a fraction in (0, 1], got {given}")
     return given, "given with --attention-share"
-  if family is not WAN:  # no measured share: a FLOP model of one block
+  if family is LTX2:  # no measured share: a FLOP model of one block
     attention, rest = 4 * tokens * LTX2_WIDTH, LTX2_DENSE_FLOPS_PER_D2 * LTX2_WIDTH ** 2
     return attention / (attention + rest), (
         f"modelled from {family.name}'s FLOPs per block (self-attention 4·N·d against "
