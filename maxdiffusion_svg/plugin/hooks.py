@@ -22,6 +22,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
 * ``aot_cache.install``: adds the SVG settings to the compiled-executable cache key.
 * ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
   context shards against heads), after ``jax.distributed`` starts and before weights load.
+* the same for Wan VACE and Wan Animate (their own model calls and factories;
+  :mod:`hooks_wan_variants`) and for LTX-2 (:mod:`hooks_ltx2`).
 
 Values cross from a hook to the kernel through context variables, set only while the
 wrapped call runs (its trace, for jitted code). A model with semantic warm starts also holds
@@ -46,9 +48,9 @@ from flax import nnx
 from maxdiffusion_svg.budgets import check_layer_count
 from maxdiffusion_svg.head_budgets import check_head_shape
 from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.video_models import (LTX2, VACE_BLOCKS, WAN, WAN_ANIMATE, WAN_VACE,
-                                           VideoModel)
-from maxdiffusion_svg.plugin import contract, hooks_ltx2, preflight, run_summary, semantic_store
+from maxdiffusion_svg.video_models import WAN
+from maxdiffusion_svg.plugin import (contract, hooks_ltx2, hooks_wan_variants, preflight,
+                                     run_summary, semantic_store)
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -149,27 +151,6 @@ def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
     yield op, layer
 
 
-def _dense_by_design_ops(model: Any) -> Iterator[tuple[Any, str]]:
-  """(op, kind) of self-attention that runs dense by design: a Wan VACE model's control
-  blocks (``vace_blocks[*].attn1``), counted as ``vace`` calls."""
-  for block in getattr(model, "vace_blocks", None) or ():
-    op = getattr(getattr(block, "attn1", None), "attention_op", None)
-    if op is None:
-      raise contract.MaxDiffusionDrift(
-          f"MaxDiffusion drift: {type(model).__name__}'s vace_blocks should hold self-attention "
-          f"as attn1.attention_op; maxdiffusion_svg is tested with MaxDiffusion "
-          f"{contract.TESTED_COMMIT}.")
-    yield op, VACE_BLOCKS
-
-
-def _family(model: Any) -> VideoModel:
-  if hooks_ltx2.is_ltx2(model):
-    return LTX2
-  if any(cls.__name__ == "WanAnimateTransformer3DModel" for cls in type(model).__mro__):
-    return WAN_ANIMATE
-  return WAN_VACE if getattr(model, "vace_blocks", None) is not None else WAN
-
-
 def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None,
                         mesh: Any = None, warm_start: bool = True) -> Any:
   """Attaches what the ``svg`` kernel needs to a ``WanModel`` or an LTX-2 transformer (in
@@ -196,8 +177,8 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
                      settings.svg.head_key(expert))
   model.svg_settings = settings
   model.svg_expert = expert
-  model.svg_video_model = _family(model)  # its pixel-to-grid map, what runs dense by design
-  for op, kind in _dense_by_design_ops(model):
+  model.svg_video_model = hooks_wan_variants.family(model)  # its pixel-to-grid map, what runs dense by design
+  for op, kind in hooks_wan_variants.dense_by_design_ops(model):
     op.svg_dense_by_design = kind  # static: the kernel runs it dense and counts it as `kind`
   for op, layer in ops:
     index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
@@ -316,27 +297,6 @@ def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _animate_pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
-  """Wan Animate splits its transformer before its segments set their timesteps (each segment
-  restarts the same schedule): the run's schedule is written first, from the same scheduler and
-  step count, so the split state carries it (the pipeline hook then logs the summary)."""
-  logged = _pipeline_call(original)
-  steps_default = inspect.signature(original).parameters["num_inference_steps"].default
-
-  @functools.wraps(original)
-  def wrapper(self, *args, **kwargs):
-    models = prepared_transformers(self)
-    if models:
-      steps = kwargs.get("num_inference_steps", steps_default)
-      state = self.scheduler.set_timesteps(self.scheduler_state, num_inference_steps=steps,
-                                           shape=(1,))
-      for model in models:
-        set_denoising_schedule(model, state.timesteps)
-    return logged(self, *args, **kwargs)
-
-  return wrapper
-
-
 def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
   signature = inspect.signature(original)  # each factory's own default subfolder
 
@@ -353,7 +313,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
     if settings is not None:
       # Wan 2.2's two experts (Animate, also model_name wan2.2, has one transformer)
       expert = (EXPERT_OF_SUBFOLDER.get(subfolder)
-                if config.model_name == "wan2.2" and _family(model) is WAN else None)
+                if config.model_name == "wan2.2" and hooks_wan_variants.family(model) is WAN else None)
       aot = bool(getattr(config, "aot_cache_dir", ""))
       prepare_transformer(model, settings, expert, mesh, warm_start=not aot)
       if settings.run_summary and aot:
@@ -494,7 +454,7 @@ def install() -> None:
   _wrap(wan_vace_pipeline_2_1, "create_sharded_logical_transformer", _create_transformer)
   _wrap(wan_pipeline_animate, "create_sharded_animate_transformer", _create_transformer)
   _wrap(transformer_wan_animate.WanAnimateTransformer3DModel, "__call__", _model_call)
-  _wrap(wan_pipeline_animate.WanAnimatePipeline, "__call__", _animate_pipeline_call)
+  _wrap(wan_pipeline_animate.WanAnimatePipeline, "__call__", hooks_wan_variants.animate_pipeline_call)
   for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
     if "__call__" in vars(pipeline):
       _wrap(pipeline, "__call__", _pipeline_call)
