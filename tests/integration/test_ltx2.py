@@ -123,3 +123,41 @@ def test_bfloat16_activations_run_sparse_with_float32_q_and_k(tmp_path_factory):
   svg_video, _, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING, **keys)
   assert all(r["sparse"] for r in log if r["kind"] == "self")
   assert rel(svg_video.astype(np.float32), video.astype(np.float32)) < 2e-2
+
+
+@pytest.mark.full
+def test_ltx2_3s_cfg_and_stg_batch_of_4_runs_the_schedule(tmp_path_factory):
+  """LTX-2.3's config (CFG and spatio-temporal guidance on a block: a batch of 4, the perturbed
+  item's block self-attention replaced after the kernel ran): every call of the batch routed,
+  the schedule followed, the video finite and apart from the dense kernel's."""
+  keys = {"base": "ltx2_3_video.yml", "spatio_temporal_guidance_blocks": [1],
+          # its audio-video kernels are flash: on CPU, MaxDiffusion's own dot_product
+          "a2v_attention_kernel": "dot_product", "v2a_attention_kernel": "dot_product"}
+  runs = {}
+  for attention, extra in (("dot_product", {}),
+                           ("svg", {"svg_density": 0.3, "svg_active_steps": [1, None],
+                                    "svg_active_layers": [1, None]})):
+    config = tiny_ltx2.init_config(tiny_ltx2.write_config(
+        str(tmp_path_factory.mktemp("config")), attention=attention, **keys, **extra))
+    mesh = tiny_ltx2.make_mesh(config, 8)
+    pipe = tiny_ltx2.pipeline(config, mesh, tiny_ltx2.build_transformer(config, mesh))
+    _, _, text, _ = tiny_ltx2.inputs(batch=1)
+    with plugin.record_calls(arrays=True) as log:
+      video, _ = tiny_ltx2.generate(pipe, 2, text, stg_scale=1.0)
+      jax.effects_barrier()
+    runs[attention] = (np.asarray(video), log)
+  dense, (sparse, log) = runs["dot_product"][0], runs["svg"]
+  selfs = [r for r in log if r["kind"] == "self"]
+  assert sorted((r["step"], r["layer"], r["sparse"]) for r in selfs) == [
+      (s, l, s >= 1 and l >= 1) for s in range(2) for l in range(2)]
+  assert all(r["qkv_out"][0].shape[0] == 4 for r in selfs)  # uncond, cond, perturbed, isolated
+  assert np.isfinite(sparse).all() and 1e-4 < rel(sparse, dense) < 0.2, rel(sparse, dense)
+
+
+@pytest.mark.full
+def test_unscanned_layers_equal_scanned_ones(tmp_path_factory):
+  scanned, _, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+  unscanned, _, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, scan_layers=False,
+                              **EVERYTHING)
+  assert_close(unscanned, scanned)
+  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
