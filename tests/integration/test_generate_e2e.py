@@ -112,7 +112,8 @@ def test_an_unknown_svg_key_fails_before_weights_load(checkpoints, tmp_path, mon
     ("maxdiffusion.generate", "chained"),  # the config alone, through the patched generate
     pytest.param("maxdiffusion.generate_wan", "chained",  # the stock entry point, plugins loaded
                  marks=pytest.mark.full),  # the other two run the same path, in the CI tier
-    ("maxdiffusion.generate_wan", "base"),  # MaxDiffusion's own YAML with attention=svg
+    pytest.param("maxdiffusion.generate_wan", "base",  # MaxDiffusion's own YAML, attention=svg
+                 marks=pytest.mark.full),  # CI time: the chained run above takes the same path
 ])
 def test_patched_maxdiffusion_runs_the_config_alone(module, config, patched_maxdiffusion,
                                                     checkpoints, run_config, sparse_run, tmp_path):
