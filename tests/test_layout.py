@@ -33,7 +33,7 @@ def test_the_plugin_imports_neither_fixtures_nor_benchmarks():
 # the package is core.
 TOOLS = ("cli.py", "cli_args.py", "cli_bench.py", "cli_calibrate.py", "cli_compare.py",
          "cli_tiles.py", "generate.py",
-         "train.py",
+         "train.py", "train_vace.py",
          "__main__.py", "plot.py")
 
 
