@@ -50,6 +50,12 @@ ATTENTION = "maxdiffusion.models.attention_flax"
 WAN_MODEL = "maxdiffusion.models.wan.transformers.transformer_wan"
 WAN_PIPELINE = "maxdiffusion.pipelines.wan.wan_pipeline"
 UNIPC = "maxdiffusion.schedulers.scheduling_unipc_multistep_flax"
+VACE_PIPELINE = "maxdiffusion.pipelines.wan.wan_vace_pipeline_2_1"
+VACE_MODEL = "maxdiffusion.models.wan.transformers.transformer_wan_vace"
+ANIMATE_PIPELINE = "maxdiffusion.pipelines.wan.wan_pipeline_animate"
+ANIMATE_MODEL = "maxdiffusion.models.wan.transformers.transformer_wan_animate"
+LTX2_PIPELINE = "maxdiffusion.pipelines.ltx2.ltx2_pipeline"
+LTX2_MODEL = "maxdiffusion.models.ltx2.transformer_ltx2"
 
 EXPECTED = (
     Expected(WAN_MODEL, "WanModel.__call__", "the hook reads the latent shape and the timestep",
@@ -60,16 +66,41 @@ EXPECTED = (
              "the hook reads the svg keys before weights load and prepares the model",
              leading=("devices_array", "mesh", "rngs", "config", "restored_checkpoint",
                       "subfolder")),
-    Expected("maxdiffusion.pipelines.wan.wan_vace_pipeline_2_1",
-             "create_sharded_logical_transformer", "svg refuses VACE before it loads",
+    Expected(VACE_PIPELINE, "create_sharded_logical_transformer",
+             "the hook reads the svg keys before Wan VACE loads and prepares it",
              leading=("devices_array", "mesh", "rngs", "config")),
-    Expected("maxdiffusion.pipelines.wan.wan_pipeline_animate",
-             "create_sharded_animate_transformer", "svg refuses Animate before it loads",
+    Expected(VACE_MODEL, "WanVACEModel.__call__",
+             "the hook reads the latent shape (references included) and the timestep",
+             leading=("self", "hidden_states", "timestep")),
+    Expected(ANIMATE_PIPELINE, "create_sharded_animate_transformer",
+             "the hook reads the svg keys before Wan Animate loads and prepares it",
              leading=("devices_array", "mesh", "rngs", "config")),
+    Expected(ANIMATE_MODEL, "WanAnimateTransformer3DModel.__call__",
+             "the hook reads the latent shape (the reference slot included) and the timestep",
+             leading=("self", "hidden_states", "timestep")),
+    Expected(ANIMATE_PIPELINE, "WanAnimatePipeline.__call__",
+             "the hook writes the run's schedule before the pipeline splits its transformer",
+             leading=("self",)),
+    Expected("maxdiffusion.generate_wan_animate", "run",
+             "the hook checks the job before the pipeline loads", leading=("config",)),
+    Expected(LTX2_PIPELINE, "create_sharded_logical_transformer",
+             "the hook reads the svg keys before LTX-2 loads and prepares it",
+             leading=("devices_array", "mesh", "rngs", "config")),
+    Expected(LTX2_MODEL, "LTX2VideoTransformer3DModel.__call__",
+             "the hook reads the video's latent sizes and the timestep",
+             leading=("self", "hidden_states")),
+    Expected(LTX2_PIPELINE, "LTX2Pipeline.__call__",
+             "the hook marks the running pipeline and logs its run summary", leading=("self",)),
+    Expected("maxdiffusion.schedulers.scheduling_flow_match_flax",
+             "FlaxFlowMatchScheduler.set_timesteps_ltx2",
+             "the hook copies LTX-2's timesteps into its transformer", leading=("self",)),
+    Expected("maxdiffusion.generate_ltx2", "run",
+             "the hook checks the job before the pipeline loads", leading=("config", "pipeline")),
     Expected(WAN_PIPELINE, "WanPipeline.__call__", "the hook marks the running pipeline",
              leading=("self",)),
     Expected(UNIPC, "FlaxUniPCMultistepScheduler.set_timesteps",
-             "the hook copies the run's timesteps into the transformers", leading=("self",)),
+             "the hook copies the run's timesteps into the transformers (and sets Wan "
+             "Animate's ahead of its segments)", leading=("self", "state")),
     Expected("maxdiffusion.aot_cache", "install",
              "the hook adds the svg settings to the executable cache key",
              leading=("cache_dir", "meta", "mesh")),
