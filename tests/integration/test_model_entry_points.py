@@ -27,7 +27,7 @@ import importlib
 ENTRY = sys.argv[1]
 module, function = ENTRY.split(":")
 target = importlib.import_module(module)
-def run(config, *args, **kwargs):
+def run(config, pipeline=None, *args, **kwargs):  # the signatures the drift guard expects
   from maxdiffusion_svg.plugin.settings import PluginSettings
   keys = config.get_keys()
   svg = PluginSettings.from_mapping(keys).svg
