@@ -30,12 +30,12 @@ from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, He
                                           compensation_choices, rung_costs, uniform_rung)
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
-from maxdiffusion_svg.plugin import hooks, launcher
-from maxdiffusion_svg.plugin.compare import check_checkpoint, check_generate_wan, generate_wan_calls
+from maxdiffusion_svg.plugin import generations, hooks, launcher
+from maxdiffusion_svg.plugin.compare import check_checkpoint, check_generate_wan
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.video_models import grid_of
+from maxdiffusion_svg.video_models import grid_of, video_model
 
 
 def key_for(what: str, expert: str | None) -> str:
@@ -162,7 +162,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   uniform density's run, which the measurement leaves unchanged)."""
   # pylint: disable=import-outside-toplevel
   import jax
-  from maxdiffusion import generate_wan, pyconfig
+  from maxdiffusion import pyconfig
 
   from maxdiffusion_svg import plugin
   # pylint: enable=import-outside-toplevel
@@ -172,6 +172,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   steps = int(keys["num_inference_steps"])
   grid = grid_of(keys)
   done = {"steps": 0}
+  generation = generations.generation(video_model(keys), "calibrate")
 
   def on_step() -> None:
     done["steps"] += 1
@@ -180,7 +181,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
 
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_calibrate_") as tmp, \
       record_rung_errors(plan.rungs) as entries, \
-      generate_wan_calls(lambda pipeline: None, on_step) as seen:
+      generation.watch(lambda pipeline: None, on_step) as seen:
     argv = launcher.prepare_argv(["calibrate", plan.config, *plan.overrides,
                                   f"attention={KERNEL_NAME}"], tmp)[0]
     cwd = os.getcwd()
@@ -190,10 +191,10 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
         log(f"calibrate: prompt {i + 1} of {len(plan.prompts)}")
         with_prompt = [*argv, f"prompt={prompt}"]
         if "pipeline" not in seen:
-          generate_wan.main(with_prompt)  # loads the weights (once), then runs
+          generation.first(with_prompt)  # loads the weights (once), then runs
         else:
           pyconfig.initialize(with_prompt)
-          generate_wan.run(pyconfig.config, pipeline=seen["pipeline"])
+          generation.again(pyconfig.config, seen)
     finally:
       os.chdir(cwd)
     jax.effects_barrier()

@@ -17,7 +17,6 @@ the run ends, so an interrupted comparison keeps what finished.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +30,7 @@ import yaml
 from maxdiffusion_svg import video_metrics
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.layouts import check_layouts
-from maxdiffusion_svg.plugin import hooks, launcher, overlay, preflight, run_summary
+from maxdiffusion_svg.plugin import generations, hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
 from maxdiffusion_svg.video_models import WAN, grid_of, video_model
@@ -145,7 +144,7 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
   """Every check ``compare`` can make before weights load: one line each."""
   argv = ["compare", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
-  check_generate_wan(keys, "compare")
+  generations.generation(video_model(keys), "compare")
   dense = dense or base_attention(config)
   if dense is None:
     raise ValueError(f"no dense kernel: {config}'s base_config chain sets no attention other "
@@ -181,13 +180,13 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
 
 
 def check_generate_wan(keys: dict[str, Any], tool: str) -> None:
-  """``compare`` and ``calibrate`` drive ``generate_wan``: another model's config is refused by
-  name before anything loads."""
+  """``calibrate`` drives ``generate_wan``: another model's config is refused by name before
+  anything loads."""
   family = video_model(keys)
   if family is not WAN:
     raise ValueError(f"{tool} runs generate_wan's models (Wan 2.1 / 2.2 T2V and I2V); "
                      f"{family.name} ({family.generate_main}) is not supported by {tool} yet: "
-                     f"run it with python -m maxdiffusion_svg.generate, once per kernel")
+                     f"compare it with python -m maxdiffusion_svg compare")
 
 
 def check_checkpoint(name: str) -> None:
@@ -195,21 +194,28 @@ def check_checkpoint(name: str) -> None:
   if not name:
     raise ValueError("pretrained_model_name_or_path is not set: give the checkpoint to compare on")
   try:
-    preflight.transformer_heads(name)
+    transformer = preflight.transformer_config(name)
   except Exception as err:  # pylint: disable=broad-except  # any loader failure, named
     raise ValueError(f"pretrained_model_name_or_path {name!r} does not load: "
                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                      ) from None
+  if "vace_layers" in transformer:
+    raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint: "
+                     f"MaxDiffusion has no VACE generate main (train_wan_vace only), so there is "
+                     f"no VACE video to compare; fine-tune it with python -m "
+                     f"maxdiffusion_svg.train_vace")
 
 
-def call_counts(settings: PluginSettings, steps: int, layers: int,
-                grid: VideoGrid) -> run_summary.CallCounts:
+def call_counts(settings: PluginSettings, steps: int, layers: int, grid: VideoGrid,
+                segments: int = 1) -> run_summary.CallCounts:
   """The real call's self-attention calls as the kernel counted them (the run summary's
-  tally), or as the schedule makes them where nothing was counted (a too-short video)."""
+  tally), or as the schedule makes them where nothing was counted (a too-short video);
+  ``segments``: runs of the schedule in the call (Wan Animate's), each making the same calls."""
   counts = run_summary.counted_calls(layers)
   if counts.sparse + counts.dense == 0:
     counts = run_summary.scheduled_calls(settings, steps, layers, grid.tokens)
-  return counts
+  return dataclasses.replace(counts, sparse=counts.sparse * segments,
+                             dense=counts.dense * segments)
 
 
 def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
@@ -242,48 +248,6 @@ def axis_rules_for(argv: Sequence[str]) -> Any:
   return pyconfig.config.logical_axis_rules
 
 
-@contextlib.contextmanager
-def generate_wan_calls(before_call: Callable[[Any], None],
-                        on_step: Callable[[], None]) -> Iterator[dict[str, Any]]:
-  """Wraps ``generate_wan``'s pipeline call, the scheduler's step and the video export:
-  ``before_call(pipeline)`` runs before each call, ``on_step()`` after each denoising step the
-  real call takes in Python (a ``scan_diffusion_loop`` takes them all at once); the pipeline,
-  the last call's trace and the exported frames are kept."""
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion import generate_wan
-  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
-      FlaxUniPCMultistepScheduler as scheduler)
-  # pylint: enable=import-outside-toplevel
-  seen: dict[str, Any] = {"frames": [], "calls": 0}
-  export, call, step = generate_wan.export_to_video, generate_wan.call_pipeline, scheduler.step
-
-  def call_pipeline(config, pipeline, *args, **kwargs):
-    seen["pipeline"] = pipeline
-    seen["calls"] += 1
-    before_call(pipeline)
-    outputs = call(config, pipeline, *args, **kwargs)
-    seen["trace"] = outputs[1] if isinstance(outputs, tuple) else {}
-    return outputs
-
-  def scheduler_step(self, *args, **kwargs):
-    out = step(self, *args, **kwargs)
-    if seen["calls"] % 2 == 0:  # generate_wan.run: a warm-up call, then the real one
-      on_step()
-    return out
-
-  def export_to_video(video, path, fps=16, **kwargs):
-    seen["frames"].append(video_metrics.as_frames(video))
-    return export(video, path, fps=fps, **kwargs)
-
-  generate_wan.export_to_video, generate_wan.call_pipeline = export_to_video, call_pipeline
-  scheduler.step = scheduler_step
-  try:
-    yield seen
-  finally:
-    generate_wan.export_to_video, generate_wan.call_pipeline = export, call
-    scheduler.step = step
-
-
 def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: bool = False
                    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """Generates every run of ``plan`` in this process, writing each run's video, the
@@ -291,12 +255,14 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
   frames (uint8, the videos of the batch one after another). ``progress``: a bar over the
   runs' denoising steps on stderr."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion import generate_wan, pyconfig
+  from maxdiffusion import pyconfig
 
   from maxdiffusion_svg import plugin
   # pylint: enable=import-outside-toplevel
   plugin.register()
   keys = plan.keys
+  family = video_model(keys)
+  generation = generations.generation(family, "compare")
   steps = int(keys["num_inference_steps"])
   grid = grid_of(keys)
   result: dict[str, Any] = {
@@ -304,7 +270,7 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
       "checkpoint": keys["pretrained_model_name_or_path"], "prompt": keys["prompt"],
       "seed": keys.get("seed"), "video": [keys["num_frames"], keys["height"], keys["width"]],
       "tokens": grid.tokens, "steps": steps,
-      "time": "seconds per denoising step of the real run (compile warm-up excluded)",
+      "model": family.name, "time": generation.time,
       "metrics": "mean over frames against the dense video: PSNR (dB), SSIM"
                  + (", LPIPS (AlexNet)" if plan.lpips else ""), "runs": []}
   scorer = video_metrics.lpips_scorer() if plan.lpips else None
@@ -323,7 +289,7 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
 
   bar = _bar(len(plan.runs) * steps, progress)
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
-      generate_wan_calls(before_call, lambda: bar.update(1)) as seen, bar:
+      generation.watch(before_call, lambda: bar.update(1)) as seen, bar:
     dense = plan.runs[0].kernel
     rules[dense] = axis_rules_for(launcher.prepare_argv(
         ["compare", plan.config, *plan.overrides, f"attention={dense}"], tmp)[0])
@@ -338,23 +304,23 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
       run_dir.mkdir(exist_ok=True)
       seen["frames"].clear()
       cwd = os.getcwd()
-      os.chdir(run_dir)  # generate_wan writes its MP4 into the working directory
+      os.chdir(run_dir)  # the main writes its MP4 into the working directory
       try:
         if "pipeline" not in seen:
-          generate_wan.main(argv)  # loads the weights (once), then runs
+          generation.first(argv)  # loads the weights (once), then runs
         else:
-          generate_wan.run(pyconfig.config, pipeline=seen["pipeline"])
+          generation.again(pyconfig.config, seen)
       finally:
         os.chdir(cwd)
       videos[run.name] = frames = np.concatenate(seen["frames"])
       row: dict[str, Any] = {
           "name": run.name, "kernel": run.kernel, "overrides": list(run.overrides),
-          "step_s": seen["trace"].get("denoise_total", float("nan")) / steps,
+          "step_s": generations.step_seconds(seen, steps),
           "videos": sorted(str(p) for p in run_dir.glob("*.mp4"))}
       settings = plan.settings.get(run.name)
       if settings is not None:
         layers = hooks.prepared_transformers(seen["pipeline"])[0].num_layers
-        counts = call_counts(settings, steps, layers, grid)
+        counts = call_counts(settings, steps, layers, grid, run_summary.segments())
         row.update(density=settings.svg.density, preset=settings.preset,
                    compensation_blocks=settings.svg.compensation_blocks
                    if settings.svg.compensation else 0,

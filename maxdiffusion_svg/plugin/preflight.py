@@ -114,7 +114,12 @@ def mesh_shape(config: Mapping[str, Any], devices: int) -> dict[str, int]:
 
 
 def transformer_heads(pretrained_model_name_or_path: str) -> int:
-  """The transformer's attention heads, from its ``config.json`` alone.
+  """The transformer's attention heads, from its ``config.json`` alone."""
+  return int(transformer_config(pretrained_model_name_or_path)["num_attention_heads"])
+
+
+def transformer_config(pretrained_model_name_or_path: str) -> dict[str, Any]:
+  """The checkpoint's ``transformer/config.json``.
 
   Read here rather than with MaxDiffusion's ``load_config``, which rewrites the file in place
   on every load: processes sharing a checkpoint folder would then race on it."""
@@ -126,7 +131,7 @@ def transformer_heads(pretrained_model_name_or_path: str) -> int:
     config_file = hf_hub_download(pretrained_model_name_or_path, "config.json",
                                   subfolder="transformer")
   with open(config_file, encoding="utf-8") as f:
-    return int(json.load(f)["num_attention_heads"])
+    return dict(json.load(f))
 
 
 def check_processes(job: Job, env: Mapping[str, str]) -> None:

@@ -15,11 +15,18 @@ frame 0 the reference image, frames 1.. the previous segment's conditioning); po
 S, S]`` at the motion encoder's size. Image tokens are CLIP's 257: keep ``flash_min_seq_length``
 at most 257 (ours is 0). Above it the image embedder does not pad them to 384, where MaxDiffusion's
 I2V cross-attention still splits image from text, and the text is attended as image tokens.
+
+:func:`generate_main` runs MaxDiffusion's own ``generate_wan_animate`` (prompts, the reference
+image and the pose and face videos read from files, decoding and the MP4): its checkpointer
+builds the tiny pipeline, with a stand-in for the UMT5 text encoder (embeddings from the
+prompt's text); :func:`write_inputs` writes the files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import pathlib
 import types
 import zlib
 from typing import Any
@@ -39,8 +46,8 @@ from maxdiffusion_svg.testing import tiny_wan
 from maxdiffusion_svg.testing.tiny_wan import init_config, make_mesh
 
 __all__ = ["FACE_SIZE", "HEADS", "LATENT", "SEGMENT_FRAMES", "build_transformer", "forward",
-           "generate", "init_config", "inputs", "make_mesh", "pipeline", "tiny_loaders",
-           "write_config"]
+           "generate", "generate_main", "init_config", "inputs", "make_mesh", "pipeline",
+           "tiny_loaders", "write_checkpoint", "write_config", "write_inputs"]
 
 HEADS = 8
 HEAD_DIM = 16
@@ -219,3 +226,64 @@ def generate(pipe, steps: int, text: jax.Array, segments: int = 1, seed: int = 0
               face_video=_frames(frames, (2 * FACE_SIZE, 2 * FACE_SIZE), rng),
               prompt_embeds=text, negative_prompt_embeds=-text, num_inference_steps=steps,
               output_type="latent", rng=jax.random.key(seed), **arguments)
+
+
+def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 512):
+  """UMT5's stand-in: fixed embeddings per prompt text, ``[B, TEXT_LEN, TEXT_DIM]`` (torch, as
+  the pipeline converts them)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  del max_sequence_length
+  prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+  rows = [np.random.default_rng(zlib.crc32(p.strip().encode())).standard_normal(
+      (TEXT_LEN, TEXT_DIM), np.float32) for p in prompts for _ in range(num_videos_per_prompt)]
+  return torch.from_numpy(np.stack(rows))
+
+
+def write_checkpoint(directory, num_layers: int = 2) -> str:
+  """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
+  before loading); :func:`generate_main` builds the weights. Its path."""
+  path = pathlib.Path(directory) / "tiny-wan-animate"
+  (path / "transformer").mkdir(parents=True, exist_ok=True)
+  (path / "transformer" / "config.json").write_text(
+      json.dumps({**TRANSFORMER, "num_layers": num_layers}))
+  return str(path)
+
+
+def write_inputs(directory, segments: int = 1, seed: int = 0) -> dict[str, str]:
+  """A random reference image (PNG) and pose and face videos (MP4, as MaxDiffusion's
+  ``load_video`` reads them) of ``segments`` segments of SEGMENT_FRAMES frames overlapping by
+  one: the config keys that name them."""
+  import imageio  # pylint: disable=import-outside-toplevel  # with imageio-ffmpeg, as load_video
+  rng = np.random.default_rng(seed)
+  size = VIDEO["height"], VIDEO["width"]
+  frames = 1 + segments * (SEGMENT_FRAMES - 1)
+  folder = pathlib.Path(directory)
+  paths = {"reference_image_path": folder / "reference.png",
+           "pose_video_path": folder / "pose.mp4", "face_video_path": folder / "face.mp4"}
+  _frames(1, size, rng)[0].save(paths["reference_image_path"])
+  for key, count, shape in (("pose_video_path", frames, size),
+                            ("face_video_path", frames, (2 * FACE_SIZE, 2 * FACE_SIZE))):
+    imageio.mimwrite(paths[key], [np.asarray(f) for f in _frames(count, shape, rng)], fps=16,
+                     macro_block_size=1)
+  return {key: str(path) for key, path in paths.items()}
+
+
+@contextlib.contextmanager
+def generate_main(devices: int = 1, num_layers: int = 2):
+  """``generate_wan_animate``'s checkpointer builds the tiny pipeline (through any installed
+  hooks) on ``devices`` devices, counting the builds in the yielded list."""
+  from maxdiffusion import generate_wan_animate  # pylint: disable=import-outside-toplevel
+  builds = []
+
+  class TinyCheckpointer:
+    @staticmethod
+    def load_pretrained_pipeline_or_diffusers(config, pipeline_cls, *args, **kwargs):
+      del pipeline_cls, args, kwargs
+      mesh = make_mesh(config, devices)
+      builds.append(mesh[1])
+      pipe = pipeline(config, mesh, build_transformer(config, mesh, num_layers=num_layers))
+      pipe._get_t5_prompt_embeds = _prompt_embeds  # pylint: disable=protected-access
+      return pipe
+
+  with mock.patch.object(generate_wan_animate, "WanCheckpointer", TinyCheckpointer):
+    yield builds

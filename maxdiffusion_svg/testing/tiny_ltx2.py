@@ -7,12 +7,19 @@ are replaced. A real ``LTX2Pipeline`` around it runs ``__call__`` (timesteps set
 ``set_timesteps_ltx2``, CFG batch layout, the scanned denoising loop) on given prompt
 embeddings: the Gemma connectors are an identity and the VAEs are only their latent
 statistics and compression ratios (``output_type="latent"``: no decode).
+
+:func:`generate_main` runs MaxDiffusion's own ``generate_ltx2`` (prompts, decoding and the
+MP4 with audio): its checkpointer builds the tiny pipeline with stand-ins for the Gemma
+encoder (embeddings from the prompt's text), the video and audio VAE decoders and the vocoder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import json
+import pathlib
 import types
 import zlib
 from typing import Any
@@ -36,13 +43,16 @@ with contextlib.suppress(ImportError):
 ltx2_pipeline = importlib.import_module("maxdiffusion.pipelines.ltx2.ltx2_pipeline")
 
 __all__ = ["AUDIO_FRAMES", "HEADS", "LATENT_GRID", "build_transformer", "forward", "generate",
-           "init_config", "inputs", "make_mesh", "pipeline", "tiny_loaders", "write_config"]
+           "generate_main", "init_config", "inputs", "make_mesh", "pipeline", "tiny_loaders",
+           "write_checkpoint", "write_config"]
 
 HEADS = 8
 HEAD_DIM = 16
 AUDIO_HEADS = 8
 AUDIO_HEAD_DIM = 8
 CHANNELS = 8  # video latent channels (patch size 1: the packed token width)
+# The pipeline draws LTX-2's own 128 latent channels when given no latents (generate_ltx2).
+GENERATE_CHANNELS = 128
 CAPTION = 32  # prompt-embedding width (video and audio captions alike)
 TEXT_LEN = 16  # a multiple of 8: the pipeline shards prompt embeddings' length over `context`
 LATENT_GRID = (4, 8, 8)  # frames, height, width -> 256 video tokens
@@ -104,10 +114,11 @@ def _random_params(scale: float):
 
 @contextlib.contextmanager
 def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
-                 head_dim: int = HEAD_DIM):
+                 head_dim: int = HEAD_DIM, channels: int = CHANNELS):
   """Replaces the Hugging Face config and weight loaders with a tiny random LTX-2."""
   config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads,
-            "attention_head_dim": head_dim, "cross_attention_dim": heads * head_dim}
+            "attention_head_dim": head_dim, "cross_attention_dim": heads * head_dim,
+            "in_channels": channels, "out_channels": channels}
 
   def load_config(*args, return_unused_kwargs=False, **kwargs):
     del args
@@ -121,9 +132,10 @@ def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
 
 
 def build_transformer(config, mesh_devices: tuple[np.ndarray, Mesh], subfolder: str = "transformer",
-                      num_layers: int = 2, heads: int = HEADS, head_dim: int = HEAD_DIM):
+                      num_layers: int = 2, heads: int = HEADS, head_dim: int = HEAD_DIM,
+                      channels: int = CHANNELS):
   array, mesh = mesh_devices
-  with tiny_loaders(num_layers, heads, head_dim=head_dim), mesh:
+  with tiny_loaders(num_layers, heads, head_dim=head_dim, channels=channels), mesh:
     return ltx2_pipeline.create_sharded_logical_transformer(
         devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config, subfolder=subfolder)
 
@@ -163,22 +175,104 @@ def _statistics(width: int) -> dict[str, Any]:
           "latents_std": types.SimpleNamespace(value=jnp.ones(width))}
 
 
-def pipeline(config, mesh_devices: tuple[np.ndarray, Mesh], transformer):
-  """An ``LTX2Pipeline`` around ``transformer``: the real ``__call__``, latents out."""
+def _video_decode(latents: jax.Array, return_dict: bool = False, **kwargs) -> list[jax.Array]:
+  """``[B, f, h, w, C]`` latents to ``[B, 8(f-1)+1, 32h, 32w, 3]`` pixels in [-1, 1]: the first
+  three channels, each latent frame and pixel repeated (the VAE's compressions)."""
+  del return_dict, kwargs
+  video = jnp.tanh(latents[..., :3])
+  video = jnp.concatenate([video[:, :1], jnp.repeat(video[:, 1:], 8, axis=1)], axis=1)
+  return [jnp.repeat(jnp.repeat(video, 32, axis=2), 32, axis=3)]
+
+
+def _audio_decode(latents: jax.Array, return_dict: bool = False, **kwargs) -> list[jax.Array]:
+  del return_dict, kwargs
+  return [latents]  # [B, T, mel, C]: the "spectrogram" the vocoder reads
+
+
+@dataclasses.dataclass(frozen=True)
+class VocoderConfig:
+  output_sampling_rate: int = AUDIO["sample_rate"]
+
+
+class StubVocoder(nnx.Module):
+  """Spectrogram ``[B, C, T, mel]`` to a stereo waveform ``[B, 2, T * hop]`` in [-1, 1]."""
+
+  def __init__(self):
+    self.config = VocoderConfig()
+
+  def __call__(self, mel: jax.Array) -> jax.Array:
+    wave = jnp.repeat(jnp.tanh(mel.mean(axis=(1, 3))), AUDIO["mel_hop_length"], axis=-1)
+    return jnp.stack([wave, wave], axis=1).astype(jnp.float32)
+
+
+def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 1024,
+                   scale_factor: int = 8, dtype=None) -> tuple[jax.Array, jax.Array]:
+  """Gemma's stand-in: fixed embeddings per prompt text ``[B, TEXT_LEN, CAPTION]``, all kept."""
+  del max_sequence_length, scale_factor
+  prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+  rows = [np.random.default_rng(zlib.crc32(p.strip().encode())).standard_normal(
+      (TEXT_LEN, CAPTION), np.float32) for p in prompts for _ in range(num_videos_per_prompt)]
+  embeds = jnp.asarray(np.stack(rows), dtype or jnp.float32)
+  return embeds, jnp.ones(embeds.shape[:2], jnp.bool_)
+
+
+def pipeline(config, mesh_devices: tuple[np.ndarray, Mesh], transformer, decoding: bool = False):
+  """An ``LTX2Pipeline`` around ``transformer``: the real ``__call__``, latents out; with
+  ``decoding``, prompts in and video and audio out (the stand-ins of :func:`generate_main`)."""
   # Only what __call__ reads of the VAEs, text encoder and vocoder before decoding.
   vae = types.SimpleNamespace(config=types.SimpleNamespace(scaling_factor=1.0),
                               spatial_compression_ratio=32, temporal_compression_ratio=8,
-                              **_statistics(CHANNELS))
+                              dtype=jnp.float32, decode=_video_decode,
+                              **_statistics(GENERATE_CHANNELS if decoding else CHANNELS))
   audio_vae = types.SimpleNamespace(config=types.SimpleNamespace(**AUDIO),
                                     mel_compression_ratio=MEL_RATIO,
                                     temporal_compression_ratio=AUDIO_TIME_RATIO,
+                                    dtype=jnp.float32, decode=_audio_decode,
                                     **_statistics(AUDIO_CHANNELS))
   scheduler = ltx2_pipeline.FlaxFlowMatchScheduler.from_config(SCHEDULER)
   result = ltx2_pipeline.LTX2Pipeline(
       scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=None, tokenizer=None,
-      connectors=IdentityConnectors(), transformer=transformer, vocoder=None, config=config)
+      connectors=IdentityConnectors(), transformer=transformer,
+      vocoder=StubVocoder() if decoding else None, config=config)
+  if decoding:
+    result._get_gemma_prompt_embeds = _prompt_embeds  # pylint: disable=protected-access
   result.mesh = mesh_devices[1]
   return result
+
+
+def write_checkpoint(directory, num_layers: int = 2) -> str:
+  """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
+  before loading); :func:`generate_main` builds the weights. Its path."""
+  path = pathlib.Path(directory) / "tiny-ltx2"
+  (path / "transformer").mkdir(parents=True, exist_ok=True)
+  (path / "transformer" / "config.json").write_text(
+      json.dumps({**TRANSFORMER, "num_layers": num_layers, "in_channels": GENERATE_CHANNELS,
+                  "out_channels": GENERATE_CHANNELS}))
+  return str(path)
+
+
+@contextlib.contextmanager
+def generate_main(devices: int = 1, num_layers: int = 2):
+  """``generate_ltx2``'s checkpointer builds the tiny pipeline (through any installed hooks) on
+  ``devices`` devices, counting the builds in the yielded list."""
+  generate_ltx2 = importlib.import_module("maxdiffusion.generate_ltx2")
+  builds = []
+
+  class TinyCheckpointer:
+    def __init__(self, config):
+      self.config = config
+
+    def load_checkpoint(self, step=None, vae_only=False, load_transformer=True,
+                        load_upsampler=False):
+      del step, vae_only, load_transformer, load_upsampler
+      mesh = make_mesh(self.config, devices)
+      builds.append(mesh[1])
+      transformer = build_transformer(self.config, mesh, num_layers=num_layers,
+                                      channels=GENERATE_CHANNELS)
+      return pipeline(self.config, mesh, transformer, decoding=True), None, None
+
+  with mock.patch.object(generate_ltx2, "LTX2Checkpointer", TinyCheckpointer):
+    yield builds
 
 
 def generate(pipe, steps: int, text: jax.Array, seed: int = 0,

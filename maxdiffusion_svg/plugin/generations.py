@@ -1,0 +1,225 @@
+"""How ``compare`` and ``calibrate`` drive each model's own MaxDiffusion generate main.
+
+A tool loads the weights once, through the main as the user runs it, and then runs it again
+on the loaded pipeline: ``generate_wan.run`` and ``generate_ltx2.run`` take the pipeline;
+``generate_wan_animate.run`` always loads, so its checkpointer hands back the loaded one. While
+a :func:`watching` block is open, every pipeline call of the main is seen (``before_call``
+sets the run's kernel on the pipeline before the call traces), the denoising steps it takes
+are counted, and the frames it exports are kept (the MP4s go to the working directory). Each main makes a compile warm-up call, then
+the real one: the real call's denoising seconds and steps make the tool's seconds per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+from maxdiffusion_svg import video_metrics
+from maxdiffusion_svg.video_models import LTX2, WAN, WAN_ANIMATE, VideoModel
+
+BeforeCall = Callable[[Any], None]
+OnStep = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """One family's generate main, as the tools drive it."""
+
+  family: VideoModel
+  time: str  # what a run's seconds per step measure
+  watch: Callable[[BeforeCall, OnStep], contextlib.AbstractContextManager[dict[str, Any]]]
+
+  @property
+  def module(self) -> Any:
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(f"maxdiffusion.{self.family.generate_main}")
+
+  def first(self, argv: Sequence[str]) -> None:
+    """The main as the user runs it: ``pyconfig`` from ``argv``, the weights loaded."""
+    self.module.main(list(argv))
+
+  def again(self, config: Any, seen: dict[str, Any]) -> None:
+    """The main's ``run`` on the pipeline the first run loaded."""
+    if self.family is WAN_ANIMATE:
+      self.module.run(config)  # its checkpointer returns seen["pipeline"] (see _animate)
+    else:
+      self.module.run(config, pipeline=seen["pipeline"])
+
+
+def _seen() -> dict[str, Any]:
+  """What a watch keeps: the pipeline, the frames exported, and per pipeline call its
+  denoising seconds and steps (``calls``)."""
+  return {"frames": [], "calls": []}
+
+
+def real_call(seen: dict[str, Any]) -> dict[str, Any]:
+  """The last finished pipeline call (each main's real call follows its warm-up)."""
+  return seen["calls"][-1] if seen["calls"] else {"denoise_s": float("nan"), "steps": 0}
+
+
+def step_seconds(seen: dict[str, Any], steps: int) -> float:
+  """Seconds per denoising step of the last real call; ``steps`` where the call stepped in
+  a compiled loop (no Python step to count)."""
+  call = real_call(seen)
+  return call["denoise_s"] / (call["steps"] or steps)
+
+
+@contextlib.contextmanager
+def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
+  """Sets ``owner.name = value`` for each patch, restoring every one after."""
+  saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+  for owner, name, value in patches:
+    setattr(owner, name, value)
+  try:
+    yield
+  finally:
+    for owner, name, value in reversed(saved):
+      setattr(owner, name, value)
+
+
+def _counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Callable[..., Any]:
+  """A scheduler ``step`` that counts the Python steps of the call in progress; ``on_step``
+  on the real calls' (every second call: each main warms up first)."""
+  step = scheduler.step
+
+  def counted(self, *args, **kwargs):
+    out = step(self, *args, **kwargs)
+    seen["steps"] = seen.get("steps", 0) + 1
+    if len(seen["calls"]) % 2 == 1:
+      on_step()
+    return out
+
+  return counted
+
+
+@contextlib.contextmanager
+def _wan(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
+  """``generate_wan``: its ``call_pipeline``, UniPC's step and ``export_to_video``; the
+  pipeline's own trace gives the denoising seconds (``denoise_total``)."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import generate_wan
+  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
+      FlaxUniPCMultistepScheduler as scheduler)
+  # pylint: enable=import-outside-toplevel
+  seen = _seen()
+  call, export = generate_wan.call_pipeline, generate_wan.export_to_video
+
+  def call_pipeline(config, pipeline, *args, **kwargs):
+    seen["pipeline"], seen["steps"] = pipeline, 0
+    before_call(pipeline)
+    outputs = call(config, pipeline, *args, **kwargs)
+    trace = outputs[1] if isinstance(outputs, tuple) else {}
+    seen["calls"].append({"denoise_s": trace.get("denoise_total", float("nan")),
+                          "steps": seen["steps"]})
+    return outputs
+
+  def export_to_video(video, path, fps=16, **kwargs):
+    seen["frames"].append(video_metrics.as_frames(video))
+    return export(video, path, fps=fps, **kwargs)
+
+  with _patched((generate_wan, "call_pipeline", call_pipeline),
+                (generate_wan, "export_to_video", export_to_video),
+                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
+    yield seen
+
+
+@contextlib.contextmanager
+def _ltx2(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
+  """``generate_ltx2``: its ``call_pipeline`` (the output's ``timings`` give the denoising
+  seconds; the steps run in one compiled loop) and ``export_to_video_with_audio``."""
+  from maxdiffusion import generate_ltx2  # pylint: disable=import-outside-toplevel
+  seen = _seen()
+  call, export = generate_ltx2.call_pipeline, generate_ltx2.export_to_video_with_audio
+
+  def call_pipeline(config, pipeline, *args, **kwargs):
+    seen["pipeline"] = pipeline
+    before_call(pipeline)
+    out = call(config, pipeline, *args, **kwargs)
+    timings = getattr(out, "timings", None) or {}
+    seen["calls"].append({"denoise_s": timings.get("Denoising", float("nan")), "steps": 0})
+    if len(seen["calls"]) % 2 == 0:  # the real call: its steps all at once
+      for _ in range(int(config.num_inference_steps)):
+        on_step()
+    return out
+
+  def export_to_video_with_audio(*args, **kwargs):
+    video = kwargs["video"] if "video" in kwargs else args[0]
+    seen["frames"].append(video_metrics.as_frames(video))
+    return export(*args, **kwargs)
+
+  with _patched((generate_ltx2, "call_pipeline", call_pipeline),
+                (generate_ltx2, "export_to_video_with_audio", export_to_video_with_audio)):
+    yield seen
+
+
+class _KeptCheckpointer:
+  """``generate_wan_animate``'s ``WanCheckpointer`` for a tool: the first load is the real
+  one, later runs get the pipeline it loaded."""
+
+  def __init__(self, checkpointer: Any, seen: dict[str, Any]):
+    self._checkpointer, self._seen = checkpointer, seen
+
+  def load_pretrained_pipeline_or_diffusers(self, *args, **kwargs):
+    if "pipeline" not in self._seen:
+      self._seen["pipeline"] = self._checkpointer.load_pretrained_pipeline_or_diffusers(
+          *args, **kwargs)
+    return self._seen["pipeline"]
+
+
+@contextlib.contextmanager
+def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
+  """``generate_wan_animate``: the pipeline's ``__call__`` (timed whole: the main calls the
+  pipeline directly, and the call's segments each encode, denoise and decode), UniPC's step
+  and ``export_to_video``; its checkpointer loads once."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import generate_wan_animate
+  from maxdiffusion.pipelines.wan.wan_pipeline_animate import WanAnimatePipeline
+  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
+      FlaxUniPCMultistepScheduler as scheduler)
+  # pylint: enable=import-outside-toplevel
+  seen = _seen()
+  call, export = WanAnimatePipeline.__call__, generate_wan_animate.export_to_video
+
+  def pipeline_call(self, *args, **kwargs):
+    seen["pipeline"], seen["steps"] = self, 0
+    before_call(self)
+    start = time.perf_counter()
+    out = call(self, *args, **kwargs)
+    seen["calls"].append({"denoise_s": time.perf_counter() - start, "steps": seen["steps"]})
+    return out
+
+  def export_to_video(video, path, fps=16, **kwargs):
+    # Into the working directory, as the other mains write (the tool's folder for the run).
+    seen["frames"].append(video_metrics.as_frames(video))
+    return export(video, os.path.basename(path), fps=fps, **kwargs)
+
+  with _patched((WanAnimatePipeline, "__call__", pipeline_call),
+                (generate_wan_animate, "export_to_video", export_to_video),
+                (generate_wan_animate, "WanCheckpointer",
+                 _KeptCheckpointer(generate_wan_animate.WanCheckpointer, seen)),
+                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
+    yield seen
+
+
+GENERATIONS = {
+    WAN: Generation(WAN, "seconds per denoising step of the real run (the pipeline's "
+                         "denoise_total; compile warm-up excluded)", _wan),
+    LTX2: Generation(LTX2, "seconds per denoising step of the real run (the pipeline's "
+                           "Denoising timing; compile warm-up excluded)", _ltx2),
+    WAN_ANIMATE: Generation(WAN_ANIMATE, "seconds per denoising step of the real run: the "
+                                         "whole pipeline call (every segment's encoding, "
+                                         "denoising and decoding) over its steps; compile "
+                                         "warm-up excluded", _animate),
+}
+
+
+def generation(family: VideoModel, tool: str) -> Generation:
+  """The driver of ``family``'s generate main; another family is refused by name."""
+  if family not in GENERATIONS:
+    runs = ", ".join(f"{g.family.name} ({g.family.generate_main})" for g in GENERATIONS.values())
+    raise ValueError(f"{tool} drives {runs}; {family.name} has no generate main in MaxDiffusion "
+                     f"({family.generate_main} only)")
+  return GENERATIONS[family]
