@@ -15,7 +15,7 @@ COMMAND_HELP = ("the config's dense kernel and SVG on the same prompt and seed, 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
   compare = sub.add_parser("compare", help=COMMAND_HELP)
   compare.add_argument("config", metavar="CONFIG.yml",
-                       help="a Wan generation config (base_config chains merged), e.g. "
+                       help="a Wan, LTX-2 or Wan Animate generation config (base_config chains merged), e.g. "
                             "configs/wan_svg.yml; its checkpoint, prompt, seed and video are used")
   compare.add_argument("overrides", nargs="*", metavar="key=value",
                        help="keys to change for every run, as on MaxDiffusion's command line")

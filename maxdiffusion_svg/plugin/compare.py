@@ -1,14 +1,17 @@
 """``python -m maxdiffusion_svg compare``: the user's dense kernel and SVG on one prompt and seed.
 
+Each run is the config's model through its own MaxDiffusion main (``generate_wan``,
+``generate_ltx2``, ``generate_wan_animate``: :mod:`maxdiffusion_svg.plugin.generations`).
 The weights load once, with ``attention: svg`` (so the hooks prepare the transformers); each
 run then sets, on the loaded model, what MaxDiffusion would have built for it: the
 self-attention ops' kernel name (the dense kernel, or ``svg``) and the SVG settings of the run.
 Both are static attributes of the model's graph, so each run compiles its own forward
 (MaxDiffusion's warm-up, which is not timed) and the weights are shared. Cross-attention runs
 the same in every run: ``svg`` hands it to its dense kernel, as MaxDiffusion's own kernels do
-(with Wan's ``flash_min_seq_length: 4096``, as ``dot_product``).
+(with Wan's ``flash_min_seq_length: 4096``, as ``dot_product``); so do LTX-2's audio
+self-attention and text cross-attentions.
 
-Per run: seconds per denoising step of the real call (the pipeline's ``denoise_total``), the
+Per run: seconds per denoising step of the real call (as the model's driver times it), the
 self-attention calls that ran sparse and the temporal-head share (as the kernel counted them for
 the run summary) and, against the dense
 video, PSNR, SSIM and optionally LPIPS. Each run's video and the JSON are written as soon as

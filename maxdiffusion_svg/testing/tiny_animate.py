@@ -269,9 +269,10 @@ def write_inputs(directory, segments: int = 1, seed: int = 0) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def generate_main(devices: int = 1, num_layers: int = 2):
+def generate_main(devices: int | None = None, num_layers: int = 2):
   """``generate_wan_animate``'s checkpointer builds the tiny pipeline (through any installed
-  hooks) on ``devices`` devices, counting the builds in the yielded list."""
+  hooks) on ``devices`` devices (all, as the mains' meshes take them), counting the builds in
+  the yielded list."""
   from maxdiffusion import generate_wan_animate  # pylint: disable=import-outside-toplevel
   builds = []
 
@@ -279,7 +280,7 @@ def generate_main(devices: int = 1, num_layers: int = 2):
     @staticmethod
     def load_pretrained_pipeline_or_diffusers(config, pipeline_cls, *args, **kwargs):
       del pipeline_cls, args, kwargs
-      mesh = make_mesh(config, devices)
+      mesh = make_mesh(config, devices or jax.device_count())
       builds.append(mesh[1])
       pipe = pipeline(config, mesh, build_transformer(config, mesh, num_layers=num_layers))
       pipe._get_t5_prompt_embeds = _prompt_embeds  # pylint: disable=protected-access

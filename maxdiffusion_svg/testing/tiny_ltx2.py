@@ -222,7 +222,7 @@ def pipeline(config, mesh_devices: tuple[np.ndarray, Mesh], transformer, decodin
   # Only what __call__ reads of the VAEs, text encoder and vocoder before decoding.
   vae = types.SimpleNamespace(config=types.SimpleNamespace(scaling_factor=1.0),
                               spatial_compression_ratio=32, temporal_compression_ratio=8,
-                              dtype=jnp.float32, decode=_video_decode,
+                              dtype=jnp.float32, decode=_video_decode, use_slicing=False,
                               **_statistics(GENERATE_CHANNELS if decoding else CHANNELS))
   audio_vae = types.SimpleNamespace(config=types.SimpleNamespace(**AUDIO),
                                     mel_compression_ratio=MEL_RATIO,
@@ -252,7 +252,7 @@ def write_checkpoint(directory, num_layers: int = 2) -> str:
 
 
 @contextlib.contextmanager
-def generate_main(devices: int = 1, num_layers: int = 2):
+def generate_main(devices: int | None = None, num_layers: int = 2):
   """``generate_ltx2``'s checkpointer builds the tiny pipeline (through any installed hooks) on
   ``devices`` devices, counting the builds in the yielded list."""
   generate_ltx2 = importlib.import_module("maxdiffusion.generate_ltx2")
@@ -265,7 +265,7 @@ def generate_main(devices: int = 1, num_layers: int = 2):
     def load_checkpoint(self, step=None, vae_only=False, load_transformer=True,
                         load_upsampler=False):
       del step, vae_only, load_transformer, load_upsampler
-      mesh = make_mesh(self.config, devices)
+      mesh = make_mesh(self.config, devices or jax.device_count())
       builds.append(mesh[1])
       transformer = build_transformer(self.config, mesh, num_layers=num_layers,
                                       channels=GENERATE_CHANNELS)

@@ -77,13 +77,25 @@ def test_each_config_reaches_its_models_entry_point(module, config, entry, model
 @pytest.mark.parametrize("config, model", [("ltx2_svg.yml", "LTX-2 (generate_ltx2)"),
                                            ("wan_animate_svg.yml",
                                             "Wan Animate (generate_wan_animate)")])
-def test_compare_and_calibrate_refuse_other_models_by_name(config, model, tmp_path):
+def test_calibrate_refuses_other_models_by_name(config, model, tmp_path):
   from maxdiffusion_svg.plugin.calibrate import plan_calibration  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plugin.compare import plan_comparison  # pylint: disable=import-outside-toplevel
   path = str(ROOT / "configs" / config)
-  with pytest.raises(ValueError, match=rf"compare runs generate_wan's models .*; {re.escape(model)} "
-                                       rf"is not supported by compare yet"):
-    plan_comparison(path, ["prompt=a cat"], "flash", ["config"], str(tmp_path), False)
   with pytest.raises(ValueError, match=rf"calibrate runs generate_wan's models .*; "
-                                       rf"{re.escape(model)} is not supported by calibrate yet"):
+                                       rf"{re.escape(model)} is not supported by calibrate yet: "
+                                       rf"compare it with python -m maxdiffusion_svg compare"):
     plan_calibration(path, ["prompt=a cat"], str(tmp_path / "out.yml"))
+
+
+def test_compare_refuses_a_vace_checkpoint_by_name(tmp_path):
+  """MaxDiffusion generates no VACE video (train_wan_vace only): a VACE checkpoint, known by
+  its transformer's vace_layers, is refused before anything loads."""
+  from maxdiffusion_svg.plugin.compare import plan_comparison  # pylint: disable=import-outside-toplevel
+  (tmp_path / "vace" / "transformer").mkdir(parents=True)
+  (tmp_path / "vace" / "transformer" / "config.json").write_text(json.dumps(
+      {"num_attention_heads": 12, "vace_layers": [0, 2], "vace_in_channels": 96}))
+  with pytest.raises(ValueError, match=r"is a Wan VACE checkpoint: MaxDiffusion has no VACE "
+                                       r"generate main \(train_wan_vace only\)") as err:
+    plan_comparison(str(ROOT / "configs" / "wan_svg_1_3b.yml"),
+                    ["prompt=a cat", f"pretrained_model_name_or_path={tmp_path / 'vace'}"],
+                    "flash", ["config"], str(tmp_path / "out"), False)
+  assert "\n" not in str(err.value)

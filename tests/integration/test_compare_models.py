@@ -1,0 +1,108 @@
+"""``compare`` on LTX-2 (``generate_ltx2``) and Wan Animate (``generate_wan_animate``), each main
+run for real on a tiny random model: the weights build once, each run is the kernel it names,
+and the figures recompute from the videos the mains exported."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg import plugin
+from maxdiffusion_svg.plugin import compare
+from maxdiffusion_svg.testing import tiny_animate, tiny_ltx2
+
+STEPS, LAYERS = 2, 2
+SVG = {"svg_density": 0.3, "svg_active_steps": [0, None], "svg_active_layers": [0, None]}
+COMMON = {"attention": "dot_product", "num_inference_steps": STEPS, "prompt": "a cat",
+          "enable_ml_diagnostics": False, "ici_context_parallelism": -1, **SVG}  # 8 devices
+
+
+def _ltx2(directory):
+  return tiny_ltx2, tiny_ltx2.write_config(
+      directory, pretrained_model_name_or_path=tiny_ltx2.write_checkpoint(directory),
+      num_frames=25, height=256, width=256, fps=24, per_device_batch_size=0.125,  # 1 video
+      **COMMON), 1, (25, 256, 256, 3)
+
+
+def _animate(directory):
+  # Two segments of 9 frames sharing one: each segment one run of the schedule.
+  return tiny_animate, tiny_animate.write_config(
+      directory, pretrained_model_name_or_path=tiny_animate.write_checkpoint(directory),
+      num_frames=17, segment_frame_length=9, prev_segment_conditioning_frames=1,
+      output_dir=str(directory / "maxdiffusion"), **tiny_animate.write_inputs(directory, 2),
+      **COMMON), 2, (17, 128, 128, 3)
+
+
+MODELS = {"LTX-2": _ltx2, "Wan Animate": _animate}
+_RESULTS = {}
+
+
+def compared(name, tmp_path_factory):
+  """dense (the config's own dot_product), svg at density 1 and the config's svg (0.3, every
+  call sparse): the plan, result, videos, the svg kernel's call log, builds, segments, shape."""
+  if name not in _RESULTS:
+    directory = tmp_path_factory.mktemp(name.replace(" ", "_"))
+    tiny, config, segments, shape = MODELS[name](directory)
+    plan = compare.plan_comparison(config, [], None, ["1.0", "config"], str(directory / "out"),
+                                   lpips=False)
+    plugin.register()
+    with tiny.generate_main() as builds, plugin.record_calls() as log:
+      result, videos = compare.run_comparison(plan, log=lambda m: None)
+      jax.effects_barrier()
+    _RESULTS[name] = plan, result, videos, list(log), builds, segments, shape, directory
+  return _RESULTS[name]
+
+
+@pytest.mark.parametrize("name", [
+    "LTX-2", pytest.param("Wan Animate", marks=pytest.mark.full)])
+def test_runs_share_one_build_and_each_runs_its_kernel(name, tmp_path_factory):
+  plan, result, videos, log, builds, segments, shape, _ = compared(name, tmp_path_factory)
+  assert [r.name for r in plan.runs] == ["dense (dot_product)", "svg density 1", "svg"]
+  assert len(builds) == 1  # the pipeline built once, every run on it
+  assert result["model"] == name and result["steps"] == STEPS
+  assert {k: v.shape for k, v in videos.items()} == {r.name: shape for r in plan.runs}
+  # Video self-attention enters the svg kernel only in the svg runs: per run a warm-up and a
+  # real call (generate_ltx2 warms up with every step of its scanned loop), each segment
+  # STEPS x LAYERS calls, every one sparse.
+  self_calls = [r for r in log if r["kind"] == "self"]
+  assert len(self_calls) == 2 * 2 * segments * STEPS * LAYERS
+  assert all(r["sparse"] for r in self_calls)
+  assert sorted({r["density"] for r in self_calls}) == [0.3, 1.0]
+  rows = {r["name"]: r for r in result["runs"]}
+  for run in ("svg density 1", "svg"):
+    assert (rows[run]["sparse_calls"], rows[run]["dense_calls"]) == (
+        segments * STEPS * LAYERS, 0)
+    assert rows[run]["calls_counted"] and rows[run]["sparse_call_share"] == 1.0
+  assert "sparse_calls" not in rows["dense (dot_product)"]
+  assert all(r["step_s"] > 0 and math.isfinite(r["step_s"]) for r in rows.values())
+
+
+@pytest.mark.parametrize("name", [
+    "LTX-2", pytest.param("Wan Animate", marks=pytest.mark.full)])
+def test_density_one_is_dense_and_the_figures_recompute(name, tmp_path_factory):
+  plan, result, videos, _, _, _, shape, directory = compared(name, tmp_path_factory)
+  dense, full, sparse = (videos[r.name] for r in plan.runs)
+  rows = {r["name"]: r for r in result["runs"]}
+  # Every tile runs at density 1: the dense kernel's video up to rounding.
+  assert np.abs(full.astype(int) - dense.astype(int)).max() <= 1
+  assert rows["svg density 1"]["psnr_db"] > 40
+  # At 0.3 the video is its own (random weights attend almost uniformly: it differs little).
+  assert (sparse != dense).any() and math.isfinite(rows["svg"]["psnr_db"])
+  a, b = sparse.astype(np.float64) / 255, dense.astype(np.float64) / 255
+  mse = ((a - b) ** 2).reshape(len(a), -1).mean(axis=1)
+  expected = np.mean([math.inf if m == 0 else 10 * math.log10(1 / m) for m in mse])
+  assert rows["svg"]["psnr_db"] == pytest.approx(expected, rel=1e-4)
+  assert 0 < rows["svg"]["ssim"] <= 1
+  written = json.loads((directory / "out" / "compare.json").read_text())
+  assert [r["name"] for r in written["runs"]] == list(rows)
+  assert (directory / "out" / "side_by_side.mp4").stat().st_size > 0
+  for row in written["runs"]:  # each run's MP4 as its main wrote it, in the run's folder
+    assert len(row["videos"]) == 1 and row["videos"][0].endswith(".mp4")
+  assert shape[0] == len(dense)
