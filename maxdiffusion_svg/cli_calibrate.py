@@ -9,7 +9,7 @@ import sys
 from maxdiffusion_svg.cli_args import require_maxdiffusion
 
 COMMAND_HELP = ("per-layer budgets for your checkpoint: runs the config's prompt(s) through "
-                "generate_wan, measures each layer's error against dense at a ladder of "
+                "the model's own main (generate_wan, generate_ltx2, generate_wan_animate), measures each layer's error against dense at a ladder of "
                 "densities, compensation off and on, on device, and writes an overlay config "
                 "whose layers spend the uniform density's tiles where they matter (needs "
                 "MaxDiffusion on PYTHONPATH)")

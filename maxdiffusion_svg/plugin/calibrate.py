@@ -1,5 +1,6 @@
-"""``calibrate``: per-layer densities measured on the user's checkpoint, through MaxDiffusion's
-own ``generate_wan``, written as an overlay config.
+"""``calibrate``: per-layer densities measured on the user's checkpoint, through the model's own
+MaxDiffusion main (``generate_wan``, ``generate_ltx2``, ``generate_wan_animate``), written as an
+overlay config.
 
 The config runs as the user would run it (``attention=svg``, its schedule), once per prompt,
 weights loaded once. Every video self-attention call also measures, on device, its error
@@ -31,7 +32,7 @@ from maxdiffusion_svg.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, He
 from maxdiffusion_svg.compensation import check_compensation
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.plugin import generations, hooks, launcher
-from maxdiffusion_svg.plugin.compare import check_checkpoint, check_generate_wan
+from maxdiffusion_svg.plugin.compare import check_checkpoint
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
@@ -99,7 +100,7 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   from maxdiffusion_svg.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
-  check_generate_wan(keys, "calibrate")
+  generations.generation(video_model(keys), "calibrate")
   settings = PluginSettings.from_mapping(keys)
   compensation = compensation or ("config" if per_head else "both")
   if per_head:
@@ -185,7 +186,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     argv = launcher.prepare_argv(["calibrate", plan.config, *plan.overrides,
                                   f"attention={KERNEL_NAME}"], tmp)[0]
     cwd = os.getcwd()
-    os.chdir(tmp)  # generate_wan writes its MP4 into the working directory
+    os.chdir(tmp)  # the main writes its MP4 into the working directory
     try:
       for i, prompt in enumerate(plan.prompts):
         log(f"calibrate: prompt {i + 1} of {len(plan.prompts)}")

@@ -36,7 +36,7 @@ from maxdiffusion_svg.layouts import check_layouts
 from maxdiffusion_svg.plugin import generations, hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
-from maxdiffusion_svg.video_models import WAN, grid_of, video_model
+from maxdiffusion_svg.video_models import grid_of, video_model
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -182,16 +182,6 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
   return Plan(config, tuple(overrides), tuple(runs), keys, settings, out.resolve(), lpips)
 
 
-def check_generate_wan(keys: dict[str, Any], tool: str) -> None:
-  """``calibrate`` drives ``generate_wan``: another model's config is refused by name before
-  anything loads."""
-  family = video_model(keys)
-  if family is not WAN:
-    raise ValueError(f"{tool} runs generate_wan's models (Wan 2.1 / 2.2 T2V and I2V); "
-                     f"{family.name} ({family.generate_main}) is not supported by {tool} yet: "
-                     f"compare it with python -m maxdiffusion_svg compare")
-
-
 def check_checkpoint(name: str) -> None:
   """The checkpoint's transformer config can be read (a local folder, or a Hub id)."""
   if not name:
@@ -205,7 +195,7 @@ def check_checkpoint(name: str) -> None:
   if "vace_layers" in transformer:
     raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint: "
                      f"MaxDiffusion has no VACE generate main (train_wan_vace only), so there is "
-                     f"no VACE video to compare; fine-tune it with python -m "
+                     f"no VACE video to compare or calibrate on; fine-tune it with python -m "
                      f"maxdiffusion_svg.train_vace")
 
 

@@ -6,7 +6,6 @@ loads."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -74,28 +73,23 @@ def test_each_config_reaches_its_models_entry_point(module, config, entry, model
                  "steps": steps}
 
 
-@pytest.mark.parametrize("config, model", [("ltx2_svg.yml", "LTX-2 (generate_ltx2)"),
-                                           ("wan_animate_svg.yml",
-                                            "Wan Animate (generate_wan_animate)")])
-def test_calibrate_refuses_other_models_by_name(config, model, tmp_path):
-  from maxdiffusion_svg.plugin.calibrate import plan_calibration  # pylint: disable=import-outside-toplevel
-  path = str(ROOT / "configs" / config)
-  with pytest.raises(ValueError, match=rf"calibrate runs generate_wan's models .*; "
-                                       rf"{re.escape(model)} is not supported by calibrate yet: "
-                                       rf"compare it with python -m maxdiffusion_svg compare"):
-    plan_calibration(path, ["prompt=a cat"], str(tmp_path / "out.yml"))
-
-
-def test_compare_refuses_a_vace_checkpoint_by_name(tmp_path):
-  """MaxDiffusion generates no VACE video (train_wan_vace only): a VACE checkpoint, known by
-  its transformer's vace_layers, is refused before anything loads."""
-  from maxdiffusion_svg.plugin.compare import plan_comparison  # pylint: disable=import-outside-toplevel
+@pytest.mark.parametrize("tool", ["compare", "calibrate"])
+def test_a_vace_checkpoint_is_refused_by_name(tool, tmp_path):
+  """MaxDiffusion generates no VACE video (train_wan_vace only): compare and calibrate refuse a
+  VACE checkpoint, known by its transformer's vace_layers, before anything loads."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin.calibrate import plan_calibration
+  from maxdiffusion_svg.plugin.compare import plan_comparison
+  # pylint: enable=import-outside-toplevel
   (tmp_path / "vace" / "transformer").mkdir(parents=True)
   (tmp_path / "vace" / "transformer" / "config.json").write_text(json.dumps(
       {"num_attention_heads": 12, "vace_layers": [0, 2], "vace_in_channels": 96}))
+  config = str(ROOT / "configs" / "wan_svg_1_3b.yml")
+  overrides = ["prompt=a cat", f"pretrained_model_name_or_path={tmp_path / 'vace'}"]
   with pytest.raises(ValueError, match=r"is a Wan VACE checkpoint: MaxDiffusion has no VACE "
                                        r"generate main \(train_wan_vace only\)") as err:
-    plan_comparison(str(ROOT / "configs" / "wan_svg_1_3b.yml"),
-                    ["prompt=a cat", f"pretrained_model_name_or_path={tmp_path / 'vace'}"],
-                    "flash", ["config"], str(tmp_path / "out"), False)
+    if tool == "compare":
+      plan_comparison(config, overrides, "flash", ["config"], str(tmp_path / "out"), False)
+    else:
+      plan_calibration(config, overrides, str(tmp_path / "out.yml"))
   assert "\n" not in str(err.value)

@@ -1,13 +1,16 @@
-"""``compare`` on LTX-2 (``generate_ltx2``) and Wan Animate (``generate_wan_animate``), each main
-run for real on a tiny random model: the weights build once, each run is the kernel it names,
-and the figures recompute from the videos the mains exported."""
+"""``compare`` and ``calibrate`` on LTX-2 (``generate_ltx2``) and Wan Animate
+(``generate_wan_animate``), each main run for real on a tiny random model: the weights build
+once, each run is the kernel it names, the figures recompute from the videos the mains
+exported, and calibration measures every sparse call of every segment."""
 
+import contextlib
 import json
 import math
 
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from md_required import require_maxdiffusion
 
@@ -15,7 +18,8 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.plugin import compare
+from maxdiffusion_svg.plugin import calibrate, compare
+from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.testing import tiny_animate, tiny_ltx2
 
 STEPS, LAYERS = 2, 2
@@ -106,3 +110,38 @@ def test_density_one_is_dense_and_the_figures_recompute(name, tmp_path_factory):
   for row in written["runs"]:  # each run's MP4 as its main wrote it, in the run's folder
     assert len(row["videos"]) == 1 and row["videos"][0].endswith(".mp4")
   assert shape[0] == len(dense)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["LTX-2", "Wan Animate"])
+def test_calibrate_measures_every_sparse_call_through_the_models_main(name, tmp_path,
+                                                                      monkeypatch):
+  tiny, config, segments, _ = MODELS[name](tmp_path)
+  plan = calibrate.plan_calibration(config, [], str(tmp_path / "overlay.yml"))
+  measured = []
+  record = calibrate.record_rung_errors
+
+  @contextlib.contextmanager
+  def recording(rungs):  # the kernel's measurements, kept for the count below
+    with record(rungs) as entries:
+      measured.append(entries)
+      yield entries
+
+  monkeypatch.setattr(calibrate, "record_rung_errors", recording)
+  plugin.register()
+  with tiny.generate_main() as builds:
+    report, frames = calibrate.run_calibration(plan, log=lambda m: None)
+  assert len(builds) == 1 and frames.ndim == 4
+  # Warm-up and real call, each segment STEPS x LAYERS sparse calls, each measured once.
+  entries = measured[0]
+  assert len(entries) == 2 * segments * STEPS * LAYERS
+  assert all(np.isfinite(e["errors"]).all() and e["active"] for e in entries)
+  assert sorted({e["layer"] for e in entries}) == list(range(LAYERS))
+  overlay = (tmp_path / "overlay.yml").read_text()
+  assert "svg_layer_densities" in overlay
+  keys = yaml.safe_load(overlay)
+  densities = keys["svg_layer_densities"]
+  assert len(densities) == LAYERS and all(d in [r.density for r in plan.rungs] for d in densities)
+  merged = {**plan.keys, **{k: v for k, v in keys.items() if k.startswith("svg_")}}
+  assert PluginSettings.from_mapping(merged).svg is not None  # the overlay is a valid config
+  assert report["prompts"] == 1
