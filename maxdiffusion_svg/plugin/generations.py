@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -30,7 +31,15 @@ class Generation:
 
   family: VideoModel
   time: str  # what a run's seconds per step measure
-  watch: Callable[[BeforeCall, OnStep], contextlib.AbstractContextManager[dict[str, Any]]]
+  watching: Callable[[BeforeCall, OnStep], contextlib.AbstractContextManager[dict[str, Any]]]
+
+  def watch(self, before_call: BeforeCall,
+            on_step: OnStep) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """See the module's docstring. The plugin's hooks are installed first: the watch wraps
+    them, and puts back what it found."""
+    from maxdiffusion_svg import plugin  # pylint: disable=import-outside-toplevel
+    plugin.register()
+    return self.watching(before_call, on_step)
 
   @property
   def module(self) -> Any:
@@ -85,6 +94,7 @@ def _counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Cal
   on the real calls' (every second call: each main warms up first)."""
   step = scheduler.step
 
+  @functools.wraps(step)
   def counted(self, *args, **kwargs):
     out = step(self, *args, **kwargs)
     seen["steps"] = seen.get("steps", 0) + 1
@@ -107,6 +117,7 @@ def _wan(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
   seen = _seen()
   call, export = generate_wan.call_pipeline, generate_wan.export_to_video
 
+  @functools.wraps(call)
   def call_pipeline(config, pipeline, *args, **kwargs):
     seen["pipeline"], seen["steps"] = pipeline, 0
     before_call(pipeline)
@@ -134,6 +145,7 @@ def _ltx2(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
   seen = _seen()
   call, export = generate_ltx2.call_pipeline, generate_ltx2.export_to_video_with_audio
 
+  @functools.wraps(call)
   def call_pipeline(config, pipeline, *args, **kwargs):
     seen["pipeline"] = pipeline
     before_call(pipeline)
@@ -183,6 +195,7 @@ def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any
   seen = _seen()
   call, export = WanAnimatePipeline.__call__, generate_wan_animate.export_to_video
 
+  @functools.wraps(call)
   def pipeline_call(self, *args, **kwargs):
     seen["pipeline"], seen["steps"] = self, 0
     before_call(self)

@@ -21,6 +21,7 @@ from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plugin import calibrate, compare
 from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.testing import tiny_animate, tiny_ltx2
+from tiny_runs import ROOT
 
 STEPS, LAYERS = 2, 2
 SVG = {"svg_density": 0.3, "svg_active_steps": [0, None], "svg_active_layers": [0, None]}
@@ -145,3 +146,43 @@ def test_calibrate_measures_every_sparse_call_through_the_models_main(name, tmp_
   merged = {**plan.keys, **{k: v for k, v in keys.items() if k.startswith("svg_")}}
   assert PluginSettings.from_mapping(merged).svg is not None  # the overlay is a valid config
   assert report["prompts"] == 1
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name, config", [("LTX-2", "ltx2_svg.yml"),
+                                          ("Wan Animate", "wan_animate_svg.yml")])
+def test_the_shipped_config_generates_through_the_launcher(name, config, tmp_path, capsys,
+                                                           monkeypatch):
+  """``python -m maxdiffusion_svg.generate configs/CONFIG`` in this process, end to end: the
+  model's main loads the tiny checkpoint, denoises under the shipped schedule (moderate: the
+  first fifth of the steps and layer 0 dense) and writes its MP4."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin import generations, launcher
+  from maxdiffusion_svg.video_models import LTX2, WAN_ANIMATE
+  # pylint: enable=import-outside-toplevel
+  tiny, run_config, segments, shape = MODELS[name](tmp_path)
+  keys = yaml.safe_load(open(run_config, encoding="utf-8"))
+  steps = 5  # steps 1-4 sparse on layer 1
+  overrides = [f"{key}={value}" for key, value in keys.items()
+               if key in ("pretrained_model_name_or_path", "num_frames", "height", "width",
+                          "per_device_batch_size", "segment_frame_length", "output_dir",
+                          "prev_segment_conditioning_frames", "reference_image_path",
+                          "pose_video_path", "face_video_path", "weights_dtype",
+                          "activations_dtype", "svg_block_q", "svg_block_kv",
+                          "svg_min_seq_length", "svg_profile_queries", "svg_backend",
+                          "skip_jax_distributed_system", "run_name", "jax_cache_dir",
+                          "precision", "flash_min_seq_length")
+               or key.startswith("ici_")]
+  overrides += [f"num_inference_steps={steps}", "enable_ml_diagnostics=false", "prompt=a cat"]
+  family = LTX2 if name == "LTX-2" else WAN_ANIMATE
+  monkeypatch.chdir(tmp_path)
+  with tiny.generate_main() as builds, \
+      generations.GENERATIONS[family].watch(lambda pipeline: None, lambda: None) as seen:
+    launcher.run(["maxdiffusion_svg.generate", str(ROOT / "configs" / config), *overrides])
+    jax.effects_barrier()
+  assert len(builds) == 1 and seen["frames"][-1].shape == shape
+  assert list(tmp_path.glob("*.mp4"))  # the main's own export
+  calls, sparse = steps * LAYERS * segments, (steps - 1) * (LAYERS - 1) * segments
+  lines = [l for l in capsys.readouterr().out.splitlines() if "run summary:" in l]
+  assert lines and all(f"{calls} self-attention calls, {sparse} sparse and {calls - sparse} "
+                       f"dense (counted)" in line for line in lines), lines
