@@ -37,10 +37,9 @@ import time
 from typing import Any, Callable, Sequence
 from unittest import mock
 
-from maxdiffusion_svg.bench.wan_aot import (KERNEL_KEYS as WAN_KERNEL_KEYS, _counts, abstract_tree,
-                                            init_config, mosaic_kernel_names, mosaic_kernels,
-                                            topology_mesh)
-from maxdiffusion_svg.target import MIB
+from maxdiffusion_svg.bench.wan_aot import (KERNEL_KEYS as WAN_KERNEL_KEYS, _counts,
+                                            abstract_loaders, abstract_tree, init_config, mib,
+                                            mutable_stores, record_compile, topology_mesh)
 
 KERNELS = ("flash", "ulysses_custom_fixed_m", "svg")
 # MaxDiffusion's fixed-m kernel at its fast recipe (the blocks it ships for Wan; LTX-2 has no
@@ -158,23 +157,9 @@ def weightless_loaders(num_layers: int):
   """LTX-2's ``create_sharded_logical_transformer`` without weights: LTX-2 19B's architecture
   with ``num_layers`` layers, each parameter a ``ShapeDtypeStruct`` with its final dtype and
   the ``NamedSharding`` the pipeline computed for it."""
-  # pylint: disable=import-outside-toplevel
-  import flax
-  import jax
-  # pylint: enable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   ltx2_pipeline = ltx2_pipeline_module()
-  architecture = {**LTX2_19B, "num_layers": num_layers}
-
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(architecture), kwargs) if return_unused_kwargs else dict(architecture)
-
-  def load_weights(_path, eval_shapes, *args, cast_dtype_fn=None, **kwargs):
-    del args, kwargs
-    flat = flax.traverse_util.flatten_dict(eval_shapes)
-    return flax.traverse_util.unflatten_dict({
-        name: jax.ShapeDtypeStruct(x.shape, cast_dtype_fn(name) if cast_dtype_fn else x.dtype)
-        for name, x in flat.items()})
+  load_config, load_weights = abstract_loaders({**LTX2_19B, "num_layers": num_layers})
 
   def place(value, sharding):
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
@@ -207,19 +192,10 @@ def _with_semantic_store(forward: Any) -> Callable[..., Any]:
   """LTX-2's ``forward`` (``graphdef, state, ...``: the whole model state) with the semantic
   store's abstract values made mutable arrays inside the trace, as a run's are (see
   ``wan_aot._with_semantic_store`` for Wan's split state)."""
-  # pylint: disable=import-outside-toplevel
-  import jax
-  from flax import nnx
-
-  from maxdiffusion_svg.plugin import semantic_store
-  # pylint: enable=import-outside-toplevel
-
-  def as_ref(var: Any) -> Any:  # a new mutable array
-    return type(var)(var[...], ref=True) if isinstance(var, semantic_store.STORES) else var
+  import jax  # pylint: disable=import-outside-toplevel
 
   def wrapped(graphdef, state, *args, **kwargs):
-    state = jax.tree.map(as_ref, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return forward.jitted(graphdef, state, *args, **kwargs)
+    return forward.jitted(graphdef, mutable_stores(state), *args, **kwargs)
 
   return jax.jit(wrapped, static_argnames=forward.static_argnames)
 
@@ -293,21 +269,9 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path | None = None,
   row["lower_seconds"] = round(time.perf_counter() - start, 1)
   log(f"  {kernel}: built and lowered in {row['lower_seconds']} s; compiling for {topology}...")
   result = compile_lowered(lowered, options)
-  row.update(ok=result.ok, error=result.error, memory=result.memory,
-             seconds=round(result.seconds, 1))
-  if result.ok:
-    text_hlo = result.executable.as_text()
-    row["mosaic_kernels"] = mosaic_kernels(text_hlo)
-    row["mosaic_kernel_names"] = mosaic_kernel_names(text_hlo)
-    if hlo_dir is not None:
-      path = (pathlib.Path(hlo_dir) /
-              f"ltx2_{kernel}_{'x'.join(map(str, grid))}_{layers}layers.hlo.txt")
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(text_hlo, encoding="utf-8")
-      row["hlo"] = str(path)
-  log(f"  {kernel}: {'compiled' if result.ok else 'FAILED'} in {row['seconds']} s"
-      f"{'' if result.ok else ': ' + result.error}")
-  return row
+  row["memory"] = result.memory
+  return record_compile(row, result, kernel, hlo_dir,
+                        f"ltx2_{kernel}_{'x'.join(map(str, grid))}_{layers}layers", log)
 
 
 def compile_ltx2_forwards(kernels: Sequence[str] = KERNELS, num_layers: int | None = 2,
@@ -368,11 +332,6 @@ def format_ltx2_forwards(result: dict[str, Any]) -> str:
            "| video | latent (tokens) | kernel | compiles | arguments MiB | outputs MiB | temp MiB "
            "| compile s | Mosaic kernels | error |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-
-  def mib(row, name):
-    value = row["memory"].get(name)
-    return "-" if value is None else f"{value / MIB:,.1f}"
-
   named = []
   for name, entry in result["resolutions"].items():
     frames, height, width = entry["video"]

@@ -126,17 +126,14 @@ def topology_mesh(config, topology: str):
 # -------------------------------------------------------------------- the weightless model
 
 
-@contextlib.contextmanager
-def weightless_loaders(num_layers: int):
-  """``create_sharded_logical_transformer`` without weights: Wan 14B's architecture with
-  ``num_layers`` layers, each parameter a ``ShapeDtypeStruct`` with its final dtype and the
-  ``NamedSharding`` the pipeline computed for it."""
+def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
+                                                            Callable[..., Any]]:
+  """Stand-ins for a model's Hugging Face loaders: ``load_config`` returns ``architecture``;
+  the weight loader returns each parameter as a ``ShapeDtypeStruct`` of its final dtype."""
   # pylint: disable=import-outside-toplevel
   import flax
   import jax
-  from maxdiffusion.pipelines.wan import wan_pipeline
   # pylint: enable=import-outside-toplevel
-  architecture = {**WAN_14B, "num_layers": num_layers}
 
   def load_config(*args, return_unused_kwargs=False, **kwargs):
     del args
@@ -148,6 +145,21 @@ def weightless_loaders(num_layers: int):
     return flax.traverse_util.unflatten_dict({
         name: jax.ShapeDtypeStruct(x.shape, cast_dtype_fn(name) if cast_dtype_fn else x.dtype)
         for name, x in flat.items()})
+
+  return load_config, load_weights
+
+
+@contextlib.contextmanager
+def weightless_loaders(num_layers: int):
+  """``create_sharded_logical_transformer`` without weights: Wan 14B's architecture with
+  ``num_layers`` layers, each parameter a ``ShapeDtypeStruct`` with its final dtype and the
+  ``NamedSharding`` the pipeline computed for it."""
+  # pylint: disable=import-outside-toplevel
+  import flax
+  import jax
+  from maxdiffusion.pipelines.wan import wan_pipeline
+  # pylint: enable=import-outside-toplevel
+  load_config, load_weights = abstract_loaders({**WAN_14B, "num_layers": num_layers})
 
   def place(state, params, shardings, mesh, restored_checkpoint=None, subfolder=""):
     del mesh, restored_checkpoint, subfolder
@@ -198,10 +210,9 @@ def abstract_tree(tree: Any, mesh) -> Any:
 # ---------------------------------------------------------------------------- compiling
 
 
-def _with_semantic_store(forward: Callable[..., Any]) -> Callable[..., Any]:
-  """``forward`` whose model state's semantic store (abstract values: a compile-only mesh
-  holds no arrays) becomes mutable arrays inside the trace, as a run's are, so the compiled
-  program reads and writes the centroids as a run does."""
+def mutable_stores(tree: Any) -> Any:
+  """``tree`` with its semantic-store variables (abstract values: a compile-only mesh holds
+  no arrays) made new mutable arrays, as a run's are; call inside the trace."""
   # pylint: disable=import-outside-toplevel
   import jax
   from flax import nnx
@@ -209,12 +220,20 @@ def _with_semantic_store(forward: Callable[..., Any]) -> Callable[..., Any]:
   from maxdiffusion_svg.plugin import semantic_store
   # pylint: enable=import-outside-toplevel
 
-  def as_ref(var: Any) -> Any:  # a new mutable array
-    return type(var)(var[...], ref=True) if isinstance(var, semantic_store.STORES) else var  # a new mutable array
+  def as_ref(var: Any) -> Any:
+    return type(var)(var[...], ref=True) if isinstance(var, semantic_store.STORES) else var
+
+  return jax.tree.map(as_ref, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _with_semantic_store(forward: Callable[..., Any]) -> Callable[..., Any]:
+  """``forward`` whose model state's semantic store becomes mutable arrays inside the trace
+  (:func:`mutable_stores`), so the compiled program reads and writes the centroids as a run
+  does."""
+  import jax  # pylint: disable=import-outside-toplevel
 
   def wrapped(graphdef, state, rest, *args, **kwargs):
-    rest = jax.tree.map(as_ref, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return forward(graphdef, state, rest, *args, **kwargs)
+    return forward(graphdef, state, mutable_stores(rest), *args, **kwargs)
 
   return jax.jit(wrapped, static_argnames=("do_classifier_free_guidance", "guidance_scale"))
 
@@ -274,14 +293,22 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
   row["lower_seconds"] = round(time.perf_counter() - start, 1)
   log(f"  {kernel}: built and lowered in {row['lower_seconds']} s; compiling for {topology}...")
   result = compile_lowered(lowered, options)
-  row.update(ok=result.ok, error=result.error, memory=result.memory,
-             seconds=round(result.seconds, 1))
+  row["memory"] = result.memory
+  return record_compile(row, result, kernel, hlo_dir, f"wan_{kernel}_{layers}layers", log)
+
+
+def record_compile(row: dict[str, Any], result: Any, kernel: str,
+                   hlo_dir: str | pathlib.Path | None, hlo_name: str,
+                   log: Callable[[str], None]) -> dict[str, Any]:
+  """``row`` with a compile's outcome (``ok``, ``error``, ``seconds``; compiled: the Mosaic
+  kernels in its HLO, which goes to ``hlo_dir/hlo_name.hlo.txt`` when given), logged."""
+  row.update(ok=result.ok, error=result.error, seconds=round(result.seconds, 1))
   if result.ok:
     text_hlo = result.executable.as_text()
     row["mosaic_kernels"] = mosaic_kernels(text_hlo)
     row["mosaic_kernel_names"] = mosaic_kernel_names(text_hlo)
     if hlo_dir is not None:
-      path = pathlib.Path(hlo_dir) / f"wan_{kernel}_{layers}layers.hlo.txt"
+      path = pathlib.Path(hlo_dir) / f"{hlo_name}.hlo.txt"
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_text(text_hlo, encoding="utf-8")
       row["hlo"] = str(path)
@@ -345,11 +372,6 @@ def format_wan_forwards(result: dict[str, Any]) -> str:
            "| kernel | compiles | arguments MiB | outputs MiB | temp MiB | compile s "
            "| Mosaic kernels | error |",
            "|---|---|---|---|---|---|---|---|"]
-
-  def mib(row, name):
-    value = row["memory"].get(name)
-    return "-" if value is None else f"{value / MIB:,.1f}"
-
   for name, row in result["kernels"].items():
     error = row["error"].replace("|", "\\|") if row["error"] else ""
     kernels = "-" if row["mosaic_kernels"] is None else str(row["mosaic_kernels"])
@@ -367,6 +389,12 @@ def format_wan_forwards(result: dict[str, Any]) -> str:
                  f"flash_min_seq_length {short[0]}: MaxDiffusion's dispatcher runs it as "
                  f"dot_product (for flash, ulysses and svg's dense kernel flash alike).")
   return "\n".join(lines)
+
+
+def mib(row: dict[str, Any], name: str) -> str:
+  """A table cell: ``row``'s memory ``name`` (bytes) in MiB, or ``-``."""
+  value = row["memory"].get(name)
+  return "-" if value is None else f"{value / MIB:,.1f}"
 
 
 def _counts(names: Sequence[str]) -> list[tuple[str, int]]:

@@ -240,22 +240,12 @@ def compile_train_step(kernel: str, config_path: str | pathlib.Path = DEFAULT_CO
   row["lower_seconds"] = round(time.perf_counter() - start, 1)
   log(f"  {kernel}: built and lowered in {row['lower_seconds']} s; compiling for {topology}...")
   result = _compile(lowered, options)
-  row.update(ok=result.ok, error=result.error, seconds=round(result.seconds, 1))
-  if not result.ok:
-    row["error_detail"] = result.detail
   if result.ok:
     row["memory"] = memory(result.executable)
-    text_hlo = result.executable.as_text()
-    row["mosaic_kernels"] = wan_aot.mosaic_kernels(text_hlo)
-    row["mosaic_kernel_names"] = wan_aot.mosaic_kernel_names(text_hlo)
-    if hlo_dir is not None:
-      path = pathlib.Path(hlo_dir) / f"wan_train_{kernel}_{layers}layers.hlo.txt"
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(text_hlo, encoding="utf-8")
-      row["hlo"] = str(path)
-  log(f"  {kernel}: {'compiled' if result.ok else 'FAILED'} in {row['seconds']} s"
-      f"{'' if result.ok else ': ' + result.error}")
-  return row
+  else:
+    row["error_detail"] = result.detail
+  return wan_aot.record_compile(row, result, kernel, hlo_dir,
+                                f"wan_train_{kernel}_{layers}layers", log)
 
 
 def compile_wan_train_steps(kernels: Sequence[str] = KERNELS,
@@ -324,9 +314,7 @@ def format_wan_train_steps(result: dict[str, Any]) -> str:
            "| host temp MiB | compile s | Mosaic kernels | error |",
            "|---|---|---|---|---|---|---|---|---|---|"]
 
-  def mib(row, name):
-    value = row["memory"].get(name)
-    return "-" if value is None else f"{value / MIB:,.1f}"
+  mib = wan_aot.mib
 
   for name, row in result["kernels"].items():
     error = row["error"].replace("|", "\\|") if row["error"] else ""
