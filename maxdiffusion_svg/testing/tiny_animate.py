@@ -25,14 +25,11 @@ prompt's text); :func:`write_inputs` writes the files.
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import types
-import zlib
 from typing import Any
 from unittest import mock
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,28 +77,6 @@ def write_config(directory, base: str = "base_wan_animate.yml", **keys: Any) -> 
   return tiny_wan.write_config(directory, base, **{**BASE_KEYS, **keys})
 
 
-def _random_params(scale: float):
-  """A weight loader of host (NumPy) random values keyed by name and layer: scanned and
-  per-block models get the same weights, without one compile per leaf shape."""
-
-  def value(name: tuple, shape, dtype) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32("/".join(map(str, name)).encode()))
-    return (scale * rng.standard_normal(shape, np.float32)).astype(dtype)
-
-  def load(_path, eval_shapes, *args, **kwargs):
-    del args, kwargs
-    params = {}
-    for name, leaf in flax.traverse_util.flatten_dict(eval_shapes).items():
-      if name[0] == "blocks" and not isinstance(name[1], int):  # stacked over layers
-        params[name] = np.stack([value(("blocks", i, *name[1:]), leaf.shape[1:], leaf.dtype)
-                                 for i in range(leaf.shape[0])])
-      else:
-        params[name] = value(name, leaf.shape, leaf.dtype)
-    return flax.traverse_util.unflatten_dict(params)
-
-  return load
-
-
 @contextlib.contextmanager
 def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
                  head_dim: int = HEAD_DIM):
@@ -110,11 +85,7 @@ def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
   config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads,
             "attention_head_dim": head_dim, "added_kv_proj_dim": heads * head_dim}
 
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
-
-  weights = _random_params(scale)
+  load_config, weights = tiny_wan.config_loader(config), tiny_wan.host_random_params(scale)
   model = wan_pipeline_animate.WanAnimateTransformer3DModel
   with mock.patch.object(model, "load_config", side_effect=load_config), \
        mock.patch.object(wan_pipeline_animate, "load_wan_animate_transformer", side_effect=weights):
@@ -233,20 +204,15 @@ def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: 
   the pipeline converts them)."""
   import torch  # pylint: disable=import-outside-toplevel
   del max_sequence_length
-  prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-  rows = [np.random.default_rng(zlib.crc32(p.strip().encode())).standard_normal(
-      (TEXT_LEN, TEXT_DIM), np.float32) for p in prompts for _ in range(num_videos_per_prompt)]
-  return torch.from_numpy(np.stack(rows))
+  return torch.from_numpy(tiny_wan.prompt_rows(prompt, num_videos_per_prompt,
+                                               (TEXT_LEN, TEXT_DIM)))
 
 
 def write_checkpoint(directory, num_layers: int = 2) -> str:
   """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
   before loading); :func:`generate_main` builds the weights. Its path."""
-  path = pathlib.Path(directory) / "tiny-wan-animate"
-  (path / "transformer").mkdir(parents=True, exist_ok=True)
-  (path / "transformer" / "config.json").write_text(
-      json.dumps({**TRANSFORMER, "num_layers": num_layers}))
-  return str(path)
+  return tiny_wan.write_transformer_config(directory, "tiny-wan-animate",
+                                          {**TRANSFORMER, "num_layers": num_layers})
 
 
 def write_inputs(directory, segments: int = 1, seed: int = 0) -> dict[str, str]:

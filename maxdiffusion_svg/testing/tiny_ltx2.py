@@ -10,7 +10,8 @@ statistics and compression ratios (``output_type="latent"``: no decode).
 
 :func:`generate_main` runs MaxDiffusion's own ``generate_ltx2`` (prompts, decoding and the
 MP4 with audio): its checkpointer builds the tiny pipeline with stand-ins for the Gemma
-encoder (embeddings from the prompt's text), the video and audio VAE decoders and the vocoder.
+encoder (embeddings from the prompt's text), the video and audio VAE decoders, the vocoder and
+(``run_latent_upsampler``) the latent upsampler.
 """
 
 from __future__ import annotations
@@ -18,14 +19,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import json
-import pathlib
 import types
-import zlib
 from typing import Any
 from unittest import mock
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,30 +85,6 @@ def write_config(directory, base: str = "ltx2_video.yml", **keys: Any) -> str:
   return tiny_wan.write_config(directory, base, **{**BASE_KEYS, **keys})
 
 
-def _value(name: tuple, shape, dtype, scale: float) -> np.ndarray:
-  # NumPy on the host, as a checkpoint loader returns it (and faster than one jit per leaf).
-  rng = np.random.default_rng(zlib.crc32("/".join(map(str, name)).encode()))
-  return (scale * rng.standard_normal(shape, np.float32)).astype(dtype)
-
-
-def _random_params(scale: float):
-  """A weight loader of random values keyed by name and layer: scanned and per-layer models
-  get the same weights."""
-
-  def load(_path, eval_shapes, *args, **kwargs):
-    del args, kwargs
-    params = {}
-    for name, shape in flax.traverse_util.flatten_dict(eval_shapes).items():
-      if name[0] == "transformer_blocks" and not isinstance(name[1], int):  # stacked layers
-        params[name] = np.stack([_value(("transformer_blocks", i, *name[1:]), shape.shape[1:],
-                                         shape.dtype, scale) for i in range(shape.shape[0])])
-      else:
-        params[name] = _value(name, shape.shape, shape.dtype, scale)
-    return flax.traverse_util.unflatten_dict(params)
-
-  return load
-
-
 @contextlib.contextmanager
 def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
                  head_dim: int = HEAD_DIM, channels: int = CHANNELS):
@@ -120,14 +93,12 @@ def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
             "attention_head_dim": head_dim, "cross_attention_dim": heads * head_dim,
             "in_channels": channels, "out_channels": channels}
 
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
+  load_config = tiny_wan.config_loader(config)
 
   model = ltx2_pipeline.LTX2VideoTransformer3DModel
   with mock.patch.object(model, "load_config", side_effect=load_config), \
        mock.patch.object(ltx2_pipeline, "load_transformer_weights",
-                         side_effect=_random_params(scale)):
+                         side_effect=tiny_wan.host_random_params(scale, "transformer_blocks")):
     yield
 
 
@@ -205,14 +176,19 @@ class StubVocoder(nnx.Module):
     return jnp.stack([wave, wave], axis=1).astype(jnp.float32)
 
 
+class StubUpsampler(nnx.Module):
+  """The latent upsampler's stand-in: each latent pixel repeated 2x2 (``[B, f, h, w, C]``)."""
+
+  def __call__(self, latents: jax.Array) -> jax.Array:
+    return jnp.repeat(jnp.repeat(latents, 2, axis=2), 2, axis=3)
+
+
 def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 1024,
                    scale_factor: int = 8, dtype=None) -> tuple[jax.Array, jax.Array]:
   """Gemma's stand-in: fixed embeddings per prompt text ``[B, TEXT_LEN, CAPTION]``, all kept."""
   del max_sequence_length, scale_factor
-  prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-  rows = [np.random.default_rng(zlib.crc32(p.strip().encode())).standard_normal(
-      (TEXT_LEN, CAPTION), np.float32) for p in prompts for _ in range(num_videos_per_prompt)]
-  embeds = jnp.asarray(np.stack(rows), dtype or jnp.float32)
+  embeds = jnp.asarray(tiny_wan.prompt_rows(prompt, num_videos_per_prompt, (TEXT_LEN, CAPTION)),
+                       dtype or jnp.float32)
   return embeds, jnp.ones(embeds.shape[:2], jnp.bool_)
 
 
@@ -243,12 +219,9 @@ def pipeline(config, mesh_devices: tuple[np.ndarray, Mesh], transformer, decodin
 def write_checkpoint(directory, num_layers: int = 2) -> str:
   """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
   before loading); :func:`generate_main` builds the weights. Its path."""
-  path = pathlib.Path(directory) / "tiny-ltx2"
-  (path / "transformer").mkdir(parents=True, exist_ok=True)
-  (path / "transformer" / "config.json").write_text(
-      json.dumps({**TRANSFORMER, "num_layers": num_layers, "in_channels": GENERATE_CHANNELS,
-                  "out_channels": GENERATE_CHANNELS}))
-  return str(path)
+  return tiny_wan.write_transformer_config(directory, "tiny-ltx2", {
+      **TRANSFORMER, "num_layers": num_layers, "in_channels": GENERATE_CHANNELS,
+      "out_channels": GENERATE_CHANNELS})
 
 
 @contextlib.contextmanager
@@ -264,12 +237,14 @@ def generate_main(devices: int | None = None, num_layers: int = 2):
 
     def load_checkpoint(self, step=None, vae_only=False, load_transformer=True,
                         load_upsampler=False):
-      del step, vae_only, load_transformer, load_upsampler
+      del step, vae_only, load_transformer
       mesh = make_mesh(self.config, devices or jax.device_count())
       builds.append(mesh[1])
       transformer = build_transformer(self.config, mesh, num_layers=num_layers,
                                       channels=GENERATE_CHANNELS)
-      return pipeline(self.config, mesh, transformer, decoding=True), None, None
+      pipe = pipeline(self.config, mesh, transformer, decoding=True)
+      pipe.latent_upsampler = StubUpsampler() if load_upsampler else None
+      return pipe, None, None
 
   with mock.patch.object(generate_ltx2, "LTX2Checkpointer", TinyCheckpointer):
     yield builds

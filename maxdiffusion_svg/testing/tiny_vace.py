@@ -63,9 +63,7 @@ def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
   config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads,
             "attention_head_dim": head_dim, "vace_layers": list(vace_layers)}
 
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
+  load_config = tiny_wan.config_loader(config)
 
   with mock.patch.object(vace_pipeline.WanVACEModel, "load_config", side_effect=load_config), \
        mock.patch.object(vace_pipeline, "load_wan_transformer",

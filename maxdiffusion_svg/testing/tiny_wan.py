@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
+import json
+import pathlib
 import types
 import zlib
 from typing import Any
@@ -101,17 +103,62 @@ def _random_params(scale: float):
   return load
 
 
-@contextlib.contextmanager
-def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
-                 head_dim: int = HEAD_DIM):
-  """Replaces the Hugging Face config and weight loaders with a tiny random Wan."""
-  config = {**TRANSFORMER, "num_layers": num_layers, "num_attention_heads": heads,
-            "attention_head_dim": head_dim}
+def host_random_params(scale: float, blocks: str = "blocks"):
+  """A weight loader of host (NumPy) random values keyed by name and layer, as a checkpoint
+  loader returns them (and without one compile per leaf shape): stacked layers under
+  ``blocks`` get each layer's own, so scanned and per-block models get the same weights."""
+
+  def value(name: tuple, shape, dtype) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32("/".join(map(str, name)).encode()))
+    return (scale * rng.standard_normal(shape, np.float32)).astype(dtype)
+
+  def load(_path, eval_shapes, *args, **kwargs):
+    del args, kwargs
+    params = {}
+    for name, leaf in flax.traverse_util.flatten_dict(eval_shapes).items():
+      if name[0] == blocks and not isinstance(name[1], int):  # stacked over layers
+        params[name] = np.stack([value((blocks, i, *name[1:]), leaf.shape[1:], leaf.dtype)
+                                 for i in range(leaf.shape[0])])
+      else:
+        params[name] = value(name, leaf.shape, leaf.dtype)
+    return flax.traverse_util.unflatten_dict(params)
+
+  return load
+
+
+def prompt_rows(prompt, copies: int, shape: tuple[int, int]) -> np.ndarray:
+  """A text encoder's stand-in: fixed embeddings per prompt text, ``copies`` rows each,
+  ``[len(prompts) * copies, *shape]``."""
+  prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+  return np.stack([np.random.default_rng(zlib.crc32(p.strip().encode())).standard_normal(
+      shape, np.float32) for p in prompts for _ in range(copies)])
+
+
+def write_transformer_config(directory, name: str, config: dict[str, Any]) -> str:
+  """A checkpoint folder ``directory/name`` holding only ``transformer/config.json`` (what the
+  tools' checks read before anything loads); its path."""
+  path = pathlib.Path(directory) / name
+  (path / "transformer").mkdir(parents=True, exist_ok=True)
+  (path / "transformer" / "config.json").write_text(json.dumps(config))
+  return str(path)
+
+
+def config_loader(config: dict[str, Any]):
+  """A Hugging Face ``load_config`` stand-in that returns ``config``."""
 
   def load_config(*args, return_unused_kwargs=False, **kwargs):
     del args
     return (dict(config), kwargs) if return_unused_kwargs else dict(config)
 
+  return load_config
+
+
+@contextlib.contextmanager
+def tiny_loaders(num_layers: int = 2, heads: int = HEADS, scale: float = 0.1,
+                 head_dim: int = HEAD_DIM):
+  """Replaces the Hugging Face config and weight loaders with a tiny random Wan."""
+  load_config = config_loader({**TRANSFORMER, "num_layers": num_layers,
+                               "num_attention_heads": heads, "attention_head_dim": head_dim})
   with mock.patch.object(wan_pipeline.WanModel, "load_config", side_effect=load_config), \
        mock.patch.object(wan_pipeline, "load_wan_transformer", side_effect=_random_params(scale)):
     yield

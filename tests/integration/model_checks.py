@@ -3,8 +3,12 @@ calls are compared with an independent recomputation by the library, and its pip
 summary read from the log MaxDiffusion prints."""
 
 import collections
+from typing import Any, Callable
 
+import jax
 import numpy as np
+
+from maxdiffusion_svg import plugin
 
 from maxdiffusion_svg.attention import scheduled_svg_attention
 from maxdiffusion_svg.geometry import VideoGrid
@@ -48,3 +52,31 @@ def summary_lines(capsys):
   """The run summaries the pipeline logged (max_logging prints)."""
   return [line for line in capsys.readouterr().out.splitlines()
           if "maxdiffusion_svg: run summary" in line]
+
+
+class CachedForward:
+  """A tiny model family's transformer called on fixed inputs, with the svg kernel's call log
+  (arrays kept), built and run once per (devices, attention, keys): ``forward(tmp_path_factory,
+  devices, attention, **keys)`` returns ``(*outputs, log)``; ``run(model, mesh, config)`` makes
+  the call (one output or a tuple)."""
+
+  def __init__(self, tiny: Any, run: Callable[[Any, Any, Any], Any]):
+    self._tiny, self._run, self._results = tiny, run, {}
+
+  def build(self, tmp_path_factory, devices: int, attention: str, **keys):
+    """``(config, (device array, mesh), transformer)`` as the pipeline builds them."""
+    config = self._tiny.init_config(self._tiny.write_config(
+        str(tmp_path_factory.mktemp("config")), attention=attention, **keys))
+    mesh = self._tiny.make_mesh(config, devices)
+    return config, mesh, self._tiny.build_transformer(config, mesh)
+
+  def __call__(self, tmp_path_factory, devices: int, attention: str, **keys):
+    cache_key = repr((devices, attention, sorted(keys.items())))
+    if cache_key not in self._results:
+      config, mesh, model = self.build(tmp_path_factory, devices, attention, **keys)
+      with plugin.record_calls(arrays=True) as log:
+        outputs = self._run(model, mesh[1], config)
+        jax.effects_barrier()
+      outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+      self._results[cache_key] = (*(np.asarray(o) for o in outputs), log)
+    return self._results[cache_key]

@@ -14,8 +14,8 @@ require_maxdiffusion()
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_animate
-from model_checks import (EVERYTHING, assert_calls_are_svg, assert_close, kinds, rel,
-                          summary_lines)
+from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
+                          rel, summary_lines)
 FRAMES, HEIGHT, WIDTH = tiny_animate.LATENT
 GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # the reference slot + 3 frames, patch 1x2x2
 LAYERS = 2
@@ -26,28 +26,14 @@ def registered():
   plugin.register()
 
 
-_RESULTS = {}
+def _forward(model, mesh, config):
+  x = tiny_animate.inputs(batch=2)  # batch 2, as with CFG
+  return tiny_animate.forward(model, mesh, config, x["latents"], x["reference"], x["pose"],
+                              x["face"], x["text"], x["image"], 500)
 
 
-def build(tmp_path_factory, devices, attention, **keys):
-  config = tiny_animate.init_config(tiny_animate.write_config(
-      str(tmp_path_factory.mktemp("config")), attention=attention, **keys))
-  mesh = tiny_animate.make_mesh(config, devices)
-  return config, mesh, tiny_animate.build_transformer(config, mesh)
-
-
-def forward(tmp_path_factory, devices, attention, **keys):
-  """The output on fixed inputs (batch 2, as with CFG) and the call log; cached."""
-  cache_key = repr((devices, attention, sorted(keys.items())))
-  if cache_key not in _RESULTS:
-    config, mesh, model = build(tmp_path_factory, devices, attention, **keys)
-    x = tiny_animate.inputs(batch=2)
-    with plugin.record_calls(arrays=True) as log:
-      out = tiny_animate.forward(model, mesh[1], config, x["latents"], x["reference"], x["pose"],
-                                 x["face"], x["text"], x["image"], 500)
-      jax.effects_barrier()
-    _RESULTS[cache_key] = (np.asarray(out), log)
-  return _RESULTS[cache_key]
+FORWARD = CachedForward(tiny_animate, _forward)
+build, forward = FORWARD.build, FORWARD
 
 
 @pytest.mark.full  # the CI tier runs this model through its pipeline below

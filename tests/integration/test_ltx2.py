@@ -14,8 +14,8 @@ require_maxdiffusion()
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_ltx2
-from model_checks import (EVERYTHING, assert_calls_are_svg, assert_close, kinds, rel,
-                          summary_lines)
+from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
+                          rel, summary_lines)
 
 GRID = VideoGrid(*tiny_ltx2.LATENT_GRID)
 # Per block through the svg kernel: attn1 (video self-attention, svg), then audio
@@ -29,28 +29,14 @@ def registered():
   plugin.register()
 
 
-_RESULTS = {}
+def _forward(model, mesh, config):
+  """Video and audio output on fixed inputs (batch 2, as with CFG)."""
+  latents, audio, text, audio_text = tiny_ltx2.inputs(batch=2)
+  return tiny_ltx2.forward(model, mesh, config, latents, audio, text, audio_text, 500.0)
 
 
-def build(tmp_path_factory, devices, attention, **keys):
-  config = tiny_ltx2.init_config(tiny_ltx2.write_config(
-      str(tmp_path_factory.mktemp("config")), attention=attention, **keys))
-  mesh = tiny_ltx2.make_mesh(config, devices)
-  return config, mesh, tiny_ltx2.build_transformer(config, mesh)
-
-
-def forward(tmp_path_factory, devices, attention, **keys):
-  """Video and audio output on fixed inputs (batch 2, as with CFG) and the call log; cached."""
-  cache_key = repr((devices, attention, sorted(keys.items())))
-  if cache_key not in _RESULTS:
-    config, mesh, model = build(tmp_path_factory, devices, attention, **keys)
-    latents, audio, text, audio_text = tiny_ltx2.inputs(batch=2)
-    with plugin.record_calls(arrays=True) as log:
-      video, audio_out = tiny_ltx2.forward(model, mesh[1], config, latents, audio, text,
-                                           audio_text, 500.0)
-      jax.effects_barrier()
-    _RESULTS[cache_key] = (np.asarray(video), np.asarray(audio_out), log)
-  return _RESULTS[cache_key]
+FORWARD = CachedForward(tiny_ltx2, _forward)
+build, forward = FORWARD.build, FORWARD
 
 
 def test_density_one_equals_the_dense_kernel(tmp_path_factory):

@@ -14,8 +14,8 @@ require_maxdiffusion()
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_vace
-from model_checks import (EVERYTHING, assert_calls_are_svg, assert_close, kinds, rel,
-                          summary_lines)
+from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
+                          rel, summary_lines)
 _, FRAMES, HEIGHT, WIDTH = tiny_vace.LATENT
 GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # 1 reference + 4 video frames, patch 1x2x2
 LAYERS = 2  # main blocks, each with a control block (vace_layers [0, 1])
@@ -26,27 +26,9 @@ def registered():
   plugin.register()
 
 
-_RESULTS = {}
-
-
-def build(tmp_path_factory, devices, attention, **keys):
-  config = tiny_vace.init_config(tiny_vace.write_config(
-      str(tmp_path_factory.mktemp("config")), attention=attention, **keys))
-  mesh = tiny_vace.make_mesh(config, devices)
-  return config, mesh, tiny_vace.build_transformer(config, mesh)
-
-
-def forward(tmp_path_factory, devices, attention, **keys):
-  """The output on fixed inputs (batch 2, as with CFG) and the call log; cached."""
-  cache_key = repr((devices, attention, sorted(keys.items())))
-  if cache_key not in _RESULTS:
-    config, mesh, model = build(tmp_path_factory, devices, attention, **keys)
-    latents, control, text = tiny_vace.inputs(batch=2)
-    with plugin.record_calls(arrays=True) as log:
-      out = tiny_vace.forward(model, mesh[1], config, latents, control, text, 500)
-      jax.effects_barrier()
-    _RESULTS[cache_key] = (np.asarray(out), log)
-  return _RESULTS[cache_key]
+FORWARD = CachedForward(tiny_vace, lambda model, mesh, config: tiny_vace.forward(
+    model, mesh, config, *tiny_vace.inputs(batch=2), 500))  # batch 2, as with CFG
+build, forward = FORWARD.build, FORWARD
 
 
 @pytest.mark.full  # the CI tier runs this model through its pipeline below
