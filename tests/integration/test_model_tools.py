@@ -149,13 +149,16 @@ def test_calibrate_measures_every_sparse_call_through_the_models_main(name, tmp_
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("name, config", [("LTX-2", "ltx2_svg.yml"),
-                                          ("Wan Animate", "wan_animate_svg.yml")])
-def test_the_shipped_config_generates_through_the_launcher(name, config, tmp_path, capsys,
+@pytest.mark.parametrize("name, config, extra", [
+    ("LTX-2", "ltx2_svg.yml", []),
+    ("LTX-2", "ltx2_svg.yml", ["run_latent_upsampler=true"]),
+    ("Wan Animate", "wan_animate_svg.yml", [])])
+def test_the_shipped_config_generates_through_the_launcher(name, config, extra, tmp_path, capsys,
                                                            monkeypatch):
   """``python -m maxdiffusion_svg.generate configs/CONFIG`` in this process, end to end: the
   model's main loads the tiny checkpoint, denoises under the shipped schedule (moderate: the
-  first fifth of the steps and layer 0 dense) and writes its MP4."""
+  first fifth of the steps and layer 0 dense) and writes its MP4. LTX-2's latent upsampler
+  runs after the denoising loop (no attention of its own): the same calls, twice the pixels."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin import generations, launcher
   from maxdiffusion_svg.video_models import LTX2, WAN_ANIMATE
@@ -173,7 +176,10 @@ def test_the_shipped_config_generates_through_the_launcher(name, config, tmp_pat
                           "skip_jax_distributed_system", "run_name", "jax_cache_dir",
                           "precision", "flash_min_seq_length")
                or key.startswith("ici_")]
-  overrides += [f"num_inference_steps={steps}", "enable_ml_diagnostics=false", "prompt=a cat"]
+  overrides += [f"num_inference_steps={steps}", "enable_ml_diagnostics=false", "prompt=a cat",
+                *extra]
+  if extra:  # upsampled 2x in height and width
+    shape = (shape[0], 2 * shape[1], 2 * shape[2], shape[3])
   family = LTX2 if name == "LTX-2" else WAN_ANIMATE
   monkeypatch.chdir(tmp_path)
   with tiny.generate_main() as builds, \
