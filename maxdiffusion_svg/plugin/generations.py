@@ -3,10 +3,11 @@
 A tool loads the weights once, through the main as the user runs it, and then runs it again
 on the loaded pipeline: ``generate_wan.run`` and ``generate_ltx2.run`` take the pipeline;
 ``generate_wan_animate.run`` always loads, so its checkpointer hands back the loaded one. While
-a :func:`watching` block is open, every pipeline call of the main is seen (``before_call``
-sets the run's kernel on the pipeline before the call traces), the denoising steps it takes
-are counted, and the frames it exports are kept (the MP4s go to the working directory). Each main makes a compile warm-up call, then
-the real one: the real call's denoising seconds and steps make the tool's seconds per step.
+a :meth:`Generation.watch` block is open, every pipeline call of the main is seen
+(``before_call`` sets the run's kernel on the pipeline before the call traces), the denoising
+steps it takes are counted, and the frames it exports are kept (the MP4s go to the working
+directory). Each main makes a compile warm-up call, then the real one: the real call's
+denoising seconds and steps make the tool's seconds per step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import os
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -43,7 +45,7 @@ class Generation:
 
   @property
   def module(self) -> Any:
-    import importlib  # pylint: disable=import-outside-toplevel
+    """MaxDiffusion's generate module of the family."""
     return importlib.import_module(f"maxdiffusion.{self.family.generate_main}")
 
   def first(self, argv: Sequence[str]) -> None:
