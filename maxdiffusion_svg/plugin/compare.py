@@ -288,10 +288,11 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
         ["compare", plan.config, *plan.overrides, f"attention={dense}"], tmp)[0])
     argv = launcher.prepare_argv(["compare", plan.config, *plan.overrides,
                                   f"attention={KERNEL_NAME}"], tmp)[0]
+    per_run = steps  # denoising steps a run takes (Animate: steps x segments, known after one)
     for index, run in enumerate(plan.runs):
       current["run"] = run
       bar.set_description(f"run {index + 1}/{len(plan.runs)}: {run.name}")
-      bar.n = index * steps
+      bar.n = index * per_run
       log(f"compare: run {index + 1} of {len(plan.runs)}: {run.name}")
       run_dir = plan.out_dir / run_folder(run.name)
       run_dir.mkdir(exist_ok=True)
@@ -305,6 +306,9 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
           generation.again(pyconfig.config, seen)
       finally:
         os.chdir(cwd)
+      if generations.real_call(seen)["steps"] > per_run:
+        per_run = generations.real_call(seen)["steps"]
+        bar.total = len(plan.runs) * per_run
       videos[run.name] = frames = np.concatenate(seen["frames"])
       row: dict[str, Any] = {
           "name": run.name, "kernel": run.kernel, "overrides": list(run.overrides),
