@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                             "own svg_* keys), a preset (conservative, moderate, aggressive) or a "
                             "band density such as 0.25, each with options after +: compensation"
                             "[=N|off], semantic (SVG2's clustered layout among the router's "
-                            "choices), layouts=A/B; e.g. --svg 0.25,0.25+semantic")
+                            "choices), layouts=A/B, sink=on|off; e.g. --svg 0.25,0.25+semantic")
   compare.add_argument("--out", default="svg_compare", metavar="DIR",
                        help="folder for each run's MP4, side_by_side.mp4 and compare.json")
   compare.add_argument("--lpips", action="store_true",

@@ -165,6 +165,8 @@ def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
      ("svg_density=0.25", "svg_layouts=[spatial, temporal, semantic]")),
     ("config+layouts=semantic+compensation", "svg +layouts=semantic+compensation",
      ("svg_layouts=[semantic]", "svg_compensation=true")),
+    ("0.3+sink=off", "svg density 0.3 +sink=off", ("svg_density=0.3", "svg_include_sink=false")),
+    ("config+sink=on", "svg +sink=on", ("svg_include_sink=true",)),
 ])
 def test_compare_runs_can_set_the_compensation_and_layouts(spec, name, overrides):
   from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel

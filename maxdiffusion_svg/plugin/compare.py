@@ -59,7 +59,9 @@ def svg_run(spec: str) -> Run:
   optionally followed by options, each after a ``+``: ``compensation`` (on, the config's
   blocks), ``compensation=N`` (on, ``N`` centroids per key tile), ``compensation=off``,
   ``semantic`` (SVG2's clustered layout among the router's choices: ``svg_layouts [spatial,
-  temporal, semantic]``) or ``layouts=A/B`` (``svg_layouts`` as given, e.g. ``layouts=semantic``)."""
+  temporal, semantic]``), ``layouts=A/B`` (``svg_layouts`` as given, e.g. ``layouts=semantic``)
+  or ``sink=on|off`` (``svg_include_sink``: the first frame, a reference frame in VACE and
+  Animate, attended by every query or not)."""
   base, *extras = spec.split("+")
   run = _base_run(base)
   if not extras:
@@ -77,6 +79,8 @@ def _option_keys(extra: str, spec: str) -> tuple[str, ...]:
     names = [n for n in value.split("/") if n]
     check_layouts(names)  # refused here, naming the layouts, before any run starts
     return (f"svg_layouts=[{', '.join(names)}]",)
+  if name == "sink" and value in ("on", "off"):  # e.g. Animate's reference slot as the sink, or not
+    return (f"svg_include_sink={'true' if value == 'on' else 'false'}",)
   return _compensation_keys(extra, spec)
 
 
@@ -107,8 +111,8 @@ def _compensation_keys(extra: str, spec: str) -> tuple[str, ...]:
     return ("svg_compensation=true", f"svg_compensation_blocks={int(value)}")
   raise ValueError(f"--svg {spec}: after + a run takes compensation (on, the config's "
                    f"svg_compensation_blocks), compensation=N (N >= 1 centroids per key tile), "
-                   f"compensation=off, semantic or layouts=A/B (of spatial, temporal, "
-                   f"semantic), got {extra!r}")
+                   f"compensation=off, semantic, layouts=A/B (of spatial, temporal, "
+                   f"semantic) or sink=on|off, got {extra!r}")
 
 
 def base_attention(config_path: str) -> str | None:
