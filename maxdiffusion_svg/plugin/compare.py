@@ -211,8 +211,7 @@ def call_counts(settings: PluginSettings, steps: int, layers: int, grid: VideoGr
   counts = run_summary.counted_calls(layers)
   if counts.sparse + counts.dense == 0:
     counts = run_summary.scheduled_calls(settings, steps, layers, grid.tokens)
-  return dataclasses.replace(counts, sparse=counts.sparse * segments,
-                             dense=counts.dense * segments)
+  return counts.repeated(segments)
 
 
 def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
@@ -310,9 +309,9 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
           generation.again(pyconfig.config, seen)
       finally:
         os.chdir(cwd)
-      if generations.real_call(seen)["steps"] > per_run:
-        per_run = generations.real_call(seen)["steps"]
-        bar.total = len(plan.runs) * per_run
+      taken = generations.real_call(seen)["steps"]
+      if taken > per_run:
+        per_run, bar.total = taken, len(plan.runs) * taken
       videos[run.name] = frames = np.concatenate(seen["frames"])
       row: dict[str, Any] = {
           "name": run.name, "kernel": run.kernel, "overrides": list(run.overrides),

@@ -109,6 +109,11 @@ class CallCounts:
   semantic_by_range: tuple[tuple[int, int, float], ...] = ()
   other_dense: tuple[tuple[str, int], ...] = ()  # counted calls outside video self-attention
 
+  def repeated(self, runs: int) -> CallCounts:
+    """The calls of ``runs`` runs of the schedule in one pipeline call (Wan Animate's
+    segments), each making these."""
+    return dataclasses.replace(self, sparse=self.sparse * runs, dense=self.dense * runs)
+
 
 def _shares(counts: dict[int, int], heads: dict[int, int],
             layers: int) -> tuple[float | None, tuple[tuple[int, int, float], ...]]:
@@ -155,7 +160,7 @@ def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
                  dense_by_design: str = "cross-attention", runs: int = 1) -> str:
   """One line for the log; ``runs``: runs of the schedule (Wan Animate's segments), whose
   self-attention calls ``counts`` holds once."""
-  counts = dataclasses.replace(counts, sparse=counts.sparse * runs, dense=counts.dense * runs)
+  counts = counts.repeated(runs)
   calls = counts.sparse + counts.dense
   how = "counted" if counts.counted else f"from the schedule, not counted ({why_uncounted})"
   segments = f" x {runs} segments" if runs > 1 else ""
