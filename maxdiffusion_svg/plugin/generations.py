@@ -34,6 +34,7 @@ class Generation:
   family: VideoModel
   time: str  # what a run's seconds per step measure
   watching: Callable[[BeforeCall, OnStep], contextlib.AbstractContextManager[dict[str, Any]]]
+  run_takes_pipeline: bool = True  # False: the main's run always loads (its watch hands it back)
 
   def watch(self, before_call: BeforeCall,
             on_step: OnStep) -> contextlib.AbstractContextManager[dict[str, Any]]:
@@ -54,10 +55,10 @@ class Generation:
 
   def again(self, config: Any, seen: dict[str, Any]) -> None:
     """The main's ``run`` on the pipeline the first run loaded."""
-    if self.family is WAN_ANIMATE:
-      self.module.run(config)  # its checkpointer returns seen["pipeline"] (see _animate)
-    else:
+    if self.run_takes_pipeline:
       self.module.run(config, pipeline=seen["pipeline"])
+    else:
+      self.module.run(config)
 
 
 def _seen() -> dict[str, Any]:
@@ -91,6 +92,32 @@ def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
       setattr(owner, name, value)
 
 
+def _watched_call(seen: dict[str, Any], pipeline: Any, before_call: BeforeCall,
+                  call: Callable[[], Any], denoise_seconds: Callable[[Any, float], float]) -> Any:
+  """One pipeline call of the main: ``before_call`` first, then the call, recorded with its
+  denoising seconds (``denoise_seconds(output, wall seconds)``) and the Python steps it took."""
+  seen["pipeline"], seen["steps"] = pipeline, 0
+  before_call(pipeline)
+  start = time.perf_counter()
+  out = call()
+  seen["calls"].append({"denoise_s": denoise_seconds(out, time.perf_counter() - start),
+                        "steps": seen["steps"]})
+  return out
+
+
+def _exporting(export: Callable[..., Any], seen: dict[str, Any],
+               into_working_directory: bool = False) -> Callable[..., Any]:
+  """An ``export_to_video(video, path, fps)`` that keeps the frames; ``into_working_directory``:
+  the MP4 goes there under its file name, as the other mains write (the tool's run folder)."""
+
+  def export_to_video(video, path, fps=16, **kwargs):
+    seen["frames"].append(video_metrics.as_frames(video))
+    return export(video, os.path.basename(path) if into_working_directory else path, fps=fps,
+                  **kwargs)
+
+  return export_to_video
+
+
 def _counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Callable[..., Any]:
   """A scheduler ``step`` that counts the Python steps of the call in progress; ``on_step``
   on the real calls' (every second call: each main warms up first)."""
@@ -119,22 +146,17 @@ def _wan(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
   seen = _seen()
   call, export = generate_wan.call_pipeline, generate_wan.export_to_video
 
+  def denoise_total(outputs: Any, _: float) -> float:
+    trace = outputs[1] if isinstance(outputs, tuple) else {}
+    return trace.get("denoise_total", float("nan"))
+
   @functools.wraps(call)
   def call_pipeline(config, pipeline, *args, **kwargs):
-    seen["pipeline"], seen["steps"] = pipeline, 0
-    before_call(pipeline)
-    outputs = call(config, pipeline, *args, **kwargs)
-    trace = outputs[1] if isinstance(outputs, tuple) else {}
-    seen["calls"].append({"denoise_s": trace.get("denoise_total", float("nan")),
-                          "steps": seen["steps"]})
-    return outputs
-
-  def export_to_video(video, path, fps=16, **kwargs):
-    seen["frames"].append(video_metrics.as_frames(video))
-    return export(video, path, fps=fps, **kwargs)
+    return _watched_call(seen, pipeline, before_call,
+                         lambda: call(config, pipeline, *args, **kwargs), denoise_total)
 
   with _patched((generate_wan, "call_pipeline", call_pipeline),
-                (generate_wan, "export_to_video", export_to_video),
+                (generate_wan, "export_to_video", _exporting(export, seen)),
                 (scheduler, "step", _counting_step(scheduler, seen, on_step))):
     yield seen
 
@@ -147,13 +169,13 @@ def _ltx2(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
   seen = _seen()
   call, export = generate_ltx2.call_pipeline, generate_ltx2.export_to_video_with_audio
 
+  def denoising(out: Any, _: float) -> float:
+    return (getattr(out, "timings", None) or {}).get("Denoising", float("nan"))
+
   @functools.wraps(call)
   def call_pipeline(config, pipeline, *args, **kwargs):
-    seen["pipeline"] = pipeline
-    before_call(pipeline)
-    out = call(config, pipeline, *args, **kwargs)
-    timings = getattr(out, "timings", None) or {}
-    seen["calls"].append({"denoise_s": timings.get("Denoising", float("nan")), "steps": 0})
+    out = _watched_call(seen, pipeline, before_call,
+                        lambda: call(config, pipeline, *args, **kwargs), denoising)
     if len(seen["calls"]) % 2 == 0:  # the real call: its steps all at once
       for _ in range(int(config.num_inference_steps)):
         on_step()
@@ -199,20 +221,12 @@ def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any
 
   @functools.wraps(call)
   def pipeline_call(self, *args, **kwargs):
-    seen["pipeline"], seen["steps"] = self, 0
-    before_call(self)
-    start = time.perf_counter()
-    out = call(self, *args, **kwargs)
-    seen["calls"].append({"denoise_s": time.perf_counter() - start, "steps": seen["steps"]})
-    return out
-
-  def export_to_video(video, path, fps=16, **kwargs):
-    # Into the working directory, as the other mains write (the tool's folder for the run).
-    seen["frames"].append(video_metrics.as_frames(video))
-    return export(video, os.path.basename(path), fps=fps, **kwargs)
+    return _watched_call(seen, self, before_call, lambda: call(self, *args, **kwargs),
+                         lambda _, wall_seconds: wall_seconds)
 
   with _patched((WanAnimatePipeline, "__call__", pipeline_call),
-                (generate_wan_animate, "export_to_video", export_to_video),
+                (generate_wan_animate, "export_to_video",
+                 _exporting(export, seen, into_working_directory=True)),
                 (generate_wan_animate, "WanCheckpointer",
                  _KeptCheckpointer(generate_wan_animate.WanCheckpointer, seen)),
                 (scheduler, "step", _counting_step(scheduler, seen, on_step))):
@@ -227,7 +241,8 @@ GENERATIONS = {
     WAN_ANIMATE: Generation(WAN_ANIMATE, "seconds per denoising step of the real run: the "
                                          "whole pipeline call (every segment's encoding, "
                                          "denoising and decoding) over its steps; compile "
-                                         "warm-up excluded", _animate),
+                                         "warm-up excluded", _animate,
+                            run_takes_pipeline=False),
 }
 
 
