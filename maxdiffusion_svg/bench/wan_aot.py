@@ -126,6 +126,16 @@ def topology_mesh(config, topology: str):
 # -------------------------------------------------------------------- the weightless model
 
 
+def config_loader(config: dict[str, Any]) -> Callable[..., Any]:
+  """A Hugging Face ``load_config`` stand-in that returns ``config``."""
+
+  def load_config(*args, return_unused_kwargs=False, **kwargs):
+    del args
+    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
+
+  return load_config
+
+
 def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
                                                             Callable[..., Any]]:
   """Stand-ins for a model's Hugging Face loaders: ``load_config`` returns ``architecture``;
@@ -135,10 +145,6 @@ def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
   import jax
   # pylint: enable=import-outside-toplevel
 
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(architecture), kwargs) if return_unused_kwargs else dict(architecture)
-
   def load_weights(_path, eval_shapes, *args, cast_dtype_fn=None, **kwargs):
     del args, kwargs
     flat = flax.traverse_util.flatten_dict(eval_shapes)
@@ -146,7 +152,7 @@ def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
         name: jax.ShapeDtypeStruct(x.shape, cast_dtype_fn(name) if cast_dtype_fn else x.dtype)
         for name, x in flat.items()})
 
-  return load_config, load_weights
+  return config_loader(architecture), load_weights
 
 
 @contextlib.contextmanager

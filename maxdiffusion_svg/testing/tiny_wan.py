@@ -29,6 +29,8 @@ from jax.sharding import Mesh
 from maxdiffusion import max_utils, pyconfig
 from maxdiffusion.pipelines.wan import wan_pipeline
 
+from maxdiffusion_svg.bench.wan_aot import config_loader  # also the other tiny models'
+
 HEADS = 8
 HEAD_DIM = 32
 TEXT_LEN = 16
@@ -141,16 +143,6 @@ def write_transformer_config(directory, name: str, config: dict[str, Any]) -> st
   (path / "transformer").mkdir(parents=True, exist_ok=True)
   (path / "transformer" / "config.json").write_text(json.dumps(config))
   return str(path)
-
-
-def config_loader(config: dict[str, Any]):
-  """A Hugging Face ``load_config`` stand-in that returns ``config``."""
-
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
-
-  return load_config
 
 
 @contextlib.contextmanager
