@@ -6,6 +6,7 @@ exported, and calibration measures every sparse call of every segment."""
 import contextlib
 import json
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -164,7 +165,7 @@ def test_the_shipped_config_generates_through_the_launcher(name, config, extra, 
   from maxdiffusion_svg.video_models import LTX2, WAN_ANIMATE
   # pylint: enable=import-outside-toplevel
   tiny, run_config, segments, shape = MODELS[name](tmp_path)
-  keys = yaml.safe_load(open(run_config, encoding="utf-8"))
+  keys = yaml.safe_load(pathlib.Path(run_config).read_text(encoding="utf-8"))
   steps = 5  # steps 1-4 sparse on layer 1
   overrides = [f"{key}={value}" for key, value in keys.items()
                if key in ("pretrained_model_name_or_path", "num_frames", "height", "width",
