@@ -134,6 +134,23 @@ def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
   return jnp.where(semantic_head, gather_tokens(out, semantic.q_pos), restore(out, temporal, grid))
 
 
+def with_dense_rows(branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
+                    scale: float | None) -> jax.Array:
+  """``out`` (frame-major) with the leading frames' rows (``svg_dense_frames``) replaced by
+  their dense attention over every key: one more call, of those rows only, whatever layout each
+  head ran in (a temporal head's reference rows are scattered across its placed sequence)."""
+  kernel = branch.rows_kernel
+  if kernel is None:
+    return out
+  if branch.backend == "splash" and q.shape[-1] % 128:  # refused alike wherever it runs
+    raise ValueError(f"svg_dense_frames with svg_backend splash runs the dense rows on our kernel, "
+                     f"which needs head_dim a multiple of 128, got {q.shape[-1]}: set svg_backend "
+                     f"to xla, or svg_dense_frames to 0")
+  rows = kernel.plan.q_len
+  dense = kernel(q[:, :, :rows], k, v, scale=scale)
+  return jax.lax.dynamic_update_slice_in_dim(out, dense.astype(out.dtype), 0, axis=2)
+
+
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
   """Frame-major ``[B, H, S, D]`` inputs with ``S`` equal to the grid's token count."""
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -239,7 +256,7 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
       layout = routing.temporal if semantic is None else routing.layouts
       out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,
                     branch.compensation_blocks, cents, semantic, heads)
-      return out, routing, None if semantic is None else semantic.clusters
+      return with_dense_rows(branch, q, k, v, out, scale), routing, None if semantic is None else semantic.clusters
     return run
 
   out, routing, clusters = call.per_platform(build)(q, k, v, key)
@@ -259,13 +276,15 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
 
 def _visited_tiles(call: PreparedCall, shape: tuple[int, ...], layer: Any,
                    head_ids: jax.Array | None) -> jax.Array:
-  """``int32 [B, H]``: the tiles each head's call visits (the host's plan, or its own)."""
-  heads = call.host.heads
+  """``int32 [B, H]``: the tiles each head's call visits (the host's plan, or its own, and the
+  dense rows' tiles)."""
+  host, heads = call.host, call.host.heads
+  rows = 0 if host.rows_plan is None else host.rows_plan.stats.visited_tiles
   if heads is None:
-    return jnp.full(shape[:2], call.host.plan.stats.visited_tiles, jnp.int32)
+    return jnp.full(shape[:2], host.plan.stats.visited_tiles + rows, jnp.int32)
   steps = jnp.asarray(heads.head_steps, jnp.int32)[
       0 if layer is None or heads.layers == 1 else layer]
-  return jnp.take(steps, all_heads(call, shape) if head_ids is None else head_ids)
+  return jnp.take(steps, all_heads(call, shape) if head_ids is None else head_ids) + rows
 
 
 def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,

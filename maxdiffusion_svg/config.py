@@ -20,7 +20,8 @@ from maxdiffusion_svg.router import RouterConfig
 from maxdiffusion_svg.schedule import Interval, PRESETS, Schedule, get_preset
 from maxdiffusion_svg.semantic import SEMANTIC_CRITERION, SemanticConfig, check_semantic
 from maxdiffusion_svg.target import VMEM_FLAG, Target, target_for_call
-from maxdiffusion_svg.tiles import TileMode, TilePlan, check_block_size, plan_tiles
+from maxdiffusion_svg.tiles import (TILE_QUANTUM, TileMode, TilePlan, check_block_size,
+                                    dense_rows_plan, plan_tiles)
 from maxdiffusion_svg.tiling import SplashTiles, choose_tiles
 
 # MaxDiffusion's Wan 2.1 14B default; used to place a preset's dense warm-up when the
@@ -64,6 +65,9 @@ class SvgConfig:
   # --xla_tpu_scoped_vmem_limit_kib, else the generation's default.
   vmem_limit_kib: int | None = None
   include_sink: bool = True
+  # Leading frames whose queries attend every key (VACE's reference images, Animate's reference
+  # slot): a dense call of those rows replaces their sparse ones. 0: none (the sink alone).
+  dense_frames: int = 0
   profile_queries: int = 64
   profile_pool: str = "stratified"
   sample_max_row: int = 10_000
@@ -117,6 +121,10 @@ class SvgConfig:
       raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
     if not isinstance(self.include_sink, bool):
       raise ValueError(f"svg_include_sink must be true or false, got {self.include_sink!r}")
+    if isinstance(self.dense_frames, bool) or not isinstance(self.dense_frames, int) or (
+        self.dense_frames < 0):
+      raise ValueError(f"svg_dense_frames must be an integer >= 0 (leading frames whose queries "
+                       f"attend every key; 0: none), got {self.dense_frames!r}")
     if isinstance(self.profile_seed, bool) or not isinstance(self.profile_seed, int):
       raise ValueError(f"svg_profile_seed must be an integer, got {self.profile_seed!r}")
     _ = self.router  # validates the router keys
@@ -336,6 +344,26 @@ class SvgConfig:
     return plan_tiles(grid, self.density_for(expert), tiles.block_q, tiles.block_kv,
                       self.tile_mode, include_sink=self.include_sink)
 
+  def dense_rows(self, grid: VideoGrid) -> int:
+    """Queries whose attention is dense (``svg_dense_frames`` leading frames), checked against
+    the video's frames; 0: none."""
+    if self.dense_frames >= grid.frames and self.dense_frames:
+      raise ValueError(f"svg_dense_frames ({self.dense_frames}) must be less than the video's "
+                       f"{grid.frames} latent frames (grid {grid}); every frame dense is "
+                       f"svg_density 1.0")
+    return self.dense_frames * grid.frame_size
+
+  def dense_rows_plan_on(self, grid: VideoGrid, tiles: SplashTiles) -> TilePlan | None:
+    """The dense rows' plan on ``tiles`` (every key tile of their query tiles), or None. Its
+    query tile is the executor's, shrunk to split the rows evenly: a 720p frame's 3,600 rows
+    take two 1,920-row tiles, not two 3,328-row ones (1.7x the work)."""
+    rows = self.dense_rows(grid)
+    if not rows:
+      return None
+    count = -(-rows // tiles.block_q)
+    block_q = min(tiles.block_q, -(-rows // (count * TILE_QUANTUM)) * TILE_QUANTUM)
+    return dense_rows_plan(grid.tokens, rows, block_q, tiles.block_kv)
+
   def dense_plan(self, grid: VideoGrid, target: Target | None = None,
                  backend: str | None = None) -> TilePlan:
     """The schedule's dense branch on ``target`` (:meth:`dense_plan_on`)."""
@@ -424,6 +452,7 @@ KEYS = {
     "svg_backend": "backend",
     "svg_vmem_limit_kib": "vmem_limit_kib",
     "svg_include_sink": "include_sink",
+    "svg_dense_frames": "dense_frames",
     "svg_profile_queries": "profile_queries",
     "svg_profile_pool": "profile_pool",
     "svg_sample_max_row": "sample_max_row",

@@ -43,15 +43,23 @@ class Branch:
   compensation_blocks: int  # centroids per key tile; 0: off
   grid: VideoGrid
   heads: HeadBudget | None = None  # each head's own plan (svg_head_densities), else None
+  # The leading frames' dense rows (svg_dense_frames): every key tile of their query tiles.
+  rows_plan: TilePlan | None = None
   kernel: SparseKernel = dataclasses.field(init=False, repr=False, compare=False)
   # The schedule's dense branch: every tile of the same tiles, no mask, and its kernel.
   dense_plan: TilePlan = dataclasses.field(init=False, repr=False, compare=False)
   dense_kernel: SparseKernel = dataclasses.field(init=False, repr=False, compare=False)
+  rows_kernel: SparseKernel | None = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     dense_plan = SvgConfig.dense_plan_on(self.grid, self.tiles)
+    # Splash runs whole sequences only: the rows (a rectangle) take our kernel on a TPU (auto:
+    # the XLA path where the host runs them).
+    rows_kernel = None if self.rows_plan is None else self.kernel_for(
+        self.rows_plan, "auto" if self.backend == "splash" else None)
     for name, value in (("kernel", self.kernel_for(self.plan)), ("dense_plan", dense_plan),
-                        ("dense_kernel", self.kernel_for(dense_plan))):
+                        ("dense_kernel", self.kernel_for(dense_plan)),
+                        ("rows_kernel", rows_kernel)):
       object.__setattr__(self, name, value)
 
   @property
@@ -62,8 +70,11 @@ class Branch:
   def target(self) -> Target:
     return self.executor.target
 
-  def kernel_for(self, plan: TilePlan) -> SparseKernel:
-    """This executor's kernel on another plan of the same tiles (a ring shard's window)."""
+  def kernel_for(self, plan: TilePlan, backend: str | None = None) -> SparseKernel:
+    """This executor's kernel on another plan of the same tiles (a ring shard's window), or
+    ``backend``'s on them (its own inner kv step)."""
+    if backend is not None and backend != self.executor.backend:
+      return prepare_kernel(plan, self.executor.target, backend=backend, tpu=self.executor.tpu)
     return prepare_kernel(plan, self.executor.target, backend=self.executor.backend,
                           block_kv_compute=self.tiles.block_kv_compute, tpu=self.executor.tpu)
 
@@ -155,5 +166,6 @@ def _prepared(config: SvgConfig, grid: VideoGrid, expert: str | None, target: Ta
     tiles = config.tiles_on(executor.target, executor.backend)
     heads = config.head_budget_on(grid, tiles, expert)
     plan = config.plan_on(grid, tiles, expert) if heads is None else heads.carrier
-    branches.append(Branch(executor, tiles, plan, config.compensation_on(tiles), grid, heads))
+    branches.append(Branch(executor, tiles, plan, config.compensation_on(tiles), grid, heads,
+                           config.dense_rows_plan_on(grid, tiles)))
   return PreparedCall(config, grid, expert, target, tuple(branches))

@@ -252,6 +252,10 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
       raise ValueError(f"{key} does not run on a ring yet (ulysses_shards {ulysses} leaves the "
                        f"sequence split over {mesh.shape[seq_axis] // ulysses} devices): set "
                        f"ulysses_shards to the context axis's size, or {key} to uniform")
+  if config.dense_frames:  # their rows need every key, split here
+    raise ValueError(f"svg_dense_frames does not run on a ring yet (ulysses_shards {ulysses} "
+                     f"leaves the sequence split over {mesh.shape[seq_axis] // ulysses} devices): "
+                     f"set ulysses_shards to the context axis's size, or svg_dense_frames to 0")
   inner = split_mesh(mesh, seq_axis, ulysses)
   ring = inner.shape[RING]
   batch_spec = tuple(batch_axes) or None

@@ -288,6 +288,31 @@ def _plan(mask: Mask, block_q: int, block_kv: int, mode: TileMode) -> TilePlan:
   return TilePlan(mask, mode, block_q, block_kv, kv_index, kinds, counts, stats)
 
 
+@functools.lru_cache(maxsize=16)
+def dense_rows_plan(seq_len: int, rows: int, block_q: int, block_kv: int) -> TilePlan:
+  """Every key tile of the first ``rows`` queries of a ``seq_len`` sequence, mask-free but for
+  the padded last key tile: a plan of ``rows`` queries against all keys (``q_len``), the
+  leading frames' dense rows (``svg_dense_frames``)."""
+  if not 0 < rows <= seq_len:
+    raise ValueError(f"dense rows must be in [1, {seq_len}] (the sequence), got {rows}")
+  block_q, block_kv = check_block_size(block_q, "block_q"), check_block_size(block_kv, "block_kv")
+  nq, nkv = -(-rows // block_q), -(-seq_len // block_kv)
+  kind = np.full((nq, nkv), FULL, np.int8)
+  if seq_len % block_kv:
+    kind[:, -1] = MASKED  # drops the padding keys (an aligned plan's only mask)
+  kv_index = np.broadcast_to(np.arange(nkv, dtype=np.int32), (nq, nkv)).copy()
+  counts = np.full(nq, nkv, np.int32)
+  for a in (kv_index, kind, counts):
+    a.setflags(write=False)
+  masked = int((kind == MASKED).sum())
+  pairs = rows * seq_len
+  stats = TileStats(total_tiles=nq * nkv, visited_tiles=nq * nkv, masked_tiles=masked,
+                    full_tiles=nq * nkv - masked, real_pairs=pairs, exact_pairs=pairs,
+                    kept_pairs=pairs, recall=1.0, precision=1.0)
+  return TilePlan(SvgMask(seq_len, seq_len), TileMode.ALIGNED, block_q, block_kv, kv_index, kind,
+                  counts, stats, q_len=rows)
+
+
 def _candidate_tiles(mask: Mask, block_q: int, block_kv: int, nq: int):
   """(row, col) of every tile that may hold a kept pair, ascending per row."""
   s = mask.seq_len

@@ -167,11 +167,23 @@ def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
      ("svg_layouts=[semantic]", "svg_compensation=true")),
     ("0.3+sink=off", "svg density 0.3 +sink=off", ("svg_density=0.3", "svg_include_sink=false")),
     ("config+sink=on", "svg +sink=on", ("svg_include_sink=true",)),
+    ("config+dense_frames=1", "svg +dense_frames=1", ("svg_dense_frames=1",)),
 ])
 def test_compare_runs_can_set_the_compensation_and_layouts(spec, name, overrides):
   from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
   run = svg_run(spec)
   assert (run.name, run.overrides) == (name, overrides)
+
+
+def test_the_settings_line_says_the_dense_frames_and_compare_refuses_a_bad_count():
+  from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
+  assert "dense_frames" not in PluginSettings.from_mapping({}).summary()
+  for n, said in ((1, "the first frame's"), (2, "the first 2 frames'")):
+    line = PluginSettings.from_mapping({"svg_dense_frames": n}).summary()
+    assert f"layouts spatial, temporal, {said} queries dense (svg_dense_frames), dense kernel" \
+        in line
+  with pytest.raises(ValueError, match=r"sink=on\|off or dense_frames=N \(N >= 0\), got 'dense_frames=x'"):
+    svg_run("config+dense_frames=x")
 
 
 def test_compare_refuses_an_unknown_layout_naming_the_allowed_ones():

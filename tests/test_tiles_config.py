@@ -314,6 +314,31 @@ def test_compensation_is_estimated_and_its_row_keys_counted_in_the_sparse_plans_
   assert on["combined"] == off["combined"]
 
 
+def test_dense_frames_are_counted_priced_checked_and_refused_on_a_ring(tmp_path, capsys):
+  """svg_dense_frames 1 on a v6e-8 at 720p: the first frame's 3,600 rows in two 1,920-row
+  query tiles against all 50 key tiles of 1,536 (the last masked for padding): 100 tiles, each
+  1920/3328 of a sparse plan's, checked as their own plan; a ring refuses them by key."""
+  _, _, _, off = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8")
+  code, out, _, on = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8", "svg_dense_frames=1")
+  assert code == 0
+  row, before = on["rows"][0], off["rows"][0]
+  assert (row["dense_rows_tiles"], row["dense_rows_block_q"]) == (100, 1920)
+  assert (row["full_tiles"] - before["full_tiles"], row["masked_tiles"] - before["masked_tiles"]) \
+      == (98, 2)
+  total = -(-75_600 // 3328) * -(-75_600 // 1536)
+  assert row["visited_tile_fraction"] == pytest.approx(
+      before["visited_tile_fraction"] + 100 * 1920 / 3328 / total)
+  assert row["work_vs_dense"] > before["work_vs_dense"]
+  assert on["rows"][0]["vs_fixed_m"]["fixed"]["bound"] < off["rows"][0]["vs_fixed_m"]["fixed"]["bound"]
+  assert "dense rows" in {fit["plan"] for fit in on["checks"]["kernel"]}
+  assert "the first frame's queries dense (svg_dense_frames)" in on["summary"]
+  assert "100 of them (1920-row query tiles, counted in the fraction by their size) the " \
+         "leading frames' dense rows (svg_dense_frames)" in out
+  ring = {**WAN14B, "ulysses_shards": 4}
+  code, _, err, _ = tiles(tmp_path, capsys, ring, "--slice", "v6e-8", "svg_dense_frames=1")
+  assert code != 0 and "svg_dense_frames is 1, whose dense rows need every key" in err
+
+
 def test_a_block_count_that_does_not_divide_the_chips_key_tile_is_refused(tmp_path, capsys):
   """7 centroids in our kernel's 1536-key tile on a v6e; the same 7 pass the launcher (no tile
   is known there) and are refused by the transformer's build on the mesh's chip."""

@@ -122,6 +122,22 @@ def test_scheduled_call_with_its_dense_branch_compiles(chip):
   assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
+@pytest.mark.parametrize("backend", ["pallas", pytest.param("splash", marks=pytest.mark.full)])
+def test_dense_frames_compile_as_one_more_kernel_call(backend):
+  """svg_dense_frames 1, v6e, 720p: the first frame's 3,600 rows against every key, on our
+  kernel with two 1,920-row query tiles (Splash's calls too), beside the sparse kernel and the
+  dense branch."""
+  mesh = chip_mesh("v6e")
+  grid = grid_for_resolution("720p")
+  config = SvgConfig(dense_frames=1, backend=backend)
+  fn = lambda q, k, v, step, layer: scheduled_svg_attention(
+      q, k, v, grid=grid, config=config, step=step, layer=layer,
+      target=target_for_devices(mesh.devices.flat))
+  scalar = abstract((), jnp.int32, mesh)
+  result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
+  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 3
+
+
 @pytest.mark.full  # bench schedule --compensation compiles the same call (CI time)
 def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backend="pallas"):
   """svg_compensation on, v6e, 720p: the kernel returns its log-sum-exp, the centroid pass and the

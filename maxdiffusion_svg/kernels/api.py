@@ -64,11 +64,11 @@ def _check_inputs(q: Any, k: Any, v: Any, plan: TilePlan) -> None:
     raise ValueError(f"q and k head dims differ: expected {q.shape[-1]}, got {k.shape[-1]}")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q, k, v dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
-  if window:
-    if q.shape[2] != plan.q_len or k.shape[2] != plan.num_kv_tiles * plan.block_kv:
-      raise ValueError(f"plan was built for {plan.q_len} queries against "
-                       f"{plan.num_kv_tiles * plan.block_kv} keys, but inputs have "
-                       f"{q.shape[2]} and {k.shape[2]}")
+  if window:  # keys as a ring window holds them (whole tiles), or the plan's real keys
+    keys = plan.num_kv_tiles * plan.block_kv
+    if q.shape[2] != plan.q_len or k.shape[2] not in (keys, plan.seq_len):
+      raise ValueError(f"plan was built for {plan.q_len} queries against {keys} keys "
+                       f"({plan.seq_len} real), but inputs have {q.shape[2]} and {k.shape[2]}")
   elif q.shape[2] != plan.seq_len:
     raise ValueError(f"plan was built for seq_len {plan.seq_len}, but inputs have S = {q.shape[2]}")
 

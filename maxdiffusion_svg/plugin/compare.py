@@ -60,8 +60,9 @@ def svg_run(spec: str) -> Run:
   blocks), ``compensation=N`` (on, ``N`` centroids per key tile), ``compensation=off``,
   ``semantic`` (SVG2's clustered layout among the router's choices: ``svg_layouts [spatial,
   temporal, semantic]``), ``layouts=A/B`` (``svg_layouts`` as given, e.g. ``layouts=semantic``)
-  or ``sink=on|off`` (``svg_include_sink``: the first frame, a reference frame in VACE and
-  Animate, attended by every query or not)."""
+  , ``sink=on|off`` (``svg_include_sink``: the first frame, a reference frame in VACE and
+  Animate, attended by every query or not) or ``dense_frames=N`` (``svg_dense_frames``: the
+  first ``N`` frames' queries attend every key; with the sink, a reference frame run dense)."""
   base, *extras = spec.split("+")
   run = _base_run(base)
   if not extras:
@@ -81,6 +82,8 @@ def _option_keys(extra: str, spec: str) -> tuple[str, ...]:
     return (f"svg_layouts=[{', '.join(names)}]",)
   if name == "sink" and value in ("on", "off"):  # e.g. Animate's reference slot as the sink, or not
     return (f"svg_include_sink={'true' if value == 'on' else 'false'}",)
+  if name == "dense_frames" and value.isdigit():  # a reference frame dense, not only a sink
+    return (f"svg_dense_frames={int(value)}",)
   return _compensation_keys(extra, spec)
 
 
@@ -112,7 +115,7 @@ def _compensation_keys(extra: str, spec: str) -> tuple[str, ...]:
   raise ValueError(f"--svg {spec}: after + a run takes compensation (on, the config's "
                    f"svg_compensation_blocks), compensation=N (N >= 1 centroids per key tile), "
                    f"compensation=off, semantic, layouts=A/B (of spatial, temporal, "
-                   f"semantic) or sink=on|off, got {extra!r}")
+                   f"semantic), sink=on|off or dense_frames=N (N >= 0), got {extra!r}")
 
 
 def base_attention(config_path: str) -> str | None:

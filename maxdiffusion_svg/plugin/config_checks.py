@@ -74,7 +74,7 @@ def _refused(where: str, err: ValueError) -> Refused:
 
 
 def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
-                layouts: tuple[str, ...] = ()) -> dict[str, Any]:
+                layouts: tuple[str, ...] = (), dense_frames: int = 0) -> dict[str, Any]:
   """The mesh MaxDiffusion builds on one ``slice_type`` slice and the job checks on its
   context axis against the heads, its ``ulysses_shards``, the ``svg_backend`` and the
   ``svg_layouts`` (a ring leaves semantic out)."""
@@ -91,10 +91,11 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
                       context_shards=context, heads=heads,
                       ulysses_shards=config.get("ulysses_shards", -1),
                       backend=str(config.get("svg_backend", "auto")),
-                      layouts=tuple(layouts))
+                      layouts=tuple(layouts), dense_frames=dense_frames)
   try:
     ulysses, ring = preflight.check_heads(job)
     preflight.check_backend_on_ring(job.backend, ulysses, ring)
+    preflight.check_dense_frames_on_ring(job.dense_frames, ulysses, ring)
     note = preflight.check_layouts_on_ring(job.layouts, ulysses, ring)
   except ValueError as err:
     raise _refused(f"before loading weights on a {slice_type}", err) from None
@@ -149,7 +150,8 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
     preflight.check_run_name(str(keys.get("output_dir") or ""), str(keys.get("run_name") or ""))
   except ValueError as err:
     warnings.append(f"{err} (XPK and our JobSets set JOBSET_NAME; elsewhere the run stops here)")
-  mesh = check_slice(keys, slice_type, heads, settings.svg.layouts) if slice_type else None
+  mesh = (check_slice(keys, slice_type, heads, settings.svg.layouts, settings.svg.dense_frames)
+          if slice_type else None)
   if mesh and mesh["layouts_note"]:
     warnings.append(mesh["layouts_note"])
   try:  # the key tile of the chip's executor: what the transformer's build checks

@@ -111,6 +111,8 @@ class Estimate:
   layer_densities: tuple[float, ...] | None = None  # the distinct per-layer rungs' densities
   layer_rungs: tuple[str, ...] | None = None  # ... as rungs: ``0.2`` or ``0.2+compensation``
   per_head: bool = False  # the rungs are the heads' densities (svg_head_densities)
+  dense_rows_tiles: int = 0  # svg_dense_frames: tiles of the leading frames' dense rows (counted above)
+  dense_rows_block_q: int = 0  # ... their query tile
 
   @property
   def calls(self) -> int:
@@ -161,6 +163,10 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   experts = EXPERTS if split else (None,)
   rungs = {expert: _rungs(svg, expert, layers, heads) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
+  dense_rows = svg.dense_rows_plan_on(grid, tiles)  # svg_dense_frames: one more call per sparse one
+  extra = dense_rows.stats if dense_rows is not None else None
+  # the rows' tiles in a plan's own tile units (their query tile may be shorter)
+  extra_tiles = lambda p: extra.visited_tiles * dense_rows.block_q / p.block_q
   # per-layer rungs (density, compensation): each rung's plan, checked and priced
   rung_plans = {expert: {r: svg.at_rung(r).plan(grid, expert, target, backend)
                          for r in weights} for expert, weights in rungs.items()}
@@ -175,7 +181,10 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
       ragged[f"{expert + ' ' if expert else ''}per-head ragged"] = budget
   checks = check_config(keys, settings, grid, target, backend,
                         {**named, **{name: b.carrier for name, b in ragged.items()},
-                         "dense": svg.dense_plan(grid, target, backend)},
+                         "dense": svg.dense_plan(grid, target, backend),
+                         # Splash's calls run the rectangle on our kernel, checked as its own
+                         **({"dense rows": dense_rows}
+                            if dense_rows is not None and backend != "splash" else {})},
                         steps, layers, slice_type, ragged)
   rows, priced = [], []
   for expert, plan in plans.items():
@@ -187,18 +196,22 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
     rows.append(Estimate(
         expert=expert, density=round(sum(w * r.density for r, w in weights.items()), 6),
         kept_pair_fraction=mean(lambda p: p.stats.exact_pair_fraction),
-        visited_tile_fraction=mean(lambda p: p.stats.visited_tile_fraction),
-        full_tiles=round(mean(lambda p: p.stats.full_tiles)),
-        masked_tiles=round(mean(lambda p: p.stats.masked_tiles)), first_step=first,
+        visited_tile_fraction=mean(lambda p: (p.stats.visited_tiles + (
+            extra_tiles(p) if extra else 0)) / p.stats.total_tiles),
+        full_tiles=round(mean(lambda p: p.stats.full_tiles)) + (extra.full_tiles if extra else 0),
+        masked_tiles=round(mean(lambda p: p.stats.masked_tiles)) + (
+            extra.masked_tiles if extra else 0), first_step=first,
         steps=end - first, run_steps=steps,
         sparse_steps=svg.schedule.active_steps.within(first, end),
         sparse_layers=svg.schedule.active_layers.count(layers), layers=layers,
         layer_densities=tuple(r.density for r in weights) if rungs[expert] else None,
         layer_rungs=tuple(map(str, weights)) if rungs[expert] else None,
-        per_head=svg.head_densities_for(expert) is not None))
+        per_head=svg.head_densities_for(expert) is not None,
+        dense_rows_tiles=extra.visited_tiles if extra else 0,
+        dense_rows_block_q=dense_rows.block_q if extra else 0))
     priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
-                                                 tiles, target, backend) for r in weights},
-                            weights))
+                                                 tiles, target, backend, dense_rows)
+                             for r in weights}, weights))
   combined = _combined(rows, priced)
   share, source = attention_share(grid.tokens, given_share, video_model(keys))
   # checked by check_config above; per-layer compensation: what its compensated layers add
@@ -313,10 +326,12 @@ def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, A
   return out
 
 
-def _against_fixed_m(plan, share: float, tiles, target: Target, backend: str) -> dict[str, Any]:
+def _against_fixed_m(plan, share: float, tiles, target: Target, backend: str,
+                     dense_rows=None) -> dict[str, Any]:
   """The run's self-attention bundles by libtpu's static schedule (schedule_costs.PRICES),
-  ours (``share`` of the calls sparse, the rest dense) against MaxDiffusion's fixed-m kernel at
-  its fast recipe on every call; or why it cannot be priced."""
+  ours (``share`` of the calls sparse, the rest dense; a sparse call with ``dense_rows``, the
+  leading frames' call too) against MaxDiffusion's fixed-m kernel at its fast recipe on every
+  call; or why it cannot be priced."""
   chip = target.generation.name if target.known else None
   prices = PRICES.get(chip or "", {})
   ours, theirs = prices.get("ours"), prices.get("maxdiffusion_fixed_m")
@@ -331,6 +346,10 @@ def _against_fixed_m(plan, share: float, tiles, target: Target, backend: str) ->
                          "fixed_m_call": theirs.dense_call(tokens)}
   for path, online in (("fixed", False), ("online", True)):
     sparse = ours.call(stats.full_tiles, stats.masked_tiles, plan.num_q_tiles, online)
+    if dense_rows is not None:  # priced on our tiles, scaled by its shorter query tile (modelled)
+      sparse += round(ours.call(dense_rows.stats.full_tiles, dense_rows.stats.masked_tiles,
+                                dense_rows.num_q_tiles, online)
+                      * dense_rows.block_q / plan.block_q)
     dense = ours.dense_call(tokens, online)
     run = share * sparse + (1 - share) * dense
     out[path] = {"sparse_call": sparse, "dense_call": dense, "run_call": run,

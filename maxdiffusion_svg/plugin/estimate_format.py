@@ -36,6 +36,13 @@ def _checks(result: dict[str, Any]) -> list[str]:
   return lines + [f"warning: {warning}" for warning in checks["warnings"]]
 
 
+def _dense_rows(row: dict[str, Any]) -> str:
+  tiles = row.get("dense_rows_tiles")
+  return (f", {tiles:,} of them ({row['dense_rows_block_q']}-row query tiles, counted in the "
+          f"fraction by their size) the leading frames' dense rows (svg_dense_frames)" if tiles
+          else "")
+
+
 def _row(row: dict[str, Any], wan22: bool) -> list[str]:
   who = f"{row['expert']} expert: " if row["expert"] else ""
   first, end = row["first_step"], row["first_step"] + row["steps"]
@@ -53,7 +60,7 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
       f"{who}{density}; with the first-frame sink "
       f"{row['kept_pair_fraction']:.1%} of pairs kept); a sparse call visits "
       f"{row['visited_tile_fraction']:.1%} of the tiles ({row['full_tiles']:,} full, "
-      f"{row['masked_tiles']:,} masked)",
+      f"{row['masked_tiles']:,} masked){_dense_rows(row)}",
       f"  sparse calls: {steps} x {row['sparse_layers']} of {row['layers']} layers = "
       f"{row['sparse_call_share']:.1%} of {'its' if wan22 else ''}{' ' if wan22 else ''}"
       f"self-attention calls",

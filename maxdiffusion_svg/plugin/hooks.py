@@ -390,10 +390,11 @@ def _attention_of(meta: dict[str, Any]) -> Any:
   return config.get("attention") if isinstance(config, dict) else None
 
 
-def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = ()) -> preflight.Job:
+def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = (),
+           dense_frames: int = 0) -> preflight.Job:
   """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
-  build, its ``ulysses_shards``, the transformer's head count (no weights), and ``backend``
-  and ``layouts`` (the settings' ``svg_backend`` and ``svg_layouts``)."""
+  build, its ``ulysses_shards``, the transformer's head count (no weights), and ``backend``,
+  ``layouts`` and ``dense_frames`` (the settings' ``svg_*`` keys)."""
   from maxdiffusion import max_utils  # pylint: disable=import-outside-toplevel
   mesh = jax.sharding.Mesh(max_utils.create_device_mesh(config, logging=False), config.mesh_axes)
   return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
@@ -402,7 +403,7 @@ def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = ()) ->
                        heads=preflight.transformer_heads(config.pretrained_model_name_or_path),
                        output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""),
                        ulysses_shards=config.get_keys().get("ulysses_shards", -1), backend=backend,
-                       layouts=layouts)
+                       layouts=layouts, dense_frames=dense_frames)
 
 
 def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -411,8 +412,8 @@ def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
   def wrapper(config, *args, **kwargs):
     pipeline = args[0] if args else kwargs.get("pipeline")  # generate_wan_animate takes none
     if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
-      settings = PluginSettings.from_mapping(config.get_keys())
-      preflight.check_job(job_of(config, settings.svg.backend, settings.svg.layouts), os.environ)
+      svg = PluginSettings.from_mapping(config.get_keys()).svg
+      preflight.check_job(job_of(config, svg.backend, svg.layouts, svg.dense_frames), os.environ)
     return original(config, *args, **kwargs)
 
   return wrapper

@@ -36,6 +36,7 @@ class Job:
   ulysses_shards: Any = -1  # MaxDiffusion's key: devices exchanging heads (-1: all of context)
   backend: str = "auto"  # svg_backend
   layouts: tuple[str, ...] = ()  # svg_layouts
+  dense_frames: int = 0  # svg_dense_frames
 
 
 def declared_hosts(env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -190,6 +191,15 @@ def check_backend_on_ring(backend: str, ulysses: int, ring: int) -> None:
         f"pallas (our kernel, the TPU default), xla or auto.")
 
 
+def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> None:
+  """The leading frames' dense rows need every key, which a ring splits."""
+  if ring > 1 and dense_frames:
+    raise ValueError(
+        f"svg_dense_frames is {dense_frames}, whose dense rows need every key: ulysses_shards "
+        f"{ulysses} leaves a ring of {ring} sequence shards on this mesh. Set ulysses_shards to "
+        f"the context axis's size, or svg_dense_frames to 0.")
+
+
 def check_layouts_on_ring(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
   """A ring leaves semantic out of the layouts (refused where nothing is left): the note the
   run logs, or ""."""
@@ -212,4 +222,5 @@ def check_job(job: Job, env: Mapping[str, str]) -> None:
   check_processes(job, env)
   ulysses, ring = check_heads(job)
   check_backend_on_ring(job.backend, ulysses, ring)
+  check_dense_frames_on_ring(job.dense_frames, ulysses, ring)
   check_layouts_on_ring(job.layouts, ulysses, ring)
