@@ -174,6 +174,15 @@ def _bench_semantic_720p(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_reference_frames(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.reference_frames import (ReferenceBenchConfig,  # pylint: disable=import-outside-toplevel
+                                                       format_reference_bench, run_reference_bench)
+  cfg = ReferenceBenchConfig(densities=tuple(args.densities), seeds=tuple(args.seeds))
+  result = run_reference_bench(cfg, log=_progress)
+  _report(args, format_reference_bench(result), result)
+  return 0
+
+
 def _bench_calibrate(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.calibration import (CalibrationBenchConfig,  # pylint: disable=import-outside-toplevel
                                                   format_calibration_bench, run_calibration_bench)
@@ -594,6 +603,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                      help="compensation a layer may take (as calibrate's; default both)")
   _add_json_arg(calib)
   calib.set_defaults(run=_bench_calibrate)
+
+  ref = bench_sub.add_parser(
+      "reference-frames", help="a reference frame as a sink or dense (svg_dense_frames) at "
+                               "equal cost, through a residual stack of planted layers, "
+                               "measured on CPU (minutes)")
+  ref.add_argument("--densities", type=_density, nargs="+", default=[0.15, 0.25, 0.35])
+  ref.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+  _add_json_arg(ref)
+  ref.set_defaults(run=_bench_reference_frames)
 
   e2e = bench_sub.add_parser(
       "e2e", help="dense vs SVG presets through generate_wan on a tiny random checkpoint (needs "

@@ -138,6 +138,20 @@ def test_dense_frames_compile_as_one_more_kernel_call(backend):
   assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 3
 
 
+@pytest.mark.full  # training with svg_dense_frames (VACE's references): the forward's twin above
+def test_the_gradient_of_a_call_with_dense_frames_compiles():
+  """The rows' call differentiates by the portable backward (a rectangle), the band's by
+  tokamax's kernel: v6e, 720p, our kernel."""
+  mesh = chip_mesh("v6e")
+  target = target_for_devices(mesh.devices.flat)
+  grid = grid_for_resolution("720p")
+  config = SvgConfig(dense_frames=1, backend="pallas")
+  loss = lambda q, k, v: svg_attention(q, k, v, grid=grid, config=config,
+                                       target=target).astype(jnp.float32).sum()
+  text = compile_ok(jax.grad(loss, argnums=(0, 1, 2)), qkv(mesh, grid)).executable.as_text()
+  assert "dkv" in text and text.count("svg_pallas_sparse") >= 2
+
+
 @pytest.mark.full  # bench schedule --compensation compiles the same call (CI time)
 def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backend="pallas"):
   """svg_compensation on, v6e, 720p: the kernel returns its log-sum-exp, the centroid pass and the

@@ -30,11 +30,12 @@ def assert_close(got, want, atol=1e-5):
   np.testing.assert_allclose(got, want, atol=atol * np.abs(want).max())
 
 
-def assert_calls_are_svg(log, grid: VideoGrid, density: float) -> None:
+def assert_calls_are_svg(log, grid: VideoGrid, density: float, **keys: Any) -> None:
   """Each logged self-attention call (every step and layer active) equals the library's SVG of
-  its own q, k, v on ``grid`` at ``density`` (the tiny models' test keys), and is sparse."""
+  its own q, k, v on ``grid`` at ``density`` (the tiny models' test keys, and ``keys``), and is
+  sparse."""
   svg = PluginSettings.from_mapping({**tiny_wan.BASE_KEYS, "svg_density": density,
-                                     **EVERYTHING}).svg
+                                     **EVERYTHING, **keys}).svg
   selfs = [r for r in log if r["kind"] == "self"]
   assert selfs and all(r["sparse"] and r["density"] == density for r in selfs)
   for record in selfs:

@@ -13,6 +13,7 @@ require_maxdiffusion()
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.testing import tiny_animate
 from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
                           rel, summary_lines)
@@ -53,6 +54,21 @@ def test_sparse_at_0_3_is_the_svg_of_the_reference_slot_and_frames(tmp_path_fact
   sparse, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
   assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
   assert_calls_are_svg(log, GRID, 0.3)
+
+
+@pytest.mark.full
+def test_dense_frames_run_the_reference_slots_queries_dense(tmp_path_factory):
+  """svg_dense_frames 1 from the config reaches every call: each is the library's SVG with the
+  reference slot's rows dense (those rows equal dense attention's), and the model's output moves."""
+  sink, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+  both, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, svg_dense_frames=1,
+                      **EVERYTHING)
+  assert rel(both, sink) > 1e-4
+  assert_calls_are_svg(log, GRID, 0.3, svg_dense_frames=1)
+  for record in (r for r in log if r["kind"] == "self"):
+    q, k, v, out = record["qkv_out"]
+    rows = GRID.frame_size
+    assert_close(out[:, :, :rows], np.asarray(dense_attention(q, k, v))[:, :, :rows])
 
 
 @pytest.mark.full
