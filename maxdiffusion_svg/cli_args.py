@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any, Callable
 
 from maxdiffusion_svg.geometry import RESOLUTIONS, VideoGrid, grid_for_resolution
@@ -81,3 +82,14 @@ def require_maxdiffusion(command: str) -> None:
   if importlib.util.find_spec("maxdiffusion") is None:
     raise ValueError(f"{command} runs MaxDiffusion's generate_wan: install its runtime packages "
                      f"and put its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src)")
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+  return value
+
+
+def _progress(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)

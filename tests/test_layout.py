@@ -31,7 +31,8 @@ def test_the_plugin_imports_neither_fixtures_nor_benchmarks():
 
 # The tools a user runs (they may drive the plugin, or draw benchmark figures); the rest of
 # the package is core.
-TOOLS = ("cli.py", "cli_args.py", "cli_bench.py", "cli_calibrate.py", "cli_compare.py",
+TOOLS = ("cli.py", "cli_args.py", "cli_bench.py", "cli_bench_tpu.py", "cli_calibrate.py",
+         "cli_compare.py",
          "cli_tiles.py", "generate.py",
          "train.py", "train_vace.py",
          "__main__.py", "plot.py")
