@@ -7,7 +7,8 @@ import sys
 import pytest
 import yaml
 
-from maxdiffusion_svg.config import KEYS, SvgConfig
+from maxdiffusion_svg.config import SvgConfig
+from maxdiffusion_svg.config_keys import KEYS
 from maxdiffusion_svg.plugin.settings import PLUGIN_KEYS, PluginSettings, config_defaults
 from shipped_configs import OVERRIDES
 

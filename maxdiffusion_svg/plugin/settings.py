@@ -12,7 +12,8 @@ from typing import Any, Mapping
 import enum
 
 from maxdiffusion_svg.budgets import layer_ranges
-from maxdiffusion_svg.config import EXPERTS, KEYS, DEFAULT_PRESET, UNSET_BY, SvgConfig
+from maxdiffusion_svg.config import EXPERTS, SvgConfig
+from maxdiffusion_svg.config_keys import DEFAULT_PRESET, KEYS, UNSET_BY
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.layouts import ring_note
