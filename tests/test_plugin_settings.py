@@ -136,11 +136,11 @@ def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
   """MaxDiffusion's AOT cache keys executables by ``meta``; the hook adds the settings, and a
   compensated run's executable must not be taken for an uncompensated one's."""
   import types  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin import hooks_entry  # pylint: disable=import-outside-toplevel
   keys = {"attention": "svg"}
   pyconfig = types.SimpleNamespace(config=types.SimpleNamespace(get_keys=lambda: keys))
   monkeypatch.setitem(sys.modules, "maxdiffusion", types.SimpleNamespace(pyconfig=pyconfig))
-  install = hooks._aot_install(lambda cache_dir, meta, mesh: meta)  # pylint: disable=protected-access
+  install = hooks_entry.aot_install(lambda cache_dir, meta, mesh: meta)
   metas = []
   for value in (False, True):
     keys["svg_compensation"] = value

@@ -21,7 +21,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
   pipeline call, the run summary (:mod:`run_summary`) is logged.
 * ``aot_cache.install``: adds the SVG settings to the compiled-executable cache key.
 * ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
-  context shards against heads), after ``jax.distributed`` starts and before weights load.
+  context shards against heads), after ``jax.distributed`` starts and before weights load
+  (these two: :mod:`hooks_entry`).
 * the same for Wan VACE and Wan Animate (their own model calls and factories;
   :mod:`hooks_wan_variants`) and for LTX-2 (:mod:`hooks_ltx2`).
 
@@ -37,8 +38,6 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-import json
-import os
 from typing import Any, Callable, Iterator
 
 import jax
@@ -49,7 +48,7 @@ from maxdiffusion_svg.budgets import check_layer_count
 from maxdiffusion_svg.head_budgets import check_head_shape
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.video_models import WAN
-from maxdiffusion_svg.plugin import (contract, hooks_ltx2, hooks_wan_variants, preflight,
+from maxdiffusion_svg.plugin import (contract, hooks_entry, hooks_ltx2, hooks_wan_variants,
                                      run_summary, semantic_store)
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
@@ -363,62 +362,6 @@ def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
-
-  @functools.wraps(original)
-  def wrapper(cache_dir, meta, mesh):
-    from maxdiffusion import pyconfig  # pylint: disable=import-outside-toplevel
-    config = pyconfig.config
-    if config is not None and _attention_of(meta) == KERNEL_NAME:
-      meta = {**meta, "svg": repr(PluginSettings.from_mapping(config.get_keys()))}
-    return original(cache_dir, meta, mesh)
-
-  return wrapper
-
-
-def _attention_of(meta: dict[str, Any]) -> Any:
-  """The ``attention`` key of an AOT cache's metadata: at the top (``generate_wan``) or inside
-  its ``config``, a mapping or its JSON text (``generate_ltx2``)."""
-  if "attention" in meta:
-    return meta["attention"]
-  config = meta.get("config")
-  if isinstance(config, str):
-    try:
-      config = json.loads(config)
-    except ValueError:
-      return None
-  return config.get("attention") if isinstance(config, dict) else None
-
-
-def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = (),
-           dense_frames: int = 0) -> preflight.Job:
-  """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
-  build, its ``ulysses_shards``, the transformer's head count (no weights), and ``backend``,
-  ``layouts`` and ``dense_frames`` (the settings' ``svg_*`` keys)."""
-  from maxdiffusion import max_utils  # pylint: disable=import-outside-toplevel
-  mesh = jax.sharding.Mesh(max_utils.create_device_mesh(config, logging=False), config.mesh_axes)
-  return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
-                       local_device_count=jax.local_device_count(),
-                       context_shards=mesh.shape.get("context", 1),
-                       heads=preflight.transformer_heads(config.pretrained_model_name_or_path),
-                       output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""),
-                       ulysses_shards=config.get_keys().get("ulysses_shards", -1), backend=backend,
-                       layouts=layouts, dense_frames=dense_frames)
-
-
-def _preflight(original: Callable[..., Any]) -> Callable[..., Any]:
-
-  @functools.wraps(original)
-  def wrapper(config, *args, **kwargs):
-    pipeline = args[0] if args else kwargs.get("pipeline")  # generate_wan_animate takes none
-    if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
-      svg = PluginSettings.from_mapping(config.get_keys()).svg
-      preflight.check_job(job_of(config, svg.backend, svg.layouts, svg.dense_frames), os.environ)
-    return original(config, *args, **kwargs)
-
-  return wrapper
-
-
 def _wrap(owner: Any, name: str, make: _Wrapper) -> None:
   """Replaces ``owner.name`` with ``make(original)`` once (re-installing is a no-op)."""
   original = getattr(owner, name)
@@ -461,7 +404,7 @@ def install() -> None:
       _wrap(pipeline, "__call__", _pipeline_call)
   _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
         _set_timesteps)
-  _wrap(aot_cache, "install", _aot_install)
-  _wrap(generate_wan, "run", _preflight)
-  _wrap(generate_wan_animate, "run", _preflight)
+  _wrap(aot_cache, "install", hooks_entry.aot_install)
+  _wrap(generate_wan, "run", hooks_entry.preflight_run)
+  _wrap(generate_wan_animate, "run", hooks_entry.preflight_run)
   hooks_ltx2.install(_wrap)

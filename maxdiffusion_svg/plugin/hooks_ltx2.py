@@ -92,7 +92,7 @@ def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   from maxdiffusion.pipelines.ltx2 import ltx2_pipeline
   from maxdiffusion.schedulers import scheduling_flow_match_flax
 
-  from maxdiffusion_svg.plugin import hooks
+  from maxdiffusion_svg.plugin import hooks, hooks_entry
   # pylint: enable=import-outside-toplevel
   wrap(transformer_ltx2.LTX2VideoTransformer3DModel, "__call__", _model_call)
   wrap(ltx2_pipeline, "create_sharded_logical_transformer",
@@ -100,4 +100,4 @@ def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   wrap(ltx2_pipeline.LTX2Pipeline, "__call__", hooks._pipeline_call)  # pylint: disable=protected-access
   wrap(scheduling_flow_match_flax.FlaxFlowMatchScheduler, "set_timesteps_ltx2",
        hooks._set_timesteps)  # pylint: disable=protected-access
-  wrap(generate_ltx2, "run", hooks._preflight)  # pylint: disable=protected-access
+  wrap(generate_ltx2, "run", hooks_entry.preflight_run)
