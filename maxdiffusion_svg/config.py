@@ -47,6 +47,8 @@ class SvgConfig:
   # --xla_tpu_scoped_vmem_limit_kib, else the generation's default.
   vmem_limit_kib: int | None = None
   include_sink: bool = True
+  # Frames the sink covers (VACE with R reference images: R; they lead the grid).
+  sink_frames: int = 1
   # Leading frames whose queries attend every key (VACE's reference images, Animate's reference
   # slot): a dense call of those rows replaces their sparse ones. 0: none (the sink alone).
   dense_frames: int = 0
@@ -103,6 +105,10 @@ class SvgConfig:
       raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
     if not isinstance(self.include_sink, bool):
       raise ValueError(f"svg_include_sink must be true or false, got {self.include_sink!r}")
+    if isinstance(self.sink_frames, bool) or not isinstance(self.sink_frames, int) or (
+        self.sink_frames < 1):
+      raise ValueError(f"svg_sink_frames must be an integer >= 1 (the leading frames every "
+                       f"query attends, with svg_include_sink), got {self.sink_frames!r}")
     if isinstance(self.dense_frames, bool) or not isinstance(self.dense_frames, int) or (
         self.dense_frames < 0):
       raise ValueError(f"svg_dense_frames must be an integer >= 0 (leading frames whose queries "
@@ -177,7 +183,7 @@ class SvgConfig:
     if densities is None:
       return None
     return head_budget(grid, densities, tiles.block_q, tiles.block_kv,
-                       include_sink=self.include_sink)
+                       include_sink=self.include_sink, sink_frames=self.sink_of(grid))
 
   def on_ring(self, ulysses: int, ring: int) -> "SvgConfig":
     """This config as a ring of ``ring`` sequence shards runs it: semantic left out of the
@@ -201,7 +207,7 @@ class SvgConfig:
   @property
   def router(self) -> RouterConfig:
     return RouterConfig(self.profile_queries, self.profile_pool, self.sample_max_row,
-                        self.include_sink, self.profile_masks)
+                        self.include_sink, self.profile_masks, self.sink_frames)
 
   def density_for(self, expert: str | None = None) -> float:
     """The density of a Wan 2.2 expert (``high_noise``/``low_noise``), or the shared one."""
@@ -324,7 +330,15 @@ class SvgConfig:
     """The tile plan every head of a call on ``tiles`` shares (static: built at trace time,
     cached)."""
     return plan_tiles(grid, self.density_for(expert), tiles.block_q, tiles.block_kv,
-                      self.tile_mode, include_sink=self.include_sink)
+                      self.tile_mode, include_sink=self.include_sink,
+                      sink_frames=self.sink_of(grid))
+
+  def sink_of(self, grid: VideoGrid) -> int:
+    """The sink's frames (``svg_sink_frames``), checked against the video's frames."""
+    if self.include_sink and self.sink_frames >= grid.frames:
+      raise ValueError(f"svg_sink_frames ({self.sink_frames}) must be less than the video's "
+                       f"{grid.frames} latent frames (grid {grid})")
+    return self.sink_frames
 
   def dense_rows(self, grid: VideoGrid) -> int:
     """Queries whose attention is dense (``svg_dense_frames`` leading frames), checked against

@@ -97,6 +97,7 @@ KEYS = {
     "svg_backend": "backend",
     "svg_vmem_limit_kib": "vmem_limit_kib",
     "svg_include_sink": "include_sink",
+    "svg_sink_frames": "sink_frames",
     "svg_dense_frames": "dense_frames",
     "svg_profile_queries": "profile_queries",
     "svg_profile_pool": "profile_pool",

@@ -157,20 +157,21 @@ class HeadBudget:
 
 
 def head_budget(grid: VideoGrid, densities: Any, block_q: int, block_kv: int, *,
-                include_sink: bool = True) -> HeadBudget:
+                include_sink: bool = True, sink_frames: int = 1) -> HeadBudget:
   """The per-head budget of ``densities`` (:func:`check_head_densities`'s forms) on
   ``grid``'s aligned tiles (cached: static per shape)."""
   layers = check_head_densities(densities)
   if layers is None:
     raise ValueError("svg_head_densities is unset (uniform): there is no per-head budget")
-  return _head_budget(grid, layers, block_q, block_kv, include_sink)
+  return _head_budget(grid, layers, block_q, block_kv, include_sink, sink_frames)
 
 
 @functools.lru_cache(maxsize=32)
 def _head_budget(grid: VideoGrid, densities: tuple[tuple[float, ...], ...], block_q: int,
-                 block_kv: int, include_sink: bool) -> HeadBudget:
+                 block_kv: int, include_sink: bool, sink_frames: int) -> HeadBudget:
   plans = tuple(tuple(plan_tiles(grid, d, block_q, block_kv, TileMode.ALIGNED,
-                                 include_sink=include_sink) for d in layer)
+                                 include_sink=include_sink, sink_frames=sink_frames)
+                      for d in layer)
                 for layer in densities)
   flat = [plan for layer in plans for plan in layer]
   counts = np.stack([plan.num_visited for plan in flat])  # [layers * heads, q_tiles]

@@ -208,16 +208,18 @@ class PlacedMask(Mask):
     return total
 
 
-def svg_mask(grid: VideoGrid, density: float, include_sink: bool = True) -> SvgMask:
-  """The execution mask of a head in its placed layout at ``density``."""
-  sink = grid.frame_size if include_sink else 0
+def svg_mask(grid: VideoGrid, density: float, include_sink: bool = True,
+             sink_frames: int = 1) -> SvgMask:
+  """The execution mask of a head in its placed layout at ``density``; the sink is the first
+  ``sink_frames`` frames' positions (VACE's reference images lead the grid)."""
+  sink = sink_frames * grid.frame_size if include_sink else 0
   return SvgMask(grid.tokens, band_half_width(grid.tokens, density), sink)
 
 
-def probe_mask(grid: VideoGrid, include_sink: bool = True) -> ProbeMask:
+def probe_mask(grid: VideoGrid, include_sink: bool = True, sink_frames: int = 1) -> ProbeMask:
   """The router's probe mask in the placed layout (the same rule serves both head types).
 
   On tiny grids (frame_size < 64) the band keeps at least each query's own block.
   """
   radius = max(1, 2 * grid.frame_size // PROBE_BLOCK)
-  return ProbeMask(grid.tokens, radius, grid.frame_size if include_sink else 0)
+  return ProbeMask(grid.tokens, radius, sink_frames * grid.frame_size if include_sink else 0)

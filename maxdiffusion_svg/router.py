@@ -48,6 +48,7 @@ class RouterConfig:
   sample_max_row: int = 10_000
   include_sink: bool = True
   profile_masks: str = "execution"  # chosen by measurement: docs/benchmarks.md, "Which masks the router judges by"
+  sink_frames: int = 1  # frames the probe mask's sink covers (svg_sink_frames)
 
   def __post_init__(self):
     for name in ("profile_queries", "sample_max_row"):
@@ -307,7 +308,7 @@ def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid
 def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -> Mask:
   """The mask the router compares layouts under: the probe, or ``plan``'s computed mask."""
   if router.profile_masks == "probe":
-    return probe_mask(grid, router.include_sink)
+    return probe_mask(grid, router.include_sink, router.sink_frames)
   if plan is None:
     raise ValueError("svg_profile_masks=execution needs the call's tile plan (plan=...)")
   return plan.computed_mask

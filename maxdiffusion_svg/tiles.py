@@ -224,9 +224,11 @@ class ComputedMask(Mask):
 
 
 def plan_tiles(grid: VideoGrid, density: float, block_q: int, block_kv: int,
-               mode: TileMode | str, *, include_sink: bool = True) -> TilePlan:
+               mode: TileMode | str, *, include_sink: bool = True,
+               sink_frames: int = 1) -> TilePlan:
   """Plans the SVG band+sink mask of ``grid`` at ``density`` (see :func:`plan_mask_tiles`)."""
-  return plan_mask_tiles(svg_mask(grid, density, include_sink), block_q, block_kv, mode)
+  return plan_mask_tiles(svg_mask(grid, density, include_sink, sink_frames), block_q, block_kv,
+                         mode)
 
 
 def plan_mask_tiles(mask: Mask, block_q: int, block_kv: int, mode: TileMode | str) -> TilePlan:

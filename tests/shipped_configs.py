@@ -23,6 +23,7 @@ OVERRIDES = {
     "svg_low_noise_density": "0.25", "svg_tile_mode": "split", "svg_block_q": "1024",
     "svg_block_kv": "1024", "svg_block_kv_compute": "512", "svg_backend": "xla",
     "svg_vmem_limit_kib": "65536", "svg_include_sink": "false", "svg_dense_frames": "1",
+    "svg_sink_frames": "2",
     "svg_profile_queries": "32",
     "svg_profile_pool": "prefix", "svg_sample_max_row": "5000", "svg_profile_masks": "probe",
     "svg_profile_seed": "3", "svg_dense_kernel": "dot_product", "svg_min_seq_length": "1024",

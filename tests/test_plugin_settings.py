@@ -169,6 +169,7 @@ def test_the_aot_cache_key_holds_the_compensation(monkeypatch):
     ("0.3+sink=off", "svg density 0.3 +sink=off", ("svg_density=0.3", "svg_include_sink=false")),
     ("config+sink=on", "svg +sink=on", ("svg_include_sink=true",)),
     ("config+dense_frames=1", "svg +dense_frames=1", ("svg_dense_frames=1",)),
+    ("config+sink_frames=2", "svg +sink_frames=2", ("svg_sink_frames=2",)),
 ])
 def test_compare_runs_can_set_the_compensation_and_layouts(spec, name, overrides):
   from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
@@ -179,11 +180,17 @@ def test_compare_runs_can_set_the_compensation_and_layouts(spec, name, overrides
 def test_the_settings_line_says_the_dense_frames_and_compare_refuses_a_bad_count():
   from maxdiffusion_svg.plugin.compare import svg_run  # pylint: disable=import-outside-toplevel
   assert "dense_frames" not in PluginSettings.from_mapping({}).summary()
+  assert "sink" not in PluginSettings.from_mapping({}).summary()
+  assert ", no sink (svg_include_sink)," in PluginSettings.from_mapping(
+      {"svg_include_sink": False}).summary()
+  assert ", the first 2 frames a sink (svg_sink_frames), the first frame's queries dense" in \
+      PluginSettings.from_mapping({"svg_sink_frames": 2, "svg_dense_frames": 1}).summary()
   for n, said in ((1, "the first frame's"), (2, "the first 2 frames'")):
     line = PluginSettings.from_mapping({"svg_dense_frames": n}).summary()
     assert f"layouts spatial, temporal, {said} queries dense (svg_dense_frames), dense kernel" \
         in line
-  with pytest.raises(ValueError, match=r"sink=on\|off or dense_frames=N \(N >= 0\), got 'dense_frames=x'"):
+  with pytest.raises(ValueError, match=r"sink_frames=N \(N >= 1\) or dense_frames=N \(N >= 0\), "
+                                       r"got 'dense_frames=x'"):
     svg_run("config+dense_frames=x")
 
 

@@ -334,6 +334,10 @@ def test_dense_frames_are_counted_priced_checked_and_refused_on_a_ring(tmp_path,
   assert "the first frame's queries dense (svg_dense_frames)" in on["summary"]
   assert "100 of them (1920-row query tiles, counted in the fraction by their size) the " \
          "leading frames' dense rows (svg_dense_frames)" in out
+  _, out, _, _ = tiles(tmp_path, capsys, WAN14B, "svg_sink_frames=2")
+  assert "(band density; with the first 2 frames as the sink " in out
+  _, out, _, _ = tiles(tmp_path, capsys, WAN14B, "svg_include_sink=false")
+  assert "(band density; without a sink " in out
   ring = {**WAN14B, "ulysses_shards": 4}
   code, _, err, _ = tiles(tmp_path, capsys, ring, "--slice", "v6e-8", "svg_dense_frames=1")
   assert code != 0 and "svg_dense_frames is 1, whose dense rows need every key" in err

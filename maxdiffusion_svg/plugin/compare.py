@@ -61,8 +61,10 @@ def svg_run(spec: str) -> Run:
   ``semantic`` (SVG2's clustered layout among the router's choices: ``svg_layouts [spatial,
   temporal, semantic]``), ``layouts=A/B`` (``svg_layouts`` as given, e.g. ``layouts=semantic``)
   , ``sink=on|off`` (``svg_include_sink``: the first frame, a reference frame in VACE and
-  Animate, attended by every query or not) or ``dense_frames=N`` (``svg_dense_frames``: the
-  first ``N`` frames' queries attend every key; with the sink, a reference frame run dense)."""
+  Animate, attended by every query or not), ``sink_frames=N`` (``svg_sink_frames``: the sink
+  covers the first ``N`` frames, VACE's ``N`` references) or ``dense_frames=N``
+  (``svg_dense_frames``: the first ``N`` frames' queries attend every key; with the sink, a
+  reference frame run dense)."""
   base, *extras = spec.split("+")
   run = _base_run(base)
   if not extras:
@@ -84,6 +86,8 @@ def _option_keys(extra: str, spec: str) -> tuple[str, ...]:
     return (f"svg_include_sink={'true' if value == 'on' else 'false'}",)
   if name == "dense_frames" and value.isdigit():  # a reference frame dense, not only a sink
     return (f"svg_dense_frames={int(value)}",)
+  if name == "sink_frames" and value.isdigit() and int(value) > 0:  # VACE's R references
+    return (f"svg_sink_frames={int(value)}",)
   return _compensation_keys(extra, spec)
 
 
@@ -115,7 +119,8 @@ def _compensation_keys(extra: str, spec: str) -> tuple[str, ...]:
   raise ValueError(f"--svg {spec}: after + a run takes compensation (on, the config's "
                    f"svg_compensation_blocks), compensation=N (N >= 1 centroids per key tile), "
                    f"compensation=off, semantic, layouts=A/B (of spatial, temporal, "
-                   f"semantic), sink=on|off or dense_frames=N (N >= 0), got {extra!r}")
+                   f"semantic), sink=on|off, sink_frames=N (N >= 1) or dense_frames=N (N >= 0), "
+                   f"got {extra!r}")
 
 
 def base_attention(config_path: str) -> str | None:

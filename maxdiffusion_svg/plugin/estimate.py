@@ -113,6 +113,7 @@ class Estimate:
   per_head: bool = False  # the rungs are the heads' densities (svg_head_densities)
   dense_rows_tiles: int = 0  # svg_dense_frames: tiles of the leading frames' dense rows (counted above)
   dense_rows_block_q: int = 0  # ... their query tile
+  sink_frames: int = 1  # the leading frames every query attends (0: no sink)
 
   @property
   def calls(self) -> int:
@@ -208,7 +209,8 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
         layer_rungs=tuple(map(str, weights)) if rungs[expert] else None,
         per_head=svg.head_densities_for(expert) is not None,
         dense_rows_tiles=extra.visited_tiles if extra else 0,
-        dense_rows_block_q=dense_rows.block_q if extra else 0))
+        dense_rows_block_q=dense_rows.block_q if extra else 0,
+        sink_frames=svg.sink_frames if svg.include_sink else 0))
     priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
                                                  tiles, target, backend, dense_rows)
                              for r in weights}, weights))

@@ -36,6 +36,12 @@ def _checks(result: dict[str, Any]) -> list[str]:
   return lines + [f"warning: {warning}" for warning in checks["warnings"]]
 
 
+def _sink(frames: int) -> str:
+  if not frames:
+    return "without a sink"
+  return "with the first-frame sink" if frames == 1 else f"with the first {frames} frames as the sink"
+
+
 def _dense_rows(row: dict[str, Any]) -> str:
   tiles = row.get("dense_rows_tiles")
   return (f", {tiles:,} of them ({row['dense_rows_block_q']}-row query tiles, counted in the "
@@ -57,7 +63,7 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
   else:
     density = f"svg_density {row['density']} (band density"
   lines = [
-      f"{who}{density}; with the first-frame sink "
+      f"{who}{density}; {_sink(row.get('sink_frames', 1))} "
       f"{row['kept_pair_fraction']:.1%} of pairs kept); a sparse call visits "
       f"{row['visited_tile_fraction']:.1%} of the tiles ({row['full_tiles']:,} full, "
       f"{row['masked_tiles']:,} masked){_dense_rows(row)}",

@@ -107,15 +107,22 @@ class PluginSettings:
             f"[{steps.start}, {steps.end if steps.end is not None else 'end'}) and layers "
             f"[{layers.start}, {layers.end if layers.end is not None else 'end'}), tiles "
             f"{svg.tile_mode.value} {tiles}, backend {backend}{where}, {compensation}, "
-            f"{self.layouts_text(ring)}{self.dense_frames_text()}, dense kernel "
+            f"{self.layouts_text(ring)}{self.leading_frames_text()}, dense kernel "
             f"{dense} (MaxDiffusion runs it as dot_product below flash_min_seq_length), "
             f"dense below {self.min_seq_length} tokens")
 
-  def dense_frames_text(self) -> str:
-    """The leading frames whose queries run dense (``svg_dense_frames``), for the log line."""
-    n = self.svg.dense_frames
+  def leading_frames_text(self) -> str:
+    """Where the sink or the dense rows differ from the default (the first frame a sink, its
+    queries sparse), for the log line: ``svg_include_sink``, ``svg_sink_frames``,
+    ``svg_dense_frames``."""
+    svg, text = self.svg, ""
+    if not svg.include_sink:
+      text += ", no sink (svg_include_sink)"
+    elif svg.sink_frames > 1:
+      text += f", the first {svg.sink_frames} frames a sink (svg_sink_frames)"
+    n = svg.dense_frames
     frames = "frame's" if n == 1 else f"{n} frames'"
-    return f", the first {frames} queries dense (svg_dense_frames)" if n else ""
+    return text + (f", the first {frames} queries dense (svg_dense_frames)" if n else "")
 
   def layouts_text(self, ring: tuple[int, int] = (0, 1)) -> str:
     """The layouts the router chooses among, for the log lines (``ring``: see :meth:`summary`)."""

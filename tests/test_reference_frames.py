@@ -1,5 +1,8 @@
-"""svg_dense_frames: the leading frames' queries attend every key, each head on its own mask
-otherwise, against a dense masked softmax; sharded, scheduled, differentiated and refused."""
+"""The leading (reference) frames: svg_sink_frames (every query attends their keys) and
+svg_dense_frames (their queries attend every key), each head on its own mask otherwise, against
+a dense masked softmax; sharded, scheduled, differentiated and refused."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid, frame_major_order
 from maxdiffusion_svg.kernels import masked_attention
+from maxdiffusion_svg.masks import probe_mask
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.schedule import Interval, Schedule
 from maxdiffusion_svg.sharding import sharded_svg_attention
@@ -62,11 +66,13 @@ def test_the_rows_plan_visits_every_key_tile_of_the_leading_rows():
     dense_rows_plan(GRID.tokens, 0, 128, 128)
 
 
-@pytest.mark.parametrize("mode,backend,frames", [
-    ("aligned", "xla", 1), ("split", "xla", 2), ("naive", "xla", 1)])
-def test_leading_rows_are_dense_and_every_other_row_keeps_its_heads_mask(mode, backend, frames):
+@pytest.mark.parametrize("mode,backend,frames,sink", [
+    ("aligned", "xla", 1, 1), ("split", "xla", 2, 1), ("naive", "xla", 1, 1),
+    ("split", "xla", 2, 2)])
+def test_leading_rows_are_dense_and_every_other_row_keeps_its_heads_mask(mode, backend, frames,
+                                                                         sink):
   q, k, v = planted()
-  cfg = config(tile_mode=mode, backend=backend, dense_frames=frames)
+  cfg = config(tile_mode=mode, backend=backend, dense_frames=frames, sink_frames=sink)
   out, info = svg_attention(q, k, v, grid=GRID, config=cfg, key=KEY, return_info=True)
   temporal = np.asarray(info["temporal"])
   assert temporal.any() and not temporal.all()  # both placements hold reference rows
@@ -179,6 +185,27 @@ def test_gradients_follow_the_dense_rows():
 def test_bad_values_are_refused_by_key(value):
   with pytest.raises(ValueError, match="svg_dense_frames must be an integer >= 0"):
     SvgConfig(dense_frames=value)
+  with pytest.raises(ValueError, match="svg_sink_frames must be an integer >= 1"):
+    SvgConfig(sink_frames=0 if value == -1 else value)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3])
+def test_the_sink_covers_the_leading_frames_in_every_mask(frames):
+  """Brute force on the exact (split) plan: every query keeps every key of the first
+  ``frames`` frames (a spatial head's placed order is frame-major), the router's probe too;
+  beyond them only the band."""
+  cfg = config(tile_mode="split", sink_frames=frames, dense_frames=0)
+  sink = frames * GRID.frame_size
+  mask = cfg.plan(GRID).dense_mask()
+  assert mask[:, :sink].all() and not mask[:, sink:].all()
+  band = dataclasses.replace(cfg, include_sink=False).plan(GRID).dense_mask()
+  np.testing.assert_array_equal(mask[:, sink:], band[:, sink:])
+  assert probe_mask(GRID, True, frames).sink == sink
+  assert cfg.router.sink_frames == frames
+  probe = probe_mask(GRID, cfg.router.include_sink, cfg.router.sink_frames)
+  assert probe.dense()[:, :sink].all()
+  with pytest.raises(ValueError, match=r"svg_sink_frames \(6\) must be less than the video's 6"):
+    config(sink_frames=6).plan(GRID)
 
 
 def test_the_yaml_key_and_a_grid_with_too_few_frames():
