@@ -108,34 +108,23 @@ def test_our_kernels_vmem_bound_holds_the_compilers_need_and_refuses_past_the_li
     assert not result.ok and "CompileTimeScopedVmemOom" in result.error
 
 
-@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.full), "v6e"])
-def test_scheduled_call_with_its_dense_branch_compiles(chip):
-  """Traced step and layer: routing, placement, the sparse kernel and the dense branch."""
+@pytest.mark.parametrize("chip,keys,calls", [
+    pytest.param("v5e", {}, 2, marks=pytest.mark.full), ("v6e", {}, 2),
+    # svg_dense_frames 1: the first frame's 3,600 rows against every key on our kernel, two
+    # 1,920-row query tiles (Splash's calls too), beside the sparse kernel and the dense branch
+    ("v6e", {"dense_frames": 1}, 3),
+    pytest.param("v6e", {"dense_frames": 1, "backend": "splash"}, 3, marks=pytest.mark.full)])
+def test_scheduled_call_with_its_dense_branch_compiles(chip, keys, calls):
+  """Traced step and layer: routing, placement, the sparse kernel and the dense branch, at 720p."""
   mesh = chip_mesh(chip)
   grid = grid_for_resolution("720p")
-  config = SvgConfig()
+  config = SvgConfig(**keys)
   fn = lambda q, k, v, step, layer: scheduled_svg_attention(
       q, k, v, grid=grid, config=config, step=step, layer=layer,
       target=target_for_devices(mesh.devices.flat))
   scalar = abstract((), jnp.int32, mesh)
   result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
-  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
-
-
-@pytest.mark.parametrize("backend", ["pallas", pytest.param("splash", marks=pytest.mark.full)])
-def test_dense_frames_compile_as_one_more_kernel_call(backend):
-  """svg_dense_frames 1, v6e, 720p: the first frame's 3,600 rows against every key, on our
-  kernel with two 1,920-row query tiles (Splash's calls too), beside the sparse kernel and the
-  dense branch."""
-  mesh = chip_mesh("v6e")
-  grid = grid_for_resolution("720p")
-  config = SvgConfig(dense_frames=1, backend=backend)
-  fn = lambda q, k, v, step, layer: scheduled_svg_attention(
-      q, k, v, grid=grid, config=config, step=step, layer=layer,
-      target=target_for_devices(mesh.devices.flat))
-  scalar = abstract((), jnp.int32, mesh)
-  result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
-  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 3
+  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == calls
 
 
 @pytest.mark.full  # training with svg_dense_frames (VACE's references): the forward's twin above
