@@ -27,6 +27,7 @@ import time
 from typing import Any, Sequence
 
 _ENV_PREFIX = "MDSVG_MP_"
+_LEAVE_TIMEOUT_S = 120.0  # how long a finished process waits for the others' results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,23 @@ def _child() -> None:
   value = getattr(importlib.import_module(module), function)(index, args)
   (folder / f"result{index}.json").write_text(json.dumps(value), encoding="utf-8")
   if jax.distributed.is_initialized():
-    jax.distributed.shutdown()
+    # Every process leaves once all have written their results, and without
+    # jax.distributed.shutdown(): the coordinator's service can abort as it is destroyed while
+    # a peer's own shutdown request is still in flight (seen in CI: "Check failed:
+    # queue.Pop() == nullptr" in DistributedRuntimeService::Shutdown, after the work was done).
+    _all_written(folder, int(env["OMPI_COMM_WORLD_SIZE"]), _LEAVE_TIMEOUT_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # pylint: disable=protected-access
+
+
+def _all_written(folder: pathlib.Path, count: int, timeout: float) -> None:
+  """Waits (at most ``timeout`` seconds) until ``count`` processes' results are in ``folder``."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if all((folder / f"result{i}.json").exists() for i in range(count)):
+      return
+    time.sleep(0.05)
 
 
 if __name__ == "__main__":
