@@ -73,6 +73,21 @@ def test_equals_single_device_with_the_same_routing(shape, ulysses, batch, mode)
   assert info["plan"] == want_info["plan"]
 
 
+def test_a_sink_over_several_shards_equals_single_device():
+  """svg_sink_frames 3 (VACE's references): 384 sink keys over ring shards of 256, so shard 1
+  holds part of the sink; every shard still attends all of it."""
+  mesh = mesh_of((1, 1, 8, 1))
+  cfg = config(sink_frames=3)
+  q, k, v = planted()
+  want = svg_attention(q, k, v, grid=GRID, config=cfg, key=KEY)
+  run = jax.jit(lambda q, k, v: sharded_svg_attention(
+      q, k, v, mesh=mesh, grid=GRID, config=cfg, key=KEY, ulysses_shards=2))
+  np.testing.assert_allclose(np.asarray(run(*put(mesh, GRID, q, k, v))), np.asarray(want),
+                             atol=1e-5)
+  assert np.abs(np.asarray(want) - np.asarray(svg_attention(
+      q, k, v, grid=GRID, config=config(), key=KEY))).max() > 1e-3  # the wider sink matters
+
+
 @pytest.mark.parametrize("mode", ["aligned", "split"])
 def test_padding_of_the_sequence_and_of_the_ring_never_gets_weight(mode):
   """270 tokens: the ring shards (R = 4) hold 128 each, 242 of them padding."""
