@@ -38,6 +38,16 @@ def asks_for_ring(ulysses_shards: Any, context: int) -> bool:
               or (_is_int(ulysses_shards) and (ulysses_shards <= 0 or ulysses_shards == context)))
 
 
+def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> None:
+  """The leading frames' dense rows (``svg_dense_frames``) need every key, which a ring of
+  sequence shards splits: refused by the run and its pre-flight in these words."""
+  if ring > 1 and dense_frames:
+    raise ValueError(
+        f"svg_dense_frames is {dense_frames}, whose dense rows need every key: ulysses_shards "
+        f"{ulysses} leaves a ring of {ring} sequence shards on this mesh. Set ulysses_shards to "
+        f"the context axis's size, or svg_dense_frames to 0.")
+
+
 def working_ulysses_shards(context: int, heads: int) -> list[int]:
   """The ``ulysses_shards`` a context axis of ``context`` devices and ``heads`` heads allow."""
   return [u for u in range(1, context + 1) if context % u == 0 and heads % u == 0]

@@ -43,7 +43,8 @@ from maxdiffusion_svg.layouts import SEMANTIC
 from maxdiffusion_svg.masks import Mask, PlacedMask
 from maxdiffusion_svg.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.ring_placement import ShardPermutation, ring_placement
-from maxdiffusion_svg.ring_plan import KeyFetch, RingSplit, key_fetch, ring_split, window_plan
+from maxdiffusion_svg.ring_plan import (KeyFetch, RingSplit, check_dense_frames_on_ring, key_fetch,
+                                        ring_split, window_plan)
 from maxdiffusion_svg.router import compensated_rows, constants, routing_mask, sample_rows
 from maxdiffusion_svg.target import Target
 from maxdiffusion_svg.tiles import TilePlan
@@ -252,10 +253,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
       raise ValueError(f"{key} does not run on a ring yet (ulysses_shards {ulysses} leaves the "
                        f"sequence split over {mesh.shape[seq_axis] // ulysses} devices): set "
                        f"ulysses_shards to the context axis's size, or {key} to uniform")
-  if config.dense_frames:  # their rows need every key, split here
-    raise ValueError(f"svg_dense_frames does not run on a ring yet (ulysses_shards {ulysses} "
-                     f"leaves the sequence split over {mesh.shape[seq_axis] // ulysses} devices): "
-                     f"set ulysses_shards to the context axis's size, or svg_dense_frames to 0")
+  check_dense_frames_on_ring(config.dense_frames, ulysses, mesh.shape[seq_axis] // ulysses)
   inner = split_mesh(mesh, seq_axis, ulysses)
   ring = inner.shape[RING]
   batch_spec = tuple(batch_axes) or None

@@ -192,12 +192,9 @@ def check_backend_on_ring(backend: str, ulysses: int, ring: int) -> None:
 
 
 def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> None:
-  """The leading frames' dense rows need every key, which a ring splits."""
-  if ring > 1 and dense_frames:
-    raise ValueError(
-        f"svg_dense_frames is {dense_frames}, whose dense rows need every key: ulysses_shards "
-        f"{ulysses} leaves a ring of {ring} sequence shards on this mesh. Set ulysses_shards to "
-        f"the context axis's size, or svg_dense_frames to 0.")
+  """The run's refusal of ``svg_dense_frames`` on a ring, before weights load."""
+  from maxdiffusion_svg.ring_plan import check_dense_frames_on_ring as check  # pylint: disable=import-outside-toplevel
+  check(dense_frames, ulysses, ring)
 
 
 def check_layouts_on_ring(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
