@@ -335,18 +335,15 @@ class SvgConfig:
 
   def sink_of(self, grid: VideoGrid) -> int:
     """The sink's frames (``svg_sink_frames``), checked against the video's frames."""
-    if self.include_sink and self.sink_frames >= grid.frames:
-      raise ValueError(f"svg_sink_frames ({self.sink_frames}) must be less than the video's "
-                       f"{grid.frames} latent frames (grid {grid})")
+    if self.include_sink:
+      _check_leading_frames("svg_sink_frames", self.sink_frames, grid)
     return self.sink_frames
 
   def dense_rows(self, grid: VideoGrid) -> int:
     """Queries whose attention is dense (``svg_dense_frames`` leading frames), checked against
     the video's frames; 0: none."""
-    if self.dense_frames >= grid.frames and self.dense_frames:
-      raise ValueError(f"svg_dense_frames ({self.dense_frames}) must be less than the video's "
-                       f"{grid.frames} latent frames (grid {grid}); every frame dense is "
-                       f"svg_density 1.0")
+    _check_leading_frames("svg_dense_frames", self.dense_frames, grid,
+                          "; every frame dense is svg_density 1.0")
     return self.dense_frames * grid.frame_size
 
   def dense_rows_plan_on(self, grid: VideoGrid, tiles: SplashTiles) -> TilePlan | None:
@@ -384,3 +381,10 @@ class SvgConfig:
     MaxDiffusion plugin's); they are allowed and left alone (:mod:`maxdiffusion_svg.config_keys`).
     """
     return cls(**config_kwargs(mapping, num_steps, extra_keys))
+
+
+def _check_leading_frames(key: str, frames: int, grid: VideoGrid, hint: str = "") -> None:
+  """A count of leading frames (the sink's, the dense rows') must leave the video some."""
+  if frames >= grid.frames:
+    raise ValueError(f"{key} ({frames}) must be less than the video's {grid.frames} latent "
+                     f"frames (grid {grid}){hint}")
