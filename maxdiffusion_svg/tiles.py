@@ -290,6 +290,13 @@ def _plan(mask: Mask, block_q: int, block_kv: int, mode: TileMode) -> TilePlan:
   return TilePlan(mask, mode, block_q, block_kv, kv_index, kinds, counts, stats)
 
 
+def visited_in_tiles_of(plan: TilePlan, other: TilePlan) -> float:
+  """``plan``'s visited tiles counted in ``other``'s tile size (the dense rows' shorter query
+  tiles count by their share of a sparse plan's)."""
+  return (plan.stats.visited_tiles * plan.block_q * plan.block_kv
+          / (other.block_q * other.block_kv))
+
+
 @functools.lru_cache(maxsize=16)
 def dense_rows_plan(seq_len: int, rows: int, block_q: int, block_kv: int) -> TilePlan:
   """Every key tile of the first ``rows`` queries of a ``seq_len`` sequence, mask-free but for

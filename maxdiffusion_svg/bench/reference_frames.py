@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.attention import svg_attention
+from maxdiffusion_svg.bench.quality import psnr
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.config import SvgConfig
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.tiles import visited_in_tiles_of
 from maxdiffusion_svg.tiling import SplashTiles
 
 
@@ -53,8 +55,7 @@ def _tiles(cfg: ReferenceBenchConfig, svg: SvgConfig) -> float:
   plan = svg.plan(cfg.grid)
   tiles = SplashTiles(cfg.block, cfg.block, cfg.block)
   rows = svg.dense_rows_plan_on(cfg.grid, tiles)
-  extra = 0.0 if rows is None else rows.stats.visited_tiles * rows.block_q / plan.block_q
-  return plan.stats.visited_tiles + extra
+  return plan.stats.visited_tiles + (0.0 if rows is None else visited_in_tiles_of(rows, plan))
 
 
 def equal_cost_density(cfg: ReferenceBenchConfig, density: float) -> tuple[float, float, float]:
@@ -108,11 +109,6 @@ def reference_share(cfg: ReferenceBenchConfig, seed: int, key_scale: float = 1.0
   return float(np.mean(shares))
 
 
-def _psnr(out: np.ndarray, ref: np.ndarray) -> float:
-  mse = float(np.mean((out - ref) ** 2))
-  return float("inf") if mse == 0 else 10 * np.log10(float(ref.max() - ref.min()) ** 2 / mse)
-
-
 def run_reference_bench(cfg: ReferenceBenchConfig = ReferenceBenchConfig(),
                         log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
   """Per reference key scale and density: each run's tiles and the PSNR of the video rows
@@ -138,8 +134,8 @@ def run_reference_bench(cfg: ReferenceBenchConfig = ReferenceBenchConfig(),
         for seed in cfg.seeds:
           got = run_stack(cfg, seed, lambda q, k, v, layer, seed=seed: fn(
               q, k, v, jax.random.fold_in(jax.random.key(seed), layer)), scale)
-          video.append(_psnr(got[ref_rows:], want[seed][ref_rows:]))
-          reference.append(_psnr(got[:ref_rows], want[seed][:ref_rows]))
+          video.append(psnr(got[ref_rows:], want[seed][ref_rows:]))
+          reference.append(psnr(got[:ref_rows], want[seed][:ref_rows]))
         scores[name] = {"density": svg.density, "tiles": round(tiles, 1),
                         "video_psnr": float(np.mean(video)),
                         "reference_psnr": float(np.mean(reference))}

@@ -25,6 +25,7 @@ from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
+from maxdiffusion_svg.tiles import visited_in_tiles_of
 from maxdiffusion_svg.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.target import Target, resolve_backend
 from maxdiffusion_svg.video_models import LTX2, WAN, VideoModel, grid_of, video_model
@@ -166,8 +167,6 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
   dense_rows = svg.dense_rows_plan_on(grid, tiles)  # svg_dense_frames: one more call per sparse one
   extra = dense_rows.stats if dense_rows is not None else None
-  # the rows' tiles in a plan's own tile units (their query tile may be shorter)
-  extra_tiles = lambda p: extra.visited_tiles * dense_rows.block_q / p.block_q
   # per-layer rungs (density, compensation): each rung's plan, checked and priced
   rung_plans = {expert: {r: svg.at_rung(r).plan(grid, expert, target, backend)
                          for r in weights} for expert, weights in rungs.items()}
@@ -198,7 +197,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
         expert=expert, density=round(sum(w * r.density for r, w in weights.items()), 6),
         kept_pair_fraction=mean(lambda p: p.stats.exact_pair_fraction),
         visited_tile_fraction=mean(lambda p: (p.stats.visited_tiles + (
-            extra_tiles(p) if extra else 0)) / p.stats.total_tiles),
+            visited_in_tiles_of(dense_rows, p) if extra else 0)) / p.stats.total_tiles),
         full_tiles=round(mean(lambda p: p.stats.full_tiles)) + (extra.full_tiles if extra else 0),
         masked_tiles=round(mean(lambda p: p.stats.masked_tiles)) + (
             extra.masked_tiles if extra else 0), first_step=first,
