@@ -248,11 +248,17 @@ def test_a_config_of_another_model_is_refused_by_name(capsys, tmp_path, config, 
     assert text in err, err
 
 
-@pytest.mark.parametrize("keys, main", [({"model_name": "wan2.1"}, "generate_wan"),
-                                        ({"model_name": "wan2.2"}, "generate_wan"),
-                                        ({"model_name": "ltx2_video"}, "generate_ltx2"),
-                                        ({"model_name": "ltx2.3"}, "generate_ltx2")])
+@pytest.mark.parametrize("keys, main", [
+    ({"model_name": "wan2.1"}, "maxdiffusion.generate_wan"),
+    ({"model_name": "wan2.2"}, "maxdiffusion.generate_wan"),
+    ({"model_name": "ltx2_video"}, "maxdiffusion.generate_ltx2"),
+    ({"model_name": "ltx2.3"}, "maxdiffusion.generate_ltx2"),
+    ({"model_name": "wan2.2", "pose_video_path": ""}, "maxdiffusion.generate_wan_animate"),
+    # MaxDiffusion has no VACE generate main: ours drives its VACE pipeline
+    ({"model_name": "wan2.1", "vace_reference_images": []},
+     "maxdiffusion_svg.plugin.generate_vace")])
 def test_generation_runs_the_model_familys_own_main(keys, main):
-  from maxdiffusion_svg.plugin.launcher import GENERATE, TRAIN, maxdiffusion_main
+  from maxdiffusion_svg.plugin.launcher import GENERATE, TRAIN, TRAIN_VACE, maxdiffusion_main
   assert maxdiffusion_main(keys, GENERATE) == main
-  assert maxdiffusion_main(keys, TRAIN) == "train_wan"  # training is Wan 2.1's trainer
+  assert maxdiffusion_main(keys, TRAIN) == "maxdiffusion.train_wan"  # Wan 2.1's trainer
+  assert maxdiffusion_main(keys, TRAIN_VACE) == "maxdiffusion.train_wan_vace"

@@ -96,7 +96,8 @@ def test_shipped_configs_name_maxdiffusion_bases():
                    "wan_svg_train.yml": "base_wan_14b.yml", "ltx2_svg.yml": "ltx2_video.yml",
                    "ltx2_3_svg.yml": "ltx2_3_video.yml",
                    "wan_animate_svg.yml": "base_wan_animate.yml",
-                   "wan_vace_svg.yml": "wan_svg_train.yml"}  # chains: ours on MaxDiffusion's
+                   "wan_vace_svg.yml": "wan_svg.yml",
+                   "wan_vace_svg_train.yml": "wan_svg_train.yml"}  # chains: ours on MaxDiffusion's
 
 
 def test_a_bucket_output_needs_a_run_name_before_anything_loads():

@@ -115,7 +115,7 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   if keys.get("aot_cache_dir"):
     raise ValueError(f"aot_cache_dir is {keys['aot_cache_dir']!r}: calibrate measures inside the "
                      f"svg kernel, which a cached executable skips; give aot_cache_dir=''")
-  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""))
+  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""), video_model(keys))
   path = pathlib.Path(out)
   if path.suffix not in (".yml", ".yaml"):
     raise ValueError(f"--out {out} must name a .yml file (the overlay config)")

@@ -1,7 +1,8 @@
 """``python -m maxdiffusion_svg compare``: the user's dense kernel and SVG on one prompt and seed.
 
-Each run is the config's model through its own MaxDiffusion main (``generate_wan``,
-``generate_ltx2``, ``generate_wan_animate``: :mod:`maxdiffusion_svg.plugin.generations`).
+Each run is the config's model through its own generate main (MaxDiffusion's ``generate_wan``,
+``generate_ltx2``, ``generate_wan_animate``; ours for Wan VACE, :mod:`generate_vace`:
+:mod:`maxdiffusion_svg.plugin.generations`).
 The weights load once, with ``attention: svg`` (so the hooks prepare the transformers); each
 run then sets, on the loaded model, what MaxDiffusion would have built for it: the
 self-attention ops' kernel name (the dense kernel, or ``svg``) and the SVG settings of the run.
@@ -36,7 +37,7 @@ from maxdiffusion_svg.layouts import check_layouts
 from maxdiffusion_svg.plugin import generations, hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.schedule import PRESETS
-from maxdiffusion_svg.video_models import grid_of, video_model
+from maxdiffusion_svg.video_models import WAN_VACE, VideoModel, grid_of, video_model
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -185,7 +186,7 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
                      f"attention only; give aot_cache_dir=''")
   if not str(keys.get("prompt") or "").strip():
     raise ValueError("prompt is empty: give prompt='...' (the same prompt runs for every kernel)")
-  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""))
+  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""), video_model(keys))
   video_metrics.check_metrics(lpips)
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -194,8 +195,9 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
   return Plan(config, tuple(overrides), tuple(runs), keys, settings, out.resolve(), lpips)
 
 
-def check_checkpoint(name: str) -> None:
-  """The checkpoint's transformer config can be read (a local folder, or a Hub id)."""
+def check_checkpoint(name: str, family: VideoModel | None = None) -> None:
+  """The checkpoint's transformer config can be read (a local folder, or a Hub id), and a Wan
+  VACE checkpoint goes with a VACE config (``family``), and only with one."""
   if not name:
     raise ValueError("pretrained_model_name_or_path is not set: give the checkpoint to compare on")
   try:
@@ -204,11 +206,18 @@ def check_checkpoint(name: str) -> None:
     raise ValueError(f"pretrained_model_name_or_path {name!r} does not load: "
                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                      ) from None
-  if "vace_layers" in transformer:
-    raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint: "
-                     f"MaxDiffusion has no VACE generate main (train_wan_vace only), so there is "
-                     f"no VACE video to compare or calibrate on; fine-tune it with python -m "
-                     f"maxdiffusion_svg.train_vace")
+  if family is None:
+    return
+  if "vace_layers" in transformer and family is not WAN_VACE:
+    raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint (its "
+                     f"transformer has vace_layers) but the config is {family.name}'s: give a "
+                     f"VACE config, e.g. configs/wan_vace_svg.yml (its vace_* keys name the "
+                     f"reference images, control video and mask)")
+  if family is WAN_VACE and "vace_layers" not in transformer:
+    raise ValueError(f"pretrained_model_name_or_path {name!r} is not a Wan VACE checkpoint (its "
+                     f"transformer has no vace_layers) but the config is Wan VACE's (it holds "
+                     f"vace_reference_images): give a VACE checkpoint, e.g. "
+                     f"Wan-AI/Wan2.1-VACE-14B-diffusers")
 
 
 def call_counts(settings: PluginSettings, steps: int, layers: int, grid: VideoGrid,

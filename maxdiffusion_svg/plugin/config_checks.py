@@ -33,7 +33,7 @@ from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
-from maxdiffusion_svg.video_models import WAN, video_model
+from maxdiffusion_svg.video_models import WAN, WAN_VACE, video_model
 
 HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40), LTX-2's video
 # Heads by checkpoint name, where its config.json is not on this host: Wan 2.1 1.3B has 12,
@@ -61,7 +61,7 @@ def heads_of(config: Mapping[str, Any]) -> tuple[int, str]:
   if (pathlib.Path(name) / "transformer" / "config.json").is_file():
     return preflight.transformer_heads(name), f"{name}/transformer/config.json"
   family = video_model(config)
-  if family is not WAN:
+  if family not in (WAN, WAN_VACE):  # both come in 1.3B and 14B
     return family.heads, (f"{family.name}'s by its model_name; a checkpoint folder's "
                           f"config.json is read where it is one")
   size = "1.3B" if "1.3B" in name else "14B"

@@ -28,7 +28,7 @@ from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
 from maxdiffusion_svg.tiles import visited_in_tiles_of
 from maxdiffusion_svg.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.target import Target, resolve_backend
-from maxdiffusion_svg.video_models import LTX2, WAN, VideoModel, grid_of, video_model
+from maxdiffusion_svg.video_models import LTX2, WAN, WAN_VACE, VideoModel, grid_of, video_model
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.
@@ -43,7 +43,7 @@ STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 
 def layers_of(config: Mapping[str, Any]) -> int:
   family = video_model(config)
-  if family is not WAN:
+  if family not in (WAN, WAN_VACE):  # both come in 1.3B and 14B
     return family.layers
   name = str(config.get("pretrained_model_name_or_path", ""))
   return LAYERS_1_3B if "1.3B" in name else LAYERS_14B
@@ -51,7 +51,7 @@ def layers_of(config: Mapping[str, Any]) -> int:
 
 def heads_of(config: Mapping[str, Any]) -> int:
   family = video_model(config)
-  if family is not WAN:
+  if family not in (WAN, WAN_VACE):  # both come in 1.3B and 14B
     return family.heads
   name = str(config.get("pretrained_model_name_or_path", ""))
   return HEADS_1_3B if "1.3B" in name else HEADS_14B

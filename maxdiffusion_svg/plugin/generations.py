@@ -1,8 +1,9 @@
 """How ``compare`` and ``calibrate`` drive each model's own MaxDiffusion generate main.
 
 A tool loads the weights once, through the main as the user runs it, and then runs it again
-on the loaded pipeline: ``generate_wan.run`` and ``generate_ltx2.run`` take the pipeline;
-``generate_wan_animate.run`` always loads, so its checkpointer hands back the loaded one. While
+on the loaded pipeline: ``generate_wan.run``, ``generate_ltx2.run`` and our Wan VACE main's
+(:mod:`generate_vace`) take the pipeline; ``generate_wan_animate.run`` always loads, so its
+checkpointer hands back the loaded one. While
 a :meth:`Generation.watch` block is open, every pipeline call of the main is seen
 (``before_call`` sets the run's kernel on the pipeline before the call traces), the denoising
 steps it takes are counted, and the frames it exports are kept (the MP4s go to the working
@@ -21,7 +22,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from maxdiffusion_svg import video_metrics
-from maxdiffusion_svg.video_models import LTX2, WAN, WAN_ANIMATE, VideoModel
+from maxdiffusion_svg.video_models import LTX2, WAN, WAN_ANIMATE, WAN_VACE, VideoModel
 
 BeforeCall = Callable[[Any], None]
 OnStep = Callable[[], None]
@@ -46,8 +47,8 @@ class Generation:
 
   @property
   def module(self) -> Any:
-    """MaxDiffusion's generate module of the family."""
-    return importlib.import_module(f"maxdiffusion.{self.family.generate_main}")
+    """The family's generate module (MaxDiffusion's, or ours for Wan VACE)."""
+    return importlib.import_module(self.family.generate_module)
 
   def first(self, argv: Sequence[str]) -> None:
     """The main as the user runs it: ``pyconfig`` from ``argv``, the weights loaded."""
@@ -233,6 +234,32 @@ def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any
     yield seen
 
 
+@contextlib.contextmanager
+def _vace(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
+  """Our Wan VACE main (:mod:`generate_vace`): its ``call_pipeline`` (timed whole: the VACE
+  pipeline encodes the conditions, denoises and decodes in one call), UniPC's step and its
+  ``export_to_video``."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
+      FlaxUniPCMultistepScheduler as scheduler)
+
+  from maxdiffusion_svg.plugin import generate_vace
+  # pylint: enable=import-outside-toplevel
+  seen = _seen()
+  call, export = generate_vace.call_pipeline, generate_vace.export_to_video
+
+  @functools.wraps(call)
+  def call_pipeline(config, pipeline, *args, **kwargs):
+    return _watched_call(seen, pipeline, before_call,
+                         lambda: call(config, pipeline, *args, **kwargs),
+                         lambda _, wall_seconds: wall_seconds)
+
+  with _patched((generate_vace, "call_pipeline", call_pipeline),
+                (generate_vace, "export_to_video", _exporting(export, seen)),
+                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
+    yield seen
+
+
 GENERATIONS = {
     WAN: Generation(WAN, "seconds per denoising step of the real run (the pipeline's "
                          "denoise_total; compile warm-up excluded)", _wan),
@@ -243,6 +270,9 @@ GENERATIONS = {
                                          "denoising and decoding) over its steps; compile "
                                          "warm-up excluded", _animate,
                             run_takes_pipeline=False),
+    WAN_VACE: Generation(WAN_VACE, "seconds per denoising step of the real run: the whole "
+                                   "pipeline call (the conditions' VAE encoding, denoising and "
+                                   "decoding) over its steps; compile warm-up excluded", _vace),
 }
 
 
@@ -250,6 +280,6 @@ def generation(family: VideoModel, tool: str) -> Generation:
   """The driver of ``family``'s generate main; another family is refused by name."""
   if family not in GENERATIONS:
     runs = ", ".join(f"{g.family.name} ({g.family.generate_main})" for g in GENERATIONS.values())
-    raise ValueError(f"{tool} drives {runs}; {family.name} has no generate main in MaxDiffusion "
-                     f"({family.generate_main} only)")
+    raise ValueError(f"{tool} drives {runs}; {family.name} has no generate main "
+                     f"({family.generate_module})")
   return GENERATIONS[family]

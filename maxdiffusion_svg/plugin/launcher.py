@@ -1,10 +1,13 @@
-"""``python -m maxdiffusion_svg.generate CONFIG [key=value ...]``: Wan or LTX-2 generation with
-SVG, on an unmodified MaxDiffusion; ``python -m maxdiffusion_svg.train ...``: its Wan 2.1 trainer.
+"""``python -m maxdiffusion_svg.generate CONFIG [key=value ...]``: Wan, Wan VACE, Wan Animate or
+LTX-2 generation with SVG, on an unmodified MaxDiffusion; ``python -m maxdiffusion_svg.train
+...``: its Wan 2.1 trainer.
 
 Merges the config's ``base_config`` chain into one complete YAML (in a temporary folder,
-kept for the run) over every ``svg_*`` key's default, registers the plugin, and runs MaxDiffusion's ``generate_wan`` main the
-way its own ``__main__`` does (``generate_ltx2``'s for an LTX-2 config, ``train_wan``'s for training, after the training checks of
-:mod:`training`). The SVG summary line is logged when each transformer is built.
+kept for the run) over every ``svg_*`` key's default, registers the plugin, and runs the model's
+generate main the way its own ``__main__`` does: MaxDiffusion's ``generate_wan``,
+``generate_wan_animate`` or ``generate_ltx2``, or ours for Wan VACE (:mod:`generate_vace`, over
+MaxDiffusion's VACE pipeline); ``train_wan``'s for training, after the training checks of
+:mod:`training`. The SVG summary line is logged when each transformer is built.
 Before any of that (and before MaxDiffusion or JAX is imported, for ``--help`` and the form of
 the arguments) every mistake it can see is refused in one line with exit status 2.
 """
@@ -23,7 +26,8 @@ from typing import Any, Mapping, Sequence
 from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
-from maxdiffusion_svg.video_models import LTX2, WAN, video_model
+from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
+from maxdiffusion_svg.video_models import LTX2, WAN, WAN_VACE, video_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Entry:
   """A MaxDiffusion main the launcher runs: generation or training."""
 
   name: str  # our module: python -m maxdiffusion_svg.<name>
-  maxdiffusion_main: str  # MaxDiffusion's module whose main it runs
+  maxdiffusion_main: str  # for training: MaxDiffusion's module whose main it runs
   what: str  # the sentence of the usage text
   example: str  # a shipped config
   training: bool = False
@@ -39,7 +43,8 @@ class Entry:
   @property
   def starts(self) -> str:
     return (self.maxdiffusion_main if self.training
-            else "the model's own main (generate_wan or generate_ltx2)")
+            else "the model's generate main (generate_wan, generate_wan_animate, generate_ltx2;\n"
+                 "for Wan VACE, maxdiffusion_svg's generate_vace over MaxDiffusion's VACE pipeline)")
 
   @property
   def usage_line(self) -> str:
@@ -62,8 +67,8 @@ Keys: docs/reference.md ("Config keys"); guide: docs/{"fine-tuning" if self.trai
 
 
 GENERATE = Entry("generate", "generate_wan",
-                 "Runs MaxDiffusion's Wan or LTX-2 generation (generate_wan, generate_ltx2, by the "
-                 "config's model_name)\nwith Sparse VideoGen attention (attention: svg)",
+                 "Runs Wan, Wan VACE, Wan Animate or LTX-2 generation (by the config's model_name "
+                 "and inputs)\nwith Sparse VideoGen attention (attention: svg)",
                  "configs/wan_svg.yml")
 TRAIN = Entry("train", "train_wan",
               "Fine-tunes Wan 2.1 with MaxDiffusion's own trainer (train_wan) and Sparse VideoGen "
@@ -72,7 +77,7 @@ TRAIN = Entry("train", "train_wan",
 TRAIN_VACE = Entry("train_vace", "train_wan_vace",
                    "Fine-tunes Wan VACE with MaxDiffusion's own trainer (train_wan_vace) and Sparse "
                    "VideoGen\nattention (attention: svg) in the main blocks: every training step "
-                   "sparse in svg_active_layers", "configs/wan_vace_svg.yml", training=True)
+                   "sparse in svg_active_layers", "configs/wan_vace_svg_train.yml", training=True)
 USAGE_LINE, USAGE = GENERATE.usage_line, GENERATE.usage
 HELP = ("-h", "--help")
 
@@ -95,6 +100,8 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   check_run_name(config, argv[2:])
   if not entry.training:
     check_model(with_overrides(config, argv[2:]), argv[1])
+    if video_model(with_overrides(config, argv[2:])) is WAN_VACE:
+      VaceInputs.from_mapping(with_overrides(config, argv[2:]))  # the files, before loading
   if entry.training:
     from maxdiffusion_svg.plugin.training import check_training  # pylint: disable=import-outside-toplevel
     check_training(with_overrides(config, argv[2:]))
@@ -123,9 +130,12 @@ def check_model(config: Mapping[str, Any], path: str) -> None:
 
 
 def maxdiffusion_main(config: Mapping[str, Any], entry: Entry) -> str:
-  """The MaxDiffusion module whose main runs ``config``: the model family's generate entry
-  point (``generate_wan``, ``generate_ltx2``), or the entry's own (training)."""
-  return entry.maxdiffusion_main if entry.training else video_model(config).generate_main
+  """The module whose main runs ``config``: the model family's generate main
+  (``maxdiffusion.generate_wan``, ..., ``maxdiffusion_svg.plugin.generate_vace``), or the
+  entry's own MaxDiffusion trainer."""
+  if entry.training:
+    return f"maxdiffusion.{entry.maxdiffusion_main}"
+  return video_model(config).generate_module
 
 
 def check_form(overrides: Sequence[str]) -> None:
@@ -239,7 +249,7 @@ def run(argv: Sequence[str], entry: Entry = GENERATE) -> None:
     maxdiffusion_argv, chain = prepare_argv(argv, directory, entry)
     max_logging.log(f"maxdiffusion_svg: config {' -> '.join(chain)} merged into "
                     f"{maxdiffusion_argv[1]}; running {main}")
-    importlib.import_module(f"maxdiffusion.{main}").main(maxdiffusion_argv)
+    importlib.import_module(main).main(maxdiffusion_argv)
 
 
 @quiet_on_broken_pipe  # `... | head` ends quietly, whatever MaxDiffusion prints

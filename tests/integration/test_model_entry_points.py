@@ -56,7 +56,7 @@ VACE = "maxdiffusion.train_wan_vace:train"
     pytest.param("maxdiffusion_svg.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2",
                  [6, None], marks=pytest.mark.full),
     ("maxdiffusion.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None]),
-    pytest.param("maxdiffusion_svg.train_vace", "wan_vace_svg.yml", VACE, "wan2.1", [0, None],
+    pytest.param("maxdiffusion_svg.train_vace", "wan_vace_svg_train.yml", VACE, "wan2.1", [0, None],
                  marks=pytest.mark.full)])
 def test_each_config_reaches_its_models_entry_point(module, config, entry, model, steps,
                                                      patched_maxdiffusion, tmp_path):
@@ -74,22 +74,30 @@ def test_each_config_reaches_its_models_entry_point(module, config, entry, model
 
 
 @pytest.mark.parametrize("tool", ["compare", "calibrate"])
-def test_a_vace_checkpoint_is_refused_by_name(tool, tmp_path):
-  """MaxDiffusion generates no VACE video (train_wan_vace only): compare and calibrate refuse a
-  VACE checkpoint, known by its transformer's vace_layers, before anything loads."""
+def test_a_vace_checkpoint_goes_with_a_vace_config_only(tool, tmp_path):
+  """compare and calibrate run a VACE checkpoint through our VACE main, so a Wan config naming
+  one (known by its transformer's vace_layers) is refused before anything loads, and a VACE
+  config naming a plain Wan checkpoint too."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.calibrate import plan_calibration
   from maxdiffusion_svg.plugin.compare import plan_comparison
   # pylint: enable=import-outside-toplevel
-  (tmp_path / "vace" / "transformer").mkdir(parents=True)
-  (tmp_path / "vace" / "transformer" / "config.json").write_text(json.dumps(
-      {"num_attention_heads": 12, "vace_layers": [0, 2], "vace_in_channels": 96}))
-  config = str(ROOT / "configs" / "wan_svg_1_3b.yml")
-  overrides = ["prompt=a cat", f"pretrained_model_name_or_path={tmp_path / 'vace'}"]
-  with pytest.raises(ValueError, match=r"is a Wan VACE checkpoint: MaxDiffusion has no VACE "
-                                       r"generate main \(train_wan_vace only\)") as err:
-    if tool == "compare":
-      plan_comparison(config, overrides, "flash", ["config"], str(tmp_path / "out"), False)
-    else:
-      plan_calibration(config, overrides, str(tmp_path / "out.yml"))
-  assert "\n" not in str(err.value)
+  for name, transformer in (("vace", {"num_attention_heads": 12, "vace_layers": [0, 2],
+                                      "vace_in_channels": 96}),
+                            ("wan", {"num_attention_heads": 12})):
+    (tmp_path / name / "transformer").mkdir(parents=True)
+    (tmp_path / name / "transformer" / "config.json").write_text(json.dumps(transformer))
+  cases = (("wan_svg_1_3b.yml", "vace", r"is a Wan VACE checkpoint \(its transformer has "
+                                        r"vace_layers\) but the config is Wan's: give a VACE "
+                                        r"config, e.g. configs/wan_vace_svg.yml"),
+           ("wan_vace_svg.yml", "wan", r"is not a Wan VACE checkpoint \(its transformer has no "
+                                       r"vace_layers\) but the config is Wan VACE's"))
+  for config, checkpoint, message in cases:
+    overrides = ["prompt=a cat", f"pretrained_model_name_or_path={tmp_path / checkpoint}"]
+    with pytest.raises(ValueError, match=message) as err:
+      if tool == "compare":
+        plan_comparison(str(ROOT / "configs" / config), overrides, "flash", ["config"],
+                        str(tmp_path / "out"), False)
+      else:
+        plan_calibration(str(ROOT / "configs" / config), overrides, str(tmp_path / "out.yml"))
+    assert "\n" not in str(err.value)
