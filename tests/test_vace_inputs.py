@@ -68,3 +68,16 @@ def test_the_launcher_refuses_a_missing_reference_before_anything_loads(tmp_path
   (tmp_path / "ref.png").write_bytes(b"x")
   keys, _ = launcher.checked_config([argv[0], argv[1], f"vace_reference_images=['{tmp_path}/ref.png']"])
   assert launcher.maxdiffusion_main(keys, launcher.GENERATE) == WAN_VACE.generate_module
+
+
+def test_the_run_summary_counts_a_vace_calls_reference_frames_in_its_tokens():
+  """A VACE pipeline call's reference images are latent frames of its grid, so a video just
+  under ``svg_min_seq_length`` with its references above it is not called short."""
+  # pylint: disable=import-outside-toplevel,protected-access
+  from maxdiffusion_svg.plugin.run_summary import _reference_frames
+  # pylint: enable=import-outside-toplevel,protected-access
+  image = object()  # the pipeline's PIL image, as the summary sees it: only counted
+  assert [_reference_frames(k) for k in (
+      {}, {"reference_images": None}, {"reference_images": image},
+      {"reference_images": [image, image]}, {"reference_images": [[image] * 3]})] == [0, 0, 1, 2, 3]
+  assert WAN_VACE.grid(13, 128, 128, _reference_frames({"reference_images": [image]})).tokens == 320

@@ -221,6 +221,19 @@ def _kernel(models: list[Any], mesh: Any) -> str:
           f"{settings.compensation_text(target, backend)}")
 
 
+def _reference_frames(kwargs: dict[str, Any]) -> int:
+  """Latent frames a VACE call's ``reference_images`` add in front of the video (one image, a
+  list, or a batch's list of lists as the pipeline takes them)."""
+  references = kwargs.get("reference_images")
+  if references is None:
+    return 0
+  if not isinstance(references, (list, tuple)):
+    return 1
+  if references and isinstance(references[0], (list, tuple)):
+    return len(references[0])
+  return len(references)
+
+
 def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any], call: Any,
                counted: bool) -> str | None:
   """The summary of a Wan or LTX-2 pipeline call just finished through its svg-prepared ``models``
@@ -233,7 +246,7 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
   settings = models[0].svg_settings
   frames, height, width = (kwargs.get(k) for k in ("num_frames", "height", "width"))
   family = getattr(models[0], "svg_video_model", WAN)  # how its pixels map to tokens
-  tokens = family.grid(frames, height, width).tokens if all(
+  tokens = family.grid(frames, height, width, _reference_frames(kwargs)).tokens if all(
       isinstance(x, int) for x in (frames, height, width)) else None
   why = models[0].svg_uncounted
   if tokens is not None and settings.is_short(tokens):

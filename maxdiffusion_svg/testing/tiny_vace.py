@@ -9,6 +9,11 @@ reference gives ``N = (F + 1)·H·W`` tokens. MaxDiffusion's VACE
 replaced. A real ``VaceWanPipeline2_1`` around it runs ``__call__`` (control latents, masks and
 reference frames as the pipeline prepares them) on given prompt embeddings, with a stand-in
 VAE encoder and an identity decode: its ``__call__`` has no latent output type.
+
+:func:`generate_main` runs our VACE generate main (:mod:`maxdiffusion_svg.plugin.generate_vace`:
+prompts, reference images and control video read from files, decoding and the MP4) on the tiny
+pipeline, with stand-ins for the UMT5 text encoder (embeddings from the prompt's text) and the
+VAE decoder (latents to uint8 frames); :func:`write_inputs` writes the files.
 """
 
 # pylint: disable=protected-access  # tiny_wan's loader and components; the identity decode
@@ -16,6 +21,7 @@ VAE encoder and an identity decode: its ``__call__`` has no latent output type.
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import types
 from typing import Any
 from unittest import mock
@@ -33,8 +39,9 @@ from maxdiffusion_svg.testing import tiny_wan
 from maxdiffusion_svg.testing.tiny_wan import HEADS, TEXT_LEN, init_config, make_mesh
 
 __all__ = ["HEADS", "LATENT", "REFERENCES", "VACE_CHANNELS", "VIDEO", "build_transformer",
-           "forward", "generate", "init_config", "inputs", "make_mesh", "pipeline",
-           "reference_image", "tiny_loaders", "write_config"]
+           "forward", "generate", "generate_main", "init_config", "inputs", "make_mesh",
+           "pipeline", "reference_image", "tiny_loaders", "write_checkpoint", "write_config",
+           "write_inputs"]
 
 CHANNELS = tiny_wan.TRANSFORMER["in_channels"]  # latent channels (the VAE's z_dim)
 SPATIAL = 8  # the VAE's spatial compression: a latent cell is 8x8 pixels
@@ -151,3 +158,72 @@ def generate(pipe, steps: int, text: jax.Array, references: int = REFERENCES,
   images = [reference_image(i) for i in range(references)] or None
   return pipe(prompt_embeds=text, negative_prompt_embeds=-text, reference_images=images,
               num_inference_steps=steps, **{**VIDEO, **kwargs})
+
+
+def _decode(latents: jax.Array, trace=None) -> np.ndarray:
+  """The Wan VAE decoder's stand-in: latents ``[B, C, F, h, w]`` to uint8 frames ``[B,
+  4(F-1)+1, 8h, 8w, 3]`` (the first latent frame once, each later one four times)."""
+  del trace
+  x = np.asarray(latents, np.float32)[:, :3]
+  x = np.repeat(x, 4, axis=2)[:, :, 3:].repeat(SPATIAL, axis=3).repeat(SPATIAL, axis=4)
+  return np.moveaxis(((np.tanh(x) + 1) * 127.5).astype(np.uint8), 1, -1)
+
+
+def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 512):
+  """UMT5's stand-in: fixed embeddings per prompt text (torch, as the pipeline converts them)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  del max_sequence_length
+  return torch.from_numpy(tiny_wan.prompt_rows(
+      prompt, num_videos_per_prompt, (TEXT_LEN, TRANSFORMER["text_dim"])))
+
+
+def write_checkpoint(directory, num_layers: int = 2) -> str:
+  """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
+  before loading: the heads, and ``vace_layers`` that make it VACE's); :func:`generate_main`
+  builds the weights. Its path."""
+  return tiny_wan.write_transformer_config(directory, "tiny-wan-vace",
+                                          {**TRANSFORMER, "num_layers": num_layers})
+
+
+def write_inputs(directory, references: int = REFERENCES, control: bool = False,
+                 seed: int = 0) -> dict[str, object]:
+  """``references`` random reference images (PNG) and, with ``control``, a random control video
+  and a mask video (MP4, as MaxDiffusion's ``load_video`` reads them; the mask's right half
+  white: generated, its left half kept): the config keys that name them."""
+  folder = pathlib.Path(directory)
+  keys: dict[str, object] = {"vace_reference_images": []}
+  for index in range(references):
+    path = folder / f"reference_{index}.png"
+    reference_image(seed + index).save(path)
+    keys["vace_reference_images"].append(str(path))
+  if control:
+    import imageio  # pylint: disable=import-outside-toplevel  # with imageio-ffmpeg, as load_video
+    rng = np.random.default_rng(seed)
+    shape = (VIDEO["num_frames"], VIDEO["height"], VIDEO["width"], 3)
+    mask = np.zeros(shape, np.uint8)
+    mask[:, :, VIDEO["width"] // 2:] = 255
+    for key, frames in (("vace_video", rng.integers(0, 256, shape, np.uint8)), ("vace_mask", mask)):
+      path = folder / f"{key}.mp4"
+      imageio.mimwrite(path, list(frames), fps=16, macro_block_size=1)
+      keys[key] = str(path)
+  return keys
+
+
+@contextlib.contextmanager
+def generate_main(devices: int | None = None, num_layers: int = 2):
+  """Our VACE main's loader builds the tiny pipeline (through any installed hooks) on
+  ``devices`` devices (all, as the mains' meshes take them), counting the builds in the
+  yielded list."""
+  from maxdiffusion_svg.plugin import generate_vace  # pylint: disable=import-outside-toplevel
+  builds = []
+
+  def load_pipeline(config):
+    mesh = make_mesh(config, devices or jax.device_count())
+    builds.append(mesh[1])
+    pipe = pipeline(config, mesh, build_transformer(config, mesh, num_layers=num_layers))
+    pipe._get_t5_prompt_embeds = _prompt_embeds
+    pipe._decode_latents_to_video = _decode
+    return pipe
+
+  with mock.patch.object(generate_vace, "load_pipeline", load_pipeline):
+    yield builds

@@ -1,7 +1,8 @@
-"""``compare`` and ``calibrate`` on LTX-2 (``generate_ltx2``) and Wan Animate
-(``generate_wan_animate``), each main run for real on a tiny random model: the weights build
-once, each run is the kernel it names, the figures recompute from the videos the mains
-exported, and calibration measures every sparse call of every segment."""
+"""``compare`` and ``calibrate`` on LTX-2 (``generate_ltx2``), Wan Animate
+(``generate_wan_animate``) and Wan VACE (our ``generate_vace`` over MaxDiffusion's VACE
+pipeline), each main run for real on a tiny random model: the weights build once, each run is
+the kernel it names, the figures recompute from the videos the mains exported, and calibration
+measures every sparse call of every segment."""
 
 import contextlib
 import json
@@ -21,7 +22,7 @@ require_maxdiffusion()
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plugin import calibrate, compare
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.testing import tiny_animate, tiny_ltx2
+from maxdiffusion_svg.testing import tiny_animate, tiny_ltx2, tiny_vace
 from tiny_runs import ROOT
 
 STEPS, LAYERS = 2, 2
@@ -46,7 +47,16 @@ def _animate(directory):
       **COMMON), 2, (17, 128, 128, 3)
 
 
-MODELS = {"LTX-2": _ltx2, "Wan Animate": _animate}
+def _vace(directory):
+  # One reference image (a latent frame in front of the video's 4) and a control video with its
+  # mask: the VACE pipeline's three conditions, read from files by our main.
+  return tiny_vace, tiny_vace.write_config(
+      directory, pretrained_model_name_or_path=tiny_vace.write_checkpoint(directory),
+      **tiny_vace.VIDEO, **tiny_vace.write_inputs(directory, control=True),
+      vace_conditioning_scale=1.0, **COMMON), 1, (13, 128, 128, 3)
+
+
+MODELS = {"LTX-2": _ltx2, "Wan Animate": _animate, "Wan VACE": _vace}
 _RESULTS = {}
 
 
@@ -67,7 +77,8 @@ def compared(name, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [
-    "LTX-2", pytest.param("Wan Animate", marks=pytest.mark.full)])
+    "LTX-2", pytest.param("Wan Animate", marks=pytest.mark.full),
+    pytest.param("Wan VACE", marks=pytest.mark.full)])
 def test_runs_share_one_build_and_each_runs_its_kernel(name, tmp_path_factory):
   plan, result, videos, log, builds, segments, shape, _ = compared(name, tmp_path_factory)
   assert [r.name for r in plan.runs] == ["dense (dot_product)", "svg density 1", "svg"]
@@ -91,7 +102,8 @@ def test_runs_share_one_build_and_each_runs_its_kernel(name, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [
-    "LTX-2", pytest.param("Wan Animate", marks=pytest.mark.full)])
+    "LTX-2", pytest.param("Wan Animate", marks=pytest.mark.full),
+    pytest.param("Wan VACE", marks=pytest.mark.full)])
 def test_density_one_is_dense_and_the_figures_recompute(name, tmp_path_factory):
   plan, result, videos, _, _, _, shape, directory = compared(name, tmp_path_factory)
   dense, full, sparse = (videos[r.name] for r in plan.runs)
@@ -115,7 +127,7 @@ def test_density_one_is_dense_and_the_figures_recompute(name, tmp_path_factory):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("name", ["LTX-2", "Wan Animate"])
+@pytest.mark.parametrize("name", ["LTX-2", "Wan Animate", "Wan VACE"])
 def test_calibrate_measures_every_sparse_call_through_the_models_main(name, tmp_path,
                                                                       monkeypatch):
   tiny, config, segments, _ = MODELS[name](tmp_path)
@@ -153,7 +165,8 @@ def test_calibrate_measures_every_sparse_call_through_the_models_main(name, tmp_
 @pytest.mark.parametrize("name, config, extra", [
     ("LTX-2", "ltx2_svg.yml", []),
     ("LTX-2", "ltx2_svg.yml", ["run_latent_upsampler=true"]),
-    ("Wan Animate", "wan_animate_svg.yml", [])])
+    ("Wan Animate", "wan_animate_svg.yml", []),
+    ("Wan VACE", "wan_vace_svg.yml", [])])
 def test_the_shipped_config_generates_through_the_launcher(name, config, extra, tmp_path, capsys,
                                                            monkeypatch):
   """``python -m maxdiffusion_svg.generate configs/CONFIG`` in this process, end to end: the
@@ -162,7 +175,7 @@ def test_the_shipped_config_generates_through_the_launcher(name, config, extra, 
   runs after the denoising loop (no attention of its own): the same calls, twice the pixels."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin import generations, launcher
-  from maxdiffusion_svg.video_models import LTX2, WAN_ANIMATE
+  from maxdiffusion_svg.video_models import LTX2, WAN_ANIMATE, WAN_VACE
   # pylint: enable=import-outside-toplevel
   tiny, run_config, segments, shape = MODELS[name](tmp_path)
   keys = yaml.safe_load(pathlib.Path(run_config).read_text(encoding="utf-8"))
@@ -175,13 +188,14 @@ def test_the_shipped_config_generates_through_the_launcher(name, config, extra, 
                           "activations_dtype", "svg_block_q", "svg_block_kv",
                           "svg_min_seq_length", "svg_profile_queries", "svg_backend",
                           "skip_jax_distributed_system", "run_name", "jax_cache_dir",
-                          "precision", "flash_min_seq_length")
+                          "precision", "flash_min_seq_length", "vace_reference_images",
+                          "vace_video", "vace_mask")
                or key.startswith("ici_")]
   overrides += [f"num_inference_steps={steps}", "enable_ml_diagnostics=false", "prompt=a cat",
                 *extra]
   if extra:  # upsampled 2x in height and width
     shape = (shape[0], 2 * shape[1], 2 * shape[2], shape[3])
-  family = LTX2 if name == "LTX-2" else WAN_ANIMATE
+  family = {"LTX-2": LTX2, "Wan Animate": WAN_ANIMATE, "Wan VACE": WAN_VACE}[name]
   monkeypatch.chdir(tmp_path)
   with tiny.generate_main() as builds, \
       generations.GENERATIONS[family].watch(lambda pipeline: None, lambda: None) as seen:
@@ -191,5 +205,8 @@ def test_the_shipped_config_generates_through_the_launcher(name, config, extra, 
   assert list(tmp_path.glob("*.mp4"))  # the main's own export
   calls, sparse = steps * LAYERS * segments, (steps - 1) * (LAYERS - 1) * segments
   lines = [l for l in capsys.readouterr().out.splitlines() if "run summary:" in l]
-  assert lines and all(f"{calls} self-attention calls, {sparse} sparse and {calls - sparse} "
-                       f"dense (counted)" in line for line in lines), lines
+  # The real call's summary (the last; our VACE main warms up on two steps, as generate_wan).
+  assert lines and (f"{calls} self-attention calls, {sparse} sparse and {calls - sparse} "
+                    f"dense (counted)" in lines[-1]), lines
+  if name == "Wan VACE":  # each control block's self-attention per step, dense by design
+    assert f"{2 * steps} vace" in lines[-1] and "2 steps x 2 layers" in lines[0], lines
