@@ -96,13 +96,17 @@ def _install_aot_cache(config: Any, pipeline: Any) -> None:
 
 
 @hooks_entry.preflight_run  # the job's checks where it will load the weights
-def run(config: Any, pipeline: Any = None, filename_prefix: str = "") -> list[str]:
+def run(config: Any, pipeline: Any = None, filename_prefix: str = "",
+        commit_hash: str | None = None) -> list[str]:
   """Generates the config's video: loads ``pipeline`` unless given, warms up, generates and
-  exports. The paths of the videos written."""
+  exports. The paths of the videos written. ``generate_wan.run``'s signature (a VACE config
+  reaches it from there, :func:`hooks_entry.vace_to_our_main`); ``commit_hash`` is logged."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion import aot_cache, max_logging, max_utils
   # pylint: enable=import-outside-toplevel
   inputs = VaceInputs.from_mapping(config.get_keys())
+  if commit_hash:
+    max_logging.log(f"MaxDiffusion commit: {commit_hash}")
   load_time = 0.0
   if pipeline is None:
     start = time.perf_counter()

@@ -405,6 +405,7 @@ def install() -> None:
   _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
         _set_timesteps)
   _wrap(aot_cache, "install", hooks_entry.aot_install)
-  _wrap(generate_wan, "run", hooks_entry.preflight_run)
+  _wrap(generate_wan, "run",
+        lambda run: hooks_entry.vace_to_our_main(hooks_entry.preflight_run(run)))
   _wrap(generate_wan_animate, "run", hooks_entry.preflight_run)
   hooks_ltx2.install(_wrap)

@@ -1,8 +1,8 @@
 """Each model family's shipped config through our launcher and through a patched MaxDiffusion
-``generate``: it reaches that model's own MaxDiffusion entry point (``generate_ltx2``,
-``generate_wan_animate``; ``train_wan_vace`` through ``maxdiffusion_svg.train_vace``) with the
-merged config and its ``svg_*`` keys. The entry point's work function is replaced, so nothing
-loads."""
+``generate``: it reaches that model's own entry point (``generate_ltx2``,
+``generate_wan_animate``, our ``generate_vace``; ``train_wan_vace`` through
+``maxdiffusion_svg.train_vace``) with the merged config and its ``svg_*`` keys. The entry
+point's work function is replaced, so nothing loads."""
 
 import json
 import os
@@ -43,6 +43,7 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 LTX2 = "maxdiffusion.generate_ltx2:run"
 ANIMATE = "maxdiffusion.generate_wan_animate:run"
 VACE = "maxdiffusion.train_wan_vace:train"
+VACE_GENERATE = "maxdiffusion_svg.plugin.generate_vace:run"  # MaxDiffusion has no VACE main
 
 
 @pytest.mark.parametrize("module, config, entry, model, steps", [
@@ -57,7 +58,11 @@ VACE = "maxdiffusion.train_wan_vace:train"
                  [6, None], marks=pytest.mark.full),
     ("maxdiffusion.generate", "wan_animate_svg.yml", ANIMATE, "wan2.2", [6, None]),
     pytest.param("maxdiffusion_svg.train_vace", "wan_vace_svg_train.yml", VACE, "wan2.1", [0, None],
-                 marks=pytest.mark.full)])
+                 marks=pytest.mark.full),
+    pytest.param("maxdiffusion_svg.generate", "wan_vace_svg.yml", VACE_GENERATE, "wan2.1",
+                 [10, None], marks=pytest.mark.full),
+    # the patch runs generate_wan for a wan2.1 config; the plugin hands a VACE one to ours
+    ("maxdiffusion.generate", "wan_vace_svg.yml", VACE_GENERATE, "wan2.1", [10, None])])
 def test_each_config_reaches_its_models_entry_point(module, config, entry, model, steps,
                                                      patched_maxdiffusion, tmp_path):
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
