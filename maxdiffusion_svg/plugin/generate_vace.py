@@ -5,7 +5,7 @@ MaxDiffusion trains Wan VACE (``train_wan_vace``) and has its pipeline, but no m
 it; ``python -m maxdiffusion_svg.generate configs/wan_vace_svg.yml`` runs this one, and
 ``compare`` and ``calibrate`` drive it as they drive ``generate_wan``. It does what
 ``generate_wan`` does for Wan 2.1: loads the pipeline (a training checkpoint in
-``output_dir/run_name`` first, e.g. one ``maxdiffusion_svg.train_vace`` wrote, else the
+``output_dir/run_name/checkpoints`` first, e.g. one ``maxdiffusion_svg.train_vace`` wrote, else the
 pretrained weights), keys MaxDiffusion's AOT cache, warms up with two denoising steps, then
 generates and writes ``wan_vace_output_<seed>_<i>.mp4`` into the working directory (and under
 ``output_dir/run_name/videos`` on GCS). The conditions come from the ``vace_*`` keys
