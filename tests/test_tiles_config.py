@@ -262,6 +262,43 @@ def test_wan22_experts_run_their_own_steps_and_the_run_combines_them(tmp_path, c
           f"50.0% of a dense step's time, given with --attention-share)") in out
 
 
+def test_vace_counts_its_references_in_the_grid_and_its_control_blocks_dense(tmp_path, capsys):
+  """Wan VACE at 720p with two reference images: a grid of 21 + 2 frames; its 8 control blocks
+  (14B) add 8 dense self-attention calls per step to the 40 layers' (by hand)."""
+  vace = {**WAN14B, "pretrained_model_name_or_path": "Wan-AI/Wan2.1-VACE-14B-diffusers",
+          "vace_reference_images": ["https://example.com/a.png", "https://example.com/b.png"]}
+  code, out, _, result = tiles(tmp_path, capsys, vace)
+  assert code == 0 and result["grid"] == [23, 45, 80]
+  row, combined = result["rows"][0], result["combined"]
+  layers_work = row["work_vs_dense"]
+  work = (40 * layers_work + 8) / 48
+  assert combined["work_vs_dense"] == pytest.approx(work)
+  assert combined["speedup_bound"] == pytest.approx(1 / work)
+  assert combined["sparse_call_share"] == pytest.approx(40 * 39 / (50 * 48))
+  assert combined["dense_blocks"] == {"count": 8, "source": "a 14B by its name",
+                                      "layers_work_vs_dense": pytest.approx(layers_work)}
+  vs, fixed_m = row["vs_fixed_m"], row["vs_fixed_m"]["fixed_m_call"]
+  for path in ("fixed", "online"):  # each block's call at the cheaper of ours dense and fixed-m
+    run = (40 * vs[path]["run_call"] + 8 * min(fixed_m, vs[path]["dense_call"])) / 48
+    assert combined["vs_fixed_m"][path]["bound"] == pytest.approx(fixed_m / run)
+  share = result["end_to_end"]["attention_share"]  # 82,800 tokens: interpolated past 720p's
+  assert 0.555 < share < 0.882
+  assert result["end_to_end"]["step_speedup_bound"] == pytest.approx(
+      1 / (1 - share + share * work))
+  assert (f"with the VACE control blocks: 8 more self-attention calls per step (a 14B by its "
+          f"name), each dense (svg_dense_kernel): 65.0% of the run's self-attention calls "
+          f"sparse; work vs dense {work:.3f}") in out
+  # A checkpoint folder's vace_layers count (the 1.3B: 15 blocks), and a plain Wan none.
+  folder = tmp_path / "vace" / "transformer"
+  folder.mkdir(parents=True)
+  (folder / "config.json").write_text(json.dumps({"num_attention_heads": 40,
+                                                  "vace_layers": list(range(0, 30, 2))}))
+  _, _, _, result = tiles(tmp_path, capsys, {**vace, "pretrained_model_name_or_path":
+                                             str(tmp_path / "vace")})
+  assert result["combined"]["dense_blocks"]["count"] == 15
+  assert "dense_blocks" not in tiles(tmp_path, capsys, WAN14B)[3]["combined"]
+
+
 def test_wan22_needs_the_keys_that_split_its_steps(tmp_path, capsys):
   config = {k: v for k, v in WAN22.items() if k != "boundary_ratio"}
   code, _, err, _ = tiles(tmp_path, capsys, config)

@@ -12,7 +12,9 @@ tiles are not counted, so the real speed-up is below the bound.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 from typing import Any, Mapping
 
 from maxdiffusion_svg.budgets import Rung, check_layer_count
@@ -47,6 +49,48 @@ def layers_of(config: Mapping[str, Any]) -> int:
     return family.layers
   name = str(config.get("pretrained_model_name_or_path", ""))
   return LAYERS_1_3B if "1.3B" in name else LAYERS_14B
+
+
+# Wan VACE's control blocks (diffusers' Wan2.1-VACE checkpoints: vace_layers every 5th of the
+# 14B's 40 main blocks, every 2nd of the 1.3B's first 30): self-attention that runs dense.
+VACE_BLOCKS_14B, VACE_BLOCKS_1_3B = 8, 15
+
+
+def dense_blocks_of(config: Mapping[str, Any]) -> tuple[int, str]:
+  """Self-attention calls per step that run dense by design besides the layers' (Wan VACE's
+  control blocks) and where the count comes from: a checkpoint folder's ``vace_layers``, else
+  the checkpoint's name."""
+  if video_model(config) is not WAN_VACE:
+    return 0, ""
+  name = str(config.get("pretrained_model_name_or_path", ""))
+  path = pathlib.Path(name) / "transformer" / "config.json"
+  if path.is_file():
+    return len(json.loads(path.read_text(encoding="utf-8")).get("vace_layers") or ()), str(path)
+  size = "1.3B" if "1.3B" in name else "14B"
+  return (VACE_BLOCKS_1_3B if size == "1.3B" else VACE_BLOCKS_14B), f"a {size} by its name"
+
+
+def with_dense_blocks(combined: dict[str, Any], priced: list[dict[str, Any]], blocks: int,
+                      source: str) -> dict[str, Any]:
+  """The whole run's bounds with ``blocks`` more self-attention calls per step, each dense
+  (VACE's control blocks, over the same grid): every per-call figure averaged over
+  ``layers + blocks`` calls. Against fixed-m, a block's call is priced as the cheaper of our
+  dense call and fixed-m's (it runs ``svg_dense_kernel``), so the bound stays an upper one."""
+  layers = combined["layers"]
+  calls = layers + blocks
+  work = (layers * combined["work_vs_dense"] + blocks) / calls
+  out = {**combined, "work_vs_dense": work, "speedup_bound": 1 / work,
+         "sparse_call_share": combined["sparse_call_share"] * layers / calls,
+         "dense_blocks": {"count": blocks, "source": source,
+                          "layers_work_vs_dense": combined["work_vs_dense"]}}
+  if "vs_fixed_m" in combined:
+    fixed_m = priced[0]["fixed_m_call"]
+    out["vs_fixed_m"] = {
+        path: {"bound": fixed_m / ((layers * fixed_m / combined["vs_fixed_m"][path]["bound"]
+                                    + blocks * min(fixed_m, priced[0][path]["dense_call"]))
+                                   / calls)}
+        for path in combined["vs_fixed_m"]}
+  return out
 
 
 def heads_of(config: Mapping[str, Any]) -> int:
@@ -214,6 +258,9 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
                                                  tiles, target, backend, dense_rows)
                              for r in weights}, weights))
   combined = _combined(rows, priced)
+  blocks, blocks_source = dense_blocks_of(keys)
+  if blocks:
+    combined = with_dense_blocks(combined, priced, blocks, blocks_source)
   share, source = attention_share(grid.tokens, given_share, video_model(keys))
   # checked by check_config above; per-layer compensation: what its compensated layers add
   compensated = any(svg.layer_compensation_for(expert) is not None for expert in experts) and any(

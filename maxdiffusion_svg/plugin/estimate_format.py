@@ -117,6 +117,18 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"whole run, both experts: {combined['sparse_call_share']:.1%} of self-attention calls "
         f"sparse; work vs dense {combined['work_vs_dense']:.3f} -> attention speed-up at most "
         f"{combined['speedup_bound']:.2f}x{against}")
+  blocks = combined.get("dense_blocks")
+  if blocks:
+    vs = combined.get("vs_fixed_m")
+    against = (f"; against ulysses_custom_fixed_m at most {vs['fixed']['bound']:.2f}x "
+               f"(online softmax: {vs['online']['bound']:.2f}x; a control block's call priced as "
+               f"the cheaper of ours dense and fixed-m's)") if vs else ""
+    lines.append(
+        f"with the VACE control blocks: {blocks['count']} more self-attention calls per step "
+        f"({blocks['source']}), each dense (svg_dense_kernel): "
+        f"{combined['sparse_call_share']:.1%} of the run's self-attention calls sparse; work "
+        f"vs dense {combined['work_vs_dense']:.3f} -> attention speed-up at most "
+        f"{combined['speedup_bound']:.2f}x{against}")
   comp = result.get("compensation")
   lines.append(
       "compensation off: the tiles a sparse call skips get no weight (svg_compensation: false)"
