@@ -81,3 +81,9 @@ def test_the_run_summary_counts_a_vace_calls_reference_frames_in_its_tokens():
       {}, {"reference_images": None}, {"reference_images": image},
       {"reference_images": [image, image]}, {"reference_images": [[image] * 3]})] == [0, 0, 1, 2, 3]
   assert WAN_VACE.grid(13, 128, 128, _reference_frames({"reference_images": [image]})).tokens == 320
+
+
+def test_the_control_video_is_cut_to_the_frames_the_pipeline_rounds_to():
+  from maxdiffusion_svg.plugin.generate_vace import pipeline_frames  # pylint: disable=import-outside-toplevel
+  # VaceWanPipeline2_1 makes num_frames 1 + 4k (4·(n // 4) + 1), as the Wan VAE compresses time.
+  assert [pipeline_frames(n) for n in (81, 80, 79, 77, 13, 1)] == [81, 81, 77, 77, 13, 1]

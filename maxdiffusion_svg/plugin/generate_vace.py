@@ -49,24 +49,34 @@ def load_pipeline(config: Any) -> Any:
 
 def conditions(config: Any, inputs: VaceInputs) -> dict[str, Any]:
   """The pipeline's ``video``, ``mask`` and ``reference_images`` from the files the keys name:
-  the control video and mask resized to the video's size and cut to ``num_frames`` (the
-  pipeline needs exactly that many frames)."""
+  the control video and mask resized to the video's size and cut to ``num_frames`` as the
+  pipeline rounds it to ``1 + 4k`` (it needs exactly that many frames)."""
   from maxdiffusion.utils.loading_utils import load_image, load_video  # pylint: disable=import-outside-toplevel
   size = (int(config.width), int(config.height))
-  frames = int(config.num_frames)
+  frames = max(pipeline_frames(int(config.num_frames)), 1)
 
   def clip(key: str, source: str) -> list[Any] | None:
     if not source:
       return None
     video = load_video(source)
     if len(video) < frames:
-      raise ValueError(f"{key} {source!r} has {len(video)} frames; num_frames is {frames}: give "
-                       f"a video of at least {frames} frames, or num_frames={len(video)}")
+      raise ValueError(f"{key} {source!r} has {len(video)} frames; the pipeline generates "
+                       f"{frames} (num_frames {config.num_frames}): give a video of at least "
+                       f"{frames} frames, or num_frames={pipeline_frames(len(video))}")
     return [frame.convert("RGB").resize(size) for frame in video[:frames]]
 
   references = [load_image(path) for path in inputs.reference_images]
   return {"video": clip("vace_video", inputs.video), "mask": clip("vace_mask", inputs.mask),
           "reference_images": references or None}
+
+
+def pipeline_frames(num_frames: int, vae_temporal: int = 4) -> int:
+  """The frames ``VaceWanPipeline2_1`` generates for ``num_frames``: ``1 + vae_temporal·k``
+  (the Wan VAE's temporal compression), ``k = num_frames // vae_temporal`` unless it already is,
+  as its ``__call__`` rounds it."""
+  if num_frames % vae_temporal == 1:
+    return num_frames
+  return num_frames // vae_temporal * vae_temporal + 1
 
 
 def call_pipeline(config: Any, pipeline: Any, prompt: list[str], negative_prompt: list[str],

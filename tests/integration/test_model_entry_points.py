@@ -106,3 +106,28 @@ def test_a_vace_checkpoint_goes_with_a_vace_config_only(tool, tmp_path):
       else:
         plan_calibration(str(ROOT / "configs" / config), overrides, str(tmp_path / "out.yml"))
     assert "\n" not in str(err.value)
+
+
+def test_vace_conditions_load_as_the_pipeline_takes_them(tmp_path):
+  """Our VACE main's conditions from files: the references as images, the control video and
+  its mask resized to the video and cut to the frames the pipeline generates; a control video
+  shorter than that is refused, naming the key and the frames."""
+  # pylint: disable=import-outside-toplevel
+  import types
+
+  from maxdiffusion_svg.plugin.generate_vace import conditions
+  from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
+  from maxdiffusion_svg.testing import tiny_vace
+  # pylint: enable=import-outside-toplevel
+  inputs = VaceInputs.from_mapping(tiny_vace.write_inputs(tmp_path, references=2, control=True))
+  config = types.SimpleNamespace(width=64, height=32, num_frames=10)  # the pipeline makes 9
+  loaded = conditions(config, inputs)
+  assert [image.size for image in loaded["reference_images"]] == [(128, 128)] * 2
+  for key in ("video", "mask"):
+    assert len(loaded[key]) == 9 and {f.size for f in loaded[key]} == {(64, 32)}
+  assert loaded["mask"][0].getpixel((0, 0))[0] < 64 < loaded["mask"][0].getpixel((63, 0))[0]
+  config.num_frames = 17  # the control video has 13
+  with pytest.raises(ValueError, match=r"vace_video '.*vace_video.mp4' has 13 frames; the "
+                                       r"pipeline generates 17 \(num_frames 17\): give a video of "
+                                       r"at least 17 frames, or num_frames=13"):
+    conditions(config, inputs)
