@@ -21,8 +21,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
   pipeline call, the run summary (:mod:`run_summary`) is logged.
 * ``aot_cache.install``: adds the SVG settings to the compiled-executable cache key.
 * ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
-  context shards against heads), after ``jax.distributed`` starts and before weights load
-  (these two: :mod:`hooks_entry`).
+  context shards against heads), after ``jax.distributed`` starts and before weights load; a
+  Wan VACE config goes on to our VACE main (these two: :mod:`hooks_entry`).
 * the same for Wan VACE and Wan Animate (their own model calls and factories;
   :mod:`hooks_wan_variants`) and for LTX-2 (:mod:`hooks_ltx2`).
 
