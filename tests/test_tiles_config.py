@@ -285,6 +285,8 @@ def test_vace_counts_its_references_in_the_grid_and_its_control_blocks_dense(tmp
   assert 0.555 < share < 0.882
   assert result["end_to_end"]["step_speedup_bound"] == pytest.approx(
       1 / (1 - share + share * work))
+  assert result["summary"].endswith("; dense by design: cross-attention and the VACE control "
+                                    "blocks' self-attention")  # as the run's settings line
   assert (f"with the VACE control blocks: 8 more self-attention calls per step (a 14B by its "
           f"name), each dense (svg_dense_kernel): 65.0% of the run's self-attention calls "
           f"sparse; work vs dense {work:.3f}") in out

@@ -273,9 +273,11 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
           "tile_mode": svg.tile_mode.value, "video": [keys["num_frames"], keys["height"],
                                                        keys["width"]],
           "grid": list(grid.shape), "tokens": grid.tokens, "preset": settings.preset,
+          # the transformer's settings line, as the run logs it when the model is built
           "summary": settings.summary(target, (checks["slice"]["ulysses_shards"],
                                                checks["slice"]["ring"]) if checks["slice"]
-                                      else (0, 1)),
+                                      else (0, 1))
+                     + f"; dense by design: {video_model(keys).dense_by_design}",
           "checks": checks, "semantic": _semantic(svg, grid, next(iter(plans.values()))),
           "experts": split.as_dict() if split else None,
           "rows": [{**row.as_dict(), "vs_fixed_m": vs} for row, vs in zip(rows, priced)],
