@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from maxdiffusion_svg.plugin import hooks_entry
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
+from maxdiffusion_svg.video_models import WAN_VACE
 
 OUTPUT = "wan_vace_output"
 
@@ -53,16 +54,17 @@ def conditions(config: Any, inputs: VaceInputs) -> dict[str, Any]:
   pipeline rounds it to ``1 + 4k`` (it needs exactly that many frames)."""
   from maxdiffusion.utils.loading_utils import load_image, load_video  # pylint: disable=import-outside-toplevel
   size = (int(config.width), int(config.height))
-  frames = max(pipeline_frames(int(config.num_frames)), 1)
+  frames = pipeline_frames(int(config.num_frames))
 
   def clip(key: str, source: str) -> list[Any] | None:
     if not source:
       return None
     video = load_video(source)
     if len(video) < frames:
+      fits = (len(video) - 1) // WAN_VACE.vae_temporal * WAN_VACE.vae_temporal + 1
       raise ValueError(f"{key} {source!r} has {len(video)} frames; the pipeline generates "
                        f"{frames} (num_frames {config.num_frames}): give a video of at least "
-                       f"{frames} frames, or num_frames={pipeline_frames(len(video))}")
+                       f"{frames} frames, or num_frames={fits}")
     return [frame.convert("RGB").resize(size) for frame in video[:frames]]
 
   references = [load_image(path) for path in inputs.reference_images]
@@ -70,13 +72,14 @@ def conditions(config: Any, inputs: VaceInputs) -> dict[str, Any]:
           "reference_images": references or None}
 
 
-def pipeline_frames(num_frames: int, vae_temporal: int = 4) -> int:
-  """The frames ``VaceWanPipeline2_1`` generates for ``num_frames``: ``1 + vae_temporal·k``
-  (the Wan VAE's temporal compression), ``k = num_frames // vae_temporal`` unless it already is,
-  as its ``__call__`` rounds it."""
-  if num_frames % vae_temporal == 1:
+def pipeline_frames(num_frames: int) -> int:
+  """The frames ``VaceWanPipeline2_1`` generates for ``num_frames``, as its ``__call__`` rounds
+  it: ``1 + t·k`` (``t`` the Wan VAE's temporal compression), ``k = num_frames // t`` unless it
+  already is, at least 1."""
+  step = WAN_VACE.vae_temporal
+  if num_frames % step == 1:
     return num_frames
-  return num_frames // vae_temporal * vae_temporal + 1
+  return max(num_frames // step * step + 1, 1)
 
 
 def call_pipeline(config: Any, pipeline: Any, prompt: list[str], negative_prompt: list[str],

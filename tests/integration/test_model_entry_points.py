@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from md_required import require_maxdiffusion
@@ -131,3 +132,11 @@ def test_vace_conditions_load_as_the_pipeline_takes_them(tmp_path):
                                        r"pipeline generates 17 \(num_frames 17\): give a video of "
                                        r"at least 17 frames, or num_frames=13"):
     conditions(config, inputs)
+  # The hint is a num_frames the video fills: 12 frames give 9 (the pipeline makes 12 into 13).
+  import imageio  # pylint: disable=import-outside-toplevel
+  short = tmp_path / "short.mp4"
+  imageio.mimwrite(short, [np.zeros((32, 64, 3), np.uint8)] * 12, fps=16, macro_block_size=1)
+  with pytest.raises(ValueError, match=r"has 12 frames; the pipeline generates 17 \(num_frames "
+                                       r"17\): give a video of at least 17 frames, or "
+                                       r"num_frames=9$"):
+    conditions(config, VaceInputs(video=str(short)))
