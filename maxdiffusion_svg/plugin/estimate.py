@@ -12,7 +12,6 @@ tiles are not counted, so the real speed-up is below the bound.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Any, Mapping
@@ -23,6 +22,7 @@ from maxdiffusion_svg.compensation import plan_row_keys
 from maxdiffusion_svg.config import EXPERTS
 from maxdiffusion_svg.geometry import VideoGrid
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
+from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.plugin.wan22 import expert_steps
@@ -64,33 +64,10 @@ def dense_blocks_of(config: Mapping[str, Any]) -> tuple[int, str]:
     return 0, ""
   name = str(config.get("pretrained_model_name_or_path", ""))
   path = pathlib.Path(name) / "transformer" / "config.json"
-  if path.is_file():
-    return len(json.loads(path.read_text(encoding="utf-8")).get("vace_layers") or ()), str(path)
+  if path.is_file():  # as config_checks.heads_of reads the heads
+    return len(preflight.transformer_config(name).get("vace_layers") or ()), str(path)
   size = "1.3B" if "1.3B" in name else "14B"
   return (VACE_BLOCKS_1_3B if size == "1.3B" else VACE_BLOCKS_14B), f"a {size} by its name"
-
-
-def with_dense_blocks(combined: dict[str, Any], priced: list[dict[str, Any]], blocks: int,
-                      source: str) -> dict[str, Any]:
-  """The whole run's bounds with ``blocks`` more self-attention calls per step, each dense
-  (VACE's control blocks, over the same grid): every per-call figure averaged over
-  ``layers + blocks`` calls. Against fixed-m, a block's call is priced as the cheaper of our
-  dense call and fixed-m's (it runs ``svg_dense_kernel``), so the bound stays an upper one."""
-  layers = combined["layers"]
-  calls = layers + blocks
-  work = (layers * combined["work_vs_dense"] + blocks) / calls
-  out = {**combined, "work_vs_dense": work, "speedup_bound": 1 / work,
-         "sparse_call_share": combined["sparse_call_share"] * layers / calls,
-         "dense_blocks": {"count": blocks, "source": source,
-                          "layers_work_vs_dense": combined["work_vs_dense"]}}
-  if "vs_fixed_m" in combined:
-    fixed_m = priced[0]["fixed_m_call"]
-    out["vs_fixed_m"] = {
-        path: {"bound": fixed_m / ((layers * fixed_m / combined["vs_fixed_m"][path]["bound"]
-                                    + blocks * min(fixed_m, priced[0][path]["dense_call"]))
-                                   / calls)}
-        for path in combined["vs_fixed_m"]}
-  return out
 
 
 def heads_of(config: Mapping[str, Any]) -> int:
@@ -257,10 +234,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
     priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
                                                  tiles, target, backend, dense_rows)
                              for r in weights}, weights))
-  combined = _combined(rows, priced)
-  blocks, blocks_source = dense_blocks_of(keys)
-  if blocks:
-    combined = with_dense_blocks(combined, priced, blocks, blocks_source)
+  combined = _combined(rows, priced, *dense_blocks_of(keys))
   share, source = attention_share(grid.tokens, given_share, video_model(keys))
   # checked by check_config above; per-layer compensation: what its compensated layers add
   compensated = any(svg.layer_compensation_for(expert) is not None for expert in experts) and any(
@@ -359,20 +333,36 @@ def _weighted(priced: dict[Rung, dict[str, Any]], weights: dict[Rung, float]) ->
   return out
 
 
-def _combined(rows: list[Estimate], priced: list[dict[str, Any]]) -> dict[str, Any]:
+def _combined(rows: list[Estimate], priced: list[dict[str, Any]], blocks: int = 0,
+              blocks_source: str = "") -> dict[str, Any]:
   """The whole run: each model's calls weighted by the steps it runs (every step has the
-  same layers and video, so the same dense attention work)."""
-  steps = sum(row.steps for row in rows)
-  work = sum(row.steps * row.work_vs_dense for row in rows) / steps
+  same layers and video, so the same dense attention work). ``blocks``: more self-attention
+  calls per step, each dense (VACE's control blocks, over the same grid), so every per-call
+  figure averages over ``layers + blocks`` calls; against fixed-m a block's call is priced as
+  the cheaper of our dense call and fixed-m's (it runs ``svg_dense_kernel``), so the bound
+  stays an upper one."""
+  steps, layers = sum(row.steps for row in rows), rows[0].layers
+
+  def per_call(layer_call: float, block_call: float) -> float:
+    return layer_call if not blocks else (layers * layer_call + blocks * block_call) / (
+        layers + blocks)
+
+  layers_work = sum(row.steps * row.work_vs_dense for row in rows) / steps
+  work = per_call(layers_work, 1.0)
   sparse = sum(row.sparse_steps * row.sparse_layers for row in rows)
-  out: dict[str, Any] = {"steps": steps, "layers": rows[0].layers,
-                         "sparse_call_share": sparse / (steps * rows[0].layers),
+  out: dict[str, Any] = {"steps": steps, "layers": layers,
+                         "sparse_call_share": sparse / (steps * (layers + blocks)),
                          "work_vs_dense": work, "speedup_bound": 1 / work}
+  if blocks:
+    out["dense_blocks"] = {"count": blocks, "source": blocks_source,
+                           "layers_work_vs_dense": layers_work}
   if all(vs.get("priced") for vs in priced):
     out["vs_fixed_m"] = {}
+    fixed_m = priced[0]["fixed_m_call"]
     for path in ("fixed", "online"):
       run = sum(row.steps * vs[path]["run_call"] for row, vs in zip(rows, priced)) / steps
-      out["vs_fixed_m"][path] = {"bound": priced[0]["fixed_m_call"] / run}
+      run = per_call(run, min(fixed_m, priced[0][path]["dense_call"]))
+      out["vs_fixed_m"][path] = {"bound": fixed_m / run}
   return out
 
 

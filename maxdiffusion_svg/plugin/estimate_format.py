@@ -88,6 +88,16 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
   return lines
 
 
+def _whole_run(combined: dict[str, Any], calls: str, note: str = "") -> str:
+  """The whole run's sparse share and bounds (``note``: after the online-softmax bound)."""
+  vs = combined.get("vs_fixed_m")
+  against = (f"; against ulysses_custom_fixed_m at most {vs['fixed']['bound']:.2f}x "
+             f"(online softmax: {vs['online']['bound']:.2f}x{note})") if vs else ""
+  return (f"{combined['sparse_call_share']:.1%} of {calls} sparse; work vs dense "
+          f"{combined['work_vs_dense']:.3f} -> attention speed-up at most "
+          f"{combined['speedup_bound']:.2f}x{against}")
+
+
 def format_estimate(result: dict[str, Any]) -> str:
   frames, height, width = result["video"]
   lines = [
@@ -109,26 +119,15 @@ def format_estimate(result: dict[str, Any]) -> str:
   for row in result["rows"]:
     lines += _row(row, bool(experts))
   combined = result["combined"]
-  if experts:
-    vs = combined.get("vs_fixed_m")
-    against = (f"; against ulysses_custom_fixed_m at most {vs['fixed']['bound']:.2f}x "
-               f"(online softmax: {vs['online']['bound']:.2f}x)") if vs else ""
-    lines.append(
-        f"whole run, both experts: {combined['sparse_call_share']:.1%} of self-attention calls "
-        f"sparse; work vs dense {combined['work_vs_dense']:.3f} -> attention speed-up at most "
-        f"{combined['speedup_bound']:.2f}x{against}")
   blocks = combined.get("dense_blocks")
+  if experts:
+    lines.append(f"whole run, both experts: {_whole_run(combined, 'self-attention calls')}")
   if blocks:
-    vs = combined.get("vs_fixed_m")
-    against = (f"; against ulysses_custom_fixed_m at most {vs['fixed']['bound']:.2f}x "
-               f"(online softmax: {vs['online']['bound']:.2f}x; a control block's call priced as "
-               f"the cheaper of ours dense and fixed-m's)") if vs else ""
     lines.append(
         f"with the VACE control blocks: {blocks['count']} more self-attention calls per step "
         f"({blocks['source']}), each dense (svg_dense_kernel): "
-        f"{combined['sparse_call_share']:.1%} of the run's self-attention calls sparse; work "
-        f"vs dense {combined['work_vs_dense']:.3f} -> attention speed-up at most "
-        f"{combined['speedup_bound']:.2f}x{against}")
+        + _whole_run(combined, "the run's self-attention calls", "; a control block's call "
+                     "priced as the cheaper of ours dense and fixed-m's"))
   comp = result.get("compensation")
   lines.append(
       "compensation off: the tiles a sparse call skips get no weight (svg_compensation: false)"
