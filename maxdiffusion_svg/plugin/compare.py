@@ -195,7 +195,7 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
   return Plan(config, tuple(overrides), tuple(runs), keys, settings, out.resolve(), lpips)
 
 
-def check_checkpoint(name: str, family: VideoModel | None = None) -> None:
+def check_checkpoint(name: str, family: VideoModel) -> None:
   """The checkpoint's transformer config can be read (a local folder, or a Hub id), and a Wan
   VACE checkpoint goes with a VACE config (``family``), and only with one."""
   if not name:
@@ -206,8 +206,6 @@ def check_checkpoint(name: str, family: VideoModel | None = None) -> None:
     raise ValueError(f"pretrained_model_name_or_path {name!r} does not load: "
                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                      ) from None
-  if family is None:
-    return
   if "vace_layers" in transformer and family is not WAN_VACE:
     raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint (its "
                      f"transformer has vace_layers) but the config is {family.name}'s: give a "

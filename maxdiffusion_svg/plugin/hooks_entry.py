@@ -14,7 +14,7 @@ import jax
 
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.video_models import VACE_REFERENCES
+from maxdiffusion_svg.video_models import VACE_REFERENCES, WAN_VACE, video_model
 
 
 def aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,7 +85,7 @@ def vace_to_our_main(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
   def wrapper(config, *args, **kwargs):
-    if VACE_REFERENCES not in config.get_keys():
+    if video_model(config.get_keys()) is not WAN_VACE:
       return original(config, *args, **kwargs)
     # pylint: disable=import-outside-toplevel
     from maxdiffusion import max_logging

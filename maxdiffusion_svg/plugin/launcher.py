@@ -98,13 +98,14 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   check_overrides(config, argv[2:], chain)
   check_values(config, argv[2:])
   check_run_name(config, argv[2:])
-  if not entry.training:
-    check_model(with_overrides(config, argv[2:]), argv[1])
-    if video_model(with_overrides(config, argv[2:])) is WAN_VACE:
-      VaceInputs.from_mapping(with_overrides(config, argv[2:]))  # the files, before loading
+  keys = with_overrides(config, argv[2:])  # what the run will read
   if entry.training:
     from maxdiffusion_svg.plugin.training import check_training  # pylint: disable=import-outside-toplevel
-    check_training(with_overrides(config, argv[2:]))
+    check_training(keys)
+  else:
+    check_model(keys, argv[1])
+    if video_model(keys) is WAN_VACE:
+      VaceInputs.from_mapping(keys)  # the files, before loading
   return config, chain
 
 

@@ -43,7 +43,7 @@ class VaceInputs:
   def from_mapping(cls, keys: Mapping[str, Any]) -> VaceInputs:
     """The conditions of a config's keys; a missing file or a value of the wrong kind is
     refused naming its key."""
-    references = keys.get(VACE_REFERENCES, [])
+    references = keys.get(VACE_REFERENCES, DEFAULTS[VACE_REFERENCES])
     if not isinstance(references, (list, tuple)) or not all(
         isinstance(r, str) and r.strip() for r in references):
       raise ValueError(f"{VACE_REFERENCES} is {references!r}: give a list of image paths or "
@@ -56,7 +56,7 @@ class VaceInputs:
     if mask and not video:
       raise ValueError(f"vace_mask is {mask!r} but vace_video is empty: the mask says which "
                        f"pixels of the control video to generate; give vace_video too")
-    scale = keys.get("vace_conditioning_scale", 1.0)
+    scale = keys.get("vace_conditioning_scale", DEFAULTS["vace_conditioning_scale"])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale:
       raise ValueError(f"vace_conditioning_scale is {scale!r}: give a number >= 0 (1.0: the "
                        f"control hints as trained, 0: none)")
@@ -69,7 +69,7 @@ class VaceInputs:
 
 
 def _text(keys: Mapping[str, Any], key: str) -> str:
-  value = keys.get(key, "")
+  value = keys.get(key, DEFAULTS[key])
   if value is None:
     return ""
   if not isinstance(value, str):
