@@ -136,30 +136,36 @@ def _counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Cal
 
 
 @contextlib.contextmanager
-def _wan(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
-  """``generate_wan``: its ``call_pipeline``, UniPC's step and ``export_to_video``; the
-  pipeline's own trace gives the denoising seconds (``denoise_total``)."""
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion import generate_wan
-  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
+def _watching_main(module: Any, before_call: BeforeCall, on_step: OnStep,
+                   denoise_seconds: Callable[[Any, float], float]) -> Iterator[dict[str, Any]]:
+  """A main whose module holds ``call_pipeline(config, pipeline, ...)`` and
+  ``export_to_video``, stepping with UniPC: ``generate_wan``, our VACE main."""
+  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (  # pylint: disable=import-outside-toplevel
       FlaxUniPCMultistepScheduler as scheduler)
-  # pylint: enable=import-outside-toplevel
   seen = _seen()
-  call, export = generate_wan.call_pipeline, generate_wan.export_to_video
+  call, export = module.call_pipeline, module.export_to_video
+
+  @functools.wraps(call)
+  def call_pipeline(config, pipeline, *args, **kwargs):
+    return _watched_call(seen, pipeline, before_call,
+                         lambda: call(config, pipeline, *args, **kwargs), denoise_seconds)
+
+  with _patched((module, "call_pipeline", call_pipeline),
+                (module, "export_to_video", _exporting(export, seen)),
+                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
+    yield seen
+
+
+def _wan(before_call: BeforeCall, on_step: OnStep) -> contextlib.AbstractContextManager:
+  """``generate_wan``: the pipeline's own trace gives the denoising seconds
+  (``denoise_total``)."""
+  from maxdiffusion import generate_wan  # pylint: disable=import-outside-toplevel
 
   def denoise_total(outputs: Any, _: float) -> float:
     trace = outputs[1] if isinstance(outputs, tuple) else {}
     return trace.get("denoise_total", float("nan"))
 
-  @functools.wraps(call)
-  def call_pipeline(config, pipeline, *args, **kwargs):
-    return _watched_call(seen, pipeline, before_call,
-                         lambda: call(config, pipeline, *args, **kwargs), denoise_total)
-
-  with _patched((generate_wan, "call_pipeline", call_pipeline),
-                (generate_wan, "export_to_video", _exporting(export, seen)),
-                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
-    yield seen
+  return _watching_main(generate_wan, before_call, on_step, denoise_total)
 
 
 @contextlib.contextmanager
@@ -234,30 +240,11 @@ def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any
     yield seen
 
 
-@contextlib.contextmanager
-def _vace(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
-  """Our Wan VACE main (:mod:`generate_vace`): its ``call_pipeline`` (timed whole: the VACE
-  pipeline encodes the conditions, denoises and decodes in one call), UniPC's step and its
-  ``export_to_video``."""
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
-      FlaxUniPCMultistepScheduler as scheduler)
-
-  from maxdiffusion_svg.plugin import generate_vace
-  # pylint: enable=import-outside-toplevel
-  seen = _seen()
-  call, export = generate_vace.call_pipeline, generate_vace.export_to_video
-
-  @functools.wraps(call)
-  def call_pipeline(config, pipeline, *args, **kwargs):
-    return _watched_call(seen, pipeline, before_call,
-                         lambda: call(config, pipeline, *args, **kwargs),
-                         lambda _, wall_seconds: wall_seconds)
-
-  with _patched((generate_vace, "call_pipeline", call_pipeline),
-                (generate_vace, "export_to_video", _exporting(export, seen)),
-                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
-    yield seen
+def _vace(before_call: BeforeCall, on_step: OnStep) -> contextlib.AbstractContextManager:
+  """Our Wan VACE main (:mod:`generate_vace`): its pipeline call timed whole (the VACE pipeline
+  encodes the conditions, denoises and decodes in one call)."""
+  from maxdiffusion_svg.plugin import generate_vace  # pylint: disable=import-outside-toplevel
+  return _watching_main(generate_vace, before_call, on_step, lambda _, wall_seconds: wall_seconds)
 
 
 GENERATIONS = {
