@@ -199,15 +199,6 @@ def generate(pipe, steps: int, text: jax.Array, segments: int = 1, seed: int = 0
               output_type="latent", rng=jax.random.key(seed), **arguments)
 
 
-def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 512):
-  """UMT5's stand-in: fixed embeddings per prompt text, ``[B, TEXT_LEN, TEXT_DIM]`` (torch, as
-  the pipeline converts them)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  del max_sequence_length
-  return torch.from_numpy(tiny_wan.prompt_rows(prompt, num_videos_per_prompt,
-                                               (TEXT_LEN, TEXT_DIM)))
-
-
 def write_checkpoint(directory, num_layers: int = 2) -> str:
   """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
   before loading); :func:`generate_main` builds the weights. Its path."""
@@ -249,7 +240,7 @@ def generate_main(devices: int | None = None, num_layers: int = 2):
       mesh = make_mesh(config, devices or jax.device_count())
       builds.append(mesh[1])
       pipe = pipeline(config, mesh, build_transformer(config, mesh, num_layers=num_layers))
-      pipe._get_t5_prompt_embeds = _prompt_embeds  # pylint: disable=protected-access
+      pipe._get_t5_prompt_embeds = tiny_wan.t5_stand_in((TEXT_LEN, TEXT_DIM))  # pylint: disable=protected-access
       return pipe
 
   with mock.patch.object(generate_wan_animate, "WanCheckpointer", TinyCheckpointer):

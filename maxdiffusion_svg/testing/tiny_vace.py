@@ -169,14 +169,6 @@ def _decode(latents: jax.Array, trace=None) -> np.ndarray:
   return np.moveaxis(((np.tanh(x) + 1) * 127.5).astype(np.uint8), 1, -1)
 
 
-def _prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 512):
-  """UMT5's stand-in: fixed embeddings per prompt text (torch, as the pipeline converts them)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  del max_sequence_length
-  return torch.from_numpy(tiny_wan.prompt_rows(
-      prompt, num_videos_per_prompt, (TEXT_LEN, TRANSFORMER["text_dim"])))
-
-
 def write_checkpoint(directory, num_layers: int = 2) -> str:
   """A checkpoint folder holding only ``transformer/config.json`` (what the tools' checks read
   before loading: the heads, and ``vace_layers`` that make it VACE's); :func:`generate_main`
@@ -221,7 +213,7 @@ def generate_main(devices: int | None = None, num_layers: int = 2):
     mesh = make_mesh(config, devices or jax.device_count())
     builds.append(mesh[1])
     pipe = pipeline(config, mesh, build_transformer(config, mesh, num_layers=num_layers))
-    pipe._get_t5_prompt_embeds = _prompt_embeds
+    pipe._get_t5_prompt_embeds = tiny_wan.t5_stand_in((TEXT_LEN, TRANSFORMER["text_dim"]))
     pipe._decode_latents_to_video = _decode
     return pipe
 

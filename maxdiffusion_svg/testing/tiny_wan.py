@@ -136,6 +136,18 @@ def prompt_rows(prompt, copies: int, shape: tuple[int, int]) -> np.ndarray:
       shape, np.float32) for p in prompts for _ in range(copies)])
 
 
+def t5_stand_in(shape: tuple[int, int]):
+  """UMT5's stand-in for a Wan pipeline's ``_get_t5_prompt_embeds``: :func:`prompt_rows` of
+  ``shape`` per prompt text (torch, as the pipeline converts them)."""
+
+  def prompt_embeds(prompt, num_videos_per_prompt: int = 1, max_sequence_length: int = 512):
+    import torch  # pylint: disable=import-outside-toplevel
+    del max_sequence_length
+    return torch.from_numpy(prompt_rows(prompt, num_videos_per_prompt, shape))
+
+  return prompt_embeds
+
+
 def write_transformer_config(directory, name: str, config: dict[str, Any]) -> str:
   """A checkpoint folder ``directory/name`` holding only ``transformer/config.json`` (what the
   tools' checks read before anything loads); its path."""
