@@ -1,10 +1,11 @@
 """Sparse VideoGen (SVG) attention for MaxDiffusion's Wan video models on TPU.
 
-The data path is route -> place -> sparse kernel -> restore; one concern per module:
-``geometry`` (token grid and layouts), ``masks`` (the SVG rule), ``tiles`` (which tiles a
-kernel visits and masks), ``kernels`` (Splash and XLA executors), ``router`` (per-head
-spatial/temporal choice), ``attention`` (``svg_attention``), ``sharding`` (the Ulysses head
-exchange around it), ``config`` and ``schedule``.
+The package reads as the data path, lowest layer first: ``plan`` (token grid and orders,
+masks, tile tables, the target's tiles), ``kernels`` (the sparse executors), ``routing`` (head
+layouts, router, semantic layout, compensation), ``budgets`` (``SvgConfig``, when SVG runs,
+per-layer and per-head budgets), ``call`` (``svg_attention``: route -> place -> kernel ->
+restore), ``parallel`` (Ulysses and ring), ``tpu`` (libtpu compiles and prices), ``measure``;
+then ``plugin`` (MaxDiffusion), ``testing``, ``bench`` and ``cli``. docs/development.md has the map.
 
 The names below are imported on first use: ``python -m maxdiffusion_svg.generate --help`` (whose
 parent package is this one) and MaxDiffusion's plugin loading then import neither JAX nor
@@ -20,19 +21,19 @@ __version__ = "0.1.0"
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
-    **dict.fromkeys(("scheduled_svg_attention", "svg_attention"), "attention"),
-    "SvgConfig": "config",
+    **dict.fromkeys(("scheduled_svg_attention", "svg_attention"), "call.attention"),
+    "SvgConfig": "budgets.config",
     **dict.fromkeys(("Layout", "RESOLUTIONS", "VideoGrid", "frame_major_order",
                      "grid_for_resolution", "temporal_major_order", "to_frame_major",
-                     "to_temporal_major"), "geometry"),
+                     "to_temporal_major"), "plan.geometry"),
     "sparse_attention": "kernels",
     **dict.fromkeys(("Mask", "PlacedMask", "ProbeMask", "SvgMask", "band_half_width",
-                     "probe_mask", "svg_mask"), "masks"),
-    **dict.fromkeys(("RouterConfig", "Routing", "profile_heads", "route_heads"), "router"),
-    **dict.fromkeys(("PRESETS", "Interval", "Schedule"), "schedule"),
-    "sharded_svg_attention": "sharding",
+                     "probe_mask", "svg_mask"), "plan.masks"),
+    **dict.fromkeys(("RouterConfig", "Routing", "profile_heads", "route_heads"), "routing.router"),
+    **dict.fromkeys(("PRESETS", "Interval", "Schedule"), "budgets.schedule"),
+    "sharded_svg_attention": "parallel.sharding",
     **dict.fromkeys(("TileMode", "TilePlan", "TileStats", "plan_mask_tiles", "plan_tiles"),
-                    "tiles"),
+                    "plan.tiles"),
 }
 __all__ = sorted(_EXPORTS)
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from maxdiffusion_svg.cli import main
+from maxdiffusion_svg.cli.main import main
 
 if __name__ == "__main__":
   sys.exit(main())

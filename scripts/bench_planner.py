@@ -8,9 +8,9 @@ import argparse
 import time
 import tracemalloc
 
-from maxdiffusion_svg.geometry import Layout, RESOLUTIONS, grid_for_resolution
-from maxdiffusion_svg.masks import PlacedMask, svg_mask
-from maxdiffusion_svg.tiles import TileMode, _plan, plan_mask_tiles
+from maxdiffusion_svg.plan.geometry import Layout, RESOLUTIONS, grid_for_resolution
+from maxdiffusion_svg.plan.masks import PlacedMask, svg_mask
+from maxdiffusion_svg.plan.tiles import TileMode, _plan, plan_mask_tiles
 
 
 def measure(mask, bq, bkv, mode):

@@ -1,4 +1,4 @@
-"""Functions the multi-process tests run in each JAX process (maxdiffusion_svg.multiprocess).
+"""Functions the multi-process tests run in each JAX process (maxdiffusion_svg.parallel.multiprocess).
 
 Every process builds the same NumPy inputs and places its own shards with
 ``make_array_from_callback``, as each host of a slice would; process 0 saves the gathered output.
@@ -9,8 +9,8 @@ import numpy as np
 
 def sharded_config(semantic=False):
   """The multi-process tests' config; ``semantic``: the three layouts, 4 clusters."""
-  from maxdiffusion_svg.config import SvgConfig  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.schedule import Interval, Schedule  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.budgets.config import SvgConfig  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.budgets.schedule import Interval, Schedule  # pylint: disable=import-outside-toplevel
   layouts = dict(layouts=["spatial", "temporal", "semantic"], semantic_clusters=4,
                  semantic_warm_iterations=1) if semantic else {}
   return SvgConfig(block_q=128, block_kv=128, backend="xla", profile_queries=16, density=0.3,
@@ -38,7 +38,7 @@ def carried_calls(run, arrays, calls, semantic, gather=np.asarray):
 
 def sharded_inputs(grid_shape, batch, seed):
   from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.geometry import VideoGrid  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.geometry import VideoGrid  # pylint: disable=import-outside-toplevel
   types = ("spatial", "temporal", "temporal", "spatial", "temporal", "spatial", "spatial",
            "temporal")
   grid = VideoGrid(*grid_shape)
@@ -50,7 +50,7 @@ def sharded_svg(index, args):
   import jax  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
   grid, qkv = sharded_inputs(args["grid"], args["batch"], args["seed"])
   mesh = Mesh(np.array(jax.devices()).reshape(args["mesh"]), ("data", "fsdp", "context", "tensor"))
   sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "context", None))
@@ -58,7 +58,7 @@ def sharded_svg(index, args):
   traces = []
   semantic = args.get("semantic", False)
   config = sharded_config(semantic)
-  from maxdiffusion_svg.semantic import Seed  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.routing.semantic import Seed  # pylint: disable=import-outside-toplevel
 
   def fn(q, k, v, step, layer, *seed):
     traces.append(1)
@@ -100,7 +100,7 @@ def ring_svg(index, args):
   import jax  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
   config = sharded_config()
   results, traces = {}, []
   for case, (mesh_shape, ulysses, batch) in enumerate(args["cases"]):

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from maxdiffusion_svg.cli import main
-from maxdiffusion_svg.geometry import grid_for_resolution
-from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.cli.main import main
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
+from maxdiffusion_svg.plan.tiles import plan_tiles
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -216,7 +216,7 @@ def test_the_launcher_without_maxdiffusion_says_so_in_one_line(tmp_path):
 
 
 def test_compare_takes_overrides_after_its_flags_and_a_comma_separated_svg_list(monkeypatch):
-  from maxdiffusion_svg import cli_compare  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.cli import compare as cli_compare  # pylint: disable=import-outside-toplevel
   seen = {}
   monkeypatch.setattr(cli_compare, "run", lambda args: seen.update(vars(args)) or 0)
   assert main(["compare", "cfg.yml", "seed=1", "--svg", "config,aggressive,0.2", "prompt=a cat",

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from maxdiffusion_svg.cli import build_parser
+from maxdiffusion_svg.cli.main import build_parser
 from maxdiffusion_svg.plugin.settings import config_defaults
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention, masked_attention, plan_reference, sparse_attention
 from maxdiffusion_svg.kernels.splash import plan_mask_info
 from maxdiffusion_svg.kernels.xla import _work_steps
-from maxdiffusion_svg.masks import svg_mask
-from maxdiffusion_svg.tiles import EMPTY, MASKED, plan_tiles
+from maxdiffusion_svg.plan.masks import svg_mask
+from maxdiffusion_svg.plan.tiles import EMPTY, MASKED, plan_tiles
 
 # S = 210 and 1000 leave padding with 128-token tiles.
 GRIDS = {"s210": VideoGrid(5, 6, 7), "s1000": VideoGrid(10, 10, 10)}

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.geometry import (Layout, VideoGrid, frame_major_order, grid_for_resolution,
+from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order, grid_for_resolution,
                                        temporal_major_order)
-from maxdiffusion_svg.masks import (PlacedMask, SvgMask, band_half_width, check_density, probe_mask,
+from maxdiffusion_svg.plan.masks import (PlacedMask, SvgMask, band_half_width, check_density, probe_mask,
                                     svg_mask)
 
 

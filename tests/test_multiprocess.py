@@ -1,5 +1,5 @@
 """Two JAX processes of four CPU devices each, as two hosts of a slice: the same results as one
-process of eight (maxdiffusion_svg.multiprocess)."""
+process of eight (maxdiffusion_svg.parallel.multiprocess)."""
 
 import os
 import pathlib
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
-from maxdiffusion_svg.sharding import sharded_svg_attention
-from maxdiffusion_svg.semantic import Seed
+from maxdiffusion_svg.parallel.multiprocess import ProcessesFailed, run_processes
+from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.routing.semantic import Seed
 from multiprocess_workers import carried_calls, sharded_config, sharded_inputs
 
 TESTS = str(pathlib.Path(__file__).parent)

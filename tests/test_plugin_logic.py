@@ -12,11 +12,11 @@ import pytest
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks
 from maxdiffusion_svg.plugin.kernel import qkv_layout
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.target import tpu_target
+from maxdiffusion_svg.plan.target import tpu_target
 
 # The logical names MaxDiffusion gives self-attention's q ([B, H, S, D]), and rules in the
 # shape of its Wan configs': heads on (context, tensor), no rule for the sequence.
@@ -65,7 +65,7 @@ def seen_by_the_kernel(model, latent_shape, timestep):
     seen.append(hooks.current_model_call())
     return hidden_states
 
-  hooks._model_call(call)(model, jnp.zeros(latent_shape), timestep)  # pylint: disable=protected-access
+  hooks.model_call_hook(call)(model, jnp.zeros(latent_shape), timestep)
   return seen[0]
 
 
@@ -126,7 +126,7 @@ def create(config, subfolder, loaded=None):
     if loaded is not None:
       loaded.append(subfolder)
     return StandInWan()
-  return hooks._create_transformer(factory)(None, None, None, config, subfolder=subfolder)  # pylint: disable=protected-access
+  return hooks.create_transformer_hook(factory)(None, None, None, config, subfolder=subfolder)
 
 
 @pytest.mark.parametrize("model_name, subfolder, expert", [
@@ -194,7 +194,7 @@ def test_the_patch_script_names_the_tested_commit_when_the_patch_does_not_apply(
 def test_the_run_logs_the_empty_window_warning_that_tiles_gives(max_logging, tmp_path, capsys):
   """svg_active_steps past the run's steps: the transformer's build logs the warning, and
   `tiles --config` on the same keys (2 layers, as the stand-in) prints the same line."""
-  from maxdiffusion_svg.cli import main  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.cli.main import main  # pylint: disable=import-outside-toplevel
   keys = {"num_inference_steps": 50, "svg_active_steps": [60, -1]}
   create(StandInConfig("wan2.1", **keys), "transformer")
   assert len(max_logging) == 2 and max_logging[1].startswith("maxdiffusion_svg: warning: ")

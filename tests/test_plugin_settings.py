@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.config_keys import KEYS
+from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.budgets.config_keys import KEYS
 from maxdiffusion_svg.plugin.settings import PLUGIN_KEYS, PluginSettings, config_defaults
 from shipped_configs import OVERRIDES
 
@@ -46,7 +46,7 @@ def test_bad_keys_name_the_key(mapping, message):
 
 
 def test_importing_the_package_touches_neither_maxdiffusion_nor_devices():
-  code = ("import sys; import maxdiffusion_svg, maxdiffusion_svg.plugin, maxdiffusion_svg.sharding\n"
+  code = ("import sys; import maxdiffusion_svg, maxdiffusion_svg.plugin, maxdiffusion_svg.parallel.sharding\n"
           "from jax._src import xla_bridge\n"
           "assert not [m for m in sys.modules if m.split('.')[0] == 'maxdiffusion'], 'maxdiffusion'\n"
           "assert not xla_bridge.backends_are_initialized(), 'devices'\n")
@@ -114,7 +114,7 @@ def test_bad_compensation_keys_name_the_key(mapping, message):
 
 
 def test_the_settings_line_says_the_compensation():
-  from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.target import tpu_target  # pylint: disable=import-outside-toplevel
   off = PluginSettings.from_mapping({})
   on = PluginSettings.from_mapping({"svg_compensation": True, "svg_compensation_blocks": 4})
   assert ", compensation off, " in off.summary() and ", compensation off, " in off.summary(

@@ -1,5 +1,5 @@
 """The prepared call: every decision before the data made once, in one object, and the call path
-only reading it (maxdiffusion_svg.prepared)."""
+only reading it (maxdiffusion_svg.call.prepared)."""
 
 import collections
 import contextlib
@@ -12,11 +12,11 @@ import pytest
 from jax.sharding import Mesh
 
 from maxdiffusion_svg import SvgConfig, VideoGrid
-from maxdiffusion_svg.attention import (prepared_scheduled_attention, prepared_svg_attention,
+from maxdiffusion_svg.call.attention import (prepared_scheduled_attention, prepared_svg_attention,
                                         scheduled_svg_attention, svg_attention)
-from maxdiffusion_svg.prepared import prepare, prepare_on
-from maxdiffusion_svg.sharding import sharded_svg_attention
-from maxdiffusion_svg.target import Target, target_for_call, tpu_target
+from maxdiffusion_svg.call.prepared import prepare, prepare_on
+from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.target import Target, target_for_call, tpu_target
 
 GRID = VideoGrid(frames=4, height=8, width=16)
 CONFIG = SvgConfig(density=0.5, block_q=128, block_kv=128)

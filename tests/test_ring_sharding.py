@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
-from maxdiffusion_svg.multiprocess import run_processes
-from maxdiffusion_svg.schedule import Interval, Schedule
-from maxdiffusion_svg.sharding import sharded_svg_attention
+from maxdiffusion_svg.parallel.multiprocess import run_processes
+from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from multiprocess_workers import sharded_config, sharded_inputs
 
 AXES = ("data", "fsdp", "context", "tensor")

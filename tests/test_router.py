@@ -9,10 +9,10 @@ import pytest
 
 from maxdiffusion_svg.bench.routers import ideal_routing, layout_outputs
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.geometry import VideoGrid, frame_major_order
+from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
 from maxdiffusion_svg.kernels import dense_attention
-from maxdiffusion_svg.router import RouterConfig, probe_errors, profile_heads, route_heads, sample_rows
-from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.routing.router import RouterConfig, probe_errors, profile_heads, route_heads, sample_rows
+from maxdiffusion_svg.plan.tiles import plan_tiles
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 block
 PROBE = {"profile_masks": "probe"}  # the reference SVG router's masks (the default is execution)
@@ -206,7 +206,8 @@ def test_an_svg_config_makes_the_execution_plan_itself():
   """route_heads(q, k, v, grid=, config=SvgConfig(...), key=) as documented: the config's own
   plan (with the expert's density), errors against the NumPy oracle; an explicit plan wins."""
   import doctest  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg import SvgConfig, router  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg import SvgConfig  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.routing import router  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(2)
   q, k, v = (rng.standard_normal((1, 3, GRID.tokens, 16)).astype(np.float32) for _ in range(3))
   config = SvgConfig(density=0.5, low_noise_density=0.2, block_q=128, block_kv=128,

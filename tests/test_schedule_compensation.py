@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from maxdiffusion_svg import cli
+from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.bench import schedule_compensation
 from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case
 from maxdiffusion_svg.bench.schedule_compensation import (compensated_row,
                                                           format_compensation_bench)
 from maxdiffusion_svg.bench.schedule_xla import calls, issued_bundles, loops, price_program
-from maxdiffusion_svg.tpu_aot import libtpu_available
+from maxdiffusion_svg.tpu.aot import libtpu_available
 
 
 def parse(*flags):
@@ -107,7 +107,7 @@ SCAN_TLP = """  0x0   :  { %1 = inlined_call %s1 /* %f = fusion() */ }
 
 
 def test_a_scan_loop_runs_the_trip_count_its_caller_knows(tmp_path):
-  from maxdiffusion_svg.tpu_schedule import ScheduleFormatError  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.bundles import ScheduleFormatError  # pylint: disable=import-outside-toplevel
   with pytest.raises(ScheduleFormatError, match="no exit test"):
     calls(SCAN_TLP)
   assert calls(SCAN_TLP, loop_trips=6) == {"f": 7, "kernel_call": 1}

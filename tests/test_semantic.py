@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.attention import semantic_placed_attention, svg_attention
+from maxdiffusion_svg.call.attention import semantic_placed_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.layouts import LAYOUTS, check_layouts
-from maxdiffusion_svg.semantic import (SemanticConfig, cluster_order, gather_tokens, group_size,
+from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.routing.layouts import LAYOUTS, check_layouts
+from maxdiffusion_svg.routing.semantic import (SemanticConfig, cluster_order, gather_tokens, group_size,
                                        placed_positions, semantic_layout, token_positions,
                                        visited_table)
-from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.plan.tiles import plan_tiles
 
 GRID = VideoGrid(6, 8, 20)  # 960 tokens: the last 128-key tile is padded; groups of 4
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -212,7 +212,7 @@ def test_one_compile_as_the_clusters_change():
 @pytest.mark.parametrize("ulysses", [None, 4])  # all 8 devices exchange heads; a ring of 2
 def test_head_exchange_equals_one_device_and_a_ring_leaves_semantic_out(ulysses):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
   grid, (q, k, v) = planted(("moving", "spatial") * 4, VideoGrid(6, 8, 16))
   config = SvgConfig(density=0.3, block_q=128, block_kv=128, backend="xla",
                      layouts=["spatial", "temporal", "semantic"], semantic_clusters=4)

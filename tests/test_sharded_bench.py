@@ -7,8 +7,8 @@ import jax
 import pytest
 
 from maxdiffusion_svg.bench.sharded import ShardedBenchConfig, format_sharded_bench, run_sharded_bench
-from maxdiffusion_svg.cli import main
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.cli.main import main
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 ARGS = ["--latent-grid", "5x6x9", "--heads", "8", "--head-dim", "16", "--block-q", "128",
         "--block-kv", "128", "--repeats", "1"]
@@ -65,8 +65,8 @@ RING_ARGS = ["--latent-grid", "8x8x16", "--heads", "4", "--head-dim", "16", "--b
 def test_ulysses_shards_measures_what_the_ring_plan_says(tmp_path, capsys):
   """svg on 2 x 4 simulated devices: the compiled program's exchange, placement and key
   permutes are exactly the bytes the ring plan computes, and nothing is resharded."""
-  from maxdiffusion_svg.config import SvgConfig
-  from maxdiffusion_svg.ring_plan import key_fetch, ring_split
+  from maxdiffusion_svg.budgets.config import SvgConfig
+  from maxdiffusion_svg.parallel.ring_plan import key_fetch, ring_split
   path = tmp_path / "ring.json"
   assert main(["bench", "sharded", *RING_ARGS, "--ulysses-shards", "2", "--json", str(path)]) == 0
   out = capsys.readouterr().out

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxdiffusion_svg.cli import main
-from maxdiffusion_svg.geometry import grid_for_resolution
+from maxdiffusion_svg.cli.main import main
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels.api import sparse_attention
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.wan22 import expert_steps
-from maxdiffusion_svg.target import tpu_target
-from maxdiffusion_svg.tiles import plan_tiles
+from maxdiffusion_svg.plan.target import tpu_target
+from maxdiffusion_svg.plan.tiles import plan_tiles
 
 WAN14B = {"model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,
           "width": 1280, "num_inference_steps": 50, "activations_dtype": "bfloat16",
@@ -418,7 +418,7 @@ def test_per_layer_densities_are_priced_layer_by_layer_and_counted(tmp_path, cap
   """``svg_layer_densities``: the sparse calls' tiles are each sparse layer's own plan, averaged
   over the layers the schedule makes sparse (layer 0 is dense here); a list that does not give
   every layer a density is refused as the run refuses it."""
-  from maxdiffusion_svg.budgets import check_layer_count  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.budgets.per_layer import check_layer_count  # pylint: disable=import-outside-toplevel
   densities = [0.9] + [0.2] * 9 + [0.4] * 30  # layer 0 runs dense: its 0.9 is not counted
   code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "svg_layer_densities": densities})
   assert code == 0, out
@@ -454,7 +454,7 @@ def test_per_head_densities_are_priced_head_by_head_and_their_ragged_call_checke
   the sparse layers' heads; the ragged call's work lists are checked in SMEM for the heads a
   device holds (as the run checks them), refused at 1440p on one device where a v6e-8's
   devices hold them; a list of the wrong heads or layers is refused as the run refuses it."""
-  from maxdiffusion_svg.head_budgets import check_head_shape  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.budgets.per_head import check_head_shape  # pylint: disable=import-outside-toplevel
   heads = [0.1, 0.3, 0.5, 0.2] * 10
   code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "svg_head_densities": heads})
   assert code == 0, out

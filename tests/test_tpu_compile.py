@@ -15,11 +15,11 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention
-from maxdiffusion_svg.attention import scheduled_svg_attention, svg_attention
-from maxdiffusion_svg.sharding import sharded_svg_attention
+from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
-from maxdiffusion_svg.target import GENERIC_TPU, target_for_devices, tpu_target
-from maxdiffusion_svg.tpu_aot import (abstract, aot_compile, chip_mesh, libtpu_available,
+from maxdiffusion_svg.plan.target import GENERIC_TPU, target_for_devices, tpu_target
+from maxdiffusion_svg.tpu.aot import (abstract, aot_compile, chip_mesh, libtpu_available,
                                       topology_devices, vmem_options)
 
 pytestmark = pytest.mark.skipif(not libtpu_available(),
@@ -87,7 +87,7 @@ def test_our_kernels_vmem_bound_holds_the_compilers_need_and_refuses_past_the_li
   call over the limit is refused before compiling, where libtpu refuses it too."""
   from maxdiffusion_svg.kernels.pallas import pallas_sparse_attention  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.kernels.tpu_memory import pallas_vmem_bound  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.tpu_aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
   mesh = chip_mesh("v5e")
   grid = grid_for_resolution("480p")
   plan = plan_tiles(grid, 0.3, 4096, 2048, "split")
@@ -261,7 +261,7 @@ def test_the_compilers_own_vmem_need_is_the_calibrated_one():
   it reproduces a point of docs/measurements/vmem_calibration.json, from below and (a first
   limit that already fits) from above."""
   from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.tpu_aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
   data = json.loads(DEFAULT_OUT.read_text())
   rows = data["rows"]
   row = next(r for r in rows if (r["chip"], r["strategy"], r["block_q"], r["block_kv"],
@@ -353,7 +353,7 @@ def test_a_per_head_budget_compiles_as_one_ragged_call(chip):
   """Wan 14B's 5 local heads of a CFG pair at 720p, each head at its own density: one call of
   our kernel on a ragged grid, its tables gathered by the device's head ids (on two-core chips,
   v4 and v5p, its two lanes are the cores' parallel dimension)."""
-  from maxdiffusion_svg.head_budgets import head_budget  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.budgets.per_head import head_budget  # pylint: disable=import-outside-toplevel
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat)
   grid = grid_for_resolution("720p")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention, svg_attention
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import plan_reference
 from maxdiffusion_svg.kernels.splash import mask_strategy, mask_traffic, plan_mask_info
-from maxdiffusion_svg.target import tpu_target
+from maxdiffusion_svg.plan.target import tpu_target
 
 TILES = (3328, 1536)  # v6e's default (the seed design's)
 HEADS, HEAD_DIM = 40, 128  # Wan 14B

@@ -10,8 +10,8 @@ import pytest
 from maxdiffusion_svg.bench.schedule import (ScheduleCase, compile_case, dump_name, run_case,
                                              static_bundles)
 from maxdiffusion_svg.bench.schedule_format import DESIGN_MS, format_schedule_bench
-from maxdiffusion_svg.tpu_aot import libtpu_available
-from maxdiffusion_svg.tpu_schedule import (ScheduleFormatError, parse_kernel,
+from maxdiffusion_svg.tpu.aot import libtpu_available
+from maxdiffusion_svg.tpu.bundles import (ScheduleFormatError, parse_kernel,
                                            read_dump)
 
 pytestmark = pytest.mark.skipif(not libtpu_available(),

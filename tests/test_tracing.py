@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from maxdiffusion_svg.tpu_aot import libtpu_available
+from maxdiffusion_svg.tpu.aot import libtpu_available
 
 
 def run_fresh(code: str) -> dict:
@@ -44,7 +44,7 @@ def test_compiling_for_a_topology_leaves_the_environment_alone():
       import jax
       jax.devices()  # JAX's own start-up (it may note that this host has no TPU chips)
       before = dict(os.environ)
-      from maxdiffusion_svg.tpu_aot import topology_devices
+      from maxdiffusion_svg.tpu.aot import topology_devices
       devices = topology_devices("v5e:1x1")
       after = dict(os.environ)
       print(json.dumps({"kind": devices[0].device_kind,

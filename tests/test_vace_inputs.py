@@ -4,10 +4,10 @@ mistake in them is refused by the launcher in one line before anything loads."""
 import pytest
 import yaml
 
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import launcher
 from maxdiffusion_svg.plugin.vace_inputs import DEFAULTS, VaceInputs
-from maxdiffusion_svg.video_models import WAN, WAN_VACE, grid_of, video_model
+from maxdiffusion_svg.plugin.video_models import WAN, WAN_VACE, grid_of, video_model
 
 
 def test_the_reference_images_key_makes_a_wan_config_vace_and_adds_its_frames():

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from maxdiffusion_svg import video_metrics
+from maxdiffusion_svg.measure import video_metrics
 
 
 def _frames(seed: int, t: int = 3, h: int = 32, w: int = 40) -> np.ndarray:

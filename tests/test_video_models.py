@@ -3,8 +3,8 @@ MaxDiffusion pipeline gives (VAE compression, patch size, reference frames)."""
 
 import pytest
 
-from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, grid_of,
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, grid_of,
                                            video_model)
 
 

@@ -18,7 +18,7 @@ schedule, and reports:
   :func:`maxdiffusion_svg.bench.schedule_xla.price_program`.
 
 Figures are issue slots as libtpu scheduled them, not times (see
-:mod:`maxdiffusion_svg.tpu_schedule`).
+:mod:`maxdiffusion_svg.tpu.bundles`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.bench.schedule import dump_env, static_bundles
 from maxdiffusion_svg.bench.schedule_xla import price_program
-from maxdiffusion_svg.geometry import grid_for_resolution
-from maxdiffusion_svg.tpu_aot import child_result, print_result
-from maxdiffusion_svg.tpu_schedule import FIXED_OFFSET_LAYOUT, ScheduleFormatError, read_dump
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
+from maxdiffusion_svg.tpu.aot import child_result, print_result
+from maxdiffusion_svg.tpu.bundles import FIXED_OFFSET_LAYOUT, ScheduleFormatError, read_dump
 
 VMEM_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements" / \
     "backward_vmem.json"
@@ -60,9 +60,9 @@ class BackwardCase:
   def setup(self) -> tuple[Any, Any, Any]:
     """``(target, plan, tiles)``: the chip's default tiles, an aligned plan."""
     # pylint: disable=import-outside-toplevel
-    from maxdiffusion_svg.config import SvgConfig
-    from maxdiffusion_svg.target import tpu_target
-    from maxdiffusion_svg.prepared import prepare
+    from maxdiffusion_svg.budgets.config import SvgConfig
+    from maxdiffusion_svg.plan.target import tpu_target
+    from maxdiffusion_svg.call.prepared import prepare
     # pylint: enable=import-outside-toplevel
     config = SvgConfig(tile_mode="aligned", density=self.density, backend=self.backend)
     branch = prepare(config, grid_for_resolution(self.resolution),
@@ -77,8 +77,8 @@ def _compile_here(case: BackwardCase) -> dict[str, Any]:
   import jax.numpy as jnp
 
   from maxdiffusion_svg.kernels import sparse_attention
-  from maxdiffusion_svg.target import target_for_devices
-  from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, compile_lowered
+  from maxdiffusion_svg.plan.target import target_for_devices
+  from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, compile_lowered
   # pylint: enable=import-outside-toplevel
   mesh = chip_mesh(case.chip)
   _, plan, tiles = case.setup()
@@ -106,7 +106,7 @@ def _dkv_tiles(plan: Any, blocks: tuple[int, int, int]) -> tuple[int, int, int, 
   import numpy as np
 
   from maxdiffusion_svg.kernels.splash_backward import plan_dkv_mask_info
-  from maxdiffusion_svg.tiles import EMPTY, FULL
+  from maxdiffusion_svg.plan.tiles import EMPTY, FULL
   # pylint: enable=import-outside-toplevel
   info, _ = plan_dkv_mask_info(plan, blocks[0], blocks[1])
   kinds = np.asarray(info.block_mask)
@@ -120,7 +120,7 @@ def backward_blocks_of(case: BackwardCase, plan: Any, target: Any) -> tuple[int,
   import jax.numpy as jnp
 
   from maxdiffusion_svg.kernels.splash_backward import backward_tiles
-  from maxdiffusion_svg.tiling import default_kv_compute
+  from maxdiffusion_svg.plan.tiling import default_kv_compute
   # pylint: enable=import-outside-toplevel
   return backward_tiles(plan, default_kv_compute(plan.block_kv), 128, jnp.bfloat16, target)
 
@@ -181,7 +181,7 @@ def run_backward_bench(chip: str = "v6e", backends: Sequence[str] = ("pallas",),
                        log: Callable[[str], None] = print) -> dict[str, Any]:
   """Both backwards behind each forward kernel on one chip."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.tpu_aot import libtpu_version
+  from maxdiffusion_svg.tpu.aot import libtpu_version
   # pylint: enable=import-outside-toplevel
   rows = [run_case(BackwardCase(chip, backend, backward, resolution, density, heads), log)
           for backend in backends for backward in ("auto", "xla")]
@@ -227,16 +227,16 @@ VMEM_POINTS = {
 def measure_backward_vmem(chip: str, block_q: int, block_kv: int, block_kv_compute: int,
                           dtype: str = "bfloat16", heads: int = 5) -> dict[str, Any]:
   """The scoped VMEM libtpu allocates for tokamax's backward kernel at these tiles on one chip
-  (:func:`maxdiffusion_svg.tpu_aot.scoped_vmem_need`), beside our bound for it."""
+  (:func:`maxdiffusion_svg.tpu.aot.scoped_vmem_need`), beside our bound for it."""
   # pylint: disable=import-outside-toplevel
   import jax
   import jax.numpy as jnp
 
   from maxdiffusion_svg.kernels.splash_backward import (dkv_vmem_bound,
                                                         splash_sparse_attention_backward)
-  from maxdiffusion_svg.target import tpu_target
-  from maxdiffusion_svg.tiles import plan_tiles
-  from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, scoped_vmem_need
+  from maxdiffusion_svg.plan.target import tpu_target
+  from maxdiffusion_svg.plan.tiles import plan_tiles
+  from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, scoped_vmem_need
   # pylint: enable=import-outside-toplevel
   mesh = chip_mesh(chip)
   grid = grid_for_resolution("720p" if min(block_q, block_kv) >= 1024 else "480p")
@@ -262,7 +262,7 @@ def run_backward_vmem(chips: Sequence[str] = tuple(VMEM_POINTS),
                       log: Callable[[str], None] = print) -> dict[str, Any]:
   """Every chip's points (:data:`VMEM_POINTS`), each in a child process."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.tpu_aot import libtpu_version
+  from maxdiffusion_svg.tpu.aot import libtpu_version
   # pylint: enable=import-outside-toplevel
   rows = []
   for chip in chips:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Callable, Sequence
 
-from maxdiffusion_svg.bench.ltx2_aot import (LTX2_19B, default_config, latent_grid,
-                                             resolution_video)
+from maxdiffusion_svg.bench.ltx2_model import (LTX2_19B, default_config, latent_grid,
+                                               resolution_video)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SVG_CONFIG = REPO / "configs" / "ltx2_svg.yml"
@@ -18,7 +18,7 @@ SVG_CONFIG = REPO / "configs" / "ltx2_svg.yml"
 def _flash_prices(row: dict[str, Any]) -> Any:
   """``schedule_costs.KernelPrices`` of MaxDiffusion's flash from a ``schedule.run_case`` row:
   Splash runs every tile with one body (the padding mask evaluated in each)."""
-  from maxdiffusion_svg.schedule_costs import KernelPrices  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.prices import KernelPrices  # pylint: disable=import-outside-toplevel
   kernel, case = row["kernel"], row["case"]
   region = lambda key: (kernel.get(key) or {}).get("bundles", 0)
   return KernelPrices(tiles=(case["block_q"], case["block_kv"], case["block_kv_compute"]),
@@ -51,8 +51,8 @@ def static_schedule_bounds(resolutions: Sequence[str | Sequence[int]] = ("720p",
   from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case
   from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.plugin.overlay import load_config
-  from maxdiffusion_svg.schedule_costs import LIBTPU
-  from maxdiffusion_svg.target import tpu_target
+  from maxdiffusion_svg.tpu.prices import LIBTPU
+  from maxdiffusion_svg.plan.target import tpu_target
   # pylint: enable=import-outside-toplevel
   svg_keys, _ = load_config(svg_config or SVG_CONFIG)
   flash_keys, _ = load_config(default_config())

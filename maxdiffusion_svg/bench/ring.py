@@ -26,10 +26,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from maxdiffusion_svg.bench.hlo import collective_ops
-from maxdiffusion_svg.config import SvgConfig
-from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
-from maxdiffusion_svg.ring_placement import ring_placement
-from maxdiffusion_svg.ring_plan import check_ulysses_shards, key_fetch, ring_split, window_plan
+from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.parallel.ring_placement import ring_placement
+from maxdiffusion_svg.parallel.ring_plan import check_ulysses_shards, key_fetch, ring_split, window_plan
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 AGAINST = ("ulysses_ring", "ulysses_ring_custom")
@@ -93,7 +93,7 @@ def ring_mesh(cfg: RingBenchConfig) -> Any:
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
   if cfg.topology:
-    from maxdiffusion_svg.tpu_aot import topology_devices  # pylint: disable=import-outside-toplevel
+    from maxdiffusion_svg.tpu.aot import topology_devices  # pylint: disable=import-outside-toplevel
     available = list(topology_devices(cfg.topology))
     where = f"topology {cfg.topology}"
   else:
@@ -130,7 +130,7 @@ def summarize(ops: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _compile(lowered: Any, topology: str | None) -> tuple[str, dict[str, int]]:
   if topology:
-    from maxdiffusion_svg.tpu_aot import compile_lowered  # pylint: disable=import-outside-toplevel
+    from maxdiffusion_svg.tpu.aot import compile_lowered  # pylint: disable=import-outside-toplevel
     # MaxDiffusion's Wan recipe raises the scoped-VMEM limit to 64 MiB; ours fits either way.
     result = compile_lowered(lowered, {"xla_tpu_scoped_vmem_limit_kib": "65536"})
     if not result.ok:
@@ -162,7 +162,7 @@ def _inputs(cfg: RingBenchConfig, mesh: Any, flat: bool) -> Any:
 
 def lower_svg(cfg: RingBenchConfig, mesh: Any, ulysses: int) -> Any:
   import jax  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.sharding import sharded_svg_attention  # pylint: disable=import-outside-toplevel
   svg, grid, key = cfg.svg_config(), cfg.grid, jax.random.key(cfg.seed)
   x = _inputs(cfg, mesh, flat=False)
   return jax.jit(lambda q, k, v: sharded_svg_attention(
@@ -181,7 +181,7 @@ def lower_maxdiffusion(kernel: str, cfg: RingBenchConfig, mesh: Any, ulysses: in
   from maxdiffusion.models import attention_flax
 
   from maxdiffusion_svg.bench.schedule import MAXDIFFUSION_VMEM_KIB, maxdiffusion_v6e_blocks
-  from maxdiffusion_svg.schedule_costs import PRICES
+  from maxdiffusion_svg.tpu.prices import PRICES
   # pylint: enable=import-outside-toplevel
   rules = ([[ct.BATCH, ["data", "fsdp"]]] + [list(r) for r in ct.ULYSSES_RING_ATTENTION_AXIS_RULES]
            + [[ct.D_KV, None]])
@@ -240,7 +240,7 @@ def schedule_figures(cfg: RingBenchConfig, ulysses: int, plan: Any, chip: str | 
   """One device's kernel work per call by libtpu's static schedule (``PRICES``): svg's
   slowest and fastest ring shard (fixed-offset heads), against MaxDiffusion's custom kernel
   run as ``ulysses_ring_custom`` does (``R`` chunk x chunk calls, online or fixed-m)."""
-  from maxdiffusion_svg.schedule_costs import PRICES  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.prices import PRICES  # pylint: disable=import-outside-toplevel
   prices = PRICES.get(chip or "")
   if not prices:
     return None

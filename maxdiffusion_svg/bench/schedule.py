@@ -2,7 +2,7 @@
 
 Each case (a mode, or the dense baseline: density 1 on the same tiles) is compiled for one
 chip in a child process whose ``LIBTPU_INIT_ARGS`` dumps the final schedule (libtpu reads the
-flag once, when it loads); :mod:`maxdiffusion_svg.tpu_schedule` reads it back. A call's static
+flag once, when it loads); :mod:`maxdiffusion_svg.tpu.bundles` reads it back. A call's static
 bundles are the plan's tiles priced by their body's bundles, plus each row's initialisation and
 finalisation and each grid step's loop overhead, for every head: instruction bundles as
 scheduled, a count, not time (no DMA or memory stalls, no clock).
@@ -20,12 +20,12 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from maxdiffusion_svg.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
-from maxdiffusion_svg.tiles import MODES, TilePlan, plan_tiles
+from maxdiffusion_svg.plan.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
-from maxdiffusion_svg.tpu_aot import child_result, libtpu_version, print_result
-from maxdiffusion_svg.tpu_schedule import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
+from maxdiffusion_svg.tpu.aot import child_result, libtpu_version, print_result
+from maxdiffusion_svg.tpu.bundles import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
                                            SPLASH_LAYOUT,
                                            KernelSchedule, ScheduleFormatError, dump_flags,
                                            read_dump)
@@ -88,7 +88,7 @@ class ScheduleCase:
   compensation_blocks: int = 0  # svg only: > 0 compiles the compensated call (compensation.py)
   # svg only: "" the kernel alone; "band" the placed call (placement by a traced flag, the
   # shared plan, restore); "semantic" a semantic head's whole call (clustering, order, table,
-  # kernel on its table, restore: maxdiffusion_svg.semantic)
+  # kernel on its table, restore: maxdiffusion_svg.routing.semantic)
   call: str = ""
   semantic_clusters: int = 32
   semantic_iterations: int = 4
@@ -129,7 +129,7 @@ def _lower_maxdiffusion_flash(case: ScheduleCase, mesh_devices: Any, tokens: int
   from maxdiffusion import common_types
   from maxdiffusion.models import attention_flax
 
-  from maxdiffusion_svg.tpu_aot import abstract
+  from maxdiffusion_svg.tpu.aot import abstract
   # pylint: enable=import-outside-toplevel
   mesh = Mesh(np.array(mesh_devices[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "context", "tensor"))
   rules = ((common_types.BATCH, ("data", "fsdp")), (common_types.SELF_ATTN_HEAD, None),
@@ -159,7 +159,7 @@ def _lower_maxdiffusion_custom(case: ScheduleCase, mesh: Any, tokens: int) -> An
   import jax.numpy as jnp
   from maxdiffusion.kernels import custom_splash_attention as custom
 
-  from maxdiffusion_svg.tpu_aot import abstract
+  from maxdiffusion_svg.tpu.aot import abstract
   # pylint: enable=import-outside-toplevel
   fixed = case.kernel == "maxdiffusion_custom_fixed_m"
   blocks = custom._BlockSizes(case.block_q, case.block_kv, case.block_kv_compute,  # pylint: disable=protected-access
@@ -196,8 +196,8 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
   import jax.numpy as jnp
 
   from maxdiffusion_svg.kernels import sparse_attention
-  from maxdiffusion_svg.target import target_for_devices
-  from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, compile_lowered
+  from maxdiffusion_svg.plan.target import target_for_devices
+  from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, compile_lowered
   # pylint: enable=import-outside-toplevel
   mesh = chip_mesh(case.chip)
   if case.kernel == "maxdiffusion_flash":
@@ -212,7 +212,7 @@ def _compile_here(case: ScheduleCase) -> dict[str, Any]:
     if case.call:
       call = functools.partial(_placed_call, case=case)
     elif case.compensation_blocks:
-      from maxdiffusion_svg.compensation import compensated_attention  # pylint: disable=import-outside-toplevel
+      from maxdiffusion_svg.routing.compensation import compensated_attention  # pylint: disable=import-outside-toplevel
       call = functools.partial(compensated_attention, blocks=case.compensation_blocks)
     try:
       lowered = jax.jit(lambda q, k, v: call(
@@ -233,9 +233,9 @@ def _placed_call(q: Any, k: Any, v: Any, plan: TilePlan, *, case: ScheduleCase, 
   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp
 
-  from maxdiffusion_svg.attention import placed_attention, semantic_placed_attention
-  from maxdiffusion_svg.layouts import LAYOUTS, SEMANTIC
-  from maxdiffusion_svg.semantic import SemanticConfig, group_size, semantic_layout
+  from maxdiffusion_svg.call.attention import placed_attention, semantic_placed_attention
+  from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC
+  from maxdiffusion_svg.routing.semantic import SemanticConfig, group_size, semantic_layout
   # pylint: enable=import-outside-toplevel
   grid = VideoGrid(*case.grid)
   if case.call == "band":
@@ -330,8 +330,8 @@ def maxdiffusion_cases(chip: str, grid: tuple[int, int, int]) -> dict[str, Sched
 
 def default_tiles(chip: str, vmem_limit_kib: int | None,
                   backend: str = "splash") -> tuple[int, int, int]:
-  from maxdiffusion_svg.target import tpu_target  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.tiling import choose_tiles  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.target import tpu_target  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.tiling import choose_tiles  # pylint: disable=import-outside-toplevel
   tiles = choose_tiles(tpu_target(chip, vmem_limit_kib), backend)
   return tiles.block_q, tiles.block_kv, tiles.block_kv_compute
 

@@ -1,7 +1,7 @@
 """``bench schedule --compensation``: what compensation adds to a call, by the static schedule.
 
 Each mode is compiled twice for one chip: the plain call (the kernel alone, what ``bench
-schedule`` prices) and the compensated one (:func:`maxdiffusion_svg.compensation.compensated_attention`:
+schedule`` prices) and the compensated one (:func:`maxdiffusion_svg.routing.compensation.compensated_attention`:
 the centroid sums and each row's packing in XLA; our kernel takes the row keys in its closing
 step, Splash returns its log-sum-exp for a separate pass and merge). The kernel is priced from
 its plan's tiles as always (its closing step once per row); the XLA around it from the
@@ -17,8 +17,8 @@ import dataclasses
 from typing import Any, Callable
 
 from maxdiffusion_svg.bench.schedule import default_tiles, mode_cases, run_case
-from maxdiffusion_svg.geometry import grid_for_resolution
-from maxdiffusion_svg.tpu_aot import libtpu_version
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
+from maxdiffusion_svg.tpu.aot import libtpu_version
 
 # What the static count cannot see, said beside every figure.
 CAVEAT = ("XLA computations priced as their listings with each literal-trip loop run its trip "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxdiffusion_svg.tiles import MODES
-from maxdiffusion_svg.tpu_schedule import unit_bounds
+from maxdiffusion_svg.plan.tiles import MODES
+from maxdiffusion_svg.tpu.bundles import unit_bounds
 
 # The seed design's 720p latencies on a TPU v6e, ms (quoted): dense Splash, then B1/B2/B3.
 DESIGN_MS = {"dense": 78.70, "naive": 96.37, "split": 54.12, "aligned": 32.76}

@@ -4,12 +4,12 @@ Three calls of one head are compiled for one chip, on the same tiles and band de
 
 * the **band** call as ``svg_attention`` runs a spatial or temporal head after routing
   (placement by a traced flag, the shared plan, restore);
-* the **semantic** call (:mod:`maxdiffusion_svg.semantic`): k-means, the cluster order, the
+* the **semantic** call (:mod:`maxdiffusion_svg.routing.semantic`): k-means, the cluster order, the
   tile table from centroid estimates, the placement gathers, our kernel on the head's own table
   (the band's visited tiles per row, so the same kernel bundles) and the restoring gather;
 * the **dense** call of our kernel (every tile), and MaxDiffusion's fastest dense kernel
   (``ulysses_custom_fixed_m`` at its fast recipe) computed from its compiled body prices
-  (:mod:`maxdiffusion_svg.schedule_costs`).
+  (:mod:`maxdiffusion_svg.tpu.prices`).
 
 Each call is priced as the kernel from its tiles plus the XLA program around it
 (:mod:`maxdiffusion_svg.bench.schedule_xla`). The target (issue 35): the semantic call at most
@@ -23,10 +23,10 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.bench.schedule import ScheduleCase, default_tiles, run_case
-from maxdiffusion_svg.geometry import grid_for_resolution
-from maxdiffusion_svg.schedule_costs import PRICES
-from maxdiffusion_svg.semantic import group_size
-from maxdiffusion_svg.tpu_aot import libtpu_version
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
+from maxdiffusion_svg.tpu.prices import PRICES
+from maxdiffusion_svg.routing.semantic import group_size
+from maxdiffusion_svg.tpu.aot import libtpu_version
 
 TARGET_RATIO = 1.15
 CAVEAT = ("XLA computations priced as their listings with each literal-trip loop run its trip "

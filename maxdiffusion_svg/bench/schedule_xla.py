@@ -22,7 +22,7 @@ import os
 import re
 from typing import Any
 
-from maxdiffusion_svg.tpu_schedule import ScheduleFormatError, _bundles
+from maxdiffusion_svg.tpu.bundles import ScheduleFormatError, _bundles
 
 _EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
 _CALL = re.compile(r"\b(?:inlined_)?call\b[^;{}]*?/\* %([\w.\-]+) = ")

@@ -46,7 +46,7 @@ def compare_counts(keys: list[np.ndarray], clusters: int, counts: tuple[int, ...
   layer), ``t >= 1``, against the converged one: per update count, the mean agreement and the
   objective's excess over the reference."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.semantic import Seed, kmeans  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.routing.semantic import Seed, kmeans  # pylint: disable=import-outside-toplevel
   rows = {"cold": {n: [] for n in counts}, "warm": {n: [] for n in counts}}
   excess = {"cold": {n: [] for n in counts}, "warm": {n: [] for n in counts}}
   previous = kmeans(jnp.asarray(keys[0]), clusters, CONVERGED)[1]

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 MIXED = {"mixed25": 0.25, "mixed50": 0.5, "mixed75": 0.75}  # temporal share of the logits
 WEAK = {"weak_spatial": "spatial", "weak_temporal": "temporal"}

@@ -2,7 +2,7 @@
 
 Compiles one kernel per case (tiles, inner kv step, mask strategy, dtype, head_dim) for one
 chip of each generation and asks the compiler what it allocated
-(:func:`maxdiffusion_svg.tpu_aot.scoped_vmem_need`). The cases and what the compiler said are
+(:func:`maxdiffusion_svg.tpu.aot.scoped_vmem_need`). The cases and what the compiler said are
 written with the libtpu and jax versions to ``docs/measurements/vmem_calibration.json``; the
 VMEM model (:mod:`maxdiffusion_svg.kernels.vmem_model`) is fitted to the points not marked
 held out, and tests hold it to the held-out ones. Nothing runs on a device.
@@ -16,7 +16,7 @@ import pathlib
 import time
 from typing import Any, Callable, Sequence
 
-from maxdiffusion_svg.geometry import grid_for_resolution
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements" / \
     "vmem_calibration.json"
@@ -84,9 +84,9 @@ def measure(case: VmemCase) -> dict[str, Any]:
 
   from maxdiffusion_svg.kernels.splash import splash_sparse_attention
   from maxdiffusion_svg.kernels.tpu_memory import vmem_estimate
-  from maxdiffusion_svg.target import generation_named, tpu_target
-  from maxdiffusion_svg.tiles import plan_tiles
-  from maxdiffusion_svg.tpu_aot import abstract, chip_mesh, scoped_vmem_need
+  from maxdiffusion_svg.plan.target import generation_named, tpu_target
+  from maxdiffusion_svg.plan.tiles import plan_tiles
+  from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, scoped_vmem_need
   # pylint: enable=import-outside-toplevel
   start = time.perf_counter()
   resolution = RESOLUTION if case.block_q >= 1024 else SMALL_TILE_RESOLUTION
@@ -119,7 +119,7 @@ def run_vmem_calibration(chips: Sequence[str], workers: int = 2,
   """Every case of ``chips``, ``workers`` compiles at a time (one process each); cases in
   ``done`` (rows of an earlier run with the same libtpu) are kept, not compiled again."""
   import jax  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.tpu_aot import libtpu_version  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.aot import libtpu_version  # pylint: disable=import-outside-toplevel
   fields = [f.name for f in dataclasses.fields(VmemCase)]
   # A compile does not depend on whether its point is held out: match without the mark.
   key = lambda case: dataclasses.replace(case, held_out=False)

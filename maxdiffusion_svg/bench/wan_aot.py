@@ -30,7 +30,8 @@ import time
 from typing import Any, Callable, Sequence
 from unittest import mock
 
-from maxdiffusion_svg.target import MIB
+from maxdiffusion_svg.plan.target import MIB
+from maxdiffusion_svg.testing.stand_ins import config_loader
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "wan_svg.yml"
@@ -116,7 +117,7 @@ def topology_mesh(config, topology: str):
   from jax.sharding import Mesh
   from maxdiffusion import max_utils
 
-  from maxdiffusion_svg.tpu_aot import topology_devices
+  from maxdiffusion_svg.tpu.aot import topology_devices
   # pylint: enable=import-outside-toplevel
   devices = list(topology_devices(topology))
   array = max_utils.create_device_mesh(config, devices=devices, logging=False)
@@ -124,16 +125,6 @@ def topology_mesh(config, topology: str):
 
 
 # -------------------------------------------------------------------- the weightless model
-
-
-def config_loader(config: dict[str, Any]) -> Callable[..., Any]:
-  """A Hugging Face ``load_config`` stand-in that returns ``config``."""
-
-  def load_config(*args, return_unused_kwargs=False, **kwargs):
-    del args
-    return (dict(config), kwargs) if return_unused_kwargs else dict(config)
-
-  return load_config
 
 
 def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
@@ -261,7 +252,7 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
 
   from maxdiffusion_svg import plugin
   from maxdiffusion_svg.plugin import hooks, semantic_store
-  from maxdiffusion_svg.tpu_aot import abstract, compile_lowered
+  from maxdiffusion_svg.tpu.aot import abstract, compile_lowered
   # pylint: enable=import-outside-toplevel
   plugin.register()
   config = init_config(config_path, kernel, **(overrides or {}))

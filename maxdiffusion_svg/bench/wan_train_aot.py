@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 from unittest import mock
 
 from maxdiffusion_svg.bench import wan_aot
-from maxdiffusion_svg.target import MIB
+from maxdiffusion_svg.plan.target import MIB
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "wan_svg_train.yml"
@@ -105,7 +105,7 @@ class _Compiled(NamedTuple):
 def _compile(lowered: Any, options: dict[str, str] | None = None) -> _Compiled:
   """``lowered`` compiled; on failure the compiler's error line (:func:`tpu_aot.error_line`) and
   its sentences about memory in full (an HBM out-of-memory names what it needed)."""
-  from maxdiffusion_svg.tpu_aot import error_line  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.tpu.aot import error_line  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   try:
     executable = lowered.compile(compiler_options=options or {})

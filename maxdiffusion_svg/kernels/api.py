@@ -23,10 +23,10 @@ from maxdiffusion_svg.kernels.splash_backward import (backward_tiles, check_back
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
-from maxdiffusion_svg.target import (BACKENDS, TPU_BACKENDS, Target, lowering_tpu_target,
+from maxdiffusion_svg.plan.target import (BACKENDS, TPU_BACKENDS, Target, lowering_tpu_target,
                                      resolve_backend, target_for_call)
-from maxdiffusion_svg.tiles import TilePlan
-from maxdiffusion_svg.tiling import default_kv_compute
+from maxdiffusion_svg.plan.tiles import TilePlan
+from maxdiffusion_svg.plan.tiling import default_kv_compute
 
 __all__ = ["BACKENDS", "BACKWARDS", "SparseKernel", "check_tpu_call", "lowering_tpu_target",
            "prepare_kernel", "resolve_backend", "sparse_attention"]
@@ -227,9 +227,9 @@ def prepare_kernel(plan: TilePlan, target: Target, *, backend: str = "auto",
                    block_kv_compute: int | None = None, tiles_per_step: int | None = None,
                    backward: str = "auto", tpu: Target | None = None) -> SparseKernel:
   """:class:`SparseKernel` for ``plan`` on ``target`` (resolved:
-  :func:`maxdiffusion_svg.target.target_for_call`): the executor ``backend`` resolves to
+  :func:`maxdiffusion_svg.plan.target.target_for_call`): the executor ``backend`` resolves to
   there, the TPU a lowering for one is held to (``tpu``, where the caller resolved it:
-  :func:`maxdiffusion_svg.target.call_executors`), the inner kv step (``block_kv_compute``,
+  :func:`maxdiffusion_svg.plan.target.call_executors`), the inner kv step (``block_kv_compute``,
   else the TPU kernel's default for the plan's kv tile)."""
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
@@ -263,7 +263,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
   ``block_kv_compute`` (the TPU kernels' inner kv step) and ``tiles_per_step`` (XLA) tune
   the backends without changing results. ``target`` is the hardware the call is compiled
   for (default: what the inputs' sharding or the mesh in context names, else the default
-  device; :func:`maxdiffusion_svg.target.target_for_call`): on a TPU, the kernel's VMEM and
+  device; :func:`maxdiffusion_svg.plan.target.target_for_call`): on a TPU, the kernel's VMEM and
   SMEM needs are checked against its limits before anything compiles; where nothing names
   the platform, the TPU kernel still runs (held to the strictest known TPU) if the call is
   lowered for a TPU. ``return_lse`` also returns each query's log-sum-exp of the logits it

@@ -25,7 +25,7 @@ import numpy as np
 
 from maxdiffusion_svg.kernels.row_keys import RowKeys
 from maxdiffusion_svg.kernels.worklist import head_table_slots
-from maxdiffusion_svg.tiles import FULL, TilePlan
+from maxdiffusion_svg.plan.tiles import FULL, TilePlan
 
 # Float32 logits held per scan step (bytes); a step holds about four arrays of this size.
 _STEP_LOGIT_BYTES = 32 * 2**20

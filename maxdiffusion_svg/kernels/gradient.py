@@ -24,7 +24,7 @@ import numpy as np
 from maxdiffusion_svg.kernels.backward import (Cotangents, row_delta, row_keys_backward,
                                                sparse_attention_backward)
 from maxdiffusion_svg.kernels.row_keys import RowKeys
-from maxdiffusion_svg.tiles import TilePlan
+from maxdiffusion_svg.plan.tiles import TilePlan
 
 # Names a remat policy can save or offload (``jax.checkpoint_policies`` by name): the
 # attention's output and its log-sum-exp, what the flash backward keeps beside q, k and v.

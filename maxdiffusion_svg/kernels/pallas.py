@@ -36,8 +36,8 @@ from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
 from maxdiffusion_svg.kernels.row_keys import RowKeys, pad_row_keys
 from maxdiffusion_svg.kernels.worklist import (pack_head_work, pack_ragged_work, pack_work,
                                               ragged_cores, unpack_work)
-from maxdiffusion_svg.masks import SvgMask
-from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
+from maxdiffusion_svg.plan.masks import SvgMask
+from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan
 
 # A masked logit, and the offset an online row starts from: both finite, so no inf - inf, and
 # the start above every masked logit, so a row whose keys are all masked so far adds
@@ -215,7 +215,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   keys, taken into its softmax when the row closes (one more chunk of ``m`` keys per row).
   ``head_tiles [B, H, num_q_tiles, width]``: each head's own key tiles (an aligned plan's
   counts per row, columns computed on device): every head walks its own work list. With
-  ``head_steps`` (a per-head budget, :mod:`maxdiffusion_svg.head_budgets`) a head's row may
+  ``head_steps`` (a per-head budget, :mod:`maxdiffusion_svg.budgets.per_head`) a head's row may
   end early (``-1`` in the rest of its slots) and the grid is ragged: the heads' lists laid end
   to end, at most ``head_steps`` steps per core (:func:`pack_ragged_work`), so a call costs
   the tiles its heads visit, not its widest head's."""

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.tiles import TilePlan
+from maxdiffusion_svg.plan.tiles import TilePlan
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None) -> jax.Array:

@@ -24,8 +24,8 @@ from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_
 from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from maxdiffusion_svg.kernels.tpu_memory import LANES, mask_strategy
-from maxdiffusion_svg.tiles import MASKED, TilePlan
-from maxdiffusion_svg.tiling import default_kv_compute
+from maxdiffusion_svg.plan.tiles import MASKED, TilePlan
+from maxdiffusion_svg.plan.tiling import default_kv_compute
 
 
 def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:

@@ -34,9 +34,9 @@ from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_in
 
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL, _smallest_int
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
-from maxdiffusion_svg.target import VMEM_FLAG, VMEM_KEY, Target
-from maxdiffusion_svg.tiles import EMPTY, FULL, MASKED, TilePlan
-from maxdiffusion_svg.tiling import default_kv_compute
+from maxdiffusion_svg.plan.target import VMEM_FLAG, VMEM_KEY, Target
+from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, TilePlan
+from maxdiffusion_svg.plan.tiling import default_kv_compute
 
 LOG2E = math.log2(math.e)
 # A log-sum-exp at or below this (natural log) marks a row that kept no key (Splash's is about

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels.row_keys import row_key_slots
 from maxdiffusion_svg.kernels.vmem_model import fitted_bytes
-from maxdiffusion_svg.target import GENERATIONS, MIB, Target, VMEM_FLAG, VMEM_KEY
-from maxdiffusion_svg.tiles import MASKED, TilePlan
-from maxdiffusion_svg.tiling import default_kv_compute
+from maxdiffusion_svg.plan.target import GENERATIONS, MIB, Target, VMEM_FLAG, VMEM_KEY
+from maxdiffusion_svg.plan.tiles import MASKED, TilePlan
+from maxdiffusion_svg.plan.tiling import default_kv_compute
 
 LANES = 128
 

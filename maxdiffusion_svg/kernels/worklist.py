@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
+from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan
 
 KIND_BITS, FIRST_BIT, LAST_BIT, COL_SHIFT, ROW_SHIFT = 2, 2, 3, 4, 18
 MAX_COLS, MAX_ROWS = 1 << (ROW_SHIFT - COL_SHIFT), 1 << (31 - ROW_SHIFT)
@@ -96,7 +96,7 @@ def pack_ragged_work(plan: TilePlan, kv_index: jax.Array, steps: int,
   column, kind and open/close flags as :func:`pack_work`; ``heads`` names its head
   (``b * H + h``). Padding steps repeat the last real step's blocks as ``EMPTY`` with no flag:
   no copy, no compute, nothing written. ``steps`` must bound each group's visited tiles
-  (:func:`maxdiffusion_svg.head_budgets.HeadBudget.steps_bound`); more would be dropped."""
+  (:func:`maxdiffusion_svg.budgets.per_head.HeadBudget.steps_bound`); more would be dropped."""
   rows, slots = head_table_slots(plan)
   b, h = kv_index.shape[:2]
   n = b * h

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.kernels.worklist import head_table_slots
-from maxdiffusion_svg.tiles import FULL, MASKED, TilePlan
+from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan
 
 # Logits held per scan step (bytes); bounds memory while keeping matmuls large.
 _STEP_LOGIT_BYTES = 64 * 2**20

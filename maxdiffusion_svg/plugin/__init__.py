@@ -19,11 +19,11 @@ def register() -> None:
   # pylint: disable=import-outside-toplevel
   from maxdiffusion.models import attention_flax
 
-  from maxdiffusion_svg.plugin import hooks
+  from maxdiffusion_svg.plugin import installer
   from maxdiffusion_svg.plugin.kernel import svg_kernel
   from maxdiffusion_svg.plugin.settings import KERNEL_NAME
   # pylint: enable=import-outside-toplevel
-  hooks.install()
+  installer.install()
   attention_flax.register_kernel(KERNEL_NAME)(svg_kernel)
 
 

@@ -31,13 +31,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import yaml
 
-from maxdiffusion_svg import video_metrics
-from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.layouts import check_layouts
-from maxdiffusion_svg.plugin import generations, hooks, launcher, overlay, preflight, run_summary
+from maxdiffusion_svg.measure import video_metrics
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.routing.layouts import check_layouts
+from maxdiffusion_svg.plugin import families, generations, hooks, launcher, overlay, preflight, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.schedule import PRESETS
-from maxdiffusion_svg.video_models import WAN_VACE, VideoModel, grid_of, video_model
+from maxdiffusion_svg.budgets.schedule import PRESETS
+from maxdiffusion_svg.plugin.video_models import WAN_VACE, VideoModel, grid_of, video_model
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -231,7 +231,7 @@ def call_counts(settings: PluginSettings, steps: int, layers: int, grid: VideoGr
 
 def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
   for model in hooks.prepared_transformers(pipeline):
-    for op, _ in hooks._self_attention_ops(model):  # pylint: disable=protected-access
+    for op, _ in families.self_attention_ops(model):
       yield model, op
 
 

@@ -25,15 +25,15 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Mapping
 
-from maxdiffusion_svg.compensation import plan_row_keys
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.routing.compensation import plan_row_keys
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import check_tpu_call
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
 from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.target import MIB, TPU_BACKENDS, Target, generation_named
-from maxdiffusion_svg.video_models import WAN, WAN_VACE, video_model
+from maxdiffusion_svg.plan.target import MIB, TPU_BACKENDS, Target, generation_named
+from maxdiffusion_svg.plugin.video_models import WAN, WAN_VACE, video_model
 
 HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40), LTX-2's video
 # Heads by checkpoint name, where its config.json is not on this host: Wan 2.1 1.3B has 12,
@@ -140,7 +140,7 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
                  ) -> dict[str, Any]:
   """Every check, in the order the run makes them; raises :class:`Refused` on the first the
   run would stop on. Returns what passed and the warnings. ``per_head``: the per-head budgets
-  (:class:`~maxdiffusion_svg.head_budgets.HeadBudget`) by the name of the plan that carries
+  (:class:`~maxdiffusion_svg.budgets.per_head.HeadBudget`) by the name of the plan that carries
   each one's ragged call, checked with its work list and heads for the (example, head)s a
   device holds (the CFG pair folded into the heads the slice leaves each device; without
   ``--slice``, all of them on one)."""

@@ -16,21 +16,21 @@ import math
 import pathlib
 from typing import Any, Mapping
 
-from maxdiffusion_svg.budgets import Rung, check_layer_count
-from maxdiffusion_svg.head_budgets import check_head_shape
-from maxdiffusion_svg.compensation import plan_row_keys
-from maxdiffusion_svg.config import EXPERTS
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_count
+from maxdiffusion_svg.budgets.per_head import check_head_shape
+from maxdiffusion_svg.routing.compensation import plan_row_keys
+from maxdiffusion_svg.budgets.config import EXPERTS
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.plugin.wan22 import expert_steps
-from maxdiffusion_svg.schedule_costs import LIBTPU, PRICES
-from maxdiffusion_svg.tiles import visited_in_tiles_of
-from maxdiffusion_svg.semantic import SAMPLE_PER_CLUSTER, group_size
-from maxdiffusion_svg.target import Target, resolve_backend
-from maxdiffusion_svg.video_models import LTX2, WAN, WAN_VACE, VideoModel, grid_of, video_model
+from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES
+from maxdiffusion_svg.plan.tiles import visited_in_tiles_of
+from maxdiffusion_svg.routing.semantic import SAMPLE_PER_CLUSTER, group_size
+from maxdiffusion_svg.plan.target import Target, resolve_backend
+from maxdiffusion_svg.plugin.video_models import LTX2, WAN, WAN_VACE, VideoModel, grid_of, video_model
 
 # Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
 # the 14B models and each Wan 2.2 A14B expert 40.

@@ -14,13 +14,14 @@ generates and writes ``wan_vace_output_<seed>_<i>.mp4`` into the working directo
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.plugin import hooks_entry
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
-from maxdiffusion_svg.video_models import WAN_VACE
+from maxdiffusion_svg.plugin.video_models import VACE_REFERENCES, WAN_VACE, video_model
 
 OUTPUT = "wan_vace_output"
 
@@ -113,7 +114,7 @@ def run(config: Any, pipeline: Any = None, filename_prefix: str = "",
         commit_hash: str | None = None) -> list[str]:
   """Generates the config's video: loads ``pipeline`` unless given, warms up, generates and
   exports. The paths of the videos written. ``generate_wan.run``'s signature (a VACE config
-  reaches it from there, :func:`hooks_entry.vace_to_our_main`); ``commit_hash`` is logged."""
+  reaches it from there, :func:`vace_to_our_main`); ``commit_hash`` is logged."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion import aot_cache, max_logging, max_utils
   # pylint: enable=import-outside-toplevel
@@ -172,3 +173,22 @@ def main(argv: Sequence[str]) -> None:
     pass
   max_utils.ensure_machinelearning_job_runs(pyconfig.config)
   run(pyconfig.config)
+
+
+def vace_to_our_main(original: Callable[..., Any]) -> Callable[..., Any]:
+  """``generate_wan.run`` for a Wan VACE config (one holding ``vace_reference_images``, which
+  only our VACE config has): MaxDiffusion's Wan main would load the VACE checkpoint into Wan's
+  pipeline and drop its conditions, so the run goes to our VACE main
+  (:func:`run`), said in the log. That is how a patched ``python -m
+  maxdiffusion.generate configs/wan_vace_svg.yml`` generates VACE."""
+
+  @functools.wraps(original)
+  def wrapper(config, *args, **kwargs):
+    if video_model(config.get_keys()) is not WAN_VACE:
+      return original(config, *args, **kwargs)
+    from maxdiffusion import max_logging  # pylint: disable=import-outside-toplevel
+    max_logging.log(f"maxdiffusion_svg: a Wan VACE config (it holds {VACE_REFERENCES}): "
+                    f"generate_wan runs no VACE, so maxdiffusion_svg.plugin.generate_vace runs it")
+    return run(config, *args, **kwargs)
+
+  return wrapper

@@ -21,8 +21,8 @@ import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from maxdiffusion_svg import video_metrics
-from maxdiffusion_svg.video_models import LTX2, WAN, WAN_ANIMATE, WAN_VACE, VideoModel
+from maxdiffusion_svg.measure import video_metrics
+from maxdiffusion_svg.plugin.video_models import LTX2, WAN, WAN_ANIMATE, WAN_VACE, VideoModel
 
 BeforeCall = Callable[[Any], None]
 OnStep = Callable[[], None]

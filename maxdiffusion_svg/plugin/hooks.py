@@ -3,7 +3,7 @@
 A registered attention kernel receives ``(q, k, v, context)`` and nothing about the video.
 SVG also needs the token grid, the denoising step, the layer and the Wan 2.2 expert. The
 hooks below supply them, each a wrapper around one MaxDiffusion function, installed once
-by :func:`install` (MaxDiffusion's files are not modified):
+by :func:`installer.install` (MaxDiffusion's files are not modified):
 
 * ``create_sharded_logical_transformer`` (``wan_pipeline``): reads the ``svg_*`` keys of
   the global config (errors before weights load), then :func:`prepare_transformer` the
@@ -24,7 +24,8 @@ by :func:`install` (MaxDiffusion's files are not modified):
   context shards against heads), after ``jax.distributed`` starts and before weights load; a
   Wan VACE config goes on to our VACE main (these two: :mod:`hooks_entry`).
 * the same for Wan VACE and Wan Animate (their own model calls and factories;
-  :mod:`hooks_wan_variants`) and for LTX-2 (:mod:`hooks_ltx2`).
+  :func:`animate_pipeline_call`) and for LTX-2 (:mod:`hooks_ltx2`); which family a model is
+  and where its self-attention ops sit: :mod:`families`.
 
 Values cross from a hook to the kernel through context variables, set only while the
 wrapped call runs (its trace, for jitted code). A model with semantic warm starts also holds
@@ -44,12 +45,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxdiffusion_svg.budgets import check_layer_count
-from maxdiffusion_svg.head_budgets import check_head_shape
-from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.video_models import WAN
-from maxdiffusion_svg.plugin import (contract, hooks_entry, hooks_ltx2, hooks_wan_variants,
-                                     run_summary, semantic_store)
+from maxdiffusion_svg.budgets.per_layer import check_layer_count
+from maxdiffusion_svg.budgets.per_head import check_head_shape
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plugin.video_models import WAN
+from maxdiffusion_svg.plugin import contract, families, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
@@ -90,7 +90,7 @@ class ModelCall:
 
 _MODEL_CALL: contextvars.ContextVar[ModelCall | None] = contextvars.ContextVar(
     "svg_model_call", default=None)
-_ATTENTION_OP: contextvars.ContextVar[Any] = contextvars.ContextVar("svg_attention_op",
+ATTENTION_OP: contextvars.ContextVar[Any] = contextvars.ContextVar("svg_attention_op",
                                                                     default=None)
 _PIPELINE: contextvars.ContextVar[Any] = contextvars.ContextVar("svg_pipeline", default=None)
 
@@ -110,7 +110,7 @@ def model_call(call: ModelCall) -> Iterator[None]:
 
 
 def current_attention_op() -> Any:
-  return _ATTENTION_OP.get()
+  return ATTENTION_OP.get()
 
 
 def layer_index(op: Any) -> jax.Array | None:
@@ -120,34 +120,6 @@ def layer_index(op: Any) -> jax.Array | None:
 
 
 # ---------------------------------------------------------------- preparing a transformer
-
-
-# The kernel tells self-attention from cross-attention by this name, which WanModel gives
-# its blocks' attn1 ops.
-SELF_ATTENTION_CHECKPOINT_NAME = "self_attn"
-
-
-def _self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
-  """(op, layer) for every video self-attention op; layer None for the stacked scanned op."""
-  if hooks_ltx2.is_ltx2(model):
-    yield from hooks_ltx2.self_attention_ops(model)
-    return
-  contract.require_attributes(model, type(model).__name__, ("scan_layers", "blocks", "num_layers"),
-                              "the svg kernel tags each block's self-attention with its layer")
-  blocks = [(model.blocks, None)] if model.scan_layers else [
-      (block, i) for i, block in enumerate(model.blocks)]
-  for block, layer in blocks:
-    attn = getattr(block, "attn1", None)
-    op = getattr(attn, "attention_op", None)
-    name = getattr(op, "residual_checkpoint_name", None)
-    if name != SELF_ATTENTION_CHECKPOINT_NAME:
-      raise contract.MaxDiffusionDrift(
-          f"MaxDiffusion drift: {type(model).__name__}'s blocks should hold self-attention as "
-          f"attn1.attention_op with residual_checkpoint_name {SELF_ATTENTION_CHECKPOINT_NAME!r} "
-          f"(how the svg kernel tells it from cross-attention), found "
-          f"{type(op).__name__ if op is not None else 'no attn1.attention_op'} with {name!r}; "
-          f"maxdiffusion_svg is tested with MaxDiffusion {contract.TESTED_COMMIT}.")
-    yield op, layer
 
 
 def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None = None,
@@ -165,7 +137,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   if not isinstance(settings, PluginSettings):
     raise ValueError(f"settings must be PluginSettings, got {type(settings).__name__}")
   settings.svg.density_for(expert)  # validates the expert
-  ops = list(_self_attention_ops(model))  # checks the model's layout before changing it
+  ops = list(families.self_attention_ops(model))  # checks the model's layout before changing it
   check_layer_count(settings.svg.layer_densities_for(expert), model.num_layers,
                     settings.svg.layer_key("densities", expert))
   check_layer_count(settings.svg.layer_compensation_for(expert), model.num_layers,
@@ -176,8 +148,8 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
                      settings.svg.head_key(expert))
   model.svg_settings = settings
   model.svg_expert = expert
-  model.svg_video_model = hooks_wan_variants.family(model)  # its pixel-to-grid map, what runs dense by design
-  for op, kind in hooks_wan_variants.dense_by_design_ops(model):
+  model.svg_video_model = families.family(model)  # its pixel-to-grid map, what runs dense by design
+  for op, kind in families.dense_by_design_ops(model):
     op.svg_dense_by_design = kind  # static: the kernel runs it dense and counts it as `kind`
   for op, layer in ops:
     index = jnp.arange(model.num_layers, dtype=jnp.int32) if layer is None else jnp.int32(layer)
@@ -243,7 +215,7 @@ def call_of(model: Any, grid: VideoGrid, timestep: Any) -> ModelCall:
                    semantic_store.refs(model) if step is not None else None)
 
 
-def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
+def model_call_hook(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
   def wrapper(self, hidden_states, timestep, *args, **kwargs):
@@ -259,7 +231,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
 _Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def _binding_self(var: contextvars.ContextVar[Any]) -> _Wrapper:
+def binding_self(var: contextvars.ContextVar[Any]) -> _Wrapper:
   """Wraps a method so that ``var`` holds its ``self`` while it runs."""
 
   def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -277,9 +249,9 @@ def _binding_self(var: contextvars.ContextVar[Any]) -> _Wrapper:
   return make
 
 
-def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
+def pipeline_call_hook(original: Callable[..., Any]) -> Callable[..., Any]:
   """Binds the pipeline for the scheduler hook, and logs the run summary after each call."""
-  bound = _binding_self(_PIPELINE)(original)
+  bound = binding_self(_PIPELINE)(original)
 
   @functools.wraps(original)
   def wrapper(self, *args, **kwargs):
@@ -296,7 +268,7 @@ def _pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
+def create_transformer_hook(original: Callable[..., Any]) -> Callable[..., Any]:
   signature = inspect.signature(original)  # each factory's own default subfolder
 
   @functools.wraps(original)
@@ -312,7 +284,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
     if settings is not None:
       # Wan 2.2's two experts (Animate, also model_name wan2.2, has one transformer)
       expert = (EXPERT_OF_SUBFOLDER.get(subfolder)
-                if config.model_name == "wan2.2" and hooks_wan_variants.family(model) is WAN else None)
+                if config.model_name == "wan2.2" and families.family(model) is WAN else None)
       aot = bool(getattr(config, "aot_cache_dir", ""))
       prepare_transformer(model, settings, expert, mesh, warm_start=not aot)
       if settings.run_summary and aot:
@@ -336,7 +308,7 @@ def _create_transformer(original: Callable[..., Any]) -> Callable[..., Any]:
 def _ring(config: Any, mesh: Any) -> tuple[int, int]:
   """``(ulysses shards, ring shards)`` of self-attention on ``mesh``, for the settings line;
   (0, 1) where there is no ring or the split is invalid (the kernel's check names that)."""
-  from maxdiffusion_svg.ring_plan import asks_for_ring  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.ring_plan import asks_for_ring  # pylint: disable=import-outside-toplevel
   if mesh is None:
     return 0, 1
   ulysses, context = config.get_keys().get("ulysses_shards", -1), dict(mesh.shape).get("context", 1)
@@ -345,7 +317,7 @@ def _ring(config: Any, mesh: Any) -> tuple[int, int]:
   return ulysses, context // ulysses
 
 
-def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
+def set_timesteps_hook(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
   def wrapper(self, *args, **kwargs):
@@ -362,7 +334,7 @@ def _set_timesteps(original: Callable[..., Any]) -> Callable[..., Any]:
   return wrapper
 
 
-def _wrap(owner: Any, name: str, make: _Wrapper) -> None:
+def wrap_once(owner: Any, name: str, make: _Wrapper) -> None:
   """Replaces ``owner.name`` with ``make(original)`` once (re-installing is a no-op)."""
   original = getattr(owner, name)
   if getattr(original, "_svg_hook", False):
@@ -372,40 +344,22 @@ def _wrap(owner: Any, name: str, make: _Wrapper) -> None:
   setattr(owner, name, wrapped)
 
 
-def _all_subclasses(cls: type) -> Iterator[type]:
-  for sub in cls.__subclasses__():
-    yield sub
-    yield from _all_subclasses(sub)
+def animate_pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
+  """Wan Animate splits its transformer before its segments set their timesteps (each segment
+  restarts the same schedule): the run's schedule is written first, from the same scheduler and
+  step count, so the split state carries it (the pipeline hook then logs the summary)."""
+  logged = pipeline_call_hook(original)
+  steps_default = inspect.signature(original).parameters["num_inference_steps"].default
 
+  @functools.wraps(original)
+  def wrapper(self, *args, **kwargs):
+    models = prepared_transformers(self)
+    if models:
+      steps = kwargs.get("num_inference_steps", steps_default)
+      state = self.scheduler.set_timesteps(self.scheduler_state, num_inference_steps=steps,
+                                           shape=(1,))
+      for model in models:
+        set_denoising_schedule(model, state.timesteps)
+    return logged(self, *args, **kwargs)
 
-def install() -> None:
-  """Installs every hook (idempotent). Imports MaxDiffusion's Wan and LTX-2 modules."""
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion import aot_cache, generate_wan, generate_wan_animate
-  from maxdiffusion.models import attention_flax
-  from maxdiffusion.models.wan.transformers import (transformer_wan, transformer_wan_animate,
-                                                    transformer_wan_vace)
-  from maxdiffusion.pipelines.wan import (wan_pipeline, wan_pipeline_2_1, wan_pipeline_2_2,  # noqa: F401
-                                          wan_pipeline_animate, wan_pipeline_i2v_2p1,
-                                          wan_pipeline_i2v_2p2, wan_vace_pipeline_2_1)
-  from maxdiffusion.schedulers import scheduling_unipc_multistep_flax
-  # pylint: enable=import-outside-toplevel
-  contract.check()  # before wrapping anything: a drifted MaxDiffusion fails here, named
-  _wrap(transformer_wan.WanModel, "__call__", _model_call)
-  _wrap(attention_flax.NNXAttentionOp, "apply_attention", _binding_self(_ATTENTION_OP))
-  _wrap(wan_pipeline, "create_sharded_logical_transformer", _create_transformer)
-  _wrap(transformer_wan_vace.WanVACEModel, "__call__", _model_call)  # overrides WanModel's
-  _wrap(wan_vace_pipeline_2_1, "create_sharded_logical_transformer", _create_transformer)
-  _wrap(wan_pipeline_animate, "create_sharded_animate_transformer", _create_transformer)
-  _wrap(transformer_wan_animate.WanAnimateTransformer3DModel, "__call__", _model_call)
-  _wrap(wan_pipeline_animate.WanAnimatePipeline, "__call__", hooks_wan_variants.animate_pipeline_call)
-  for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
-    if "__call__" in vars(pipeline):
-      _wrap(pipeline, "__call__", _pipeline_call)
-  _wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
-        _set_timesteps)
-  _wrap(aot_cache, "install", hooks_entry.aot_install)
-  _wrap(generate_wan, "run",
-        lambda run: hooks_entry.vace_to_our_main(hooks_entry.preflight_run(run)))
-  _wrap(generate_wan_animate, "run", hooks_entry.preflight_run)
-  hooks_ltx2.install(_wrap)
+  return wrapper

@@ -1,4 +1,4 @@
-"""The hooks on MaxDiffusion's entry points, installed by :func:`hooks.install`: the job's checks
+"""The hooks on MaxDiffusion's entry points, installed by :func:`installer.install`: the job's checks
 (:mod:`preflight`) around each generate main's ``run`` before weights load, a Wan VACE config
 handed from ``generate_wan`` to our VACE main, and the SVG settings in the AOT cache's key
 (``aot_cache.install``)."""
@@ -14,7 +14,6 @@ import jax
 
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.video_models import VACE_REFERENCES, WAN_VACE, video_model
 
 
 def aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -72,28 +71,5 @@ def preflight_run(original: Callable[..., Any]) -> Callable[..., Any]:
       svg = PluginSettings.from_mapping(config.get_keys()).svg
       preflight.check_job(job_of(config, svg.backend, svg.layouts, svg.dense_frames), os.environ)
     return original(config, *args, **kwargs)
-
-  return wrapper
-
-
-def vace_to_our_main(original: Callable[..., Any]) -> Callable[..., Any]:
-  """``generate_wan.run`` for a Wan VACE config (one holding ``vace_reference_images``, which
-  only our VACE config has): MaxDiffusion's Wan main would load the VACE checkpoint into Wan's
-  pipeline and drop its conditions, so the run goes to our VACE main
-  (:mod:`generate_vace`), said in the log. That is how a patched ``python -m
-  maxdiffusion.generate configs/wan_vace_svg.yml`` generates VACE."""
-
-  @functools.wraps(original)
-  def wrapper(config, *args, **kwargs):
-    if video_model(config.get_keys()) is not WAN_VACE:
-      return original(config, *args, **kwargs)
-    # pylint: disable=import-outside-toplevel
-    from maxdiffusion import max_logging
-
-    from maxdiffusion_svg.plugin import generate_vace
-    # pylint: enable=import-outside-toplevel
-    max_logging.log(f"maxdiffusion_svg: a Wan VACE config (it holds {VACE_REFERENCES}): "
-                    f"generate_wan runs no VACE, so maxdiffusion_svg.plugin.generate_vace runs it")
-    return generate_vace.run(config, *args, **kwargs)
 
   return wrapper

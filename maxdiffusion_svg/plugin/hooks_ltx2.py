@@ -21,37 +21,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.plugin import contract
-
-LTX2_MODEL = "LTX2VideoTransformer3DModel"
-
-
-def is_ltx2(model: Any) -> bool:
-  """An LTX-2 transformer (MaxDiffusion's ``LTX2VideoTransformer3DModel`` or a subclass)."""
-  return any(cls.__name__ == LTX2_MODEL for cls in type(model).__mro__)
-
-
-def self_attention_ops(model: Any) -> Iterator[tuple[Any, int | None]]:
-  """(op, layer) of each block's video self-attention ``attn1``; layer None for the stacked
-  op of ``scan_layers``."""
-  contract.require_attributes(model, LTX2_MODEL, ("scan_layers", "transformer_blocks",
-                                                  "num_layers"),
-                              "the svg kernel tags each block's video self-attention")
-  blocks = [(model.transformer_blocks, None)] if model.scan_layers else [
-      (block, i) for i, block in enumerate(model.transformer_blocks)]
-  for block, layer in blocks:
-    op = getattr(getattr(block, "attn1", None), "attention_op", None)
-    if op is None or not hasattr(op, "apply_attention") or not hasattr(op, "heads"):
-      raise contract.MaxDiffusionDrift(
-          f"MaxDiffusion drift: {LTX2_MODEL}'s transformer_blocks should hold video "
-          f"self-attention as attn1.attention_op (an NNXAttentionOp), found "
-          f"{type(op).__name__ if op is not None else 'no attn1.attention_op'}; "
-          f"maxdiffusion_svg is tested with MaxDiffusion {contract.TESTED_COMMIT}.")
-    yield op, layer
-
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plugin import hooks, hooks_entry
+from maxdiffusion_svg.plugin.families import LTX2_MODEL
 
 def _grid(model: Any, frames: Any, height: Any, width: Any) -> VideoGrid:
   """The packed video's grid from the call's latent sizes, which must be static ints."""
@@ -68,7 +42,6 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(original)
   def wrapper(self, *args, **kwargs):
-    from maxdiffusion_svg.plugin import hooks  # pylint: disable=import-outside-toplevel
     if not hooks.is_prepared(self):
       return original(self, *args, **kwargs)
     bound = signature.bind(self, *args, **kwargs).arguments
@@ -80,7 +53,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
-  """Installs LTX-2's hooks with :func:`hooks._wrap` (idempotent)."""
+  """Installs LTX-2's hooks with :func:`hooks.wrap_once` (idempotent)."""
   # pylint: disable=import-outside-toplevel
   # MaxDiffusion's LTX-2 modules import TensorFlow before transformers imports Triton, whose
   # library then crashes the process as it loads (TensorFlow 2.21 with Triton 3.x, where torch
@@ -92,12 +65,11 @@ def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   from maxdiffusion.pipelines.ltx2 import ltx2_pipeline
   from maxdiffusion.schedulers import scheduling_flow_match_flax
 
-  from maxdiffusion_svg.plugin import hooks, hooks_entry
   # pylint: enable=import-outside-toplevel
   wrap(transformer_ltx2.LTX2VideoTransformer3DModel, "__call__", _model_call)
   wrap(ltx2_pipeline, "create_sharded_logical_transformer",
-       hooks._create_transformer)  # pylint: disable=protected-access
-  wrap(ltx2_pipeline.LTX2Pipeline, "__call__", hooks._pipeline_call)  # pylint: disable=protected-access
+       hooks.create_transformer_hook)
+  wrap(ltx2_pipeline.LTX2Pipeline, "__call__", hooks.pipeline_call_hook)
   wrap(scheduling_flow_match_flax.FlaxFlowMatchScheduler, "set_timesteps_ltx2",
-       hooks._set_timesteps)  # pylint: disable=protected-access
+       hooks.set_timesteps_hook)
   wrap(generate_ltx2, "run", hooks_entry.preflight_run)

@@ -23,11 +23,11 @@ import sys
 import tempfile
 from typing import Any, Mapping, Sequence
 
-from maxdiffusion_svg.brokenpipe import quiet_on_broken_pipe
+from maxdiffusion_svg.plugin.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
-from maxdiffusion_svg.video_models import LTX2, WAN, WAN_VACE, video_model
+from maxdiffusion_svg.plugin.video_models import LTX2, WAN, WAN_VACE, video_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ weights load.
 Every process of a multi-host job runs the same checks on the same inputs, so a bad job
 fails in every process at once with the same message, and no process is left waiting in a
 collective for a peer that already exited. Nothing here imports MaxDiffusion: the hook that
-calls :func:`check_job` (``hooks._preflight``) reads the values from MaxDiffusion's config.
+calls :func:`check_job` (``hooks_entry.preflight_run``) reads the values from MaxDiffusion's config.
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ def check_processes(job: Job, env: Mapping[str, str]) -> None:
 def check_heads(job: Job) -> tuple[int, int]:
   """The head exchange gives each device of a Ulysses group ``heads / ulysses_shards`` heads;
   unset, the group is the whole context axis. Returns ``(ulysses, ring)``
-  (:func:`maxdiffusion_svg.ring_plan.check_ulysses_shards`, as the kernel splits the axis)."""
+  (:func:`maxdiffusion_svg.parallel.ring_plan.check_ulysses_shards`, as the kernel splits the axis)."""
   # Imported here: ring_plan brings JAX, which the launcher's --help must not load.
-  from maxdiffusion_svg.ring_plan import (asks_for_ring, check_ulysses_shards,  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.ring_plan import (asks_for_ring, check_ulysses_shards,  # pylint: disable=import-outside-toplevel
                                           working_ulysses_shards)
   context, heads = job.context_shards, job.heads
   if heads % context and not asks_for_ring(job.ulysses_shards, context):
@@ -193,14 +193,14 @@ def check_backend_on_ring(backend: str, ulysses: int, ring: int) -> None:
 
 def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> None:
   """The run's refusal of ``svg_dense_frames`` on a ring, before weights load."""
-  from maxdiffusion_svg.ring_plan import check_dense_frames_on_ring as check  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.parallel.ring_plan import check_dense_frames_on_ring as check  # pylint: disable=import-outside-toplevel
   check(dense_frames, ulysses, ring)
 
 
 def check_layouts_on_ring(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
   """A ring leaves semantic out of the layouts (refused where nothing is left): the note the
   run logs, or ""."""
-  from maxdiffusion_svg.layouts import ring_note  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.routing.layouts import ring_note  # pylint: disable=import-outside-toplevel
   return ring_note(tuple(layouts), ulysses, ring)
 
 

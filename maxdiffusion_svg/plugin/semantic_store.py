@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.semantic import Seed
+from maxdiffusion_svg.routing.semantic import Seed
 
 NO_WARM_START_WITH_AOT = ("warm start off: aot_cache_dir is set (MaxDiffusion's AOT cache cannot "
                           "hold the mutable arrays that carry the centroids), every step clusters "

@@ -3,7 +3,7 @@
 MaxDiffusion's ``VaceWanPipeline2_1`` takes reference images, a control video and its mask;
 it has no generate main, so no config key names them. Ours (:mod:`generate_vace`) reads these
 keys, which only a VACE generation config holds (``configs/wan_vace_svg.yml``; their presence
-is what makes a Wan config a VACE one, :func:`maxdiffusion_svg.video_models.video_model`):
+is what makes a Wan config a VACE one, :func:`maxdiffusion_svg.plugin.video_models.video_model`):
 
 - ``vace_reference_images``: image paths or URLs, each one more latent frame in front of the
   video (the first is the first-frame sink);
@@ -23,7 +23,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from maxdiffusion_svg.video_models import VACE_REFERENCES
+from maxdiffusion_svg.plugin.video_models import VACE_REFERENCES
 
 DEFAULTS: dict[str, Any] = {VACE_REFERENCES: [], "vace_video": "", "vace_mask": "",
                             "vace_conditioning_scale": 1.0}

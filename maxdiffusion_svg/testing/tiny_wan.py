@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from maxdiffusion import max_utils, pyconfig
 from maxdiffusion.pipelines.wan import wan_pipeline
 
-from maxdiffusion_svg.bench.wan_aot import config_loader  # also the other tiny models'
+from maxdiffusion_svg.testing.stand_ins import config_loader  # also the other tiny models'
+
 
 HEADS = 8
 HEAD_DIM = 32

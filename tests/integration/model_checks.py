@@ -10,8 +10,8 @@ import numpy as np
 
 from maxdiffusion_svg import plugin
 
-from maxdiffusion_svg.attention import scheduled_svg_attention
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.call.attention import scheduled_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.testing import tiny_wan
 

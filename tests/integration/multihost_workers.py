@@ -1,4 +1,4 @@
-"""What each JAX process runs in the multi-host tests (maxdiffusion_svg.multiprocess).
+"""What each JAX process runs in the multi-host tests (maxdiffusion_svg.parallel.multiprocess).
 
 Each process gets its own copy of the checkpoint, as each host of a slice has its own disk:
 MaxDiffusion's ``load_config`` rewrites a component's ``config.json`` in place on every load, so

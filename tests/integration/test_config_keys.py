@@ -82,8 +82,8 @@ def test_the_estimate_runs_on_every_shipped_config(name):
   on the config's schedule."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.estimate import estimate_config
-  from maxdiffusion_svg.target import tpu_target
-  from maxdiffusion_svg.video_models import WAN, video_model
+  from maxdiffusion_svg.plan.target import tpu_target
+  from maxdiffusion_svg.plugin.video_models import WAN, video_model
   merged, _ = overlay.load_config(CONFIGS / name)
   svg = PluginSettings.from_mapping({**config_defaults(), **merged}).svg
   rows = estimate_config(merged, tpu_target("v6e"))["rows"]

@@ -11,7 +11,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.plugin import contract, hooks
+from maxdiffusion_svg.plugin import contract, hooks, installer
 
 
 def real(expected: contract.Expected):
@@ -43,7 +43,7 @@ def test_the_hooks_wrap_exactly_what_the_contract_names(monkeypatch):
   """Every function install() wraps has an expectation (subclasses' ``__call__`` under
   ``WanPipeline.__call__``'s), and every hook expectation is wrapped."""
   wrapped = []
-  original = hooks._wrap  # pylint: disable=protected-access
+  original = hooks.wrap_once
 
   def recording(owner, name, make):
     module = owner.__module__ if isinstance(owner, type) else owner.__name__
@@ -51,8 +51,8 @@ def test_the_hooks_wrap_exactly_what_the_contract_names(monkeypatch):
     wrapped.append((module, qualified, owner))
     original(owner, name, make)
 
-  monkeypatch.setattr(hooks, "_wrap", recording)
-  hooks.install()
+  monkeypatch.setattr(hooks, "wrap_once", recording)
+  installer.install()
   named = {(e.module, e.name) for e in contract.EXPECTED}
   pipeline = importlib.import_module(contract.WAN_PIPELINE).WanPipeline
   for module, qualified, owner in wrapped:

@@ -17,7 +17,7 @@ from maxdiffusion.models import attention_flax
 from maxdiffusion.pipelines.wan import wan_pipeline
 
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks
 from maxdiffusion_svg.testing import tiny_wan
 from maxdiffusion_svg.plugin.settings import PluginSettings

@@ -20,7 +20,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.multiprocess import ProcessesFailed, run_processes
+from maxdiffusion_svg.parallel.multiprocess import ProcessesFailed, run_processes
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 GKE = ROOT / "scripts" / "gke"

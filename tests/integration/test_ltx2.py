@@ -12,7 +12,7 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_ltx2
 from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
                           rel, summary_lines)

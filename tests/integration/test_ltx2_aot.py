@@ -14,7 +14,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.tpu_aot import libtpu_available
+from maxdiffusion_svg.tpu.aot import libtpu_available
 
 if not libtpu_available():
   pytest.skip("libtpu is not installed (pip install 'jax[tpu]'): nothing can compile for a TPU",

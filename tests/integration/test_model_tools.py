@@ -175,7 +175,7 @@ def test_the_shipped_config_generates_through_the_launcher(name, config, extra, 
   runs after the denoising loop (no attention of its own): the same calls, twice the pixels."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin import generations, launcher
-  from maxdiffusion_svg.video_models import LTX2, WAN_ANIMATE, WAN_VACE
+  from maxdiffusion_svg.plugin.video_models import LTX2, WAN_ANIMATE, WAN_VACE
   # pylint: enable=import-outside-toplevel
   tiny, run_config, segments, shape = MODELS[name](tmp_path)
   keys = yaml.safe_load(pathlib.Path(run_config).read_text(encoding="utf-8"))

@@ -22,7 +22,7 @@ from md_required import require_maxdiffusion
 require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
-from maxdiffusion_svg.multiprocess import run_processes
+from maxdiffusion_svg.parallel.multiprocess import run_processes
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 TINY = ["height=128", "width=128", "num_frames=33", "num_inference_steps=3",

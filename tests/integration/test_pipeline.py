@@ -10,8 +10,8 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.attention import dense_tiled_attention, scheduled_svg_attention
-from maxdiffusion_svg.geometry import VideoGrid
+from maxdiffusion_svg.call.attention import dense_tiled_attention, scheduled_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_wan
 
 GRID = VideoGrid(9, 8, 8)  # tiny_wan.VIDEO's latent, patchified

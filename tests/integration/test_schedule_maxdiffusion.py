@@ -10,7 +10,7 @@ require_maxdiffusion()
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg.bench.schedule import (MAXDIFFUSION_VMEM_KIB, maxdiffusion_v6e_blocks,
                                              ScheduleCase, run_case)
-from maxdiffusion_svg.tpu_aot import libtpu_available
+from maxdiffusion_svg.tpu.aot import libtpu_available
 
 
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")

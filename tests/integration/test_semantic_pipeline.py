@@ -13,9 +13,9 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.attention import scheduled_svg_attention
-from maxdiffusion_svg.geometry import VideoGrid
-from maxdiffusion_svg.semantic import Seed
+from maxdiffusion_svg.call.attention import scheduled_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.routing.semantic import Seed
 from maxdiffusion_svg.testing import tiny_wan
 
 GRID = VideoGrid(9, 8, 8)  # tiny_wan.VIDEO's latent, patchified

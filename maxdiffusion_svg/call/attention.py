@@ -1,0 +1,393 @@
+"""``svg_attention``: route -> place -> sparse kernel -> restore, on one device's heads.
+
+Every decision a call makes before it sees data (target, executor, tiles, plans, compensation)
+is made once, in :func:`maxdiffusion_svg.call.prepared.prepare`; this module only runs the data
+path. Temporal heads are moved to temporal-major order, where their mask is the same band +
+sink as a spatial head's, so one TilePlan serves every head of the call. Placement is a
+per-head select between the two orders: shapes never depend on the routing flags, so
+re-routing never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from maxdiffusion_svg.budgets.per_layer import levels
+from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
+                                           table_row_keys)
+from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
+from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
+from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
+from maxdiffusion_svg.routing.router import Routing, layout_centroids, profile_heads
+from maxdiffusion_svg.routing.semantic import Seed, SemanticLayout, gather_tokens, semantic_layout, visited_table
+from maxdiffusion_svg.plan.target import Target, target_for_call
+from maxdiffusion_svg.plan.tiles import TilePlan
+
+
+def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
+  """``[B, H, S, D]``: heads flagged temporal go to temporal-major order, the rest stay."""
+  return jnp.where(temporal[:, :, None, None], to_temporal_major(x, grid), x)
+
+
+def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
+  """Inverse of :func:`place`."""
+  return jnp.where(temporal[:, :, None, None], to_frame_major(x, grid), x)
+
+
+def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array, *,
+                     grid: VideoGrid, plan: TilePlan, scale: float | None = None,
+                     backend: str = "auto", block_kv_compute: int | None = None,
+                     target: Target | None = None, compensation_blocks: int = 0,
+                     cents: dict[Layout, Centroids] | None = None,
+                     semantic: SemanticLayout | None = None) -> jax.Array:
+  """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
+  ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
+  the placed layout (:mod:`maxdiffusion_svg.routing.compensation`; ``cents``: each layout's centroids,
+  where the router has them, else computed from the placed keys). With ``semantic`` (each
+  head's semantic order and table), ``temporal`` holds layout ids instead (``int32 [B, H]``,
+  :data:`maxdiffusion_svg.routing.layouts.LAYOUTS`): see :func:`semantic_placed_attention`.
+  ``backend``, ``block_kv_compute`` and ``target`` make the kernel
+  (:func:`maxdiffusion_svg.kernels.api.prepare_kernel`)."""
+  kernel = prepare_kernel(plan, target_for_call(q, k, v, target=target), backend=backend,
+                          block_kv_compute=block_kv_compute)
+  return _placed(kernel, q, k, v, temporal, grid, scale, compensation_blocks, cents, semantic)
+
+
+def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array,
+            grid: VideoGrid, scale: float | None, compensation_blocks: int,
+            cents: dict[Layout, Centroids] | None,
+            semantic: SemanticLayout | None, heads: HeadTables | None = None) -> jax.Array:
+  """:func:`placed_attention` on a prepared kernel (its plan's tiles); with ``heads``, each
+  head on its own tables (a per-head budget, on the kernel's carrier plan)."""
+  if semantic is not None:
+    return _semantic_placed(kernel, q, k, v, temporal, semantic, grid, scale,
+                            compensation_blocks, cents)
+  placed = [place(x, temporal, grid) for x in (q, k, v)]
+  if heads is not None:  # the band in each head's placed order: its tables need no routing
+    kwargs = {"head_tiles": heads.tables, "head_steps": heads.steps}
+    if compensation_blocks:  # each head's own skipped tiles, by its layout's centroids
+      plan = kernel.plan
+      head_cents = per_head(cents, temporal) if cents is not None else centroids(
+          placed[1], placed[2], block_kv=plan.block_kv, blocks=compensation_blocks,
+          seq_len=plan.seq_len)
+      kwargs["row_keys"] = table_row_keys(head_cents, heads.visited, plan, compensation_blocks,
+                                          q.dtype, heads.fewest_visited)
+    out = kernel(*placed, scale=scale, **kwargs)
+  elif compensation_blocks:
+    out = compensated_call(kernel, *placed, blocks=compensation_blocks, scale=scale,
+                           cents=None if cents is None else per_head(cents, temporal))
+  else:
+    out = kernel(*placed, scale=scale)
+  return restore(out, temporal, grid)
+
+
+def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array,
+                              semantic: SemanticLayout, *, grid: VideoGrid, plan: TilePlan,
+                              scale: float | None = None, backend: str = "auto",
+                              block_kv_compute: int | None = None, target: Target | None = None,
+                              compensation_blocks: int = 0,
+                              cents: dict[Layout, Centroids] | None = None) -> jax.Array:
+  """SVG after routing among three layouts (``layout [B, H]`` ids): each head is placed by its
+  layout's order (one gather per input: identity, temporal-major, or its clusters'), its
+  kernel walks its layout's table (the shared plan's, or its own), and the output goes back
+  by the inverse order. With ``compensation_blocks`` each head's skipped tiles are compensated
+  by its layout's centroids."""
+  return placed_attention(q, k, v, layout, grid=grid, plan=plan, scale=scale, backend=backend,
+                          block_kv_compute=block_kv_compute, target=target,
+                          compensation_blocks=compensation_blocks, cents=cents,
+                          semantic=semantic)
+
+
+def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array,
+                     layout: jax.Array, semantic: SemanticLayout, grid: VideoGrid,
+                     scale: float | None, compensation_blocks: int,
+                     cents: dict[Layout, Centroids] | None) -> jax.Array:
+  """:func:`semantic_placed_attention` on a prepared kernel."""
+  plan = kernel.plan
+  semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
+  temporal = layout == LAYOUTS.index(TEMPORAL)
+  # Semantic heads by their groups' order (a gather of whole groups), the rest as before.
+  # (Gathering every head after the band's placement instead: 0.44 GiB more temporaries.)
+  placed = lambda x, perm: jnp.where(semantic_head, gather_tokens(x, perm), place(x, temporal, grid))
+  tables = jnp.where(semantic_head, semantic.kv_index, jnp.asarray(plan.kv_index))
+  # One input at a time: each gather's copy is dead before the next is made.
+  qp = placed(q, semantic.q_perm)
+  qp, k = jax.lax.optimization_barrier((qp, k))
+  kp = placed(k, semantic.k_perm)
+  kp, v = jax.lax.optimization_barrier((kp, v))
+  vp = placed(v, semantic.k_perm)
+  kwargs = {"head_tiles": tables}
+  if compensation_blocks:
+    static = per_head(cents, temporal) if cents is not None else centroids(
+        kp, vp, block_kv=plan.block_kv, blocks=compensation_blocks, seq_len=plan.seq_len)
+    pick = lambda a, b: jnp.where(semantic_head, a, b)
+    head_cents = Centroids(pick(semantic.cents.k, static.k), pick(semantic.cents.v, static.v),
+                           static.log_count)
+    kwargs["row_keys"] = table_row_keys(head_cents, visited_table(tables, plan), plan,
+                                        compensation_blocks, q.dtype)
+  out = kernel(qp, kp, vp, scale=scale, **kwargs)
+  return jnp.where(semantic_head, gather_tokens(out, semantic.q_pos), restore(out, temporal, grid))
+
+
+def with_dense_rows(branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
+                    scale: float | None) -> jax.Array:
+  """``out`` (frame-major) with the leading frames' rows (``svg_dense_frames``) replaced by
+  their dense attention over every key: one more call, of those rows only, whatever layout each
+  head ran in (a temporal head's reference rows are scattered across its placed sequence)."""
+  kernel = branch.rows_kernel
+  if kernel is None:
+    return out
+  if branch.backend == "splash" and q.shape[-1] % 128:  # refused alike wherever it runs
+    raise ValueError(f"svg_dense_frames with svg_backend splash runs the dense rows on our kernel, "
+                     f"which needs head_dim a multiple of 128, got {q.shape[-1]}: set svg_backend "
+                     f"to xla, or svg_dense_frames to 0")
+  rows = kernel.plan.q_len
+  dense = kernel(q[:, :, :rows], k, v, scale=scale)
+  return jax.lax.dynamic_update_slice_in_dim(out, dense.astype(out.dtype), 0, axis=2)
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None:
+  """Frame-major ``[B, H, S, D]`` inputs with ``S`` equal to the grid's token count."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4 or x.shape[2] != grid.tokens:
+      raise ValueError(f"{name} must be [B, H, S, D] with S = grid.tokens = {grid.tokens} "
+                       f"(grid {grid}), got shape {tuple(x.shape)}")
+
+
+def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
+                key: jax.Array | None = None) -> jax.Array:
+  """The router's key: ``key`` (default: the config's seed) folded with the layer and step,
+  so runs are reproducible and each step and layer samples its own rows."""
+  key = jax.random.key(config.profile_seed) if key is None else key
+  for index in (layer, step):
+    if index is not None:
+      key = jax.random.fold_in(key, index)
+  return key
+
+
+class HeadTables(NamedTuple):
+  """A per-head budget's call on one device: its heads' tables (``int32 [B, H, q_tiles,
+  width]``), which key tiles they visit (the router's masks, compensation's skipped tiles), the
+  ragged grid's length and the fewest tiles any head's row visits."""
+
+  tables: jax.Array
+  visited: jax.Array
+  steps: int
+  fewest_visited: int
+
+
+def all_heads(call: PreparedCall, shape: tuple[int, ...]) -> jax.Array:
+  """``int32 [B, H]``: every head of the model, in order, for a call on all of them under a
+  per-head budget (whose head count must be the call's)."""
+  listed = call.host.heads.heads
+  if shape[1] != listed:
+    raise ValueError(f"{call.config.head_key(call.expert)} lists {listed} heads; the call has "
+                     f"{shape[1]}")
+  return jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape[:2])
+
+
+def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], layer: Any,
+                head_ids: jax.Array | None) -> HeadTables | None:
+  """The tables of the heads a call holds (``head_ids [B, H]``: which of the model's heads,
+  default all of them in order) in ``layer``, or None without a per-head budget."""
+  heads = branch.heads
+  if heads is None:
+    return None
+  key = call.config.head_key(call.expert)
+  head_ids = all_heads(call, shape) if head_ids is None else head_ids
+  if heads.layers > 1:
+    if layer is None:
+      raise ValueError(f"{key} gives {heads.layers} layers: the call needs its layer index")
+    if isinstance(layer, int) and not 0 <= layer < heads.layers:
+      raise ValueError(f"{key} gives {heads.layers} layers; the call's layer is {layer}")
+  return HeadTables(heads.tables_for(head_ids, layer), heads.visited_for(head_ids, layer),
+                    heads.steps_bound(*shape[:2]), heads.fewest_visited)
+
+
+def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array,
+          key: jax.Array, scale: float | None, seed: Seed | None,
+          heads: HeadTables | None = None
+          ) -> tuple[Routing, dict[Layout, Centroids] | None, SemanticLayout | None]:
+  """Each head's layout, judged on the mask ``branch``'s kernel will run (with ``heads``, each
+  head's own): the routing, each layout's centroids (with compensation: the router judges with
+  them, the kernel merges them) and the semantic candidate's order and table (where semantic
+  is among the layouts)."""
+  plan, blocks = branch.plan, branch.compensation_blocks
+  cents = ({layout: layout_centroids(k, v, call.grid, layout, plan, blocks) for layout in Layout}
+           if blocks else None)
+  semantic = (None if call.semantic is None
+              else semantic_layout(q, k, v, plan, call.semantic, scale, call.semantic_group, seed))
+  routing = profile_heads(q, k, v, grid=call.grid, config=call.router, key=key, scale=scale,
+                          plan=plan, compensation_blocks=blocks, cents=cents,
+                          layouts=call.config.layouts, semantic=semantic,
+                          head_visited=None if heads is None else heads.visited)
+  return routing, cents, semantic
+
+
+def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                           key: jax.Array | None = None, scale: float | None = None,
+                           return_info: bool = False, seed: Seed | None = None,
+                           layer: Any = None, head_ids: jax.Array | None = None) -> Any:
+  """:func:`svg_attention` of a prepared call: route -> place -> sparse kernel -> restore.
+  With a per-head budget (``svg_head_densities``), ``layer`` picks its layer's densities and
+  ``head_ids [B, H]`` names the model's heads the call holds (default: all, in order)."""
+  check_qkv(q, k, v, call.grid)
+  key = profile_key(call.config) if key is None else key
+  if seed is not None and call.semantic is None:
+    raise ValueError("a warm start (seed) is for calls with semantic among svg_layouts")
+
+  def build(branch: Branch) -> Callable[..., Any]:
+    heads = head_tables(call, branch, q.shape, layer, head_ids)
+
+    def run(q, k, v, key):
+      routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed, heads)
+      if semantic is not None:
+        # The route is decided before anything is placed: scheduled among the placed copies,
+        # the semantic estimate left them scattered (a v6e 720p semantic call took 1,651 MiB
+        # of temporaries where 1,384 hold the same work, svg's own 1,292). Not for the band
+        # layouts alone: there it kept the compensated call's centroids alive (the Wan 14B
+        # forward with compensation: 3,192 MiB with it, 2,873 without; the plain one 2,790).
+        routing, semantic, q, k, v = jax.lax.optimization_barrier((routing, semantic, q, k, v))
+      layout = routing.temporal if semantic is None else routing.layouts
+      out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,
+                    branch.compensation_blocks, cents, semantic, heads)
+      return with_dense_rows(branch, q, k, v, out, scale), routing, None if semantic is None else semantic.clusters
+    return run
+
+  out, routing, clusters = call.per_platform(build)(q, k, v, key)
+  if not return_info:
+    return out
+  plan = call.host.plan  # the plan the host's executor lowers (with auto off TPU, the XLA path's)
+  info = {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
+          "temporal_error": routing.temporal_error, "layout": routing.layouts,
+          # every layout runs the band's count per query tile row: what the kernel visits
+          "visited_tiles": _visited_tiles(call, q.shape, layer, head_ids),
+          "plan": plan.stats.as_dict()}
+  if routing.left_out is not None:
+    info["left_out"] = routing.left_out
+    info["clusters"] = clusters
+  return out, info
+
+
+def _visited_tiles(call: PreparedCall, shape: tuple[int, ...], layer: Any,
+                   head_ids: jax.Array | None) -> jax.Array:
+  """``int32 [B, H]``: the tiles each head's call visits (the host's plan, or its own, and the
+  dense rows' tiles)."""
+  host, heads = call.host, call.host.heads
+  rows = 0 if host.rows_plan is None else host.rows_plan.stats.visited_tiles
+  if heads is None:
+    return jnp.full(shape[:2], host.plan.stats.visited_tiles + rows, jnp.int32)
+  steps = jnp.asarray(heads.head_steps, jnp.int32)[
+      0 if layer is None or heads.layers == 1 else layer]
+  return jnp.take(steps, all_heads(call, shape) if head_ids is None else head_ids) + rows
+
+
+def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                  config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
+                  expert: str | None = None, return_info: bool = False,
+                  target: Target | None = None, seed: Seed | None = None) -> Any:
+  """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
+
+  ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
+  and its tiles. With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``,
+  the router's ``spatial_error``/``temporal_error``, and the shared plan's ``plan``
+  statistics (the target's plan); with semantic among the layouts, also ``clusters``, the
+  keys' k-means centroids ``[B, H, C, D]`` (the next step's ``seed``: a warm start).
+  Prepares the call (:func:`maxdiffusion_svg.call.prepared.prepare`) and runs
+  :func:`prepared_svg_attention`.
+  """
+  check_qkv(q, k, v, grid)
+  call = prepare(config, grid, expert, target=target, arrays=(q, k, v))
+  return prepared_svg_attention(call, q, k, v, key=key, scale=scale, return_info=return_info,
+                                seed=seed)
+
+
+def prepared_dense_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                             scale: float | None = None) -> jax.Array:
+  """Dense attention through the prepared call's executor (every tile full): the schedule's
+  dense branch."""
+  return call.per_platform(lambda branch: lambda q, k, v: branch.dense_kernel(
+      q, k, v, scale=scale))(q, k, v)
+
+
+def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                          config: SvgConfig, scale: float | None = None,
+                          target: Target | None = None) -> jax.Array:
+  """Dense attention through the same executor (every tile full): the schedule's dense branch."""
+  return prepared_dense_attention(prepare(config, grid, target=target, arrays=(q, k, v)),
+                                  q, k, v, scale=scale)
+
+
+def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                                 step: Any, layer: Any, scale: float | None = None,
+                                 key: jax.Array | None = None, return_layout: bool = False,
+                                 seed: Seed | None = None,
+                                 head_ids: jax.Array | None = None) -> Any:
+  """:func:`scheduled_svg_attention` of a prepared call (``head_ids``: which of the model's
+  heads the call holds, for a per-head budget; default all, in order)."""
+  check_qkv(q, k, v, call.grid)
+  config = call.config
+  active = config.schedule.is_active(step, layer)
+  key = profile_key(config, step, layer, key)
+  aux = return_layout or seed is not None
+
+  def sparse_at(rung: PreparedCall) -> Callable[..., Any]:
+    def sparse(q, k, v):
+      out, info = prepared_svg_attention(rung, q, k, v, key=key, scale=scale, return_info=True,
+                                         seed=seed, layer=layer, head_ids=head_ids)
+      extra = {"layout": info["layout"]}
+      if seed is not None:
+        extra["clusters"] = info["clusters"]
+      return (out, extra) if aux else out
+    return sparse
+
+  sparse = sparse_at(call)
+  per_layer = config.layer_rungs_for(call.expert)
+  if per_layer is not None:  # one prepared plan per distinct rung; the layer picks one
+    distinct, rung_of_layer = levels(per_layer)
+    rungs = [sparse_at(call.at_rung(rung)) for rung in distinct]
+    if isinstance(layer, int):
+      sparse = rungs[int(rung_of_layer[layer])]
+    elif len(rungs) == 1:
+      sparse = rungs[0]
+    else:
+      sparse = lambda q, k, v: jax.lax.switch(jnp.asarray(rung_of_layer)[layer], rungs, q, k, v)
+
+  def dense(q, k, v):
+    out = prepared_dense_attention(call, q, k, v, scale=scale)
+    extra = {"layout": jnp.zeros(q.shape[:2], jnp.int32)}
+    if seed is not None:
+      clusters = jnp.broadcast_to(seed.centroids.astype(jnp.float32),
+                                  q.shape[:2] + seed.centroids.shape[-2:])
+      extra["clusters"] = clusters
+    return (out, extra) if aux else out
+
+  if isinstance(active, bool):
+    return (sparse if active else dense)(q, k, v)
+  return jax.lax.cond(active, sparse, dense, q, k, v)
+
+
+def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
+                            config: SvgConfig, step: Any, layer: Any,
+                            scale: float | None = None, expert: str | None = None,
+                            key: jax.Array | None = None, target: Target | None = None,
+                            return_layout: bool = False, seed: Seed | None = None) -> Any:
+  """SVG inside the schedule's active steps and layers, dense outside.
+
+  ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
+  scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
+  The router's key is ``key`` (default: the config's seed) folded with layer and step.
+  With ``return_layout`` or ``seed`` returns ``(out, aux)``: ``aux["layout"]``, each head's
+  layout id ``[B, H]`` (:data:`maxdiffusion_svg.routing.layouts.LAYOUTS`; spatial on a dense call), and
+  with ``seed`` (a warm start of the semantic clustering) ``aux["clusters"]``, this call's
+  centroids ``[B, H, C, D]`` (the seed's, unchanged, on a dense call).
+  """
+  check_qkv(q, k, v, grid)
+  call = prepare(config, grid, expert, target=target, arrays=(q, k, v))
+  return prepared_scheduled_attention(call, q, k, v, step=step, layer=layer, scale=scale,
+                                      key=key, return_layout=return_layout, seed=seed)

@@ -1,0 +1,1 @@
+"""``python -m maxdiffusion_svg``: the command-line tools and their reports and plots."""

@@ -1,0 +1,53 @@
+"""``python -m maxdiffusion_svg compare CONFIG [key=value ...]``: dense vs SVG on one checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from maxdiffusion_svg.cli.args import require_maxdiffusion
+
+COMMAND_HELP = ("the config's dense kernel and SVG on the same prompt and seed, weights loaded "
+                "once: seconds per step, sparse calls, PSNR/SSIM(/LPIPS) against the dense video, "
+                "a side-by-side MP4 and a JSON (needs MaxDiffusion on PYTHONPATH)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
+  compare = sub.add_parser("compare", help=COMMAND_HELP)
+  compare.add_argument("config", metavar="CONFIG.yml",
+                       help="a Wan, LTX-2 or Wan Animate generation config (base_config chains merged), e.g. "
+                            "configs/wan_svg.yml; its checkpoint, prompt, seed and video are used")
+  compare.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="keys to change for every run, as on MaxDiffusion's command line")
+  compare.add_argument("--dense", metavar="KERNEL",
+                       help="the dense kernel to compare with (e.g. flash, ulysses, "
+                            "ulysses_custom_fixed_m; default: the attention of the config's "
+                            "base_config chain, what you run without SVG)")
+  compare.add_argument("--svg", default="config", metavar="RUN[,RUN...]",
+                       help="comma-separated SVG runs after the dense one: config (the config's "
+                            "own svg_* keys), a preset (conservative, moderate, aggressive) or a "
+                            "band density such as 0.25, each with options after +: compensation"
+                            "[=N|off], semantic (SVG2's clustered layout among the router's "
+                            "choices), layouts=A/B, sink=on|off; e.g. --svg 0.25,0.25+semantic")
+  compare.add_argument("--out", default="svg_compare", metavar="DIR",
+                       help="folder for each run's MP4, side_by_side.mp4 and compare.json")
+  compare.add_argument("--lpips", action="store_true",
+                       help="also LPIPS (AlexNet): needs the lpips, torch and torchvision "
+                            "packages and AlexNet's ImageNet weights in torch's hub folder")
+  compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  compare.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+  require_maxdiffusion("compare")
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin.compare import format_comparison, plan_comparison, run_comparison
+  # pylint: enable=import-outside-toplevel
+  runs = [r.strip() for r in args.svg.split(",") if r.strip()]
+  plan = plan_comparison(args.config, args.overrides, args.dense, runs, args.out, args.lpips)
+  print(f"compare: {len(plan.runs)} runs ({', '.join(r.name for r in plan.runs)}), "
+        f"outputs in {plan.out_dir}", file=sys.stderr, flush=True)
+  result, _ = run_comparison(plan, log=lambda m: print(m, file=sys.stderr, flush=True),
+                             progress=not args.no_progress)
+  print(format_comparison(result))
+  return 0

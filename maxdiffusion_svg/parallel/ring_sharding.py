@@ -1,0 +1,369 @@
+"""SVG over a context axis split as Ulysses ``U`` x ring ``R`` (MaxDiffusion's ``ulysses_shards``).
+
+Where the context axis is larger than any divisor of the heads (40 for Wan 14B: 32 or 64
+chips for one video), heads are exchanged inside groups of ``U`` devices only, and the sequence
+stays split over ``R`` ring shards. On each device, inside one ``shard_map`` over the mesh with
+``context`` split into ``(svg_ring, svg_ulysses)`` (ring-major, as MaxDiffusion splits it):
+
+1. all-to-all over ``svg_ulysses``: ``H / U`` heads over ring shard ``r``'s tokens;
+2. route: the sampled rows' softmax over this shard's keys, merged over the ring exactly
+   (max, then sums): every shard of a head gets the same flags;
+3. place: temporal heads move to temporal-major order across the ring and every head to the
+   plan's tile-aligned shards (one all-to-all; where the exchange's shards already are the
+   plan's, spatial heads keep their tokens);
+4. fetch: the key tiles this shard's rows visit, by a collective permute per shard offset
+   (the band's neighbours) and one broadcast (the sink), not ``R - 1`` ring hops;
+5. this shard's rows of the single-device plan on them (``lax.switch`` over ``r``: each
+   shard's plan is static), then restore and the all-to-all back.
+
+Why move temporal heads (step 3) rather than ring them: a temporal head in frame-major order
+reaches every frame, so every shard would need every key shard; placed, its band is as local as
+a spatial head's. The move costs ``q, k, v`` and the output once across the ring
+(``4 (R - 1) / R`` of a shard's heads), where a ring costs ``k, v`` ``R - 1`` times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxdiffusion_svg.call.attention import profile_key
+from maxdiffusion_svg.routing.compensation import (Centroids, centroid_log_counts, centroids_by_position,
+                                           per_head, plan_bias, row_keys, skips_any)
+from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
+from maxdiffusion_svg.kernels.splash import RING_REFUSAL
+from maxdiffusion_svg.routing.layouts import SEMANTIC
+from maxdiffusion_svg.plan.masks import Mask, PlacedMask
+from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
+from maxdiffusion_svg.parallel.ring_placement import ShardPermutation, ring_placement
+from maxdiffusion_svg.parallel.ring_plan import (KeyFetch, RingSplit, check_dense_frames_on_ring, key_fetch,
+                                        ring_split, window_plan)
+from maxdiffusion_svg.routing.router import compensated_rows, constants, routing_mask, sample_rows
+from maxdiffusion_svg.plan.target import Target
+from maxdiffusion_svg.plan.tiles import TilePlan
+
+RING, ULYSSES = "svg_ring", "svg_ulysses"
+# The plan and each layout's whole-sequence centroids: the ring router's compensated outputs.
+RingCompensation = tuple[TilePlan, dict[Layout, Centroids]]
+
+
+def split_mesh(mesh: Mesh, seq_axis: str, ulysses: int) -> Mesh:
+  """``mesh`` with ``seq_axis`` split into ``(svg_ring, svg_ulysses)``, same devices in the
+  same order: context index ``r * U + u`` is ring shard ``r``, Ulysses rank ``u``."""
+  names = tuple(mesh.axis_names)
+  i = names.index(seq_axis)
+  ring = mesh.shape[seq_axis] // ulysses
+  devices = mesh.devices.reshape(mesh.devices.shape[:i] + (ring, ulysses)
+                                 + mesh.devices.shape[i + 1:])
+  types = tuple(mesh.axis_types)
+  return Mesh(devices, names[:i] + (RING, ULYSSES) + names[i + 1:],
+              axis_types=types[:i] + (types[i], types[i]) + types[i + 1:])
+
+
+def _rows_of(x: jax.Array, rows: jax.Array, shard: jax.Array, chunk: int) -> jax.Array:
+  """``x``'s global ``rows`` (``[b, h, n, D]``, float32), from whichever shard holds each."""
+  local = rows - shard * chunk
+  inside = (local >= 0) & (local < chunk)
+  picked = jnp.take(x, jnp.clip(local, 0, chunk - 1), axis=2).astype(jnp.float32)
+  return jax.lax.psum(jnp.where(inside[None, None, :, None], picked, 0.0), RING)
+
+
+def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
+                       grid: VideoGrid, mask: Mask, shard: jax.Array, chunk: int,
+                       scale: float | None = None,
+                       compensation: RingCompensation | None = None) -> tuple[jax.Array, jax.Array]:
+  """:func:`maxdiffusion_svg.routing.router.layout_errors` of a frame-major sequence split over the
+  ring: each shard's keys give a partial softmax (its max, sum and weighted values), merged
+  over the ring. Moves ``rows x D`` values per head, never keys. With ``compensation`` (the
+  plan and each layout's centroids, already whole-sequence) outputs are the compensated ones."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  qs = _rows_of(q, rows, shard, chunk)
+  keys = shard * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  v32 = v.astype(jnp.float32)
+
+  def output(keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = jnp.where(keep, logits, -jnp.inf)
+    m = jax.lax.pmax(x.max(axis=-1), RING)
+    safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(x - safe[..., None])
+    total = jax.lax.psum(p.sum(axis=-1), RING)
+    acc = jax.lax.psum(jnp.einsum("bhrk,bhkd->bhrd", p, v32,
+                                  precision=jax.lax.Precision.HIGHEST), RING)
+    return acc / jnp.where(total > 0, total, 1.0)[..., None], safe + jnp.log(total)
+
+  dense, _ = output((keys < grid.tokens)[None, :])
+  errors = []
+  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+    keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys[None, :])
+    out, lse = output(keep)
+    if compensation is not None:
+      plan, cents = compensation
+      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, cents[layout], scale)
+    errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
+  return errors[0], errors[1]
+
+
+def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
+            inverse: bool = False) -> jax.Array:
+  """``[b, h, N, D]`` exchange shards -> ``[b, h, chunk, D]`` plan shards (``inverse``: back)
+  by ``perm``: a gather, one all-to-all, a gather from what crossed and one from what stayed
+  (no scatter, no concatenated copy)."""
+  send, crossed, stayed = _tables(perm, shard, inverse)
+  got = _all_to_all(_take(x, send))
+  return _take(got, crossed) + _take(x, stayed)
+
+
+def place(x: jax.Array, temporal: jax.Array, spatial: ShardPermutation | None,
+          perm: ShardPermutation, shard: jax.Array, inverse: bool = False) -> jax.Array:
+  """Heads flagged ``temporal`` (``[b, h]``) moved by ``perm``, the others by ``spatial`` (in
+  place where it is None), around one all-to-all; ``inverse`` moves them back."""
+  pick = temporal[:, :, None, None]
+  if spatial is None:  # the plan's shards are the exchange's: spatial heads stay
+    return jnp.where(pick, permute(x, perm, shard, inverse), x)
+  send, crossed, stayed = _tables(perm, shard, inverse)
+  spatial_send, spatial_crossed, spatial_stayed = _tables(spatial, shard, inverse)
+  got = _all_to_all(jnp.where(pick, _take(x, send), _take(x, spatial_send)))
+  return jnp.where(pick, _take(got, crossed) + _take(x, stayed),
+                   _take(got, spatial_crossed) + _take(x, spatial_stayed))
+
+
+def _tables(perm: ShardPermutation, shard: jax.Array, inverse: bool) -> tuple[jax.Array, ...]:
+  """What a shard sends, and where each of its outputs is in what crossed the ring and in
+  what stayed (out of range in the other: a gather gives zeros there)."""
+  send, gather = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
+  crossed = perm.split.ring * perm.block
+  gather = jnp.asarray(gather)[shard]
+  return (jnp.asarray(send)[shard].reshape(-1), gather,
+          jnp.where(gather >= crossed, gather - crossed, jnp.iinfo(jnp.int32).max))
+
+
+def _all_to_all(blocks: jax.Array) -> jax.Array:
+  return jax.lax.all_to_all(blocks, RING, split_axis=2, concat_axis=2, tiled=True)
+
+
+def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
+  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles: its
+  own pieces, then each permute's and the sink's, written in place into one buffer (gathered
+  copies of a whole window per source cost a window each; the writes cost nothing more)."""
+  b, h, chunk, d = x.shape
+  pieces = x.reshape(b, h, chunk // fetch.piece, fetch.piece, d)
+  window = jnp.zeros((b, h, fetch.window_pieces, fetch.piece, d), x.dtype)
+
+  def put(window, dst, got):
+    return window.at[:, :, jnp.asarray(dst)[shard]].set(got, mode="drop")
+
+  pick = lambda src: jnp.take(pieces, src, axis=2, mode="fill", fill_value=0)
+  window = put(window, fetch.own_dst, pick(jnp.asarray(fetch.own_src)[shard]))
+  for hop in fetch.hops:
+    window = put(window, hop.recv,
+                 jax.lax.ppermute(pick(jnp.asarray(hop.send)[shard]), RING, hop.pairs))
+  if fetch.broadcasts_sink:
+    sink = pick(jnp.asarray(fetch.sink_src))
+    window = put(window, fetch.sink_dst,
+                 jax.lax.psum(jnp.where(shard == 0, sink, jnp.zeros_like(sink)), RING))
+  return window.reshape(b, h, fetch.window_pieces * fetch.piece, d)
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x`` along the sequence at ``index``; out-of-range entries give zeros."""
+  return jnp.take(x, index, axis=2, mode="fill", fill_value=0)
+
+
+def _shard_kernels(branch: Branch, plan: TilePlan, split: RingSplit, scale: float | None,
+                   blocks: int = 0) -> tuple[KeyFetch, Callable[..., Any]]:
+  """The fetch and ``run(shard, q, k_window, v_window, centroids=None)``: each shard's rows of
+  ``plan`` by ``branch``'s executor; with ``blocks``, compensated for every key tile a row
+  skips, its own shard's and the others' (``centroids``: each head's, of the whole placed
+  sequence, :func:`ring_centroids`; a plan that skips nothing takes none)."""
+  fetch = key_fetch(plan, split)
+  compensate = blocks and skips_any(plan)
+
+  def shard_kernel(r: int) -> Callable[..., Any]:
+    window = window_plan(plan, split, r)
+    kernel = functools.partial(branch.kernel_for(window), scale=scale)
+    if not compensate:
+      return kernel
+    row0, row1 = split.starts[r] // plan.block_q, split.starts[r + 1] // plan.block_q
+    log_count = centroid_log_counts(plan, blocks)
+    bias = np.full((window.num_q_tiles, log_count.size), -np.inf, np.float32)
+    own = plan_bias(plan, log_count)[row0:row1]
+    bias[:own.shape[0]] = own  # the buffer's rows past the sequence see nothing
+
+    def run(q, k, v, k_mean, v_mean):
+      return kernel(q, k, v, row_keys=row_keys(Centroids(k_mean, v_mean, log_count), bias,
+                                               q.dtype))
+    return run
+
+  kernels = [shard_kernel(r) for r in range(split.ring)]
+
+  def run(shard, q, k, v, cents=None):
+    means = (cents.k, cents.v) if compensate else ()  # log counts are static, in each branch
+    return jax.lax.switch(shard, kernels, q, k, v, *means)
+  return fetch, run
+
+
+def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, blocks: int,
+                   shard: jax.Array, natural: int) -> dict[Layout, Centroids]:
+  """Each layout's centroids of the whole sequence from the exchange's frame-major shards: each
+  shard sums its keys into the sub-blocks their placed positions fall in, summed over the ring
+  (``tiles x blocks x D`` per head: a remote tile's centroid costs its own size, not the tile)."""
+  frame_major = shard * natural + jnp.arange(natural, dtype=jnp.int32)
+  real = frame_major < grid.tokens
+  out = {}
+  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+    positions = jnp.where(real, layout_positions(grid, layout, frame_major), grid.tokens)
+    out[layout] = centroids_by_position(k, v, positions, seq_len=grid.tokens,
+                                        num_kv_tiles=plan.num_kv_tiles, block_kv=plan.block_kv,
+                                        blocks=blocks, axis_name=RING)
+  return out
+
+
+def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, seq_axis: str,
+                       batch_axes: Sequence[str], ulysses: int, grid: VideoGrid,
+                       config: SvgConfig, key: jax.Array | None = None,
+                       scale: float | None = None, step: Any = None, layer: Any = None,
+                       expert: str | None = None, return_info: bool = False,
+                       target: Target | None = None,
+                       on_routing: Callable[..., None] | None = None,
+                       prepared: PreparedCall | None = None) -> Any:
+  """SVG of global frame-major ``[B, H, S, D]`` arrays sequence-sharded over ``seq_axis``,
+  with heads exchanged inside groups of ``ulysses`` devices (see the module docstring).
+  Arguments as :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`, which validates them
+  and calls this where ``ulysses_shards`` leaves a ring (``prepared``: its prepared call, in
+  place of ``config``, ``expert`` and ``target``)."""
+  call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
+  config = call.config
+  if SEMANTIC in config.layouts:  # a head's clusters span the whole sequence, split here
+    raise ValueError(f"svg_layouts with semantic does not run on a ring yet (ulysses_shards "
+                     f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
+                     f"devices): set ulysses_shards to the context axis's size, or svg_layouts "
+                     f"to [spatial, temporal]")
+  for what in ("densities", "compensation"):
+    if getattr(config, f"layer_{what}_for")(call.expert) is not None:
+      key = config.layer_key(what, call.expert)
+      raise ValueError(f"{key} does not run on a ring yet (ulysses_shards {ulysses} leaves the "
+                       f"sequence split over {mesh.shape[seq_axis] // ulysses} devices): set "
+                       f"ulysses_shards to the context axis's size, or {key} to uniform")
+  check_dense_frames_on_ring(config.dense_frames, ulysses, mesh.shape[seq_axis] // ulysses)
+  inner = split_mesh(mesh, seq_axis, ulysses)
+  ring = inner.shape[RING]
+  batch_spec = tuple(batch_axes) or None
+  spec = P(batch_spec, None, (RING, ULYSSES), None)
+  head_spec = P(batch_spec, ULYSSES)
+  outer_spec = P(batch_spec, None, seq_axis, None)
+  outer_axes, inner_axes = (seq_axis, *batch_axes), (RING, ULYSSES, *batch_axes)
+  scheduled = step is not None
+  extras = {"key": key, "step": step, "layer": layer}
+  traced = {name: x for name, x in extras.items() if isinstance(x, jax.Array)}
+  static = {name: x for name, x in extras.items() if name not in traced}
+  seq_len = grid.tokens
+
+  def build(branch: Branch) -> Callable[..., Any]:
+    if branch.backend == "splash":  # refused before any kernel is built for it
+      raise ValueError(RING_REFUSAL)
+    plan, blocks = branch.plan, branch.compensation_blocks
+    split = ring_split(seq_len, ring, ulysses, branch.tiles.block_q)
+    sparse_fetch, sparse_run = _shard_kernels(branch, plan, split, scale, blocks)
+    if scheduled:
+      dense_fetch, dense_run = _shard_kernels(branch, branch.dense_plan, split, scale)
+    spatial_perm, temporal_perm = ring_placement(grid.frames, grid.frame_size, split)
+    router_mask = routing_mask(grid, call.router, plan)
+
+    def body(q, k, v, *values):
+      given = {**static, **dict(zip(traced, values))}
+      q, k, v = (jax.lax.all_to_all(x, ULYSSES, split_axis=1, concat_axis=2, tiled=True)
+                 for x in (q, k, v))
+      shard = jax.lax.axis_index(RING)
+      route_key = (profile_key(config, given["step"], given["layer"], given["key"]) if scheduled
+                   else profile_key(config) if given["key"] is None else given["key"])
+
+      def sparse(q, k, v):
+        rows = sample_rows(route_key, seq_len, config.router)
+        cents = (ring_centroids(k, v, grid, plan, blocks, shard, split.natural) if blocks
+                 else None)
+        judged = (plan, cents) if blocks and config.router.profile_masks == "execution" else None
+        spatial, temporal_error = ring_layout_errors(*constants((q, k, v)), rows, grid,
+                                                     router_mask, shard, split.natural, scale,
+                                                     constants(judged))
+        temporal = temporal_error < spatial
+        run_cents = None if cents is None else per_head(cents, temporal)
+        q, k, v = (place(x, temporal, spatial_perm, temporal_perm, shard) for x in (q, k, v))
+        out = sparse_run(shard, q, fetch_window(k, sparse_fetch, shard),
+                         fetch_window(v, sparse_fetch, shard), run_cents)
+        out = place(out, temporal, spatial_perm, temporal_perm, shard, inverse=True)
+        return out, (temporal, spatial, temporal_error)
+
+      def dense(q, k, v):
+        if spatial_perm is not None:
+          q, k, v = (permute(x, spatial_perm, shard) for x in (q, k, v))
+        out = dense_run(shard, q, fetch_window(k, dense_fetch, shard),
+                        fetch_window(v, dense_fetch, shard))
+        if spatial_perm is not None:
+          out = permute(out, spatial_perm, shard, inverse=True)
+        zeros = jnp.zeros(q.shape[:2], jnp.float32)
+        return out, (jnp.zeros(q.shape[:2], bool), zeros, zeros)
+
+      if scheduled:
+        active = config.schedule.is_active(given["step"], given["layer"])
+        if isinstance(active, bool):
+          out, info = (sparse if active else dense)(q, k, v)
+        else:
+          out, info = jax.lax.cond(active, sparse, dense, q, k, v)
+        if on_routing is not None:
+          # layout ids: the ring's heads are spatial (0) or temporal (1)
+          on_routing(info[0].astype(jnp.int32), active, given["step"], given["layer"])
+      else:
+        out, info = sparse(q, k, v)
+      out = jax.lax.all_to_all(out, ULYSSES, split_axis=2, concat_axis=1, tiled=True)
+      return (out, info) if return_info else out
+
+    in_specs = (spec,) * 3 + (P(),) * len(traced)
+    out_specs = (spec, (head_spec,) * 3) if return_info else spec
+    mapped = jax.shard_map(body, mesh=inner, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+
+    def run(q, k, v, *values):
+      pad = ((0, 0), (0, 0), (0, split.natural_len - seq_len), (0, 0))
+      q, k, v = (reshard_explicit(reshard_explicit(jnp.pad(x, pad), mesh, outer_spec, outer_axes),
+                                  inner, spec, inner_axes) for x in (q, k, v))
+      # Under jax.set_mesh(mesh) the shard_map's mesh must be the one in context.
+      with (jax.sharding.use_abstract_mesh(inner.abstract_mesh) if _in_context(mesh)
+            else contextlib.nullcontext()):
+        result = mapped(q, k, v, *values)
+      out, info = result if return_info else (result, None)
+      out = reshard_explicit(out, mesh, P(batch_spec), outer_axes)[:, :, :seq_len]
+      return (out, info) if return_info else out
+
+    return run
+
+  result = call.per_platform(build)(q, k, v, *traced.values())
+  if not return_info:
+    return result
+  out, (temporal, spatial, temporal_error) = result
+  return out, {"temporal": temporal, "spatial_error": spatial,
+               "temporal_error": temporal_error}
+
+
+def _in_context(mesh: Mesh) -> bool:
+  """Whether ``mesh`` is the mesh in context (``jax.set_mesh``), abstractly."""
+  context = jax.sharding.get_abstract_mesh()
+  return not context.empty and context == mesh.abstract_mesh
+
+
+def reshard_explicit(x: jax.Array, mesh: Mesh, spec: P, axes: Sequence[str]) -> jax.Array:
+  """Where ``mesh``'s ``axes`` (the sequence and batch axes of a call) are explicit, moves ``x``
+  to ``spec`` (shard_map requires its inputs there already); on auto axes XLA's propagation
+  does it, so ``x`` is returned as is."""
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if all(types[a] == jax.sharding.AxisType.Explicit for a in axes):
+    return jax.reshard(x, NamedSharding(mesh, spec))
+  return x

@@ -1,0 +1,48 @@
+"""Installs every hook once: Wan's and its variants' (:mod:`hooks`), LTX-2's (:mod:`hooks_ltx2`)
+and the entry points' (:mod:`hooks_entry`, Wan VACE's hand-over in :mod:`generate_vace`)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from maxdiffusion_svg.plugin import contract, generate_vace, hooks, hooks_entry, hooks_ltx2
+
+
+def _all_subclasses(cls: type) -> Iterator[type]:
+  for sub in cls.__subclasses__():
+    yield sub
+    yield from _all_subclasses(sub)
+
+
+def install() -> None:
+  """Installs every hook (idempotent). Imports MaxDiffusion's Wan and LTX-2 modules."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion import aot_cache, generate_wan, generate_wan_animate
+  from maxdiffusion.models import attention_flax
+  from maxdiffusion.models.wan.transformers import (transformer_wan, transformer_wan_animate,
+                                                    transformer_wan_vace)
+  from maxdiffusion.pipelines.wan import (wan_pipeline, wan_pipeline_2_1, wan_pipeline_2_2,  # noqa: F401
+                                          wan_pipeline_animate, wan_pipeline_i2v_2p1,
+                                          wan_pipeline_i2v_2p2, wan_vace_pipeline_2_1)
+  from maxdiffusion.schedulers import scheduling_unipc_multistep_flax
+  # pylint: enable=import-outside-toplevel
+  contract.check()  # before wrapping anything: a drifted MaxDiffusion fails here, named
+  wrap = hooks.wrap_once  # looked up per call: a test records what is wrapped
+  wrap(transformer_wan.WanModel, "__call__", hooks.model_call_hook)
+  wrap(attention_flax.NNXAttentionOp, "apply_attention", hooks.binding_self(hooks.ATTENTION_OP))
+  wrap(wan_pipeline, "create_sharded_logical_transformer", hooks.create_transformer_hook)
+  wrap(transformer_wan_vace.WanVACEModel, "__call__", hooks.model_call_hook)  # overrides WanModel's
+  wrap(wan_vace_pipeline_2_1, "create_sharded_logical_transformer", hooks.create_transformer_hook)
+  wrap(wan_pipeline_animate, "create_sharded_animate_transformer", hooks.create_transformer_hook)
+  wrap(transformer_wan_animate.WanAnimateTransformer3DModel, "__call__", hooks.model_call_hook)
+  wrap(wan_pipeline_animate.WanAnimatePipeline, "__call__", hooks.animate_pipeline_call)
+  for pipeline in _all_subclasses(wan_pipeline.WanPipeline):
+    if "__call__" in vars(pipeline):
+      wrap(pipeline, "__call__", hooks.pipeline_call_hook)
+  wrap(scheduling_unipc_multistep_flax.FlaxUniPCMultistepScheduler, "set_timesteps",
+        hooks.set_timesteps_hook)
+  wrap(aot_cache, "install", hooks_entry.aot_install)
+  wrap(generate_wan, "run",
+        lambda run: generate_vace.vace_to_our_main(hooks_entry.preflight_run(run)))
+  wrap(generate_wan_animate, "run", hooks_entry.preflight_run)
+  hooks_ltx2.install(wrap)

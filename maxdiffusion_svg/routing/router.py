@@ -1,0 +1,398 @@
+"""The SVG router: per head, is attention better approximated spatially or temporally?
+
+A few query rows are sampled; their attention output is computed densely over all keys
+and under one mask placed in each layout (frame-major = spatial, temporal-major =
+temporal); each head takes the layout whose output is closer to dense (mean squared
+error, float32; ties go to spatial). The mask is either the reference SVG router's fixed
+*probe* (about two frames either side, whatever the density) or the *execution* mask,
+the one the kernel will run (the plan's, tile-rounded in ``aligned`` mode). Masks are
+evaluated in the original frame-major order by index arithmetic, so routing needs no
+permutation and no ``S x S`` array: its cost is ``rows x S`` per head.
+
+Where the semantic layout is a candidate, sampled rows would flatter it (its errors sit in a few
+rows at a cluster's edge, which a few samples miss), so the winner of that comparison and the
+semantic layout are judged alike, by an estimate of what each leaves out over the whole sequence
+(:func:`left_out`): every candidate's own table, read through its own key centroids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from maxdiffusion_svg.routing.compensation import (Centroids, block_means, centroid_log_counts, centroids,
+                                           ordered_block_means, plan_bias, skipped_bias)
+from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, layout_positions, temporal_major_order,
+                                       to_temporal_major)
+from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
+from maxdiffusion_svg.routing.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
+from maxdiffusion_svg.plan.masks import Mask, PlacedMask, probe_mask
+from maxdiffusion_svg.routing.semantic import (SemanticLayout, block_shares, placed_block_means,
+                                      token_positions, visited_table)
+from maxdiffusion_svg.plan.tiles import TilePlan
+
+PROFILE_POOLS = ("prefix", "stratified")
+PROFILE_MASKS = ("probe", "execution")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  """How the router samples query rows."""
+
+  profile_queries: int = 64
+  profile_pool: str = "stratified"
+  sample_max_row: int = 10_000
+  include_sink: bool = True
+  profile_masks: str = "execution"  # chosen by measurement: docs/benchmarks.md, "Which masks the router judges by"
+  sink_frames: int = 1  # frames the probe mask's sink covers (svg_sink_frames)
+
+  def __post_init__(self):
+    for name in ("profile_queries", "sample_max_row"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"svg_{name} must be an integer >= 1, got {value!r}")
+    if self.profile_pool not in PROFILE_POOLS:
+      raise ValueError(f"svg_profile_pool must be one of {', '.join(PROFILE_POOLS)}, "
+                       f"got {self.profile_pool!r}")
+    if self.profile_masks not in PROFILE_MASKS:
+      raise ValueError(f"svg_profile_masks must be one of {', '.join(PROFILE_MASKS)}, "
+                       f"got {self.profile_masks!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Router result: ``temporal[B, H]`` (True = temporal), the spatial and temporal layouts'
+  sampled errors (``inf`` for a layout not among the candidates), ``layout[B, H]``, each head's
+  layout id (an index into :data:`maxdiffusion_svg.routing.layouts.LAYOUTS`) and, where the semantic
+  layout is a candidate, ``left_out [B, H, len(LAYOUTS)]``: each layout's estimated loss over
+  the whole sequence (:func:`left_out`; ``inf`` for a layout not among the candidates)."""
+
+  temporal: jax.Array
+  spatial_error: jax.Array
+  temporal_error: jax.Array
+  layout: jax.Array | None = None
+  left_out: jax.Array | None = None
+
+  @property
+  def layouts(self) -> jax.Array:
+    """``int32 [B, H]``: the layout ids (from the temporal flags where none were recorded)."""
+    return self.temporal.astype(jnp.int32) if self.layout is None else self.layout
+
+
+jax.tree_util.register_dataclass(
+    Routing, data_fields=["temporal", "spatial_error", "temporal_error", "layout", "left_out"],
+    meta_fields=[])
+
+
+def sample_rows(key: jax.Array, seq_len: int, config: RouterConfig) -> jax.Array:
+  """Query rows to profile.
+
+  ``prefix``: uniform, with replacement, from the first ``sample_max_row`` tokens (the
+  reference SVG router). ``stratified``: one row from each of ``profile_queries`` equal
+  slices of the whole sequence, so every frame is seen.
+  """
+  n = config.profile_queries
+  if config.profile_pool == "prefix":
+    return jax.random.randint(key, (n,), 0, min(config.sample_max_row, seq_len), dtype=jnp.int32)
+  offsets = jax.random.uniform(key, (n,))
+  return jnp.minimum(((jnp.arange(n) + offsets) * (seq_len / n)).astype(jnp.int32), seq_len - 1)
+
+
+def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> jax.Array:
+  if keep is not None:
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return jnp.einsum("bhrk,bhkd->bhrd", jax.nn.softmax(logits, axis=-1), v,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+# (plan, centroids per key tile): the router judges the compensated call that plan will run.
+Compensated = tuple[TilePlan, int]
+
+
+class Sampled(NamedTuple):
+  """The sampled rows' queries (float32), logits over every key, values and dense output: what
+  every candidate layout's error is measured against (computed once per call)."""
+
+  qs: jax.Array
+  logits: jax.Array
+  v32: jax.Array
+  dense: jax.Array
+
+
+def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scale: float) -> Sampled:
+  f32 = jnp.float32
+  qs = jnp.take(q, rows, axis=2).astype(f32)
+  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32),
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  v32 = v.astype(f32)
+  return Sampled(qs, logits, v32, _masked_output(logits, v32, None))
+
+
+def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
+                     grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
+                     scale: float, visited: jax.Array | None = None) -> jax.Array:
+  """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
+  its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
+  skips in ``layout`` (``cents``: that layout's; ``visited [B, H, q_tiles, kv_tiles]``: each
+  head's own tiles, a per-head budget's, in place of the plan's)."""
+  tiles = layout_positions(grid, layout, rows) // plan.block_q
+  if visited is None:
+    bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
+  else:  # [B, H, N, R]: each head's own skipped sub-blocks
+    bias = skipped_bias(~jnp.take(visited, tiles, axis=2), cents.log_count).swapaxes(-1, -2)
+  extra, extra_lse = softmax_over(qs, cents.k, cents.v, bias, scale)
+  return merge(exact, lse, extra, extra_lse)
+
+
+def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: Layout,
+                     plan: TilePlan, blocks: int) -> Centroids:
+  """Centroids of ``[B, H, S, D]`` frame-major keys as ``plan``'s call would see them placed."""
+  placed = (lambda x: x) if layout is Layout.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
+  return centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTileMask:
+  """Each head's own execution mask (a per-head budget's): the key tiles its query tiles visit,
+  ``visited [B, H, num_q_tiles, num_kv_tiles]`` in its placed order, whole tiles kept."""
+
+  visited: jax.Array
+  block_q: int
+  block_kv: int
+
+  def keep(self, rows: jax.Array, grid: VideoGrid, layout: Layout) -> jax.Array:
+    """``bool [B, H, R, S]``: which keys each head's frame-major ``rows`` keep, placed by
+    ``layout`` (O(B x H x R x S), as the sampled logits)."""
+    keys = jnp.arange(grid.tokens, dtype=jnp.int32)
+    row_tiles = layout_positions(grid, layout, rows) // self.block_q
+    key_tiles = layout_positions(grid, layout, keys) // self.block_kv
+    return jnp.take(jnp.take(self.visited, row_tiles, axis=2), key_tiles, axis=3)
+
+
+def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
+                  mask: Mask | HeadTileMask, *, scale: float | None = None,
+                  compensation: Compensated | None = None,
+                  cents: dict[Layout, Centroids] | None = None,
+                  sampled: Sampled | None = None) -> tuple[jax.Array, jax.Array]:
+  """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
+  temporal-major (temporal): ``[B, H]`` each. With ``compensation`` (the plan and centroids
+  per key tile), each output is the compensated one that plan's call would give (``cents``:
+  each layout's centroids, where the caller has them)."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
+  keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
+  errors = []
+  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+    if isinstance(mask, HeadTileMask):
+      keep = mask.keep(rows, grid, layout)
+    else:
+      keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
+    out = _masked_output(logits, v32, keep)
+    if compensation is not None:
+      plan, blocks = compensation
+      lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
+      layout_cents = (cents or {}).get(layout) or layout_centroids(k, v, grid, layout, plan, blocks)
+      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, layout_cents, scale,
+                             mask.visited if isinstance(mask, HeadTileMask) else None)
+    errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
+  return errors[0], errors[1]
+
+
+# Rows the whole-sequence estimate reads, stratified (every row where the sequence is shorter): a
+# row's loss is a share in [0, 1], so a thousand rows pin the mean where 64 squared errors do not.
+ESTIMATE_ROWS = 1024
+# Keys per centroid the estimate reads: a centroid of many keys blurs their logits towards its
+# mean's, most where a layout's blocks mix unlike keys (at 720p, 192-key centroids saw every
+# layout skip ~80% of the mass; 16 keys still sent soft moving heads to the wrong layout; 8 did
+# not: docs/benchmarks.md, "The router without a margin").
+ESTIMATE_KEYS = 8
+ROW_CHUNK = 128  # rows whose shares are held at once
+
+
+def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> jax.Array:
+  """``int32 [min(count, seq_len)]``: one row from each of that many equal slices of the sequence."""
+  if count >= seq_len:
+    return jnp.arange(seq_len, dtype=jnp.int32)
+  offsets = jax.random.uniform(key, (count,))
+  return jnp.minimum(((jnp.arange(count) + offsets) * (seq_len / count)).astype(jnp.int32),
+                     seq_len - 1)
+
+
+def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.Array,
+             cents: Centroids, scale: float) -> jax.Array:
+  """``float32 [B, H]``: the mean over ``rows`` of the attention share each row's softmax loses to
+  the key tiles its query tile skips, estimated from the layout's key centroids (``cents``,
+  blocks per key tile; :func:`maxdiffusion_svg.routing.semantic.block_shares`). ``row_tiles [R]`` or
+  ``[B, H, R]``: each row's placed query tile; ``visited [B or 1, H or 1, num_q_tiles,
+  num_kv_tiles]``: the layout's table. The same estimate serves a compensated call: adding the
+  share its coarser centroids misplace chose worse at 720p (docs/benchmarks.md, "The router
+  without a margin")."""
+  b, h = q.shape[:2]
+  count = rows.shape[0]
+  chunk = math.gcd(count, ROW_CHUNK)  # rows per step: the shares of all rows at once took
+  # 1.2 GB more temporaries in the Wan 14B forward (test_wan_aot's semantic bound)
+  row_tiles = jnp.broadcast_to(row_tiles, (b, h, count))
+  visited = jnp.broadcast_to(visited, (b, h) + visited.shape[2:])
+  blocks = cents.log_count.size // visited.shape[-1]
+
+  def lost(part):
+    part_rows, part_tiles = part
+    qs = jnp.take(q, part_rows, axis=2).astype(jnp.float32)  # [B, H, chunk, D]
+    share = block_shares(qs, cents, scale)
+    row_visits = jnp.take_along_axis(visited, part_tiles[..., None], axis=2)  # [B, H, chunk, nkv]
+    skipped = jnp.repeat(~row_visits, blocks, axis=-1)
+    return jnp.sum(jnp.where(skipped, share, 0.0), axis=(-1, -2))
+
+  parts = (rows.reshape(-1, chunk), jnp.moveaxis(row_tiles.reshape(b, h, -1, chunk), 2, 0))
+  return jnp.sum(jax.lax.map(lost, parts), axis=0) / count
+
+
+def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid, plan: TilePlan,
+                    semantic: SemanticLayout, layouts: tuple[str, ...], scale: float) -> jax.Array:
+  """``float32 [B, H, len(LAYOUTS)]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
+  for the rest), from centroids of :data:`ESTIMATE_KEYS` placed keys: the static layouts by the
+  shared plan's table, the semantic one by each head's table and order."""
+  blocks = plan.block_kv // ESTIMATE_KEYS
+  log_count = centroid_log_counts(plan, blocks)
+  means = lambda x: block_means(x, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
+  visited = jnp.asarray(plan.tile_map() != 0)[None, None]  # every static layout's table
+  estimates = []
+  for name in LAYOUTS:
+    if name not in layouts:
+      estimates.append(jnp.full(q.shape[:2], jnp.inf, jnp.float32))
+    elif name == SEMANTIC:
+      cents = Centroids(placed_block_means(k, semantic.k_perm, block=plan.block_kv, blocks=blocks,
+                                           seq_len=plan.seq_len), None, log_count)
+      tiles = jnp.take(token_positions(semantic.q_pos, q.shape[2]), rows, axis=2) // plan.block_q
+      estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan), cents,
+                                scale))
+    else:
+      layout = Layout.TEMPORAL_MAJOR if name == TEMPORAL else Layout.FRAME_MAJOR
+      placed = (means(k) if layout is Layout.FRAME_MAJOR else ordered_block_means(
+          k, temporal_major_order(grid), block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len))
+      tiles = layout_positions(grid, layout, rows) // plan.block_q
+      estimates.append(left_out(q, rows, tiles, visited, Centroids(placed, None, log_count), scale))
+  return jnp.stack(estimates, -1)
+
+
+def choose_layouts(errors: dict[str, jax.Array], estimates: jax.Array,
+                   layouts: tuple[str, ...]) -> jax.Array:
+  """``int32 [B, H]``: each head's layout id. The static candidates are compared by their sampled
+  ``errors`` (today's router: ties go to spatial); where semantic competes, it takes the head
+  whose estimated whole-sequence loss (``estimates [B, H, len(LAYOUTS)]``, :func:`left_out`) is
+  below the static winner's, each judged by the same estimate (ties: the static layout)."""
+  if SEMANTIC not in layouts:
+    raise ValueError("choose_layouts decides where the semantic layout competes")
+  static = [name for name in (SPATIAL, TEMPORAL) if name in layouts]
+  semantic_id = jnp.int32(LAYOUTS.index(SEMANTIC))
+  if not static:
+    return jnp.full(estimates.shape[:2], semantic_id)
+  if len(static) == 2:
+    winner = (errors[TEMPORAL] < errors[SPATIAL]).astype(jnp.int32)
+  else:
+    winner = jnp.full(estimates.shape[:2], LAYOUTS.index(static[0]), jnp.int32)
+  static_estimate = jnp.take_along_axis(estimates, winner[..., None], axis=-1)[..., 0]
+  return jnp.where(estimates[..., LAYOUTS.index(SEMANTIC)] < static_estimate, semantic_id, winner)
+
+
+def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
+                 *, include_sink: bool = True, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """MSE against dense of the spatial and temporal probe outputs of ``rows``: ``[B, H]`` each."""
+  return layout_errors(q, k, v, rows, grid, probe_mask(grid, include_sink), scale=scale)
+
+
+def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -> Mask:
+  """The mask the router compares layouts under: the probe, or ``plan``'s computed mask."""
+  if router.profile_masks == "probe":
+    return probe_mask(grid, router.include_sink, router.sink_frames)
+  if plan is None:
+    raise ValueError("svg_profile_masks=execution needs the call's tile plan (plan=...)")
+  return plan.computed_mask
+
+
+def constants(tree: Any) -> Any:
+  """``tree`` with no derivative through its arrays: what decides a layout or a tile is a
+  choice, not a function to differentiate (a gradient sees the chosen mask as fixed)."""
+  if isinstance(tree, dict):  # by hand: layouts key the centroids, and enums do not sort
+    return {key: constants(value) for key, value in tree.items()}
+  if isinstance(tree, tuple):
+    values = [constants(value) for value in tree]
+    return type(tree)(*values) if hasattr(tree, "_fields") else tuple(values)
+  return jax.lax.stop_gradient(tree) if isinstance(tree, jax.Array) else tree
+
+
+def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
+                  key: jax.Array, scale: float | None = None,
+                  plan: TilePlan | None = None, expert: str | None = None,
+                  compensation_blocks: int = 0,
+                  cents: dict[Layout, Centroids] | None = None,
+                  layouts: tuple[str, ...] | None = None,
+                  semantic: SemanticLayout | None = None,
+                  head_visited: jax.Array | None = None) -> Routing:
+  """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
+
+  ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
+  (e.g. ``SvgConfig``). Execution masks need the call's tile plan: ``plan`` when given, else
+  the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
+  The same key gives the same flags. With ``compensation_blocks`` (centroids per key tile, 0:
+  off) and execution masks, each layout is judged by the compensated output its call gives
+  (``cents``: each layout's centroids, where the caller has them). ``layouts``: the candidate
+  layouts (default: the config's ``layouts``, else spatial and temporal); ``semantic`` (each
+  head's semantic order and table) is required where semantic is among them.
+  ``head_visited [B, H, num_q_tiles, num_kv_tiles]`` (a per-head budget's tables, with
+  execution masks): each head is judged under its own mask, in ``plan``'s tiles.
+  """
+  router = getattr(config, "router", config)
+  q, k, v, cents, semantic = constants((q, k, v, cents, semantic))
+  if q.shape[2] != grid.tokens:
+    raise ValueError(f"sequence length {q.shape[2]} does not match grid {grid} "
+                     f"({grid.tokens} tokens)")
+  if plan is None and router.profile_masks == "execution" and hasattr(config, "plan"):
+    plan = config.plan(grid, expert)
+  mask = routing_mask(grid, router, plan)
+  if head_visited is not None and router.profile_masks == "execution":
+    mask = HeadTileMask(jax.lax.stop_gradient(head_visited), plan.block_q, plan.block_kv)
+  rows = sample_rows(key, grid.tokens, router)
+  compensation = None
+  if compensation_blocks and router.profile_masks == "execution":
+    compensation = (plan, compensation_blocks)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  sampled = sample_dense(q, k, v, rows, scale)  # shared by every candidate
+  spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale,
+                                    compensation=compensation, cents=cents, sampled=sampled)
+  layouts = getattr(config, "layouts", DEFAULT_LAYOUTS) if layouts is None else layouts
+  if layouts == (SPATIAL, TEMPORAL):  # today's router, unchanged
+    return Routing(temporal < spatial, spatial, temporal)
+  if SEMANTIC not in layouts:  # one static layout, forced
+    layout = jnp.full(spatial.shape, LAYOUTS.index(layouts[0]), jnp.int32)
+    return Routing(layout == LAYOUTS.index(TEMPORAL), jnp.where(SPATIAL in layouts, spatial, jnp.inf),
+                   jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout)
+  if semantic is None or plan is None:
+    raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
+  estimates = layout_left_out(q, k, estimate_rows(jax.random.fold_in(key, 1), grid.tokens),
+                              grid, plan, semantic, layouts, scale)
+  layout = choose_layouts({SPATIAL: spatial, TEMPORAL: temporal}, estimates, layouts)
+  return Routing(layout == LAYOUTS.index(TEMPORAL),
+                 jnp.where(SPATIAL in layouts, spatial, jnp.inf),
+                 jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout, estimates)
+
+
+def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
+                key: jax.Array, scale: float | None = None,
+                plan: TilePlan | None = None, expert: str | None = None) -> jax.Array:
+  """``bool[B, H]``: True where a head is routed temporal (see :func:`profile_heads`).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from maxdiffusion_svg import SvgConfig, VideoGrid, route_heads
+  >>> grid = VideoGrid(frames=4, height=8, width=16)  # 512 tokens
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 2, grid.tokens, 64))
+  >>> config = SvgConfig(density=0.5, block_q=128, block_kv=128)
+  >>> route_heads(q, k, v, grid=grid, config=config, key=jax.random.key(1)).shape
+  (1, 2)
+  """
+  return profile_heads(q, k, v, grid=grid, config=config, key=key, scale=scale,
+                       plan=plan, expert=expert).temporal
