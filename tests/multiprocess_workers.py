@@ -1,4 +1,5 @@
-"""Functions the multi-process tests run in each JAX process (maxdiffusion_svg.parallel.multiprocess).
+"""Functions the multi-process tests run in each JAX process
+(maxdiffusion_svg.parallel.multiprocess).
 
 Every process builds the same NumPy inputs and places its own shards with
 ``make_array_from_callback``, as each host of a slice would; process 0 saves the gathered output.

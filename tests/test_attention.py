@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.call.attention import place, restore, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
-from maxdiffusion_svg.kernels import dense_attention, masked_attention
 from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import place, restore, scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.kernels import dense_attention, masked_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens
 TYPES = ("spatial", "temporal", "temporal", "spatial")

@@ -1,8 +1,8 @@
 """``bench backward``: its flags, its table, and the backward kernel's steps it prices (no
 compile; the compiled figures are in docs/benchmarks.md)."""
 
-from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.bench import backward as bench
+from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.kernels.splash_backward import dkv_table_entries
 from maxdiffusion_svg.plan.target import tpu_target
 

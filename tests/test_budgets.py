@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import scheduled_svg_attention
-from maxdiffusion_svg.budgets.per_layer import (Rung, allocate, allocate_greedy, check_layer_compensation,
-                                      check_layer_densities, least_cost, levels)
-from maxdiffusion_svg.measure.calibration import (calibrate_heads, calibrate_layers, candidate_rungs,
-                                          relative_error, rung_costs)
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.budgets.per_layer import (Rung, allocate, allocate_greedy,
+                                                check_layer_compensation, check_layer_densities,
+                                                least_cost, levels)
 from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import scheduled_svg_attention
+from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.measure.calibration import (calibrate_heads, calibrate_layers,
+                                                  candidate_rungs, relative_error, rung_costs)
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 
 def _brute(errors, costs, ok):
@@ -290,8 +291,8 @@ def test_one_compile_under_a_scan_over_layers():
 def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
   """With every row sampled, a rung's on-device error is each head's better layout's relative
   error, as the kernel's outputs of each forced layout give it against dense."""
-  from maxdiffusion_svg.measure import calibration  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.measure import calibration  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(calibration, "CALIBRATION_ROWS", GRID.tokens)
   q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, ("spatial", "moving", "temporal"), 64,
                                                    seed=3))
@@ -323,8 +324,8 @@ def test_each_device_measures_its_own_heads_as_one_device_measures_them(shape, s
   """calibrate's on-device measurement inside the head exchange (each device its own heads)
   equals the single-device one, per head and in the mean."""
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.measure import calibration  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.measure import calibration  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "fsdp", "context", "tensor"))
   q, k, v = (jnp.asarray(x) for x in planted_qkv(
       GRID, ("spatial", "moving", "temporal", "mixed50") * 2, 64, seed=3, batch=2))

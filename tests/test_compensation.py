@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import placed_attention, scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.routing.compensation import compensated_attention
-from maxdiffusion_svg.kernels.row_keys import merge
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, to_temporal_major
-from maxdiffusion_svg.kernels import dense_attention, sparse_attention
-from maxdiffusion_svg.routing.router import profile_heads, sample_rows
 from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import placed_attention, scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.kernels import dense_attention, sparse_attention
+from maxdiffusion_svg.kernels.row_keys import merge
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, to_temporal_major
 from maxdiffusion_svg.plan.tiles import plan_tiles
+from maxdiffusion_svg.routing.compensation import compensated_attention
+from maxdiffusion_svg.routing.router import profile_heads, sample_rows
 
 GRID = VideoGrid(10, 10, 10)  # 1,000 tokens: padding in the last 128-key tile
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}

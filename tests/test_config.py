@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import pytest
 
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.budgets.schedule import PRESETS, Interval, Schedule
 from maxdiffusion_svg.plan.tiles import TileMode
+from maxdiffusion_svg.plugin.settings import PluginSettings
 from shipped_configs import own_chain
 
 EVERY_KEY = {

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order, grid_for_resolution,
-                                       layout_positions, temporal_major_order, to_frame_major,
-                                       to_temporal_major)
+from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order,
+                                            grid_for_resolution, layout_positions,
+                                            temporal_major_order, to_frame_major, to_temporal_major)
 
 
 @pytest.mark.parametrize("name, shape, tokens", [

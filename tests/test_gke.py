@@ -17,11 +17,11 @@ import pytest
 import yaml
 from shipped_configs import own_chain
 
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.target import TPU_BACKENDS, resolve_backend, tpu_target
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.plan.target import TPU_BACKENDS, resolve_backend, tpu_target
 
 ROOT = pathlib.Path(__file__).parent.parent
 GKE = ROOT / "scripts" / "gke"

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.routing.compensation import compensated_attention
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.plan.tiles import plan_tiles
+from maxdiffusion_svg.routing.compensation import compensated_attention
 
 GRID = VideoGrid(5, 6, 7)  # 210 tokens: padding in the last 128-token tile; the sink is frame 0
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 6e-2}

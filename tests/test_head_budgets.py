@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.budgets.per_head import check_head_densities, head_budget
+from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.kernels.api import sparse_attention
 from maxdiffusion_svg.kernels.worklist import pack_ragged_work, ragged_cores, unpack_work
-from maxdiffusion_svg.routing.router import route_heads
-from maxdiffusion_svg.budgets.schedule import Interval, Schedule
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
 from maxdiffusion_svg.plan.tiles import EMPTY
+from maxdiffusion_svg.routing.router import route_heads
 
 GRID = VideoGrid(5, 7, 15)  # 525 tokens: 5 tiles of 128, the last one padded
 DENSITIES = (0.15, 0.9, 0.35, 0.6, 1.0)

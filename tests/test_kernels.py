@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.kernels import dense_attention, masked_attention, plan_reference, sparse_attention
+from maxdiffusion_svg.kernels import (dense_attention, masked_attention, plan_reference,
+                                      sparse_attention)
 from maxdiffusion_svg.kernels.splash import plan_mask_info
 from maxdiffusion_svg.kernels.xla import _work_steps
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.masks import svg_mask
 from maxdiffusion_svg.plan.tiles import EMPTY, MASKED, plan_tiles
 

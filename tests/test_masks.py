@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order, grid_for_resolution,
-                                       temporal_major_order)
-from maxdiffusion_svg.plan.masks import (PlacedMask, SvgMask, band_half_width, check_density, probe_mask,
-                                    svg_mask)
+from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order,
+                                            grid_for_resolution, temporal_major_order)
+from maxdiffusion_svg.plan.masks import (PlacedMask, SvgMask, band_half_width, check_density,
+                                         probe_mask, svg_mask)
 
 
 def brute_svg(seq_len, half_width, sink, padded=None):

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import plan_reference, sparse_attention
 from maxdiffusion_svg.kernels.fixed_offset import OFFSET, fixed_offsets, gate
 from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.tiles import EMPTY, plan_tiles
 
 GRID = VideoGrid(5, 6, 7)  # 210 tokens: padding with 128-token tiles

@@ -13,10 +13,10 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
 from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.target import tpu_target
 from maxdiffusion_svg.plugin import hooks
 from maxdiffusion_svg.plugin.kernel import qkv_layout
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.plan.target import tpu_target
 
 # The logical names MaxDiffusion gives self-attention's q ([B, H, S, D]), and rules in the
 # shape of its Wan configs': heads on (context, tensor), no rule for the sequence.

@@ -46,7 +46,8 @@ def test_bad_keys_name_the_key(mapping, message):
 
 
 def test_importing_the_package_touches_neither_maxdiffusion_nor_devices():
-  code = ("import sys; import maxdiffusion_svg, maxdiffusion_svg.plugin, maxdiffusion_svg.parallel.sharding\n"
+  code = ("import sys; import maxdiffusion_svg, maxdiffusion_svg.plugin\n"
+          "import maxdiffusion_svg.parallel.sharding\n"
           "from jax._src import xla_bridge\n"
           "assert not [m for m in sys.modules if m.split('.')[0] == 'maxdiffusion'], 'maxdiffusion'\n"
           "assert not xla_bridge.backends_are_initialized(), 'devices'\n")

@@ -95,6 +95,21 @@ def test_bad_ulysses_shards_are_refused_naming_the_key(context, ulysses, needle)
     assert "values that work on this mesh: 1, 2, 4, 8" in str(refused.value)
 
 
+@pytest.mark.parametrize("key", ["svg_layer_densities", "svg_layer_compensation",
+                                 "svg_high_noise_head_densities"])
+def test_per_layer_and_per_head_budgets_are_refused_where_the_mesh_leaves_a_ring(key):
+  """The run's own refusal (ring_plan.check_on_ring), here before weights load."""
+  ring = dataclasses.replace(V6E32, ulysses_shards=8, budgets=(key,))
+  with pytest.raises(ValueError) as refused:
+    preflight.check_job(ring, V6E32_ENV)
+  assert str(refused.value) == (
+      f"{key} does not run on a ring yet (ulysses_shards 8 leaves the sequence split over 2 "
+      f"devices): set ulysses_shards to the context axis's size, or leave {key} unset")
+  # Without a ring the budgets run: the v6e-16's whole context axis exchanges heads.
+  preflight.check_job(dataclasses.replace(GOOD, ulysses_shards=8, budgets=(key,)), GKE)
+  preflight.check_job(dataclasses.replace(ring, budgets=()), V6E32_ENV)
+
+
 @pytest.mark.parametrize("backend", ["auto", "pallas", "xla", "splash"])
 def test_splash_is_refused_where_the_mesh_leaves_a_ring(backend):
   ring = dataclasses.replace(V6E32, ulysses_shards=8, backend=backend)

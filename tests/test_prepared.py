@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from maxdiffusion_svg import SvgConfig, VideoGrid
 from maxdiffusion_svg.call.attention import (prepared_scheduled_attention, prepared_svg_attention,
-                                        scheduled_svg_attention, svg_attention)
+                                             scheduled_svg_attention, svg_attention)
 from maxdiffusion_svg.call.prepared import prepare, prepare_on
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.plan.target import Target, target_for_call, tpu_target
@@ -30,13 +30,14 @@ def inputs(batch=1, heads=2, dim=128):
 
 @contextlib.contextmanager
 def walk():
-  """The package's modules a traced call enters, in order (one entry per function call)."""
+  """The package's modules a traced call enters, by file name, in order (one entry per function
+  call)."""
   entered = []
 
   def profile(frame, event, _):
     path = pathlib.Path(frame.f_code.co_filename)
     if event == "call" and PACKAGE in path.parents:
-      entered.append((path.relative_to(PACKAGE).as_posix(), frame.f_code.co_name))
+      entered.append((path.name, frame.f_code.co_name))
 
   sys.setprofile(profile)
   try:

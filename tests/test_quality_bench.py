@@ -6,11 +6,11 @@ import json
 import pytest
 
 from maxdiffusion_svg.bench.calibration import CalibrationBenchConfig
-from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench, psnr,
-                                            rel_l2, run_quality_bench)
+from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench, psnr, rel_l2,
+                                            run_quality_bench)
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.cli.plot import plot_quality
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 import numpy as np
 
@@ -129,8 +129,8 @@ def test_moving_heads_are_deterministic_float32():
 def _check_calibration(cal, cfg):
   """Tiles held to uniform's; on the calibration draw the allocation is no worse than uniform;
   one held-out layer's PSNR recomputed against a float64 dense softmax."""
-  from maxdiffusion_svg.call.attention import svg_attention  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.calibration import layer_inputs  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.call.attention import svg_attention  # pylint: disable=import-outside-toplevel
   tiles = cal["visited_tiles"]
   assert tiles["calibrated"] <= tiles["uniform"]
   assert cal["calibration"]["error"] <= cal["calibration"]["uniform_error"] + 1e-12

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
-from maxdiffusion_svg.kernels import masked_attention
-from maxdiffusion_svg.plan.masks import probe_mask
-from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.kernels import masked_attention
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
+from maxdiffusion_svg.plan.masks import probe_mask
 from maxdiffusion_svg.plan.tiles import FULL, MASKED, dense_rows_plan
+from maxdiffusion_svg.plugin import preflight
 
 GRID = VideoGrid(6, 8, 20)  # 960 tokens: a 160-token frame, padding in the last 128-token tile
 TYPES = ("spatial", "temporal", "temporal", "spatial")

@@ -5,8 +5,8 @@ import numpy as np
 from maxdiffusion_svg.bench.reference_frames import (ReferenceBenchConfig, equal_cost_density,
                                                      format_reference_bench, run_reference_bench,
                                                      run_stack)
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 SMALL = ReferenceBenchConfig(grid=VideoGrid(6, 8, 16), layers=2, densities=(0.25,), seeds=(0,),
                              head_types=("spatial", "temporal", "moving", "spatial"),

@@ -4,10 +4,10 @@ temporal placement, simulated in NumPy on small grids; what they move at real si
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution, temporal_major_order
 from maxdiffusion_svg.parallel.ring_placement import ring_placement
-from maxdiffusion_svg.parallel.ring_plan import (check_ulysses_shards, key_fetch, ring_split, window_plan,
-                                        window_tiles)
+from maxdiffusion_svg.parallel.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
+                                                 window_plan, window_tiles)
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution, temporal_major_order
 from maxdiffusion_svg.plan.tiles import EMPTY, plan_tiles
 
 GRIDS = [VideoGrid(6, 8, 16), VideoGrid(5, 6, 9), VideoGrid(7, 12, 20)]

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.parallel.multiprocess import run_processes
-from maxdiffusion_svg.budgets.schedule import Interval, Schedule
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from multiprocess_workers import sharded_config, sharded_inputs
 
 AXES = ("data", "fsdp", "context", "tensor")
@@ -266,6 +266,30 @@ def test_sixteen_devices_and_four_processes_equal_one_device(tmp_path, grid_shap
                                err_msg=f"case {cases[case]}")
     if 4 in outs:
       np.testing.assert_allclose(outs[4][f"case{case}"], got, atol=1e-6)
+
+
+@pytest.mark.parametrize("keys, budget", [
+    ({"layer_densities": (0.3, 0.7)}, "svg_layer_densities"),
+    ({"layer_compensation": (True, False)}, "svg_layer_compensation"),
+    ({"head_densities": (0.3,) * 8}, "svg_head_densities")])
+def test_the_run_refuses_a_budget_on_a_ring_in_its_preflights_words(keys, budget):
+  """One check of what a ring accepts (ring_plan.check_on_ring): the sharded call's refusal is
+  the pre-flight's, word for word, for the keys budget_keys names."""
+  from maxdiffusion_svg.parallel.ring_plan import budget_keys  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin import preflight  # pylint: disable=import-outside-toplevel
+  mesh = mesh_of((1, 1, 8, 1))
+  cfg = config(schedule=Schedule(Interval(0, None), Interval(0, None)), **keys)
+  assert budget_keys(cfg) == (budget,)
+  args = put(mesh, GRID, *planted(seed=6))
+  with pytest.raises(ValueError) as run:
+    sharded_svg_attention(*args, mesh=mesh, grid=GRID, config=cfg, key=KEY, step=0, layer=0,
+                          ulysses_shards=4)
+  job = preflight.Job(process_count=1, device_count=8, local_device_count=8, context_shards=8,
+                      heads=8, ulysses_shards=4, budgets=budget_keys(cfg))
+  with pytest.raises(ValueError) as before_loading:
+    preflight.check_job(job, {})
+  assert str(run.value) == str(before_loading.value)
+  assert str(run.value).startswith(f"{budget} does not run on a ring yet (ulysses_shards 4 ")
 
 
 def test_per_layer_densities_run_under_ulysses_and_are_refused_on_a_ring():

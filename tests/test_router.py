@@ -9,10 +9,11 @@ import pytest
 
 from maxdiffusion_svg.bench.routers import ideal_routing, layout_outputs
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
 from maxdiffusion_svg.kernels import dense_attention
-from maxdiffusion_svg.routing.router import RouterConfig, probe_errors, profile_heads, route_heads, sample_rows
+from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
 from maxdiffusion_svg.plan.tiles import plan_tiles
+from maxdiffusion_svg.routing.router import (RouterConfig, probe_errors, profile_heads, route_heads,
+                                             sample_rows)
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 block
 PROBE = {"profile_masks": "probe"}  # the reference SVG router's masks (the default is execution)

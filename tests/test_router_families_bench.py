@@ -4,10 +4,10 @@ are independent), today's router's one of the two static ones, and the targets' 
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.bench.router_families import (BEST_DB, SVG1_KINDS, RouterFamiliesConfig,
                                                     family_qkv, format_router_families,
                                                     run_router_families)
+from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.plan.geometry import VideoGrid
 
 CFG = RouterFamiliesConfig(grid=VideoGrid(6, 8, 16), densities=(0.3,), block_q=128, block_kv=128,

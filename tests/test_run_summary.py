@@ -5,9 +5,9 @@ import itertools
 import pytest
 
 from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.budgets.schedule import Interval, Schedule
 from maxdiffusion_svg.plugin import run_summary
 from maxdiffusion_svg.plugin.settings import PluginSettings
-from maxdiffusion_svg.budgets.schedule import Interval, Schedule
 
 
 def test_the_tally_merges_devices_and_reports_per_layer_range():

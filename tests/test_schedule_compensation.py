@@ -5,12 +5,11 @@ import json
 
 import pytest
 
-from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.bench import schedule_compensation
 from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case
-from maxdiffusion_svg.bench.schedule_compensation import (compensated_row,
-                                                          format_compensation_bench)
+from maxdiffusion_svg.bench.schedule_compensation import compensated_row, format_compensation_bench
 from maxdiffusion_svg.bench.schedule_xla import calls, issued_bundles, loops, price_program
+from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.tpu.aot import libtpu_available
 
 

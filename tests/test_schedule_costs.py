@@ -5,11 +5,11 @@ import pathlib
 
 import pytest
 
-from maxdiffusion_svg.plan.geometry import grid_for_resolution
-from maxdiffusion_svg.plugin.estimate import _against_fixed_m
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES, KernelPrices, prices_from_schedule
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.plan.target import tpu_target
+from maxdiffusion_svg.plugin.estimate import _against_fixed_m
+from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES, KernelPrices, prices_from_schedule
 
 MEASUREMENTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "measurements"
 

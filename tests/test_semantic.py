@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.call.attention import semantic_placed_attention, svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.call.attention import semantic_placed_attention, svg_attention
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.routing.layouts import LAYOUTS, check_layouts
-from maxdiffusion_svg.routing.semantic import (SemanticConfig, cluster_order, gather_tokens, group_size,
-                                       placed_positions, semantic_layout, token_positions,
-                                       visited_table)
 from maxdiffusion_svg.plan.tiles import plan_tiles
+from maxdiffusion_svg.routing.layouts import LAYOUTS, check_layouts
+from maxdiffusion_svg.routing.semantic import (SemanticConfig, cluster_order, gather_tokens,
+                                               group_size, placed_positions, semantic_layout,
+                                               token_positions, visited_table)
 
 GRID = VideoGrid(6, 8, 20)  # 960 tokens: the last 128-key tile is padded; groups of 4
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}

@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.bench.quality import psnr
 from maxdiffusion_svg.bench.semantic_720p import (KINDS, Semantic720pConfig, format_semantic_720p,
                                                   moving_qkv, run_semantic_720p)
-from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.kernels import dense_attention, plan_reference
+from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
 
 from test_compensation import reference as compensated_reference  # the float64 rule
 

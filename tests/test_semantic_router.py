@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.routing import router
-from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.bench.synthetic import MovingScene, planted_qkv
-from maxdiffusion_svg.routing.compensation import ordered_block_means
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, to_temporal_major
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, to_temporal_major
+from maxdiffusion_svg.routing import router
+from maxdiffusion_svg.routing.compensation import ordered_block_means
 from maxdiffusion_svg.routing.layouts import LAYOUTS
 from maxdiffusion_svg.routing.semantic import semantic_layout, token_positions, visited_table
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import scheduled_svg_attention
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.budgets.schedule import Interval, Schedule
-from maxdiffusion_svg.routing.semantic import Seed, kmeans
+from maxdiffusion_svg.call.attention import scheduled_svg_attention
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.routing.semantic import Seed, kmeans
 
 GRID = VideoGrid(6, 8, 16)
 CLUSTERS = 4

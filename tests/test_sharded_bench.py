@@ -6,7 +6,8 @@ import json
 import jax
 import pytest
 
-from maxdiffusion_svg.bench.sharded import ShardedBenchConfig, format_sharded_bench, run_sharded_bench
+from maxdiffusion_svg.bench.sharded import (ShardedBenchConfig, format_sharded_bench,
+                                            run_sharded_bench)
 from maxdiffusion_svg.cli.main import main
 from maxdiffusion_svg.plan.geometry import VideoGrid
 

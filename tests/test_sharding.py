@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
 from maxdiffusion_svg.bench.hlo import collective_stats
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.budgets.schedule import Interval, Schedule
+from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
+from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.parallel.sharding import layout_axes, sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 AXES = ("data", "fsdp", "context", "tensor")
 SPEC = P(("data", "fsdp"), None, "context", None)

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.backward import sparse_attention_backward
 from maxdiffusion_svg.kernels.splash_backward import (backward_blocks, backward_mask_strategy,
                                                       dkv_smem_bytes, dkv_table_entries,
                                                       plan_dkv_mask_info,
                                                       splash_sparse_attention_backward)
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, _pack_rows, plan_tiles
 
 GRID = VideoGrid(5, 6, 7)  # 210 tokens: 82 real keys in the last 128-token tile
@@ -265,8 +265,8 @@ def test_a_backward_whose_tables_overflow_smem_is_refused_when_differentiated():
   """At 1440p, 512x512 tiles: our kernel's forward tables fit a v6e's 1 MiB of SMEM (474 KB),
   the backward's kv-major list (1.5 MB) does not; the refusal comes when a gradient is traced,
   naming the keys, and inference is unaffected."""
-  from maxdiffusion_svg.plan.geometry import grid_for_resolution
   from maxdiffusion_svg.kernels.splash_backward import check_backward_fits
+  from maxdiffusion_svg.plan.geometry import grid_for_resolution
   from maxdiffusion_svg.plan.target import tpu_target
   v6e = tpu_target("v6e")
   plan = plan_tiles(grid_for_resolution("1440p"), 0.3, 512, 512, "aligned")
@@ -300,8 +300,8 @@ def test_the_backward_vmem_bound_holds_libtpus_figures():
 
 
 def test_the_backward_takes_the_largest_query_tile_that_fits():
-  from maxdiffusion_svg.plan.geometry import grid_for_resolution
   from maxdiffusion_svg.kernels.splash_backward import backward_tiles, dkv_vmem_bound
+  from maxdiffusion_svg.plan.geometry import grid_for_resolution
   from maxdiffusion_svg.plan.target import tpu_target
   plan = plan_tiles(grid_for_resolution("720p"), 0.3, 3328, 1536, "aligned")
   assert backward_tiles(plan, 256, 128, jnp.bfloat16, tpu_target("v6e")) == (3328, 1536, 256)

@@ -8,12 +8,11 @@ import pytest
 
 from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_need
-from maxdiffusion_svg.plan.tiling import (PALLAS_TILES, SPLASH_TILES, UNKNOWN_TPU_TILES, SplashTiles,
-                                     default_tiles)
-from maxdiffusion_svg.plan.target import (GENERATIONS, GENERIC_TPU, MIB, Target, generation_for_kind,
-                                     generation_named,
-                                     target_for_devices, target_of, tpu_target,
-                                     vmem_limit_from_flags)
+from maxdiffusion_svg.plan.target import (GENERATIONS, GENERIC_TPU, MIB, Target,
+                                          generation_for_kind, generation_named, target_for_devices,
+                                          target_of, tpu_target, vmem_limit_from_flags)
+from maxdiffusion_svg.plan.tiling import (PALLAS_TILES, SPLASH_TILES, UNKNOWN_TPU_TILES,
+                                          SplashTiles, default_tiles)
 from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, libtpu_available
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")

@@ -5,7 +5,7 @@ import pytest
 
 from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, grid_for_resolution
 from maxdiffusion_svg.plan.masks import PlacedMask, SvgMask, svg_mask
-from maxdiffusion_svg.plan.tiles import (EMPTY, FULL, MASKED, TileMode, plan_mask_tiles, plan_tiles)
+from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, TileMode, plan_mask_tiles, plan_tiles
 
 # (grid, density, block_q, block_kv, include_sink): odd sizes leave padding in both dims.
 CASES = [

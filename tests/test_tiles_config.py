@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 from maxdiffusion_svg.cli.main import main
-from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.kernels.api import sparse_attention
-from maxdiffusion_svg.plugin import preflight
-from maxdiffusion_svg.plugin.wan22 import expert_steps
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.plan.target import tpu_target
 from maxdiffusion_svg.plan.tiles import plan_tiles
+from maxdiffusion_svg.plugin import preflight
+from maxdiffusion_svg.plugin.wan22 import expert_steps
 
 WAN14B = {"model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,
           "width": 1280, "num_inference_steps": 50, "activations_dtype": "bfloat16",
@@ -380,6 +380,26 @@ def test_dense_frames_are_counted_priced_checked_and_refused_on_a_ring(tmp_path,
   ring = {**WAN14B, "ulysses_shards": 4}
   code, _, err, _ = tiles(tmp_path, capsys, ring, "--slice", "v6e-8", "svg_dense_frames=1")
   assert code != 0 and "svg_dense_frames is 1, whose dense rows need every key" in err
+
+
+def test_a_ring_refuses_per_layer_and_per_head_budgets_as_the_run_does(tmp_path, capsys):
+  """Per-layer and per-head keys on a ring: refused by the run's own check (before, only the
+  traced call refused them, after the weights loaded); each Wan 2.2 expert's own key by name."""
+  ring = {**WAN14B, "ulysses_shards": 4}
+  forty = lambda value: f"[{', '.join([value] * 40)}]"  # a layer's, or each of 40 heads'
+  for key, value in (("svg_layer_densities", forty("0.3")),
+                     ("svg_layer_compensation", forty("true")),
+                     ("svg_head_densities", forty("0.3"))):
+    code, _, err, _ = tiles(tmp_path, capsys, ring, "--slice", "v6e-8", f"{key}={value}")
+    assert code == 2, err
+    assert (f"{key} does not run on a ring yet (ulysses_shards 4 leaves the sequence split "
+            f"over 2 devices)") in err
+    code, _, err, _ = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8", f"{key}={value}")
+    assert code == 0, err  # no ring: the whole context axis exchanges heads
+  wan22 = {**WAN22, "ulysses_shards": 4}
+  code, _, err, _ = tiles(tmp_path, capsys, wan22, "--slice", "v6e-8",
+                          f"svg_low_noise_layer_densities={forty('0.3')}")
+  assert code == 2 and "svg_low_noise_layer_densities does not run on a ring yet" in err
 
 
 def test_a_block_count_that_does_not_divide_the_chips_key_tile_is_refused(tmp_path, capsys):

@@ -16,8 +16,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention
 from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attention
-from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
+from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.plan.target import GENERIC_TPU, target_for_devices, tpu_target
 from maxdiffusion_svg.tpu.aot import (abstract, aot_compile, chip_mesh, libtpu_available,
                                       topology_devices, vmem_options)

@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg import SvgConfig, grid_for_resolution, plan_tiles, sparse_attention, svg_attention
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg import (SvgConfig, grid_for_resolution, plan_tiles, sparse_attention,
+                              svg_attention)
 from maxdiffusion_svg.kernels import plan_reference
 from maxdiffusion_svg.kernels.splash import mask_strategy, mask_traffic, plan_mask_info
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import tpu_target
 
 TILES = (3328, 1536)  # v6e's default (the seed design's)

@@ -11,8 +11,7 @@ from maxdiffusion_svg.bench.schedule import (ScheduleCase, compile_case, dump_na
                                              static_bundles)
 from maxdiffusion_svg.bench.schedule_format import DESIGN_MS, format_schedule_bench
 from maxdiffusion_svg.tpu.aot import libtpu_available
-from maxdiffusion_svg.tpu.bundles import (ScheduleFormatError, parse_kernel,
-                                           read_dump)
+from maxdiffusion_svg.tpu.bundles import ScheduleFormatError, parse_kernel, read_dump
 
 pytestmark = pytest.mark.skipif(not libtpu_available(),
                                 reason="libtpu is not installed (pip install -e '.[test]')")

@@ -4,8 +4,8 @@ MaxDiffusion pipeline gives (VAE compression, patch size, reference frames)."""
 import pytest
 
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, grid_of,
-                                           video_model)
+from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, experts_of,
+                                                  grid_of, video_model, wan_size)
 
 
 @pytest.mark.parametrize("family, video, grid", [
@@ -55,3 +55,32 @@ def test_the_attention_share_is_modelled_for_ltx2_and_the_seeds_for_wan_families
   for family in (WAN, WAN_ANIMATE, WAN_VACE):  # Wan blocks: the seed design's stated 720p share
     share, source = attention_share(75_600, family=family)
     assert share == 0.555 and "seed design" in source
+
+
+@pytest.mark.parametrize("keys, size", [
+    ({"pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"}, (30, 12, 15)),
+    ({"pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-14B-Diffusers"}, (40, 40, 8)),
+    ({"model_name": "wan2.2"}, (40, 40, 8)),
+    ({"vace_reference_images": ["r.png"],
+      "pretrained_model_name_or_path": "Wan-AI/Wan2.1-VACE-1.3B-diffusers"}, (30, 12, 15)),
+    ({"model_name": "ltx2_video"}, None)])
+def test_a_wan_checkpoints_size_comes_from_its_name_once(keys, size):
+  """One rule: layers, heads and VACE control blocks by the name; estimate and the pre-flight
+  read it (other families have one size: their VideoModel's)."""
+  from maxdiffusion_svg.plugin import config_checks, estimate  # pylint: disable=import-outside-toplevel
+  found = wan_size(keys)
+  assert (None if found is None else (found.layers, found.heads, found.vace_blocks)) == size
+  family = video_model(keys)
+  assert estimate.layers_of(keys) == (family.layers if size is None else size[0])
+  assert estimate.heads_of(keys) == config_checks.heads_of(keys)[0] == (
+      family.heads if size is None else size[1])
+  if family is WAN_VACE:
+    assert estimate.dense_blocks_of(keys)[0] == size[2]
+
+
+@pytest.mark.parametrize("keys, experts", [
+    ({"model_name": "wan2.2"}, ("high_noise", "low_noise")),
+    ({"model_name": "wan2.2", "pose_video_path": "p.mp4"}, (None,)),  # Animate: one transformer
+    ({"model_name": "wan2.1"}, (None,)), ({"model_name": "ltx2_video"}, (None,))])
+def test_the_experts_a_run_prepares(keys, experts):
+  assert experts_of(keys) == experts

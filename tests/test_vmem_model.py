@@ -71,8 +71,8 @@ def test_another_libtpu_is_named_once(monkeypatch):
 
 
 def test_the_runs_summary_line_and_tiles_name_another_libtpu(monkeypatch):
-  from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plan.target import tpu_target  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin.settings import PluginSettings  # pylint: disable=import-outside-toplevel
   import importlib.metadata  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
   splash = PluginSettings.from_mapping({"svg_backend": "splash"})

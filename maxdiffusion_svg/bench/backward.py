@@ -61,8 +61,8 @@ class BackwardCase:
     """``(target, plan, tiles)``: the chip's default tiles, an aligned plan."""
     # pylint: disable=import-outside-toplevel
     from maxdiffusion_svg.budgets.config import SvgConfig
-    from maxdiffusion_svg.plan.target import tpu_target
     from maxdiffusion_svg.call.prepared import prepare
+    from maxdiffusion_svg.plan.target import tpu_target
     # pylint: enable=import-outside-toplevel
     config = SvgConfig(tile_mode="aligned", density=self.density, backend=self.backend)
     branch = prepare(config, grid_for_resolution(self.resolution),

@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from maxdiffusion_svg.bench.synthetic import planted_qkv
-from maxdiffusion_svg.measure.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_heads,
-                                          calibrate_layers, candidate_rungs, layer_errors,
-                                          rung_costs, uniform_rung)
 from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.measure.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_heads,
+                                                  calibrate_layers, candidate_rungs, layer_errors,
+                                                  rung_costs, uniform_rung)
 from maxdiffusion_svg.plan.geometry import VideoGrid
 
 GAIN_DB = 1.0

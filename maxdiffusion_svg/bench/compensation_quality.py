@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.bench.synthetic import PLANTED_STRENGTH, WEAK_STRENGTH, planted_qkv
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import dense_attention
 
 KINDS = ("spatial", "temporal", "moving")

@@ -20,15 +20,15 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import grid_for_resolution
+from maxdiffusion_svg.call.prepared import prepare_on
 from maxdiffusion_svg.kernels import sparse_attention
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
-from maxdiffusion_svg.call.prepared import prepare_on
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
-from maxdiffusion_svg.plan.target import (GENERATIONS, GENERIC_TPU, MIB, TPU_BACKENDS, target_for_devices,
-                                     tpu_target)
-from maxdiffusion_svg.plan.tiling import choose_tiles
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
+from maxdiffusion_svg.plan.target import (GENERATIONS, GENERIC_TPU, MIB, TPU_BACKENDS,
+                                          target_for_devices, tpu_target)
 from maxdiffusion_svg.plan.tiles import MODES, plan_tiles
+from maxdiffusion_svg.plan.tiling import choose_tiles
 from maxdiffusion_svg.tpu.aot import (SINGLE_CHIP, abstract, compile_lowered, chip_mesh,
                                       libtpu_version, scoped_vmem_need, topology_devices,
                                       vmem_options)

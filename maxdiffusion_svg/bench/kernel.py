@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiffusion_svg.bench.timing import time_call
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention, resolve_backend, sparse_attention
-from maxdiffusion_svg.plan.target import target_of
-from maxdiffusion_svg.plan.tiling import choose_tiles
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.masks import check_density
+from maxdiffusion_svg.plan.target import target_of
 from maxdiffusion_svg.plan.tiles import TileMode, check_block_size, plan_tiles
+from maxdiffusion_svg.plan.tiling import choose_tiles
 
 # Skip the plain dense baseline when its score matrix (and softmax) would not fit.
 DENSE_SCORE_LIMIT_BYTES = 12 * 2**30

@@ -37,7 +37,9 @@ import time
 from typing import Any, Callable, Sequence
 from unittest import mock
 
-from maxdiffusion_svg.bench.ltx2_model import (CONFIG_NAME, LTX2_19B, TEXT_LEN, FPS, NUM_STEPS, RESOLUTIONS, default_config, latent_grid, audio_frames, resolution_video)
+from maxdiffusion_svg.bench.ltx2_model import (CONFIG_NAME, LTX2_19B, TEXT_LEN, FPS, NUM_STEPS,
+                                               RESOLUTIONS, default_config, latent_grid,
+                                               audio_frames, resolution_video)
 from maxdiffusion_svg.bench.wan_aot import (KERNEL_KEYS as WAN_KERNEL_KEYS, _counts,
                                             abstract_loaders, abstract_tree, init_config, mib,
                                             mutable_stores, record_compile, topology_mesh)

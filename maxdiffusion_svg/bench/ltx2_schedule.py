@@ -49,10 +49,10 @@ def static_schedule_bounds(resolutions: Sequence[str | Sequence[int]] = ("720p",
   {...}}}``."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case
+  from maxdiffusion_svg.plan.target import tpu_target
   from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.plugin.overlay import load_config
   from maxdiffusion_svg.tpu.prices import LIBTPU
-  from maxdiffusion_svg.plan.target import tpu_target
   # pylint: enable=import-outside-toplevel
   svg_keys, _ = load_config(svg_config or SVG_CONFIG)
   flash_keys, _ = load_config(default_config())

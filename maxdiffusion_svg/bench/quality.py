@@ -17,20 +17,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.call.attention import placed_attention, svg_attention
-from maxdiffusion_svg.bench.compensation_quality import format_compensation, run_compensation
 from maxdiffusion_svg.bench.calibration import LAYERS as CALIBRATION_LAYERS
 from maxdiffusion_svg.bench.calibration import (CalibrationBenchConfig, format_calibration_bench,
                                                 run_calibration_bench)
-from maxdiffusion_svg.bench.semantic_quality import format_semantic, run_semantic
+from maxdiffusion_svg.bench.compensation_quality import format_compensation, run_compensation
 from maxdiffusion_svg.bench.routers import ROUTER_HEADS, compare_routers, format_router_comparison
+from maxdiffusion_svg.bench.semantic_quality import format_semantic, run_semantic
 from maxdiffusion_svg.bench.synthetic import EXPECTED_TEMPORAL, planted_qkv
 from maxdiffusion_svg.bench.timing import time_call
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.call.attention import placed_attention, svg_attention
 from maxdiffusion_svg.kernels import dense_attention, sparse_attention
-from maxdiffusion_svg.routing.router import (PROFILE_MASKS, PROFILE_POOLS, probe_errors, profile_heads,
-                                    route_heads)
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.routing.router import (PROFILE_MASKS, PROFILE_POOLS, probe_errors,
+                                             profile_heads, route_heads)
 
 # The reference router samples the first 10,000 of 75,600 tokens at 720p (2.8 of 21
 # frames); the benchmark keeps that share on its smaller grid.

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.bench.quality import psnr
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.tiles import visited_in_tiles_of
 from maxdiffusion_svg.plan.tiling import SplashTiles
 

@@ -27,9 +27,10 @@ import numpy as np
 
 from maxdiffusion_svg.bench.hlo import collective_ops
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.parallel.ring_placement import ring_placement
-from maxdiffusion_svg.parallel.ring_plan import check_ulysses_shards, key_fetch, ring_split, window_plan
+from maxdiffusion_svg.parallel.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
+                                                 window_plan)
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 AGAINST = ("ulysses_ring", "ulysses_ring_custom")

@@ -20,12 +20,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.bench.compensation_quality import SOFT_STRENGTH
 from maxdiffusion_svg.bench.synthetic import PLANTED_STRENGTH, MovingScene, planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 
 BEST_DB = 0.5
 SVG1_DB = 0.1

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.call.attention import placed_attention
 from maxdiffusion_svg.budgets.config import SvgConfig
+from maxdiffusion_svg.call.attention import placed_attention
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.routing.router import PROFILE_MASKS, profile_heads
 from maxdiffusion_svg.plan.tiles import TilePlan
+from maxdiffusion_svg.routing.router import PROFILE_MASKS, profile_heads
 
 # Heads where the right layout is clear, and heads where it is not.
 EASY_HEADS = ("spatial", "spatial", "temporal", "temporal")

@@ -20,15 +20,14 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
-from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
-from maxdiffusion_svg.plan.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
+from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.plan.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.tpu.aot import child_result, libtpu_version, print_result
 from maxdiffusion_svg.tpu.bundles import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
-                                           SPLASH_LAYOUT,
-                                           KernelSchedule, ScheduleFormatError, dump_flags,
-                                           read_dump)
+                                          SPLASH_LAYOUT, KernelSchedule, ScheduleFormatError,
+                                          dump_flags, read_dump)
 
 # MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
 # base_wan_14b.yml gives for v6e (a commented block, read by maxdiffusion_v6e_blocks where

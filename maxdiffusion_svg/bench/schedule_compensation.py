@@ -1,8 +1,9 @@
 """``bench schedule --compensation``: what compensation adds to a call, by the static schedule.
 
 Each mode is compiled twice for one chip: the plain call (the kernel alone, what ``bench
-schedule`` prices) and the compensated one (:func:`maxdiffusion_svg.routing.compensation.compensated_attention`:
-the centroid sums and each row's packing in XLA; our kernel takes the row keys in its closing
+schedule`` prices) and the compensated one
+(:func:`maxdiffusion_svg.routing.compensation.compensated_attention`: the centroid sums and each
+row's packing in XLA; our kernel takes the row keys in its closing
 step, Splash returns its log-sum-exp for a separate pass and merge). The kernel is priced from
 its plan's tiles as always (its closing step once per row); the XLA around it from the
 program's schedule dump (:mod:`maxdiffusion_svg.bench.schedule_xla`). What compensation adds is

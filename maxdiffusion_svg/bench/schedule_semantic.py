@@ -24,9 +24,9 @@ from typing import Any, Callable, Sequence
 
 from maxdiffusion_svg.bench.schedule import ScheduleCase, default_tiles, run_case
 from maxdiffusion_svg.plan.geometry import grid_for_resolution
-from maxdiffusion_svg.tpu.prices import PRICES
 from maxdiffusion_svg.routing.semantic import group_size
 from maxdiffusion_svg.tpu.aot import libtpu_version
+from maxdiffusion_svg.tpu.prices import PRICES
 
 TARGET_RATIO = 1.15
 CAVEAT = ("XLA computations priced as their listings with each literal-trip loop run its trip "

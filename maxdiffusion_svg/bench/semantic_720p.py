@@ -21,16 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.call.attention import placed_attention, semantic_placed_attention, svg_attention
 from maxdiffusion_svg.bench.compensation_quality import SOFT_STRENGTH
 from maxdiffusion_svg.bench.quality import psnr
 from maxdiffusion_svg.bench.synthetic import PLANTED_STRENGTH, planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.call.attention import (placed_attention, semantic_placed_attention,
+                                             svg_attention)
 from maxdiffusion_svg.kernels import sparse_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.plan.tiling import PALLAS_TILES
 from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC
 from maxdiffusion_svg.routing.semantic import group_size, semantic_layout
-from maxdiffusion_svg.plan.tiling import PALLAS_TILES
 
 GAIN_DB = 1.0
 COMPENSATED = " +comp"

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.bench.compensation_quality import compensation_qkv
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import dense_attention
 
 CANDIDATES = {"spatial": ("spatial",), "temporal": ("temporal",), "semantic": ("semantic",),

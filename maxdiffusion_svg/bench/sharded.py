@@ -21,15 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import place, restore, svg_attention
 from maxdiffusion_svg.bench.hlo import KINDS, collective_stats
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.bench.timing import time_call
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.call.attention import place, restore, svg_attention
 from maxdiffusion_svg.kernels import resolve_backend, sparse_attention
-from maxdiffusion_svg.routing.router import route_heads
 from maxdiffusion_svg.parallel.sharding import exchange_heads, head_exchange, sharded_svg_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.routing.router import route_heads
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 PLACEMENTS = ("after", "before")

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import yaml
 
+from maxdiffusion_svg.budgets.schedule import PRESETS
 from maxdiffusion_svg.plugin import launcher
 from maxdiffusion_svg.testing import tiny_checkpoint
-from maxdiffusion_svg.budgets.schedule import PRESETS
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 VIDEO = ["height=128", "width=128", "num_frames=33"]  # a 9x8x8 = 576-token grid

@@ -5,21 +5,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_compensation, check_layer_densities
-from maxdiffusion_svg.routing.compensation import check_compensation
 from maxdiffusion_svg.budgets.config_keys import DEFAULT_NUM_STEPS, DEFAULT_PRESET, config_kwargs
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.budgets.per_head import HeadBudget, check_head_densities, head_budget
-from maxdiffusion_svg.kernels.api import BACKENDS
-from maxdiffusion_svg.routing.layouts import DEFAULT_LAYOUTS, SEMANTIC, check_layouts, ring_layouts
-from maxdiffusion_svg.plan.masks import check_density
-from maxdiffusion_svg.routing.router import RouterConfig
+from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_compensation, check_layer_densities
 from maxdiffusion_svg.budgets.schedule import PRESETS, Schedule
-from maxdiffusion_svg.routing.semantic import SEMANTIC_CRITERION, SemanticConfig, check_semantic
+from maxdiffusion_svg.kernels.api import BACKENDS
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.masks import check_density
 from maxdiffusion_svg.plan.target import VMEM_FLAG, Target, target_for_call
 from maxdiffusion_svg.plan.tiles import (TILE_QUANTUM, TileMode, TilePlan, check_block_size,
-                                    dense_rows_plan, plan_tiles)
+                                         dense_rows_plan, plan_tiles)
 from maxdiffusion_svg.plan.tiling import SplashTiles, choose_tiles
+from maxdiffusion_svg.routing.compensation import check_compensation
+from maxdiffusion_svg.routing.layouts import DEFAULT_LAYOUTS, SEMANTIC, check_layouts, ring_layouts
+from maxdiffusion_svg.routing.router import RouterConfig
+from maxdiffusion_svg.routing.semantic import SEMANTIC_CRITERION, SemanticConfig, check_semantic
 
 EXPERTS = ("high_noise", "low_noise")  # Wan 2.2's two transformers
 
@@ -32,7 +32,8 @@ class SvgConfig:
   high_noise_density: float | None = None  # Wan 2.2 high-noise expert; None = density
   low_noise_density: float | None = None  # Wan 2.2 low-noise expert; None = density
   schedule: Schedule = PRESETS[DEFAULT_PRESET].schedule(DEFAULT_NUM_STEPS)
-  # One density per layer (``calibrate`` writes them; maxdiffusion_svg.budgets.per_layer); None: every
+  # One density per layer (``calibrate`` writes them; maxdiffusion_svg.budgets.per_layer); None:
+  # every
   # layer the expert's density. Each Wan 2.2 expert may have its own.
   layer_densities: tuple[float, ...] | None = None
   high_noise_layer_densities: tuple[float, ...] | None = None
@@ -378,7 +379,8 @@ class SvgConfig:
     The preset's dense warm-up is placed using ``num_steps``, else the mapping's
     ``num_inference_steps``, else 50. Unknown ``svg_*`` keys raise: a typo must not be
     silently ignored. ``extra_keys`` are ``svg_*`` keys a caller reads itself (the
-    MaxDiffusion plugin's); they are allowed and left alone (:mod:`maxdiffusion_svg.budgets.config_keys`).
+    MaxDiffusion plugin's); they are allowed and left alone
+    (:mod:`maxdiffusion_svg.budgets.config_keys`).
     """
     return cls(**config_kwargs(mapping, num_steps, extra_keys))
 

@@ -25,8 +25,8 @@ import numpy as np
 import yaml
 
 from maxdiffusion_svg.budgets.per_layer import UNIFORM, per_layer_values
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels.worklist import ragged_cores
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.masks import check_density
 from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan, TileMode, plan_tiles
 

@@ -3,8 +3,9 @@ errors.
 
 One density for every layer spends the same tiles on a layer whose heads are nearly local as
 on one that needs most of the sequence. Given each layer's measured error at a ladder of
-rungs (:class:`Rung`: density, compensation on or off; ``errors [L, K]``) and what each costs (``costs [L, K]``: visited tiles per call),
-:func:`allocate` picks one rung per layer with the least total error whose total cost is within
+rungs (:class:`Rung`: density, compensation on or off; ``errors [L, K]``) and what each costs
+(``costs [L, K]``: visited tiles per call), :func:`allocate` picks one rung per layer with the least
+total error whose total cost is within
 a budget (the uniform density's), and :func:`least_cost` the cheapest choice that meets a total
 error. Both are exact: a multiple-choice knapsack solved over the Pareto front of (cost, error)
 of the layers so far, which stays small because a rung's cost is the same in every layer.

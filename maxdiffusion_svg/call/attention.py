@@ -15,18 +15,19 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.budgets.per_layer import levels
-from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
-                                           table_row_keys)
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
-from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
-from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
+from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
-from maxdiffusion_svg.routing.router import Routing, layout_centroids, profile_heads
-from maxdiffusion_svg.routing.semantic import Seed, SemanticLayout, gather_tokens, semantic_layout, visited_table
+from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
+from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.plan.target import Target, target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
+from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
+                                                   table_row_keys)
+from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
+from maxdiffusion_svg.routing.router import Routing, layout_centroids, profile_heads
+from maxdiffusion_svg.routing.semantic import (Seed, SemanticLayout, gather_tokens, semantic_layout,
+                                               visited_table)
 
 
 def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
@@ -47,8 +48,8 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
                      semantic: SemanticLayout | None = None) -> jax.Array:
   """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
   ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
-  the placed layout (:mod:`maxdiffusion_svg.routing.compensation`; ``cents``: each layout's centroids,
-  where the router has them, else computed from the placed keys). With ``semantic`` (each
+  the placed layout (:mod:`maxdiffusion_svg.routing.compensation`; ``cents``: each layout's
+  centroids, where the router has them, else computed from the placed keys). With ``semantic`` (each
   head's semantic order and table), ``temporal`` holds layout ids instead (``int32 [B, H]``,
   :data:`maxdiffusion_svg.routing.layouts.LAYOUTS`): see :func:`semantic_placed_attention`.
   ``backend``, ``block_kv_compute`` and ``target`` make the kernel
@@ -383,8 +384,8 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
   scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
   The router's key is ``key`` (default: the config's seed) folded with layer and step.
   With ``return_layout`` or ``seed`` returns ``(out, aux)``: ``aux["layout"]``, each head's
-  layout id ``[B, H]`` (:data:`maxdiffusion_svg.routing.layouts.LAYOUTS`; spatial on a dense call), and
-  with ``seed`` (a warm start of the semantic clustering) ``aux["clusters"]``, this call's
+  layout id ``[B, H]`` (:data:`maxdiffusion_svg.routing.layouts.LAYOUTS`; spatial on a dense call),
+  and with ``seed`` (a warm start of the semantic clustering) ``aux["clusters"]``, this call's
   centroids ``[B, H, C, D]`` (the seed's, unchanged, on a dense call).
   """
   check_qkv(q, k, v, grid)

@@ -20,16 +20,16 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.budgets.per_head import HeadBudget
+from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
-from maxdiffusion_svg.routing.router import RouterConfig
-from maxdiffusion_svg.routing.semantic import SemanticConfig, group_size
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Executor, Target, call_executors, resolve_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.plan.tiling import SplashTiles
+from maxdiffusion_svg.routing.router import RouterConfig
+from maxdiffusion_svg.routing.semantic import SemanticConfig, group_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,8 @@ import argparse
 import json
 import os
 
-from maxdiffusion_svg.cli.args import (_add_json_arg, _density, _positive_int, _progress,
-                                       _report, _tile)
+from maxdiffusion_svg.cli.args import (_add_json_arg, _density, _positive_int, _progress, _report,
+                                       _tile)
 from maxdiffusion_svg.plan.geometry import RESOLUTIONS
 from maxdiffusion_svg.plan.target import GENERATIONS, TPU_BACKENDS, generation_named
 
@@ -38,8 +38,8 @@ def _bench_compile(args: argparse.Namespace) -> int:
 
 def _bench_wan_forward(args: argparse.Namespace) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
-  from maxdiffusion_svg.plan.geometry import RESOLUTIONS  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.geometry import RESOLUTIONS  # pylint: disable=import-outside-toplevel
   if args.resolution not in RESOLUTIONS:
     raise ValueError(f"--resolution must be one of {', '.join(RESOLUTIONS)}, got "
                      f"{args.resolution!r}")

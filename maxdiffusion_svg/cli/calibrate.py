@@ -67,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
 def run(args: argparse.Namespace) -> int:
   require_maxdiffusion("calibrate")
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plugin.calibrate import format_calibration, plan_calibration, run_calibration
+  from maxdiffusion_svg.plugin.calibrate import (format_calibration, plan_calibration,
+                                                 run_calibration)
   # pylint: enable=import-outside-toplevel
   plan = plan_calibration(args.config, args.overrides, args.out, args.prompts, args.ladder,
                           args.target_error, None if args.no_guard else args.max_layer_loss_db,

@@ -6,9 +6,9 @@ from typing import Sequence
 
 import numpy as np
 
+from maxdiffusion_svg.cli.report import HEADS, kernel_mask
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.masks import PlacedMask, svg_mask
-from maxdiffusion_svg.cli.report import HEADS, kernel_mask
 from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, TileMode, plan_mask_tiles
 
 _TILE_COLOURS = {EMPTY: "#f2f2f2", MASKED: "#e4572e", FULL: "#2e86ab"}

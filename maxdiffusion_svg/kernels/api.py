@@ -24,7 +24,7 @@ from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
 from maxdiffusion_svg.plan.target import (BACKENDS, TPU_BACKENDS, Target, lowering_tpu_target,
-                                     resolve_backend, target_for_call)
+                                          resolve_backend, target_for_call)
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.plan.tiling import default_kv_compute
 

@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from maxdiffusion_svg.kernels.fixed_offset import FixedOffsets, fixed_offsets
 from maxdiffusion_svg.kernels.row_keys import RowKeys, pad_row_keys
 from maxdiffusion_svg.kernels.worklist import (pack_head_work, pack_ragged_work, pack_work,
-                                              ragged_cores, unpack_work)
+                                               ragged_cores, unpack_work)
 from maxdiffusion_svg.plan.masks import SvgMask
 from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan
 

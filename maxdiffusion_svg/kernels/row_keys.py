@@ -1,7 +1,7 @@
 """Row keys: a few extra keys per query tile row, beside the tiles a plan visits.
 
-Compensation (:mod:`maxdiffusion_svg.routing.compensation`) gives each query tile row the centroids of
-the key tiles it skips. To a kernel these are just more keys, different per row: ``k [B, H,
+Compensation (:mod:`maxdiffusion_svg.routing.compensation`) gives each query tile row the centroids
+of the key tiles it skips. To a kernel these are just more keys, different per row: ``k [B, H,
 num_q_tiles, m, D]`` and ``v [..., m, Dv]`` with an additive logit ``bias [num_q_tiles, m]``
 (natural log; ``-inf`` where a row has fewer than ``m``). Our Pallas kernel takes them into the
 row's softmax state when it closes the row (one more ``m``-key chunk per row, nothing written

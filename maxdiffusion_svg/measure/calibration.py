@@ -8,8 +8,8 @@ says), its output against dense attention of the same inputs. A layer's error is
 its heads and samples of the squared error relative to the dense output's power, so layers
 whose outputs differ in scale weigh alike. A rung costs its plan's visited key tiles, plus, when
 compensated, the row keys each query tile row scores (in key tiles). The allocation
-(:mod:`maxdiffusion_svg.budgets.per_layer`) then picks one rung per layer at a total cost no larger than
-the uniform rung's (the config's density and compensation).
+(:mod:`maxdiffusion_svg.budgets.per_layer`) then picks one rung per layer at a total cost no larger
+than the uniform rung's (the config's density and compensation).
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import svg_attention
-from maxdiffusion_svg.budgets.per_layer import Allocation, Rung, allocate, allocate_greedy, least_cost
-from maxdiffusion_svg.routing.compensation import plan_row_keys
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.budgets.per_layer import (Allocation, Rung, allocate, allocate_greedy,
+                                                least_cost)
+from maxdiffusion_svg.call.attention import svg_attention
 from maxdiffusion_svg.kernels import dense_attention
-from maxdiffusion_svg.plan.masks import check_density
-from maxdiffusion_svg.routing.router import layout_errors, sample_dense, sample_rows
 from maxdiffusion_svg.parallel.sharding import head_exchange, layout_axes, per_local_heads
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.masks import check_density
 from maxdiffusion_svg.plan.target import Target
+from maxdiffusion_svg.routing.compensation import plan_row_keys
+from maxdiffusion_svg.routing.router import layout_errors, sample_dense, sample_rows
 
 # How far a layer the allocation takes tiles from may fall: at most MAX_LOSS_DB below its
 # uniform PSNR against dense, or down to FLOOR_DB (a relative error of 1e-3) where that is

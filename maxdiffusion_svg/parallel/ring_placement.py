@@ -1,8 +1,9 @@
 """Placement across the ring: the exchange's ring shards to the plan's, per head type.
 
 After the head exchange a ring shard holds ``S / R`` frame-major tokens as they arrived; the plan
-runs shards of whole query tiles (:class:`maxdiffusion_svg.parallel.ring_plan.RingSplit`), and a temporal
-head runs in temporal-major order. Both moves are a static permutation of the sequence across
+runs shards of whole query tiles (:class:`maxdiffusion_svg.parallel.ring_plan.RingSplit`), and a
+temporal head runs in temporal-major order. Both moves are a static permutation of the sequence
+across
 the ring, here as tables (O(S) integers, built once per shape) for one all-to-all whose sides are
 gathers.
 """

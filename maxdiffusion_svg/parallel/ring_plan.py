@@ -18,12 +18,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from maxdiffusion_svg.plan.masks import Mask
 from maxdiffusion_svg.plan.tiles import EMPTY, MASKED, TilePlan, TileStats
+from maxdiffusion_svg.routing.layouts import ring_note
+
+if TYPE_CHECKING:
+  from maxdiffusion_svg.budgets.config import SvgConfig
 
 
 def _is_int(value: Any) -> bool:
@@ -46,6 +50,33 @@ def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> No
         f"svg_dense_frames is {dense_frames}, whose dense rows need every key: ulysses_shards "
         f"{ulysses} leaves a ring of {ring} sequence shards on this mesh. Set ulysses_shards to "
         f"the context axis's size, or svg_dense_frames to 0.")
+
+
+def budget_keys(config: SvgConfig, experts: Sequence[str | None] = (None,)) -> tuple[str, ...]:
+  """The per-layer and per-head keys that ``experts``' calls read, where set."""
+  keys = []
+  for expert in experts:
+    for what in ("densities", "compensation"):
+      if getattr(config, f"layer_{what}_for")(expert) is not None:
+        keys.append(config.layer_key(what, expert))
+    if config.head_densities_for(expert) is not None:
+      keys.append(config.head_key(expert))
+  return tuple(dict.fromkeys(keys))
+
+
+def check_on_ring(ulysses: int, ring: int, *, dense_frames: int = 0,
+                  budgets: Sequence[str] = (), layouts: Sequence[str] | None = None) -> str:
+  """What a ring of ``ring`` sequence shards accepts, checked alike by the run (before it traces
+  a ring) and by its pre-flight (before weights load): ``svg_dense_frames``
+  (:func:`check_dense_frames_on_ring`), the per-layer and per-head keys set (``budgets``, from
+  :func:`budget_keys`: a ring runs one budget for every layer and head) and ``layouts`` (a ring
+  leaves semantic out). Returns what it changes ("" if nothing)."""
+  check_dense_frames_on_ring(dense_frames, ulysses, ring)
+  if ring > 1 and budgets:
+    raise ValueError(f"{budgets[0]} does not run on a ring yet (ulysses_shards {ulysses} leaves "
+                     f"the sequence split over {ring} devices): set ulysses_shards to the "
+                     f"context axis's size, or leave {budgets[0]} unset")
+  return "" if layouts is None else ring_note(tuple(layouts), ulysses, ring)
 
 
 def working_ulysses_shards(context: int, heads: int) -> list[int]:

@@ -33,21 +33,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import profile_key
-from maxdiffusion_svg.routing.compensation import (Centroids, centroid_log_counts, centroids_by_position,
-                                           per_head, plan_bias, row_keys, skips_any)
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
-from maxdiffusion_svg.kernels.splash import RING_REFUSAL
-from maxdiffusion_svg.routing.layouts import SEMANTIC
-from maxdiffusion_svg.plan.masks import Mask, PlacedMask
+from maxdiffusion_svg.call.attention import profile_key
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
+from maxdiffusion_svg.kernels.splash import RING_REFUSAL
 from maxdiffusion_svg.parallel.ring_placement import ShardPermutation, ring_placement
-from maxdiffusion_svg.parallel.ring_plan import (KeyFetch, RingSplit, check_dense_frames_on_ring, key_fetch,
-                                        ring_split, window_plan)
-from maxdiffusion_svg.routing.router import compensated_rows, constants, routing_mask, sample_rows
+from maxdiffusion_svg.parallel.ring_plan import (KeyFetch, RingSplit, budget_keys, check_on_ring,
+                                                 key_fetch, ring_split, window_plan)
+from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
+from maxdiffusion_svg.plan.masks import Mask, PlacedMask
 from maxdiffusion_svg.plan.target import Target
 from maxdiffusion_svg.plan.tiles import TilePlan
+from maxdiffusion_svg.routing.compensation import (Centroids, centroid_log_counts,
+                                                   centroids_by_position, per_head, plan_bias,
+                                                   row_keys, skips_any)
+from maxdiffusion_svg.routing.layouts import SEMANTIC
+from maxdiffusion_svg.routing.router import compensated_rows, constants, routing_mask, sample_rows
 
 RING, ULYSSES = "svg_ring", "svg_ulysses"
 # The plan and each layout's whole-sequence centroids: the ring router's compensated outputs.
@@ -237,8 +238,8 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                        prepared: PreparedCall | None = None) -> Any:
   """SVG of global frame-major ``[B, H, S, D]`` arrays sequence-sharded over ``seq_axis``,
   with heads exchanged inside groups of ``ulysses`` devices (see the module docstring).
-  Arguments as :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`, which validates them
-  and calls this where ``ulysses_shards`` leaves a ring (``prepared``: its prepared call, in
+  Arguments as :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`, which validates
+  them and calls this where ``ulysses_shards`` leaves a ring (``prepared``: its prepared call, in
   place of ``config``, ``expert`` and ``target``)."""
   call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
   config = call.config
@@ -247,13 +248,8 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                      f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
                      f"devices): set ulysses_shards to the context axis's size, or svg_layouts "
                      f"to [spatial, temporal]")
-  for what in ("densities", "compensation"):
-    if getattr(config, f"layer_{what}_for")(call.expert) is not None:
-      key = config.layer_key(what, call.expert)
-      raise ValueError(f"{key} does not run on a ring yet (ulysses_shards {ulysses} leaves the "
-                       f"sequence split over {mesh.shape[seq_axis] // ulysses} devices): set "
-                       f"ulysses_shards to the context axis's size, or {key} to uniform")
-  check_dense_frames_on_ring(config.dense_frames, ulysses, mesh.shape[seq_axis] // ulysses)
+  check_on_ring(ulysses, mesh.shape[seq_axis] // ulysses, dense_frames=config.dense_frames,
+                budgets=budget_keys(config, (call.expert,)))
   inner = split_mesh(mesh, seq_axis, ulysses)
   ring = inner.shape[RING]
   batch_spec = tuple(batch_axes) or None

@@ -18,15 +18,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import (all_heads, check_qkv, prepared_scheduled_attention,
-                                        prepared_svg_attention)
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.call.attention import (all_heads, check_qkv, prepared_scheduled_attention,
+                                             prepared_svg_attention)
 from maxdiffusion_svg.call.prepared import PreparedCall, prepare
-from maxdiffusion_svg.parallel.ring_plan import asks_for_ring, check_ulysses_shards, working_ulysses_shards
+from maxdiffusion_svg.parallel.ring_plan import (asks_for_ring, budget_keys, check_on_ring,
+                                                 check_ulysses_shards, working_ulysses_shards)
 from maxdiffusion_svg.parallel.ring_sharding import reshard_explicit, ring_svg_attention
-from maxdiffusion_svg.routing.semantic import Seed
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target
+from maxdiffusion_svg.routing.semantic import Seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +249,8 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   ``ulysses_shards``: MaxDiffusion's key. Where it is smaller than the context axis, heads are
   exchanged inside groups of that many devices and the sequence stays split over the rest, a
   ring whose shards fetch only the key tiles their rows visit
-  (:func:`maxdiffusion_svg.parallel.ring_sharding.ring_svg_attention`): for meshes whose context axis
-  no divisor of the heads fills (32 or 64 chips for Wan's 40 heads).
+  (:func:`maxdiffusion_svg.parallel.ring_sharding.ring_svg_attention`): for meshes whose context
+  axis no divisor of the heads fills (32 or 64 chips for Wan's 40 heads).
   """
   check_qkv(q, k, v, grid)
   if qkv_spec is not None:
@@ -302,10 +303,8 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
     raise ValueError(f"seed centroids must be [B, H, C, D] = {tuple(q.shape[:2])} + ..., got "
                      f"{tuple(seed.centroids.shape)}")
   plan_stats = {"plan": call.host.plan.stats.as_dict()}
-  if ex.ring > 1 and head_ids is not None:
-    raise ValueError(f"{call.config.head_key(call.expert)} does not run on a ring (ulysses_shards "
-                     f"{ex.ulysses} of a context axis of {ex.shards}): set ulysses_shards to the "
-                     f"context axis, or leave the per-head key unset")
+  check_on_ring(ex.ulysses, ex.ring, dense_frames=call.config.dense_frames,
+                budgets=budget_keys(call.config, (call.expert,)))
   if ex.ring > 1:
     result = ring_svg_attention(q, k, v, mesh=ex.mesh, seq_axis=ex.seq_axis,
                                 batch_axes=ex.batch_axes, ulysses=ex.ulysses,

@@ -3,8 +3,9 @@
 Three traversal modes, the seed design's three iterations:
 
 * ``naive`` (B1): visit every tile holding a kept pair; evaluate the exact mask in all of them.
-* ``split`` (B2): tiles whose pairs are all kept run mask-free; only boundary tiles evaluate the mask.
-* ``aligned`` (B3): round each boundary tile in (run whole) or out (skip) so the kept-pair count
+* ``split`` (B2): tiles whose pairs are all kept run mask-free; only boundary tiles evaluate the
+mask. * ``aligned`` (B3): round each boundary tile in (run whole) or out (skip) so the kept-pair
+count
   stays close to the exact mask's; afterwards only tiles that hold padding keys need a mask.
 
 Everything is index arithmetic over the tiles a band+sink mask can reach: the cost is
@@ -125,7 +126,8 @@ class TilePlan:
   num_visited: np.ndarray  # int32 [num_q_tiles]
   stats: TileStats
   # Queries, where they differ from the keys: one ring shard's rows of a plan against the key
-  # tiles it fetched (:func:`maxdiffusion_svg.parallel.ring_plan.window_plan`); ``seq_len`` is then the
+  # tiles it fetched (:func:`maxdiffusion_svg.parallel.ring_plan.window_plan`); ``seq_len`` is then
+  # the
   # real keys of that window.
   q_len: int | None = None
 

@@ -5,10 +5,11 @@ overlay config.
 The config runs as the user would run it (``attention=svg``, its schedule), once per prompt,
 weights loaded once. Every video self-attention call also measures, on device, its error
 against dense at each rung: a ladder of densities, each with compensation off and on
-(:func:`maxdiffusion_svg.measure.calibration.sampled_rung_errors`: sampled rows, the router's layouts);
-only those few numbers leave the device. The calls the schedule makes sparse are averaged per
-layer (and Wan 2.2 expert), and :func:`maxdiffusion_svg.measure.calibration.calibrate_layers` picks each
-layer's rung within the uniform rung's cost (or, with a target error, the least cost that meets
+(:func:`maxdiffusion_svg.measure.calibration.sampled_rung_errors`: sampled rows, the router's
+layouts); only those few numbers leave the device. The calls the schedule makes sparse are averaged
+per
+layer (and Wan 2.2 expert), and :func:`maxdiffusion_svg.measure.calibration.calibrate_layers` picks
+each layer's rung within the uniform rung's cost (or, with a target error, the least cost that meets
 it). Layers the schedule keeps dense keep the config's density and compensation.
 """
 
@@ -25,18 +26,19 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import yaml
 
-from maxdiffusion_svg.budgets.per_layer import Rung
-from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration, HeadCalibration,
-                                          calibrate_heads, calibrate_layers, candidate_rungs,
-                                          compensation_choices, rung_costs, uniform_rung)
-from maxdiffusion_svg.routing.compensation import check_compensation
 from maxdiffusion_svg.budgets.config import EXPERTS
+from maxdiffusion_svg.budgets.per_layer import Rung
+from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration,
+                                                  HeadCalibration, calibrate_heads,
+                                                  calibrate_layers, candidate_rungs,
+                                                  compensation_choices, rung_costs, uniform_rung)
 from maxdiffusion_svg.plugin import generations, hooks, launcher
 from maxdiffusion_svg.plugin.compare import check_checkpoint
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import grid_of, video_model
+from maxdiffusion_svg.routing.compensation import check_compensation
 
 
 def key_for(what: str, expert: str | None) -> str:

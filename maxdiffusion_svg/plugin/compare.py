@@ -31,13 +31,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import yaml
 
+from maxdiffusion_svg.budgets.schedule import PRESETS
 from maxdiffusion_svg.measure import video_metrics
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.routing.layouts import check_layouts
-from maxdiffusion_svg.plugin import families, generations, hooks, launcher, overlay, preflight, run_summary
+from maxdiffusion_svg.plugin import (families, generations, hooks, launcher, overlay, preflight,
+                                     run_summary)
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.budgets.schedule import PRESETS
 from maxdiffusion_svg.plugin.video_models import WAN_VACE, VideoModel, grid_of, video_model
+from maxdiffusion_svg.routing.layouts import check_layouts
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 

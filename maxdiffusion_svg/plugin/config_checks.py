@@ -25,20 +25,18 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Mapping
 
-from maxdiffusion_svg.routing.compensation import plan_row_keys
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels.api import check_tpu_call
 from maxdiffusion_svg.kernels.tpu_memory import kernel_smem, kernel_vmem
 from maxdiffusion_svg.kernels.worklist import ragged_tables
+from maxdiffusion_svg.parallel.ring_plan import budget_keys
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.target import MIB, TPU_BACKENDS, Target, generation_named
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.plan.target import MIB, TPU_BACKENDS, Target, generation_named
-from maxdiffusion_svg.plugin.video_models import WAN, WAN_VACE, video_model
+from maxdiffusion_svg.plugin.video_models import experts_of, video_model, wan_size
+from maxdiffusion_svg.routing.compensation import plan_row_keys
 
 HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40), LTX-2's video
-# Heads by checkpoint name, where its config.json is not on this host: Wan 2.1 1.3B has 12,
-# the 14B models and each Wan 2.2 A14B expert 40.
-HEADS_1_3B, HEADS_14B = 12, 40
 
 
 class Refused(ValueError):
@@ -60,13 +58,13 @@ def heads_of(config: Mapping[str, Any]) -> tuple[int, str]:
   name = str(config.get("pretrained_model_name_or_path", ""))
   if (pathlib.Path(name) / "transformer" / "config.json").is_file():
     return preflight.transformer_heads(name), f"{name}/transformer/config.json"
-  family = video_model(config)
-  if family not in (WAN, WAN_VACE):  # both come in 1.3B and 14B
+  size = wan_size(config)
+  if size is None:
+    family = video_model(config)
     return family.heads, (f"{family.name}'s by its model_name; a checkpoint folder's "
                           f"config.json is read where it is one")
-  size = "1.3B" if "1.3B" in name else "14B"
-  return (HEADS_1_3B if size == "1.3B" else HEADS_14B,
-          f"a {size} by its name; a checkpoint folder's config.json is read where it is one")
+  return (size.heads,
+          f"a {size.name} by its name; a checkpoint folder's config.json is read where it is one")
 
 
 def _refused(where: str, err: ValueError) -> Refused:
@@ -74,7 +72,8 @@ def _refused(where: str, err: ValueError) -> Refused:
 
 
 def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
-                layouts: tuple[str, ...] = (), dense_frames: int = 0) -> dict[str, Any]:
+                layouts: tuple[str, ...] = (), dense_frames: int = 0,
+                budgets: tuple[str, ...] = ()) -> dict[str, Any]:
   """The mesh MaxDiffusion builds on one ``slice_type`` slice and the job checks on its
   context axis against the heads, its ``ulysses_shards``, the ``svg_backend`` and the
   ``svg_layouts`` (a ring leaves semantic out)."""
@@ -91,12 +90,10 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
                       context_shards=context, heads=heads,
                       ulysses_shards=config.get("ulysses_shards", -1),
                       backend=str(config.get("svg_backend", "auto")),
-                      layouts=tuple(layouts), dense_frames=dense_frames)
+                      layouts=tuple(layouts), dense_frames=dense_frames, budgets=budgets)
   try:
     ulysses, ring = preflight.check_heads(job)
-    preflight.check_backend_on_ring(job.backend, ulysses, ring)
-    preflight.check_dense_frames_on_ring(job.dense_frames, ulysses, ring)
-    note = preflight.check_layouts_on_ring(job.layouts, ulysses, ring)
+    note = preflight.check_ring(job, ulysses, ring)
   except ValueError as err:
     raise _refused(f"before loading weights on a {slice_type}", err) from None
   return {"type": slice_type, "devices": devices, "mesh": mesh, "context_shards": context,
@@ -150,7 +147,8 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
     preflight.check_run_name(str(keys.get("output_dir") or ""), str(keys.get("run_name") or ""))
   except ValueError as err:
     warnings.append(f"{err} (XPK and our JobSets set JOBSET_NAME; elsewhere the run stops here)")
-  mesh = (check_slice(keys, slice_type, heads, settings.svg.layouts, settings.svg.dense_frames)
+  mesh = (check_slice(keys, slice_type, heads, settings.svg.layouts, settings.svg.dense_frames,
+                      budget_keys(settings.svg, experts_of(keys)))
           if slice_type else None)
   if mesh and mesh["layouts_note"]:
     warnings.append(mesh["layouts_note"])

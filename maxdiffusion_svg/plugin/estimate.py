@@ -16,26 +16,22 @@ import math
 import pathlib
 from typing import Any, Mapping
 
-from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_count
 from maxdiffusion_svg.budgets.per_head import check_head_shape
-from maxdiffusion_svg.routing.compensation import plan_row_keys
-from maxdiffusion_svg.budgets.config import EXPERTS
-from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_count
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.target import Target, resolve_backend
+from maxdiffusion_svg.plan.tiles import visited_in_tiles_of
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
+from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_VACE, VideoModel, experts_of,
+                                                  grid_of, video_model, wan_size)
 from maxdiffusion_svg.plugin.wan22 import expert_steps
-from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES
-from maxdiffusion_svg.plan.tiles import visited_in_tiles_of
+from maxdiffusion_svg.routing.compensation import plan_row_keys
 from maxdiffusion_svg.routing.semantic import SAMPLE_PER_CLUSTER, group_size
-from maxdiffusion_svg.plan.target import Target, resolve_backend
-from maxdiffusion_svg.plugin.video_models import LTX2, WAN, WAN_VACE, VideoModel, grid_of, video_model
+from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES
 
-# Transformer depth by checkpoint (the YAML does not hold it): Wan 2.1 1.3B has 30 blocks,
-# the 14B models and each Wan 2.2 A14B expert 40.
-LAYERS_1_3B, LAYERS_14B = 30, 40
-HEADS_1_3B, HEADS_14B = 12, 40
 # Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
 # 2.1 14B, eight v6e chips): "full attention's share of per-layer latency" grows "from 55.5% to
 # 88.2%" from 720p to 1440p. Other sizes: interpolated in log-odds over log tokens.
@@ -44,16 +40,8 @@ STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 
 
 def layers_of(config: Mapping[str, Any]) -> int:
-  family = video_model(config)
-  if family not in (WAN, WAN_VACE):  # both come in 1.3B and 14B
-    return family.layers
-  name = str(config.get("pretrained_model_name_or_path", ""))
-  return LAYERS_1_3B if "1.3B" in name else LAYERS_14B
-
-
-# Wan VACE's control blocks (diffusers' Wan2.1-VACE checkpoints: vace_layers every 5th of the
-# 14B's 40 main blocks, every 2nd of the 1.3B's first 30): self-attention that runs dense.
-VACE_BLOCKS_14B, VACE_BLOCKS_1_3B = 8, 15
+  size = wan_size(config)
+  return video_model(config).layers if size is None else size.layers
 
 
 def dense_blocks_of(config: Mapping[str, Any]) -> tuple[int, str]:
@@ -66,16 +54,13 @@ def dense_blocks_of(config: Mapping[str, Any]) -> tuple[int, str]:
   path = pathlib.Path(name) / "transformer" / "config.json"
   if path.is_file():  # as config_checks.heads_of reads the heads
     return len(preflight.transformer_config(name).get("vace_layers") or ()), str(path)
-  size = "1.3B" if "1.3B" in name else "14B"
-  return (VACE_BLOCKS_1_3B if size == "1.3B" else VACE_BLOCKS_14B), f"a {size} by its name"
+  size = wan_size(config)
+  return size.vace_blocks, f"a {size.name} by its name"
 
 
 def heads_of(config: Mapping[str, Any]) -> int:
-  family = video_model(config)
-  if family not in (WAN, WAN_VACE):  # both come in 1.3B and 14B
-    return family.heads
-  name = str(config.get("pretrained_model_name_or_path", ""))
-  return HEADS_1_3B if "1.3B" in name else HEADS_14B
+  size = wan_size(config)
+  return video_model(config).heads if size is None else size.heads
 
 
 # LTX-2's video stream: model width 4096 (32 heads x 128); per token and block, its
@@ -180,10 +165,8 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
-  # Wan 2.2's experts split the steps (not Animate's single transformer)
-  split = (expert_steps(keys, steps)
-           if keys.get("model_name") == "wan2.2" and video_model(keys) is WAN else None)
-  experts = EXPERTS if split else (None,)
+  experts = experts_of(keys)  # Wan 2.2's split the steps
+  split = expert_steps(keys, steps) if experts != (None,) else None
   rungs = {expert: _rungs(svg, expert, layers, heads) for expert in experts}
   plans = {expert: svg.plan(grid, expert, target, backend) for expert in experts}
   dense_rows = svg.dense_rows_plan_on(grid, tiles)  # svg_dense_frames: one more call per sparse one

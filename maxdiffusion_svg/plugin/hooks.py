@@ -45,12 +45,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxdiffusion_svg.budgets.per_layer import check_layer_count
 from maxdiffusion_svg.budgets.per_head import check_head_shape
+from maxdiffusion_svg.budgets.per_layer import check_layer_count
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.plugin.video_models import WAN
 from maxdiffusion_svg.plugin import contract, families, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from maxdiffusion_svg.plugin.video_models import WAN
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
 MAX_STEPS = 1000

@@ -1,5 +1,5 @@
-"""The hooks on MaxDiffusion's entry points, installed by :func:`installer.install`: the job's checks
-(:mod:`preflight`) around each generate main's ``run`` before weights load, a Wan VACE config
+"""The hooks on MaxDiffusion's entry points, installed by :func:`installer.install`: the job's
+checks (:mod:`preflight`) around each generate main's ``run`` before weights load, a Wan VACE config
 handed from ``generate_wan`` to our VACE main, and the SVG settings in the AOT cache's key
 (``aot_cache.install``)."""
 
@@ -12,8 +12,10 @@ from typing import Any, Callable
 
 import jax
 
+from maxdiffusion_svg.parallel.ring_plan import budget_keys
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
+from maxdiffusion_svg.plugin.video_models import experts_of
 
 
 def aot_install(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,10 +48,11 @@ def attention_of(meta: dict[str, Any]) -> Any:
 
 
 def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = (),
-           dense_frames: int = 0) -> preflight.Job:
+           dense_frames: int = 0, budgets: tuple[str, ...] = ()) -> preflight.Job:
   """What :mod:`preflight` checks, read from a MaxDiffusion config: the mesh the pipeline will
   build, its ``ulysses_shards``, the transformer's head count (no weights), and ``backend``,
-  ``layouts`` and ``dense_frames`` (the settings' ``svg_*`` keys)."""
+  ``layouts``, ``dense_frames`` and the per-layer and per-head keys set (the settings' ``svg_*``
+  keys)."""
   from maxdiffusion import max_utils  # pylint: disable=import-outside-toplevel
   mesh = jax.sharding.Mesh(max_utils.create_device_mesh(config, logging=False), config.mesh_axes)
   return preflight.Job(process_count=jax.process_count(), device_count=jax.device_count(),
@@ -58,7 +61,7 @@ def job_of(config: Any, backend: str = "auto", layouts: tuple[str, ...] = (),
                        heads=preflight.transformer_heads(config.pretrained_model_name_or_path),
                        output_dir=str(config.output_dir or ""), run_name=str(config.run_name or ""),
                        ulysses_shards=config.get_keys().get("ulysses_shards", -1), backend=backend,
-                       layouts=layouts, dense_frames=dense_frames)
+                       layouts=layouts, dense_frames=dense_frames, budgets=budgets)
 
 
 def preflight_run(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,7 +72,9 @@ def preflight_run(original: Callable[..., Any]) -> Callable[..., Any]:
     pipeline = args[0] if args else kwargs.get("pipeline")  # generate_wan_animate takes none
     if pipeline is None and getattr(config, "attention", None) == KERNEL_NAME:  # it will load
       svg = PluginSettings.from_mapping(config.get_keys()).svg
-      preflight.check_job(job_of(config, svg.backend, svg.layouts, svg.dense_frames), os.environ)
+      budgets = budget_keys(svg, experts_of(config.get_keys()))
+      preflight.check_job(job_of(config, svg.backend, svg.layouts, svg.dense_frames, budgets),
+                          os.environ)
     return original(config, *args, **kwargs)
 
   return wrapper

@@ -19,15 +19,15 @@ from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
-from maxdiffusion_svg.call.attention import profile_key
 from maxdiffusion_svg.budgets.per_layer import Rung
-from maxdiffusion_svg.measure.calibration import sharded_rung_errors
+from maxdiffusion_svg.budgets.schedule import Interval
+from maxdiffusion_svg.call.attention import profile_key
+from maxdiffusion_svg.call.prepared import prepare
 from maxdiffusion_svg.kernels.gradient import residuals_named
+from maxdiffusion_svg.measure.calibration import sharded_rung_errors
+from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
-from maxdiffusion_svg.call.prepared import prepare
-from maxdiffusion_svg.budgets.schedule import Interval
-from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 
 
 _CALL_LOG: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
@@ -41,8 +41,9 @@ _RUNGS: contextvars.ContextVar[tuple[tuple[Rung, ...], list[dict[str, Any]]] | N
 @contextlib.contextmanager
 def record_rung_errors(rungs: tuple[Rung, ...]) -> Iterator[list[dict[str, Any]]]:
   """While the block traces, each video self-attention call also measures its error at every
-  rung of ``rungs`` (density, compensation) on device (:func:`maxdiffusion_svg.measure.calibration.sampled_rung_errors`)
-  and logs ``{"step", "layer", "expert", "active", "errors", "temporal", "head_errors"}``
+  rung of ``rungs`` (density, compensation) on device
+  (:func:`maxdiffusion_svg.measure.calibration.sampled_rung_errors`) and logs ``{"step", "layer",
+  "expert", "active", "errors", "temporal", "head_errors"}``
   (``active``: the schedule makes the call sparse; ``errors``: per rung, the mean over heads;
   ``temporal``: per rung, the share of heads whose better layout is temporal; ``head_errors
   [K, H]``: each head's, what per-head budgets allocate). Call ``jax.effects_barrier()`` before

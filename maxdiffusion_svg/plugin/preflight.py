@@ -37,6 +37,8 @@ class Job:
   backend: str = "auto"  # svg_backend
   layouts: tuple[str, ...] = ()  # svg_layouts
   dense_frames: int = 0  # svg_dense_frames
+  # the per-layer and per-head keys set for the run's experts (ring_plan.budget_keys)
+  budgets: tuple[str, ...] = ()
 
 
 def declared_hosts(env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -162,7 +164,8 @@ def check_processes(job: Job, env: Mapping[str, str]) -> None:
 def check_heads(job: Job) -> tuple[int, int]:
   """The head exchange gives each device of a Ulysses group ``heads / ulysses_shards`` heads;
   unset, the group is the whole context axis. Returns ``(ulysses, ring)``
-  (:func:`maxdiffusion_svg.parallel.ring_plan.check_ulysses_shards`, as the kernel splits the axis)."""
+  (:func:`maxdiffusion_svg.parallel.ring_plan.check_ulysses_shards`, as the kernel splits the
+  axis)."""
   # Imported here: ring_plan brings JAX, which the launcher's --help must not load.
   from maxdiffusion_svg.parallel.ring_plan import (asks_for_ring, check_ulysses_shards,  # pylint: disable=import-outside-toplevel
                                           working_ulysses_shards)
@@ -197,11 +200,14 @@ def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> No
   check(dense_frames, ulysses, ring)
 
 
-def check_layouts_on_ring(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
-  """A ring leaves semantic out of the layouts (refused where nothing is left): the note the
-  run logs, or ""."""
-  from maxdiffusion_svg.routing.layouts import ring_note  # pylint: disable=import-outside-toplevel
-  return ring_note(tuple(layouts), ulysses, ring)
+def check_ring(job: Job, ulysses: int, ring: int) -> str:
+  """What the run's ring accepts of the job's settings, by the run's own check
+  (:func:`maxdiffusion_svg.parallel.ring_plan.check_on_ring`) and the backend: the note the run
+  logs of the layouts (a ring leaves semantic out), or ""."""
+  from maxdiffusion_svg.parallel.ring_plan import check_on_ring  # pylint: disable=import-outside-toplevel
+  check_backend_on_ring(job.backend, ulysses, ring)
+  return check_on_ring(ulysses, ring, dense_frames=job.dense_frames, budgets=job.budgets,
+                       layouts=job.layouts)
 
 
 def check_run_name(output_dir: str, run_name: str) -> None:
@@ -218,6 +224,4 @@ def check_job(job: Job, env: Mapping[str, str]) -> None:
   check_run_name(job.output_dir, job.run_name)
   check_processes(job, env)
   ulysses, ring = check_heads(job)
-  check_backend_on_ring(job.backend, ulysses, ring)
-  check_dense_frames_on_ring(job.dense_frames, ulysses, ring)
-  check_layouts_on_ring(job.layouts, ulysses, ring)
+  check_ring(job, ulysses, ring)

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 
 from maxdiffusion_svg.budgets.per_layer import layer_ranges
 from maxdiffusion_svg.kernels.api import resolve_backend
-from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
-from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.plan.target import TPU_BACKENDS
+from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.plugin.video_models import WAN
+from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
 
 # Layer ranges the temporal share is reported over.
 RANGES = 4

@@ -11,13 +11,13 @@ from typing import Any, Mapping
 
 import enum
 
-from maxdiffusion_svg.budgets.per_layer import layer_ranges
 from maxdiffusion_svg.budgets.config import EXPERTS, SvgConfig
 from maxdiffusion_svg.budgets.config_keys import DEFAULT_PRESET, KEYS, UNSET_BY
+from maxdiffusion_svg.budgets.per_layer import layer_ranges
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
-from maxdiffusion_svg.routing.layouts import ring_note
 from maxdiffusion_svg.plan.target import TPU_BACKENDS, Target
+from maxdiffusion_svg.routing.layouts import ring_note
 
 SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel (T2V, I2V), Wan VACE, Wan Animate and LTX-2 / LTX-2.3 "
                     "transformers built by a MaxDiffusion pipeline, or prepared with "

@@ -102,3 +102,36 @@ def grid_of(config: Mapping[str, Any]) -> VideoGrid:
   family = video_model(config)
   extra = len(config.get(family.extra_frames_key) or ()) if family.extra_frames_key else 0
   return family.grid(config[family.frames_key], config["height"], config["width"], extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanSize:
+  """A Wan (or Wan VACE) checkpoint's size, which the YAML does not hold."""
+
+  name: str
+  layers: int
+  heads: int
+  vace_blocks: int  # Wan VACE's control blocks (its checkpoint's vace_layers)
+
+
+# Wan 2.1 1.3B has 30 blocks of 12 heads; the 14B models and each Wan 2.2 A14B expert 40 of 40.
+# Diffusers' Wan2.1-VACE checkpoints put a control block at every 2nd of the 1.3B's first 30
+# blocks and every 5th of the 14B's 40.
+WAN_1_3B, WAN_14B = WanSize("1.3B", 30, 12, 15), WanSize("14B", 40, 40, 8)
+
+
+def wan_size(config: Mapping[str, Any]) -> WanSize | None:
+  """A Wan or Wan VACE config's size by its checkpoint's name (1.3B where the name says so,
+  else 14B); None for the other families, one size each (:class:`VideoModel`'s own)."""
+  if video_model(config) not in (WAN, WAN_VACE):
+    return None
+  return WAN_1_3B if "1.3B" in str(config.get("pretrained_model_name_or_path", "")) else WAN_14B
+
+
+def experts_of(config: Mapping[str, Any]) -> tuple[str | None, ...]:
+  """The experts a config's run prepares: Wan 2.2's two (T2V and I2V; Animate, also
+  ``model_name: wan2.2``, has one transformer), else one model (``None``)."""
+  if config.get("model_name") == "wan2.2" and video_model(config) is WAN:
+    from maxdiffusion_svg.budgets.config import EXPERTS  # pylint: disable=import-outside-toplevel
+    return EXPERTS
+  return (None,)

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.plan.geometry import Layout
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.kernels.row_keys import RowKeys
+from maxdiffusion_svg.plan.geometry import Layout
 from maxdiffusion_svg.plan.target import target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 

@@ -24,16 +24,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.routing.compensation import (Centroids, block_means, centroid_log_counts, centroids,
-                                           ordered_block_means, plan_bias, skipped_bias)
-from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, layout_positions, temporal_major_order,
-                                       to_temporal_major)
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
-from maxdiffusion_svg.routing.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
+from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, layout_positions,
+                                            temporal_major_order, to_temporal_major)
 from maxdiffusion_svg.plan.masks import Mask, PlacedMask, probe_mask
-from maxdiffusion_svg.routing.semantic import (SemanticLayout, block_shares, placed_block_means,
-                                      token_positions, visited_table)
 from maxdiffusion_svg.plan.tiles import TilePlan
+from maxdiffusion_svg.routing.compensation import (Centroids, block_means, centroid_log_counts,
+                                                   centroids, ordered_block_means, plan_bias,
+                                                   skipped_bias)
+from maxdiffusion_svg.routing.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
+from maxdiffusion_svg.routing.semantic import (SemanticLayout, block_shares, placed_block_means,
+                                               token_positions, visited_table)
 
 PROFILE_POOLS = ("prefix", "stratified")
 PROFILE_MASKS = ("probe", "execution")

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiffusion_svg.routing.compensation import (Centroids, block_counts, block_means,
-                                           centroid_log_counts)
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.tiles import TileMode, TilePlan
+from maxdiffusion_svg.routing.compensation import (Centroids, block_counts, block_means,
+                                                   centroid_log_counts)
 
 CLUSTER_ON = ("keys", "queries_and_keys", "separate")
 # Measured (docs/benchmarks.md, "The semantic layout"): one clustering of the keys, its order

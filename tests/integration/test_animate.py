@@ -12,8 +12,8 @@ require_maxdiffusion()
 
 # pylint: disable=wrong-import-position
 from maxdiffusion_svg import plugin
-from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.kernels import dense_attention
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_animate
 from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
                           rel, summary_lines)

@@ -81,8 +81,8 @@ def test_the_estimate_runs_on_every_shipped_config(name):
   the installed configs: one row per model (two for Wan 2.2, splitting the run's steps), each
   on the config's schedule."""
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.plan.target import tpu_target
+  from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.plugin.video_models import WAN, video_model
   merged, _ = overlay.load_config(CONFIGS / name)
   svg = PluginSettings.from_mapping({**config_defaults(), **merged}).svg

@@ -19,8 +19,8 @@ from maxdiffusion.pipelines.wan import wan_pipeline
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks
-from maxdiffusion_svg.testing import tiny_wan
 from maxdiffusion_svg.plugin.settings import PluginSettings
+from maxdiffusion_svg.testing import tiny_wan
 
 EVERYTHING = {"svg_active_steps": [0, None], "svg_active_layers": [0, None]}
 
@@ -99,6 +99,28 @@ def test_invalid_keys_fail_before_weights_load(tmp_path, monkeypatch, key, value
   with pytest.raises(ValueError, match=message):
     wan_pipeline.create_sharded_logical_transformer(
         devices_array=mesh[0], mesh=mesh[1], rngs=tiny_wan.nnx.Rngs(0), config=config)
+  assert not loaded
+
+
+@pytest.mark.parametrize("key, value", [("svg_layer_densities", [0.3, 0.7]),
+                                        ("svg_head_densities", [0.3] * 8)])
+def test_a_ring_refuses_per_layer_and_per_head_budgets_before_weights_load(tmp_path, monkeypatch,
+                                                                           key, value):
+  """generate_wan's pre-flight refuses them with the run's own check (ring_plan.check_on_ring)
+  before anything loads: 8 context shards, ulysses_shards 4, a ring of 2."""
+  from maxdiffusion import generate_wan  # pylint: disable=import-outside-toplevel
+  folder = tmp_path / "checkpoint" / "transformer"
+  folder.mkdir(parents=True)
+  (folder / "config.json").write_text(json.dumps({"num_attention_heads": 8}))
+  config = tiny_wan.init_config(tiny_wan.write_config(
+      tmp_path, attention="svg", ici_data_parallelism=1, ici_fsdp_parallelism=1,
+      ici_context_parallelism=8, ulysses_shards=4,
+      pretrained_model_name_or_path=str(folder.parent), **{key: value}))
+  loaded = []
+  monkeypatch.setattr(wan_pipeline, "load_wan_transformer", lambda *a, **k: loaded.append(1))
+  with pytest.raises(ValueError, match=rf"{key} does not run on a ring yet \(ulysses_shards 4 "
+                                       rf"leaves the sequence split over 2 devices\)"):
+    generate_wan.run(config)
   assert not loaded
 
 

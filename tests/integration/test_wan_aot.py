@@ -154,8 +154,8 @@ def test_calibrates_measurement_compiles_in_the_forward_within_its_bound(compile
   256 sampled rows) traced into the forward, as a calibration run compiles it: each device
   measures its own heads after the exchange. Measured: 3,481 MiB of temporaries against 2,472
   without it (1.41x); on the global arrays it took 23,334 MiB (9.4x), which this bound keeps out."""
-  from maxdiffusion_svg.measure.calibration import LADDER, candidate_rungs  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.budgets.config import SvgConfig  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.measure.calibration import LADDER, candidate_rungs  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.kernel import record_rung_errors  # pylint: disable=import-outside-toplevel
   rungs = candidate_rungs(SvgConfig(density=0.3), LADDER, "both")
   assert len(rungs) == 16
