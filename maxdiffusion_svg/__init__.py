@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     **dict.fromkeys(("scheduled_svg_attention", "svg_attention"), "call.attention"),
     "SvgConfig": "budgets.config",
-    **dict.fromkeys(("Layout", "RESOLUTIONS", "VideoGrid", "frame_major_order",
+    **dict.fromkeys(("RESOLUTIONS", "TokenOrder", "VideoGrid", "frame_major_order",
                      "grid_for_resolution", "temporal_major_order", "to_frame_major",
                      "to_temporal_major"), "plan.geometry"),
     "sparse_attention": "kernels",
@@ -35,14 +35,16 @@ _EXPORTS = {
     **dict.fromkeys(("TileMode", "TilePlan", "TileStats", "plan_mask_tiles", "plan_tiles"),
                     "plan.tiles"),
 }
+# Old public names -> today's: ``Layout`` was the token order, a word now kept for head layouts.
+_RENAMED = {"Layout": "TokenOrder"}
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-  module = _EXPORTS.get(name)
+  module = _EXPORTS.get(_RENAMED.get(name, name))
   if module is None:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+  value = getattr(importlib.import_module(f"{__name__}.{module}"), _RENAMED.get(name, name))
   globals()[name] = value  # later lookups skip this function
   return value
 

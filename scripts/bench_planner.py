@@ -8,7 +8,7 @@ import argparse
 import time
 import tracemalloc
 
-from maxdiffusion_svg.plan.geometry import Layout, RESOLUTIONS, grid_for_resolution
+from maxdiffusion_svg.plan.geometry import TokenOrder, RESOLUTIONS, grid_for_resolution
 from maxdiffusion_svg.plan.masks import PlacedMask, svg_mask
 from maxdiffusion_svg.plan.tiles import TileMode, _plan, plan_mask_tiles
 
@@ -42,7 +42,7 @@ def main():
     mask = svg_mask(grid, args.density)
     heads = {"placed": mask}
     if args.unplaced:
-      heads["temporal_unplaced"] = PlacedMask(mask, grid, Layout.TEMPORAL_MAJOR)
+      heads["temporal_unplaced"] = PlacedMask(mask, grid, TokenOrder.TEMPORAL_MAJOR)
     for blocks in args.blocks:
       bq, bkv = (int(x) for x in blocks.split("x"))
       for head, m in heads.items():

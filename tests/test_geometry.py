@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order,
+from maxdiffusion_svg.plan.geometry import (TokenOrder, VideoGrid, frame_major_order,
                                             grid_for_resolution, layout_positions,
                                             temporal_major_order, to_frame_major, to_temporal_major)
 
@@ -70,9 +70,9 @@ def test_index_maps_match_enumeration_and_invert(shape):
   np.testing.assert_array_equal(order[inverse], np.arange(grid.tokens))
   np.testing.assert_array_equal(inverse[order], np.arange(grid.tokens))
   # layout_positions answers "where does token t sit" by arithmetic.
-  np.testing.assert_array_equal(layout_positions(grid, Layout.TEMPORAL_MAJOR, np.arange(grid.tokens)),
+  np.testing.assert_array_equal(layout_positions(grid, TokenOrder.TEMPORAL_MAJOR, np.arange(grid.tokens)),
                                 inverse)
-  np.testing.assert_array_equal(layout_positions(grid, Layout.FRAME_MAJOR, np.arange(5)), np.arange(5))
+  np.testing.assert_array_equal(layout_positions(grid, TokenOrder.FRAME_MAJOR, np.arange(5)), np.arange(5))
 
 
 @pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
@@ -94,3 +94,13 @@ def test_permutation_rejects_wrong_sequence_length():
     to_temporal_major(np.zeros((1, 209, 4)), grid)
   with pytest.raises(ValueError, match="S = grid.tokens = 210"):
     to_frame_major(np.zeros((210,)), grid)
+
+
+def test_the_public_names_resolve_and_the_token_order_keeps_its_old_name():
+  """``from maxdiffusion_svg import ...`` for every public name; ``Layout`` (the token order's
+  name before head layouts took the word) is ``TokenOrder``."""
+  import maxdiffusion_svg  # pylint: disable=import-outside-toplevel
+  for name in maxdiffusion_svg.__all__:
+    assert getattr(maxdiffusion_svg, name) is not None
+  assert maxdiffusion_svg.Layout is maxdiffusion_svg.TokenOrder is TokenOrder
+  assert set(TokenOrder) == {TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR}

@@ -18,7 +18,7 @@ from maxdiffusion_svg.call.attention import scheduled_svg_attention, svg_attenti
 from maxdiffusion_svg.kernels.api import sparse_attention
 from maxdiffusion_svg.kernels.worklist import pack_ragged_work, ragged_cores, unpack_work
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
+from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, layout_positions
 from maxdiffusion_svg.plan.tiles import EMPTY
 from maxdiffusion_svg.routing.router import route_heads
 
@@ -182,7 +182,7 @@ def _placed_reference(q, k, v, plans, temporal):
   out = np.zeros_like(v)
   for b in range(q.shape[0]):
     for h in range(q.shape[1]):
-      layout = Layout.TEMPORAL_MAJOR if temporal[b, h] else Layout.FRAME_MAJOR
+      layout = TokenOrder.TEMPORAL_MAJOR if temporal[b, h] else TokenOrder.FRAME_MAJOR
       pos = layout_positions(grid, layout, tokens)
       mask = plans[h].dense_mask()[np.ix_(pos, pos)]
       s = np.where(mask, q[b, h] @ k[b, h].T / np.sqrt(q.shape[-1]), -np.inf)

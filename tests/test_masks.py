@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, frame_major_order,
+from maxdiffusion_svg.plan.geometry import (TokenOrder, VideoGrid, frame_major_order,
                                             grid_for_resolution, temporal_major_order)
 from maxdiffusion_svg.plan.masks import (PlacedMask, SvgMask, band_half_width, check_density,
                                          probe_mask, svg_mask)
@@ -90,8 +90,8 @@ def test_temporal_head_mask_in_original_order_equals_brute_force(include_sink):
   for q, k in itertools.product(range(n), repeat=2):
     uq, uk = _temporal_position(grid, q), _temporal_position(grid, k)
     want[q, k] = abs(uq - uk) <= w or uk < sink
-  np.testing.assert_array_equal(PlacedMask(mask, grid, Layout.TEMPORAL_MAJOR).dense(), want)
-  np.testing.assert_array_equal(PlacedMask(mask, grid, Layout.FRAME_MAJOR).dense(), mask.dense())
+  np.testing.assert_array_equal(PlacedMask(mask, grid, TokenOrder.TEMPORAL_MAJOR).dense(), want)
+  np.testing.assert_array_equal(PlacedMask(mask, grid, TokenOrder.FRAME_MAJOR).dense(), mask.dense())
 
 
 @pytest.mark.parametrize("shape, density, include_sink", [
@@ -99,7 +99,7 @@ def test_temporal_head_mask_in_original_order_equals_brute_force(include_sink):
 ])
 def test_unplaced_temporal_kept_pairs_match_brute_force(shape, density, include_sink):
   grid = VideoGrid(*shape)
-  mask = PlacedMask(svg_mask(grid, density, include_sink), grid, Layout.TEMPORAL_MAJOR)
+  mask = PlacedMask(svg_mask(grid, density, include_sink), grid, TokenOrder.TEMPORAL_MAJOR)
   n = grid.tokens + 50
   full = mask.block(0, n, 0, n)
   rng = np.random.default_rng(2)
@@ -112,7 +112,7 @@ def test_unplaced_temporal_kept_pairs_match_brute_force(shape, density, include_
 def test_temporal_head_keeps_the_same_place_in_every_frame():
   # A temporal band of +-F positions keeps each token's own spatial position in all frames.
   grid = VideoGrid(6, 8, 16)
-  mask = PlacedMask(SvgMask(grid.tokens, half_width=grid.frames), grid, Layout.TEMPORAL_MAJOR)
+  mask = PlacedMask(SvgMask(grid.tokens, half_width=grid.frames), grid, TokenOrder.TEMPORAL_MAJOR)
   for f, p in [(0, 0), (3, 77), (5, 127)]:
     q = f * grid.frame_size + p
     same_place = np.arange(grid.frames) * grid.frame_size + p
@@ -145,7 +145,7 @@ def test_probe_masks_match_reference_rule(include_sink):
   np.testing.assert_array_equal(spatial.dense(), want)
   # Temporal heads: the same matrix re-indexed through the temporal-major permutation.
   pos = frame_major_order(grid)  # pos[t] = temporal-major position of frame-major token t
-  np.testing.assert_array_equal(PlacedMask(spatial, grid, Layout.TEMPORAL_MAJOR).dense(),
+  np.testing.assert_array_equal(PlacedMask(spatial, grid, TokenOrder.TEMPORAL_MAJOR).dense(),
                                 want[np.ix_(pos, pos)])
   assert np.array_equal(temporal_major_order(grid)[pos], np.arange(grid.tokens))
 

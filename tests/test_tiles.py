@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, grid_for_resolution
+from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, grid_for_resolution
 from maxdiffusion_svg.plan.masks import PlacedMask, SvgMask, svg_mask
 from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, TileMode, plan_mask_tiles, plan_tiles
 
@@ -40,7 +40,7 @@ def _plan(case, mode, placed=True):
   if placed:
     return grid, plan_tiles(grid, density, bq, bkv, mode, include_sink=sink), \
         svg_mask(grid, density, sink).dense()
-  mask = PlacedMask(svg_mask(grid, density, sink), grid, Layout.TEMPORAL_MAJOR)
+  mask = PlacedMask(svg_mask(grid, density, sink), grid, TokenOrder.TEMPORAL_MAJOR)
   return grid, plan_mask_tiles(mask, bq, bkv, mode), mask.dense()
 
 
@@ -169,7 +169,7 @@ def test_placement_is_what_makes_temporal_heads_sparse_at_720p():
   grid = grid_for_resolution("720p")
   mask = svg_mask(grid, 0.35)
   placed = plan_mask_tiles(mask, 3328, 1536, "split").stats
-  unplaced = plan_mask_tiles(PlacedMask(mask, grid, Layout.TEMPORAL_MAJOR), 3328, 1536, "split").stats
+  unplaced = plan_mask_tiles(PlacedMask(mask, grid, TokenOrder.TEMPORAL_MAJOR), 3328, 1536, "split").stats
   assert unplaced.exact_pairs == placed.exact_pairs  # same pairs, scattered into stripes
   assert unplaced.visited_tile_fraction == 1.0 and placed.visited_tile_fraction < 0.45
 

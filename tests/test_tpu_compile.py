@@ -258,9 +258,9 @@ def test_cfg_batch_fold_keeps_the_exchange_off_t2_tiles():
 @pytest.mark.full  # the tool's own check: test_vmem_model holds the model to its points offline
 def test_the_compilers_own_vmem_need_is_the_calibrated_one():
   """tpu_aot.scoped_vmem_need walks libtpu's allocation errors up to the kernel's real need;
-  it reproduces a point of docs/measurements/vmem_calibration.json, from below and (a first
+  it reproduces a point of docs/measurements/vmem_points.json, from below and (a first
   limit that already fits) from above."""
-  from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.vmem_points import DEFAULT_OUT  # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.tpu.aot import scoped_vmem_need  # pylint: disable=import-outside-toplevel
   data = json.loads(DEFAULT_OUT.read_text())
   rows = data["rows"]

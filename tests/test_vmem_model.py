@@ -1,16 +1,16 @@
 """The VMEM model against libtpu's own allocations: the points it was fitted on, and the ones
-held out of the fit (docs/measurements/vmem_calibration.json, `bench vmem`)."""
+held out of the fit (docs/measurements/vmem_points.json, `bench vmem`)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, calibration_cases
+from maxdiffusion_svg.bench.vmem_points import DEFAULT_OUT, vmem_cases
 from maxdiffusion_svg.kernels.vmem_model import MODEL, fit, fitted_bytes, libtpu_note
 
-CALIBRATION = json.loads(DEFAULT_OUT.read_text())
-ROWS = [r for r in CALIBRATION["rows"] if r["compiler_bytes"]]
+POINTS = json.loads(DEFAULT_OUT.read_text())
+ROWS = [r for r in POINTS["rows"] if r["compiler_bytes"]]
 
 
 def estimate(row):
@@ -19,14 +19,14 @@ def estimate(row):
 
 
 def test_the_file_holds_every_case_of_the_shipped_command_with_its_libtpu():
-  cases = calibration_cases(CALIBRATION["command"].split("--chips ")[1].split(","))
-  assert len(CALIBRATION["rows"]) == len(cases)
-  assert CALIBRATION["libtpu"] == MODEL["libtpu"] and CALIBRATION["jax"]
+  cases = vmem_cases(POINTS["command"].split("--chips ")[1].split(","))
+  assert len(POINTS["rows"]) == len(cases)
+  assert POINTS["libtpu"] == MODEL["libtpu"] and POINTS["jax"]
   assert {r["chip"] for r in ROWS} == {"v4", "v5e", "v5p", "v6e", "tpu7x"}
 
 
 def test_the_model_is_the_fit_of_the_file():
-  refit = fit(CALIBRATION)
+  refit = fit(POINTS)
   assert refit["chips"] == MODEL["chips"] and refit["ranges"] == MODEL["ranges"]
   for name, coefficients in MODEL["coefficients"].items():
     np.testing.assert_allclose(refit["coefficients"][name], coefficients, rtol=1e-5, atol=1e-6)
@@ -57,7 +57,7 @@ def test_outside_the_fitted_ranges_the_model_refuses_naming_them():
     fitted_bytes("v6e", "stored", high + 128, 1024, 256, 128, 2)
   with pytest.raises(ValueError, match=r"1-byte inputs \(fitted 2/4\)"):
     fitted_bytes("v6e", "stored", 2048, 1024, 256, 128, 1)
-  with pytest.raises(ValueError, match=r"no VMEM calibration for TPU v9"):
+  with pytest.raises(ValueError, match=r"no VMEM model for TPU v9"):
     fitted_bytes("v9", "stored", 2048, 1024, 256, 128, 2)
 
 

@@ -19,7 +19,7 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.plan.target import Target, target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
@@ -44,7 +44,7 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
                      grid: VideoGrid, plan: TilePlan, scale: float | None = None,
                      backend: str = "auto", block_kv_compute: int | None = None,
                      target: Target | None = None, compensation_blocks: int = 0,
-                     cents: dict[Layout, Centroids] | None = None,
+                     cents: dict[TokenOrder, Centroids] | None = None,
                      semantic: SemanticLayout | None = None) -> jax.Array:
   """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
   ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
@@ -61,7 +61,7 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Arr
 
 def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array,
             grid: VideoGrid, scale: float | None, compensation_blocks: int,
-            cents: dict[Layout, Centroids] | None,
+            cents: dict[TokenOrder, Centroids] | None,
             semantic: SemanticLayout | None, heads: HeadTables | None = None) -> jax.Array:
   """:func:`placed_attention` on a prepared kernel (its plan's tiles); with ``heads``, each
   head on its own tables (a per-head budget, on the kernel's carrier plan)."""
@@ -92,7 +92,7 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
                               scale: float | None = None, backend: str = "auto",
                               block_kv_compute: int | None = None, target: Target | None = None,
                               compensation_blocks: int = 0,
-                              cents: dict[Layout, Centroids] | None = None) -> jax.Array:
+                              cents: dict[TokenOrder, Centroids] | None = None) -> jax.Array:
   """SVG after routing among three layouts (``layout [B, H]`` ids): each head is placed by its
   layout's order (one gather per input: identity, temporal-major, or its clusters'), its
   kernel walks its layout's table (the shared plan's, or its own), and the output goes back
@@ -107,7 +107,7 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
 def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array,
                      layout: jax.Array, semantic: SemanticLayout, grid: VideoGrid,
                      scale: float | None, compensation_blocks: int,
-                     cents: dict[Layout, Centroids] | None) -> jax.Array:
+                     cents: dict[TokenOrder, Centroids] | None) -> jax.Array:
   """:func:`semantic_placed_attention` on a prepared kernel."""
   plan = kernel.plan
   semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
@@ -213,13 +213,13 @@ def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], laye
 def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array,
           key: jax.Array, scale: float | None, seed: Seed | None,
           heads: HeadTables | None = None
-          ) -> tuple[Routing, dict[Layout, Centroids] | None, SemanticLayout | None]:
+          ) -> tuple[Routing, dict[TokenOrder, Centroids] | None, SemanticLayout | None]:
   """Each head's layout, judged on the mask ``branch``'s kernel will run (with ``heads``, each
   head's own): the routing, each layout's centroids (with compensation: the router judges with
   them, the kernel merges them) and the semantic candidate's order and table (where semantic
   is among the layouts)."""
   plan, blocks = branch.plan, branch.compensation_blocks
-  cents = ({layout: layout_centroids(k, v, call.grid, layout, plan, blocks) for layout in Layout}
+  cents = ({layout: layout_centroids(k, v, call.grid, layout, plan, blocks) for layout in TokenOrder}
            if blocks else None)
   semantic = (None if call.semantic is None
               else semantic_layout(q, k, v, plan, call.semantic, scale, call.semantic_group, seed))

@@ -93,7 +93,7 @@ def _bench_backward(args: argparse.Namespace) -> int:
 
 def _bench_vmem(args: argparse.Namespace) -> int:
   # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.bench.vmem_calibration import DEFAULT_OUT, run_vmem_calibration
+  from maxdiffusion_svg.bench.vmem_points import DEFAULT_OUT, run_vmem_points
   from maxdiffusion_svg.kernels.vmem_model import fit
   from maxdiffusion_svg.tpu.aot import libtpu_available, libtpu_version
   # pylint: enable=import-outside-toplevel
@@ -113,7 +113,7 @@ def _bench_vmem(args: argparse.Namespace) -> int:
       raise ValueError(f"--resume: {out} was measured with libtpu {earlier['libtpu']}, this "
                        f"host has {libtpu_version()}: measure again without --resume")
     done = earlier["rows"]
-  result = run_vmem_calibration(chips, workers=args.workers, log=_progress, done=done)
+  result = run_vmem_points(chips, workers=args.workers, log=_progress, done=done)
   with open(out, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
   print(f"{len(result['rows'])} compiler figures (libtpu {result['libtpu']}) written to {out}; "
@@ -245,13 +245,13 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
 
   vmem = bench_sub.add_parser(
       "vmem", help="the scoped VMEM libtpu allocates per Splash kernel and generation: the "
-                   "VMEM model's calibration points (no TPU needed)")
+                   "points the VMEM model is fitted to (no TPU needed)")
   vmem.add_argument("--chips", default=",".join(GENERATIONS),
                     help=f"comma-separated TPU generations ({', '.join(GENERATIONS)})")
   vmem.add_argument("--workers", type=int, default=2, help="compiles at a time")
   vmem.add_argument("--json", metavar="FILE",
                     help="where to write the points (default: docs/measurements/"
-                         "vmem_calibration.json)")
+                         "vmem_points.json)")
   vmem.add_argument("--resume", action="store_true",
                     help="keep the cases already in the output file (same libtpu); compile the rest")
   vmem.add_argument("--fit", metavar="FILE",

@@ -79,7 +79,7 @@ def plot_quality(path: str, cfg, result: dict, max_pixels: int = 504) -> None:
   from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
 
   from maxdiffusion_svg.bench.synthetic import planted_qkv  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.plan.geometry import Layout  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.geometry import TokenOrder  # pylint: disable=import-outside-toplevel
 
   grid = cfg.grid
   q, k, _ = planted_qkv(grid, cfg.head_types, cfg.head_dim, seed=cfg.seed)
@@ -96,7 +96,7 @@ def plot_quality(path: str, cfg, result: dict, max_pixels: int = 504) -> None:
     pooled = probs[:s, :s].reshape(s // step, step, s // step, step).sum(axis=(1, 3))
     ax.imshow(np.log10(pooled + 1e-9), cmap="magma", interpolation="nearest",
               extent=(0, s, s, 0))
-    layout = Layout.TEMPORAL_MAJOR if oracle[h] else Layout.FRAME_MAJOR
+    layout = TokenOrder.TEMPORAL_MAJOR if oracle[h] else TokenOrder.FRAME_MAJOR
     chosen = PlacedMask(mask, grid, layout).contains(idx[:, None], idx[None, :])
     ax.contour(idx, idx, chosen.astype(float), levels=[0.5], colors="cyan", linewidths=0.6)
     ax.set_title(f"planted {kind} head {h}: attention (log10)\nrouted {layout.value}; "

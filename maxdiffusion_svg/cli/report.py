@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid
+from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid
 from maxdiffusion_svg.plan.masks import Mask, PlacedMask, SvgMask, check_density, svg_mask
 from maxdiffusion_svg.plan.tiles import TileMode, check_block_size, plan_mask_tiles
 
 # Head types: the layout whose band the head keeps, and whether its tokens are placed
 # in that layout before the kernel. "temporal_unplaced" is what a temporal head would
 # cost without the permutation: the band scattered into per-frame stripes.
-HEADS: dict[str, tuple[Layout, bool]] = {
-    "spatial": (Layout.FRAME_MAJOR, True),
-    "temporal": (Layout.TEMPORAL_MAJOR, True),
-    "temporal_unplaced": (Layout.TEMPORAL_MAJOR, False),
+HEADS: dict[str, tuple[TokenOrder, bool]] = {
+    "spatial": (TokenOrder.FRAME_MAJOR, True),
+    "temporal": (TokenOrder.TEMPORAL_MAJOR, True),
+    "temporal_unplaced": (TokenOrder.TEMPORAL_MAJOR, False),
 }
 
 

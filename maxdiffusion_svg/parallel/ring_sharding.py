@@ -40,7 +40,7 @@ from maxdiffusion_svg.kernels.splash import RING_REFUSAL
 from maxdiffusion_svg.parallel.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.parallel.ring_plan import (KeyFetch, RingSplit, budget_keys, check_on_ring,
                                                  key_fetch, ring_split, window_plan)
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
+from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, layout_positions
 from maxdiffusion_svg.plan.masks import Mask, PlacedMask
 from maxdiffusion_svg.plan.target import Target
 from maxdiffusion_svg.plan.tiles import TilePlan
@@ -52,7 +52,7 @@ from maxdiffusion_svg.routing.router import compensated_rows, constants, routing
 
 RING, ULYSSES = "svg_ring", "svg_ulysses"
 # The plan and each layout's whole-sequence centroids: the ring router's compensated outputs.
-RingCompensation = tuple[TilePlan, dict[Layout, Centroids]]
+RingCompensation = tuple[TilePlan, dict[TokenOrder, Centroids]]
 
 
 def split_mesh(mesh: Mesh, seq_axis: str, ulysses: int) -> Mesh:
@@ -103,7 +103,7 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
 
   dense, _ = output((keys < grid.tokens)[None, :])
   errors = []
-  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+  for layout in (TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR):
     keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys[None, :])
     out, lse = output(keep)
     if compensation is not None:
@@ -213,14 +213,14 @@ def _shard_kernels(branch: Branch, plan: TilePlan, split: RingSplit, scale: floa
 
 
 def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, blocks: int,
-                   shard: jax.Array, natural: int) -> dict[Layout, Centroids]:
+                   shard: jax.Array, natural: int) -> dict[TokenOrder, Centroids]:
   """Each layout's centroids of the whole sequence from the exchange's frame-major shards: each
   shard sums its keys into the sub-blocks their placed positions fall in, summed over the ring
   (``tiles x blocks x D`` per head: a remote tile's centroid costs its own size, not the tile)."""
   frame_major = shard * natural + jnp.arange(natural, dtype=jnp.int32)
   real = frame_major < grid.tokens
   out = {}
-  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+  for layout in (TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR):
     positions = jnp.where(real, layout_positions(grid, layout, frame_major), grid.tokens)
     out[layout] = centroids_by_position(k, v, positions, seq_len=grid.tokens,
                                         num_kv_tiles=plan.num_kv_tiles, block_kv=plan.block_kv,

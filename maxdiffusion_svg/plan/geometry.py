@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 
-class Layout(enum.Enum):
+class TokenOrder(enum.Enum):
   """Token order of a head's sequence."""
 
   FRAME_MAJOR = "frame_major"  # (F, H, W): spatial heads keep it
@@ -128,9 +128,9 @@ def frame_major_order(grid: VideoGrid) -> np.ndarray:
   return np.arange(grid.tokens, dtype=np.int32).reshape(grid.frame_size, grid.frames).T.reshape(-1)
 
 
-def layout_positions(grid: VideoGrid, layout: Layout, tokens: Any) -> Any:
+def layout_positions(grid: VideoGrid, layout: TokenOrder, tokens: Any) -> Any:
   """Position in ``layout`` of frame-major token indices (numpy or jax integer arrays)."""
-  if layout is Layout.FRAME_MAJOR:
+  if layout is TokenOrder.FRAME_MAJOR:
     return tokens
   return (tokens % grid.frame_size) * grid.frames + tokens // grid.frame_size
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from maxdiffusion_svg.plan.geometry import Layout, VideoGrid, layout_positions
+from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, layout_positions
 
 # Band widths are rounded up to this many tokens, as the reference SVG code does.
 BAND_QUANTUM = 128
@@ -162,7 +162,7 @@ class PlacedMask(Mask):
 
   mask: Mask
   grid: VideoGrid
-  layout: Layout
+  layout: TokenOrder
 
   @property
   def seq_len(self) -> int:  # type: ignore[override]
@@ -181,7 +181,7 @@ class PlacedMask(Mask):
     """
     if not isinstance(self.mask, SvgMask):
       raise TypeError(f"kept_pairs needs an SvgMask inside, got {type(self.mask).__name__}")
-    if self.layout is Layout.FRAME_MAJOR:
+    if self.layout is TokenOrder.FRAME_MAJOR:
       return self.mask.kept_pairs(q0, q1, k0, k1)
     frames, p = self.grid.frames, self.grid.frame_size
     w, sink, s = self.mask.half_width, self.mask.sink, self.seq_len

@@ -31,7 +31,7 @@ import numpy as np
 
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.kernels.row_keys import RowKeys
-from maxdiffusion_svg.plan.geometry import Layout
+from maxdiffusion_svg.plan.geometry import TokenOrder
 from maxdiffusion_svg.plan.target import target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 
@@ -146,10 +146,10 @@ def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, s
   return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), _log(counts))
 
 
-def per_head(cents: dict[Layout, Centroids], temporal: jax.Array) -> Centroids:
+def per_head(cents: dict[TokenOrder, Centroids], temporal: jax.Array) -> Centroids:
   """Each head's centroids in the layout it runs in: ``temporal [B, H]`` picks between the
   frame-major and the temporal-major layout's (same counts: both cut the same positions)."""
-  fm, tm = cents[Layout.FRAME_MAJOR], cents[Layout.TEMPORAL_MAJOR]
+  fm, tm = cents[TokenOrder.FRAME_MAJOR], cents[TokenOrder.TEMPORAL_MAJOR]
   pick = lambda a, b: jnp.where(temporal[:, :, None, None], b, a)
   return Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
 

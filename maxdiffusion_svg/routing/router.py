@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
-from maxdiffusion_svg.plan.geometry import (Layout, VideoGrid, layout_positions,
+from maxdiffusion_svg.plan.geometry import (TokenOrder, VideoGrid, layout_positions,
                                             temporal_major_order, to_temporal_major)
 from maxdiffusion_svg.plan.masks import Mask, PlacedMask, probe_mask
 from maxdiffusion_svg.plan.tiles import TilePlan
@@ -134,7 +134,7 @@ def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scal
 
 
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
-                     grid: VideoGrid, layout: Layout, plan: TilePlan, cents: Centroids,
+                     grid: VideoGrid, layout: TokenOrder, plan: TilePlan, cents: Centroids,
                      scale: float, visited: jax.Array | None = None) -> jax.Array:
   """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
   its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
@@ -149,10 +149,10 @@ def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.
   return merge(exact, lse, extra, extra_lse)
 
 
-def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: Layout,
+def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: TokenOrder,
                      plan: TilePlan, blocks: int) -> Centroids:
   """Centroids of ``[B, H, S, D]`` frame-major keys as ``plan``'s call would see them placed."""
-  placed = (lambda x: x) if layout is Layout.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
+  placed = (lambda x: x) if layout is TokenOrder.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
   return centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
 
 
@@ -165,7 +165,7 @@ class HeadTileMask:
   block_q: int
   block_kv: int
 
-  def keep(self, rows: jax.Array, grid: VideoGrid, layout: Layout) -> jax.Array:
+  def keep(self, rows: jax.Array, grid: VideoGrid, layout: TokenOrder) -> jax.Array:
     """``bool [B, H, R, S]``: which keys each head's frame-major ``rows`` keep, placed by
     ``layout`` (O(B x H x R x S), as the sampled logits)."""
     keys = jnp.arange(grid.tokens, dtype=jnp.int32)
@@ -177,7 +177,7 @@ class HeadTileMask:
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
                   mask: Mask | HeadTileMask, *, scale: float | None = None,
                   compensation: Compensated | None = None,
-                  cents: dict[Layout, Centroids] | None = None,
+                  cents: dict[TokenOrder, Centroids] | None = None,
                   sampled: Sampled | None = None) -> tuple[jax.Array, jax.Array]:
   """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
   temporal-major (temporal): ``[B, H]`` each. With ``compensation`` (the plan and centroids
@@ -187,7 +187,7 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
   errors = []
-  for layout in (Layout.FRAME_MAJOR, Layout.TEMPORAL_MAJOR):
+  for layout in (TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR):
     if isinstance(mask, HeadTileMask):
       keep = mask.keep(rows, grid, layout)
     else:
@@ -272,8 +272,8 @@ def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid
       estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan), cents,
                                 scale))
     else:
-      layout = Layout.TEMPORAL_MAJOR if name == TEMPORAL else Layout.FRAME_MAJOR
-      placed = (means(k) if layout is Layout.FRAME_MAJOR else ordered_block_means(
+      layout = TokenOrder.TEMPORAL_MAJOR if name == TEMPORAL else TokenOrder.FRAME_MAJOR
+      placed = (means(k) if layout is TokenOrder.FRAME_MAJOR else ordered_block_means(
           k, temporal_major_order(grid), block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len))
       tiles = layout_positions(grid, layout, rows) // plan.block_q
       estimates.append(left_out(q, rows, tiles, visited, Centroids(placed, None, log_count), scale))
@@ -330,7 +330,7 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                   key: jax.Array, scale: float | None = None,
                   plan: TilePlan | None = None, expert: str | None = None,
                   compensation_blocks: int = 0,
-                  cents: dict[Layout, Centroids] | None = None,
+                  cents: dict[TokenOrder, Centroids] | None = None,
                   layouts: tuple[str, ...] | None = None,
                   semantic: SemanticLayout | None = None,
                   head_visited: jax.Array | None = None) -> Routing:

@@ -3,7 +3,7 @@
 Compiles one kernel per case (tiles, inner kv step, mask strategy, dtype, head_dim) for one
 chip of each generation and asks the compiler what it allocated
 (:func:`maxdiffusion_svg.tpu.aot.scoped_vmem_need`). The cases and what the compiler said are
-written with the libtpu and jax versions to ``docs/measurements/vmem_calibration.json``; the
+written with the libtpu and jax versions to ``docs/measurements/vmem_points.json``; the
 VMEM model (:mod:`maxdiffusion_svg.kernels.vmem_model`) is fitted to the points not marked
 held out, and tests hold it to the held-out ones. Nothing runs on a device.
 """
@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from maxdiffusion_svg.plan.geometry import grid_for_resolution
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements" / \
-    "vmem_calibration.json"
+    "vmem_points.json"
 # Tiles (block_q, block_kv, block_kv_compute) at bf16 / head_dim 128, both strategies; the
 # first three also at f32 and at head_dim 64.
 TILES = ((3328, 1536, 256), (2048, 1024, 256), (3328, 2816, 256), (1024, 1024, 256),
@@ -57,7 +57,7 @@ class VmemCase:
   held_out: bool = False  # kept out of the fit: the test's check that the model generalises
 
 
-def calibration_cases(chips: Sequence[str]) -> list[VmemCase]:
+def vmem_cases(chips: Sequence[str]) -> list[VmemCase]:
   """Per chip: every tile and strategy (FULL) or the first few, plus the dtype and head_dim
   variants; every third case of a chip and strategy is held out of the fit."""
   cases = []
@@ -113,7 +113,7 @@ def measure(case: VmemCase) -> dict[str, Any]:
           "fits_physical": need is not None, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_vmem_calibration(chips: Sequence[str], workers: int = 2,
+def run_vmem_points(chips: Sequence[str], workers: int = 2,
                          log: Callable[[str], None] = print,
                          done: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
   """Every case of ``chips``, ``workers`` compiles at a time (one process each); cases in
@@ -124,7 +124,7 @@ def run_vmem_calibration(chips: Sequence[str], workers: int = 2,
   # A compile does not depend on whether its point is held out: match without the mark.
   key = lambda case: dataclasses.replace(case, held_out=False)
   kept = {key(VmemCase(**{k: r[k] for k in fields})): r for r in done}
-  order = calibration_cases(chips)
+  order = vmem_cases(chips)
   cases = [c for c in order if key(c) not in kept]
   rows = [{**kept[key(c)], "held_out": c.held_out} for c in order if key(c) in kept]
   with concurrent.futures.ProcessPoolExecutor(workers) as pool:
