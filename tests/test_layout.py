@@ -75,6 +75,14 @@ def test_every_subpackage_has_its_place_on_the_map():
   assert subpackages == set(LAYERS)
 
 
+def test_the_tests_mirror_the_package():
+  """tests/<subpackage>/ holds a subpackage's tests (tests/integration: MaxDiffusion's); the top
+  level only the repository's own rules and what spans the package."""
+  folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+  assert folders - {"integration"} <= set(LAYERS), sorted(folders - set(LAYERS))
+  assert len(folders) >= 8
+
+
 def test_no_module_imports_one_above_it_on_the_map():
   graph = _import_graph()
   assert len(graph) >= 100, len(graph)  # the walk found the package

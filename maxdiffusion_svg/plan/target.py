@@ -36,7 +36,7 @@ class TpuGeneration:
 
 
 # Limits are the compiler's own: its CompileTimeScopedVmemOom and SMEM messages name them
-# (tests/test_tpu_compile.py checks them against libtpu; docs/reference.md lists them).
+# (tests/tpu/test_tpu_compile.py checks them against libtpu; docs/reference.md lists them).
 GENERATIONS: dict[str, TpuGeneration] = {g.name: g for g in (
     TpuGeneration("v4", ("TPU v4",), 16 * MIB, 16 * MIB, 1 * MIB),
     TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 16 * MIB, 128 * MIB, 1 * MIB),

@@ -57,7 +57,7 @@ def prices_from_schedule(result: dict[str, Any]) -> dict[str, KernelPrices]:
   return out
 
 
-# From docs/measurements/schedule_<chip>_720p.json (libtpu 0.0.50.1; tests/test_schedule_costs.py
+# From docs/measurements/schedule_<chip>_720p.json (libtpu 0.0.50.1; tests/tpu/test_schedule_costs.py
 # rebuilds these from the files).
 _OURS = (3328, 1536, 512)
 _FAST_RECIPE = (6400, 2048, 2048)

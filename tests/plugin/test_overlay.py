@@ -88,7 +88,7 @@ def test_an_override_the_config_does_not_hold_is_named_before_maxdiffusion_start
 
 def test_shipped_configs_name_maxdiffusion_bases():
   bases = {p.name: yaml.safe_load(p.read_text())["base_config"]
-           for p in (pathlib.Path(__file__).parent.parent / "configs").glob("*.yml")}
+           for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.yml")}
   assert bases == {"wan_svg.yml": "base_wan_14b.yml", "wan_svg_1_3b.yml": "base_wan_1_3b.yml",
                    "wan22_svg.yml": "base_wan_27b.yml", "wan_i2v_svg.yml": "base_wan_i2v_14b.yml",
                    "wan_svg_v6e16.yml": "wan_svg.yml", "wan_svg_v6e32.yml": "wan_svg.yml",

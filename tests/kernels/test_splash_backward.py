@@ -222,7 +222,7 @@ def test_backward_blocks_must_divide_forward_tiles():
       backward_blocks(plan, None, bad)
 
 
-@SLOW  # tests/test_gradients.py differentiates Splash calls through sparse_attention itself
+@SLOW  # tests/kernels/test_gradients.py differentiates Splash calls through sparse_attention itself
 def test_under_jit_as_a_custom_vjp_backward():
   """Wired as gradient.py would: Splash forward, this backward, traced under jit and grad."""
   from maxdiffusion_svg.kernels.splash import splash_sparse_attention
@@ -289,7 +289,7 @@ def test_the_backward_vmem_bound_holds_libtpus_figures():
   import pathlib
   from maxdiffusion_svg.kernels.splash_backward import dkv_vmem_bound
   from maxdiffusion_svg.plan.target import tpu_target
-  path = pathlib.Path(__file__).parents[1] / "docs" / "measurements" / "backward_vmem.json"
+  path = pathlib.Path(__file__).parents[2] / "docs" / "measurements" / "backward_vmem.json"
   rows = json.loads(path.read_text())["rows"]
   assert {r["chip"] for r in rows} == {"v4", "v5e", "v5p", "v6e", "tpu7x"}
   for r in rows:

@@ -127,7 +127,7 @@ def test_a_schedule_active_everywhere_is_decided_while_tracing():
 def test_shipped_yaml_fragments_are_valid():
   import pathlib  # pylint: disable=import-outside-toplevel
   import yaml  # pylint: disable=import-outside-toplevel
-  files = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yml"))
+  files = sorted((pathlib.Path(__file__).parents[2] / "configs").glob("*.yml"))
   assert files
   for path in files:
     data = own_chain(path)

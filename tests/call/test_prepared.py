@@ -20,7 +20,7 @@ from maxdiffusion_svg.plan.target import Target, target_for_call, tpu_target
 
 GRID = VideoGrid(frames=4, height=8, width=16)
 CONFIG = SvgConfig(density=0.5, block_q=128, block_kv=128)
-PACKAGE = pathlib.Path(__file__).parent.parent / "maxdiffusion_svg"
+PACKAGE = pathlib.Path(__file__).parents[2] / "maxdiffusion_svg"
 
 
 def inputs(batch=1, heads=2, dim=128):

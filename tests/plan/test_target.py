@@ -89,7 +89,7 @@ def test_every_default_fits_its_own_limit_by_the_estimate():
 
 
 def test_smem_estimate_matches_the_compiler_report():
-  # libtpu: "Used 1.17M of 1.00M smem" for this plan's tables (tests/test_tpu_compile.py).
+  # libtpu: "Used 1.17M of 1.00M smem" for this plan's tables (tests/tpu/test_tpu_compile.py).
   plan = plan_tiles(grid_for_resolution("1440p"), 1.0, 1024, 1024, "aligned", include_sink=False)
   assert abs(smem_estimate(plan) / MIB - 1.17) < 0.01
 
@@ -148,7 +148,7 @@ def test_with_nothing_naming_the_tpu_the_strictest_known_limits_hold_when_lowere
   assert vmem_need(plan, 128, jnp.bfloat16, 256, tpu_target()) == max(
       vmem_need(plan, 128, jnp.bfloat16, 256, tpu_target(g)) for g in GENERATIONS)
   # The unknown generation's default tiles pass that check (and compile on every known
-  # generation: tests/test_tpu_compile.py).
+  # generation: tests/tpu/test_tpu_compile.py).
   for mode in ("naive", "split", "aligned"):
     for backend in ("pallas", "splash"):
       config = SvgConfig(tile_mode=mode, density=0.3, backend=backend)

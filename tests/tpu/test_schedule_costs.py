@@ -11,7 +11,7 @@ from maxdiffusion_svg.plan.target import tpu_target
 from maxdiffusion_svg.plugin.estimate import _against_fixed_m
 from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES, KernelPrices, prices_from_schedule
 
-MEASUREMENTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "measurements"
+MEASUREMENTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements"
 
 
 def stored(chip):

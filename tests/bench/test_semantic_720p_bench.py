@@ -13,7 +13,7 @@ from maxdiffusion_svg.cli import main as cli
 from maxdiffusion_svg.kernels import dense_attention, plan_reference
 from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
 
-from test_compensation import reference as compensated_reference  # the float64 rule
+from references import compensated_reference  # the float64 rule
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens
 CFG = Semantic720pConfig(grid=GRID, densities=(0.3,), groups=(1, 2), heads=1, head_dim=32,

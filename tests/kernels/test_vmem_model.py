@@ -45,7 +45,7 @@ def test_held_out_compiles_never_above_the_model_nor_far_below_it():
     ratio = estimate(row) / row["compiler_bytes"]
     assert ratio >= 1.0, row  # never below the compiler's figure
     ratios.append(ratio)
-  # Not so far above that defaults would be refused (tests/test_target.py checks each default).
+  # Not so far above that defaults would be refused (tests/plan/test_target.py checks each default).
   # The far ones are single-head calls, which allocate least (docs/benchmarks.md).
   assert max(ratios) < 3.0 and float(np.median(ratios)) < 1.35, sorted(ratios)
 

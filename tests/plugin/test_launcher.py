@@ -13,7 +13,7 @@ import yaml
 
 from maxdiffusion_svg.plugin import launcher, overlay
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from maxdiffusion_svg.cli.main import main
 from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.plan.tiles import plan_tiles
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_json(capsys, *args):
@@ -180,7 +180,7 @@ def test_overrides_and_wan22_experts_change_the_estimate(tmp_path, capsys):
                                                                    ("low_noise", 0.2)]
   assert result["rows"][0]["speedup_bound"] < result["rows"][1]["speedup_bound"]
   # 50 steps at flow_shift 12: 32 timesteps at or above 875 (as MaxDiffusion's scheduler gives
-  # them: tests/test_wan22.py).
+  # them: tests/plugin/test_wan22.py).
   assert [(r["first_step"], r["steps"]) for r in result["rows"]] == [(0, 32), (32, 18)]
   assert "boundary_ratio 0.875" in text and "whole run, both experts" in text
 

@@ -14,7 +14,7 @@ from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.routing.semantic import Seed
 from multiprocess_workers import carried_calls, sharded_config, sharded_inputs
 
-TESTS = str(pathlib.Path(__file__).parent)
+TESTS = str(pathlib.Path(__file__).parents[1])
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
 CALLS = [(0, 0), (3, 0), (3, 2), (5, 1)]  # dense, dense (layer 0), sparse, sparse
 

@@ -28,7 +28,7 @@ GRID = VideoGrid(6, 8, 16)  # 768 tokens: ring shards of 384 (R=2), 256 (R=4, pa
 PADDED_GRID = VideoGrid(5, 6, 9)  # 270 tokens
 TYPES = ("spatial", "temporal", "temporal", "spatial", "temporal", "spatial", "spatial", "temporal")
 KEY = jax.random.key(7)
-TESTS = str(pathlib.Path(__file__).parent)
+TESTS = str(pathlib.Path(__file__).parents[1])
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
 
 

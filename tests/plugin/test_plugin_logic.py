@@ -164,7 +164,7 @@ def test_the_settings_summary_says_what_will_run():
 # ------------------------------------------------ the patch script's refusals
 
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "apply_maxdiffusion_patch.sh"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "apply_maxdiffusion_patch.sh"
 
 
 def run_script(*args):
