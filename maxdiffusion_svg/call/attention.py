@@ -112,8 +112,9 @@ def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
   plan = kernel.plan
   semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
   temporal = layout == LAYOUTS.index(TEMPORAL)
-  # Semantic heads by their groups' order (a gather of whole groups), the rest as before.
-  # (Gathering every head after the band's placement instead: 0.44 GiB more temporaries.)
+  # Semantic heads by their groups' order (a gather of whole groups), the rest as before:
+  # gathering every head after the band's placement needs more temporaries (docs/benchmarks.md,
+  # "Figures behind choices in the code").
   placed = lambda x, perm: jnp.where(semantic_head, gather_tokens(x, perm), place(x, temporal, grid))
   tables = jnp.where(semantic_head, semantic.kv_index, jnp.asarray(plan.kv_index))
   # One input at a time: each gather's copy is dead before the next is made.
@@ -249,10 +250,9 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
       routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed, heads)
       if semantic is not None:
         # The route is decided before anything is placed: scheduled among the placed copies,
-        # the semantic estimate left them scattered (a v6e 720p semantic call took 1,651 MiB
-        # of temporaries where 1,384 hold the same work, svg's own 1,292). Not for the band
-        # layouts alone: there it kept the compensated call's centroids alive (the Wan 14B
-        # forward with compensation: 3,192 MiB with it, 2,873 without; the plain one 2,790).
+        # the semantic estimate left them scattered and took more temporaries. Not for the band
+        # layouts alone: there it kept the compensated call's centroids alive (figures:
+        # docs/benchmarks.md, "Figures behind choices in the code").
         routing, semantic, q, k, v = jax.lax.optimization_barrier((routing, semantic, q, k, v))
       layout = routing.temporal if semantic is None else routing.layouts
       out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,

@@ -45,7 +45,8 @@ from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _ROW_START = -1e30
 # Softmax statistics are (8, block_q): one full vreg row per 128 queries, every sublane the same
-# (libtpu schedules the online body 12% shorter than with (1, block_q) rows).
+# (libtpu schedules the online body shorter than with (1, block_q) rows: docs/benchmarks.md,
+# "Figures behind choices in the code").
 _STAT_ROWS = 8
 _NT = (((1,), (1,)), ((), ()))  # k (kv, d) x q (q, d) -> (kv, q)
 _TN = (((0,), (0,)), ((), ()))  # v (kv, dv) x p (kv, q) -> (dv, q)

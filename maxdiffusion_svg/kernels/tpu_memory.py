@@ -68,12 +68,8 @@ def vmem_need(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int |
 
 # Our Pallas kernel (kernels/pallas.py): libtpu's scoped-VMEM need grows with the score chunk
 # (block_q x block_kv_compute, float32, plus its exponent and bfloat16 copy), a little with the
-# heads and the video, barely with block_kv. Measured (libtpu 0.0.50.1, head_dim 128, bf16
-# unless said): v6e 1 head 3328x1536/512 9.0 MiB, 3328x1536/256 4.1, 2048x1536/256 3.1,
-# 1536x1024/256 2.6, 4608x1536/512 12.1; v5e split 3328x1536/512 8.2 (1 head, 480p), 11.3
-# (5 heads), 12.2 (5 heads, 720p), 12.9 (40 heads, 480p); 3328x1536/768 15.5 (5 heads, 720p);
-# f32 2048x1536/256 4.1. The bound sits above every one of them. (On v4 the limit is all of
-# VMEM, which also holds the pipelined blocks: 3328x1536/768 needs 16.12 of its 16 MiB there.)
+# heads and the video, barely with block_kv. The bound sits above every need libtpu reported
+# (docs/benchmarks.md, "Figures behind choices in the code").
 PALLAS_VMEM_BASE = 6 * MIB
 PALLAS_VMEM_PER_SCORE = 5.0
 # With row keys (compensation) the kernel reads three more blocks per query tile row, each

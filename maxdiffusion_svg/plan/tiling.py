@@ -38,15 +38,16 @@ SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
     (32 * MIB, SplashTiles(3328, 1536, 256)),
     (16 * MIB, SplashTiles(2048, 1536, 256)),
 )
-# v4 has 16 MiB of VMEM in all and widens int8 mask blocks to 32 bits: a smaller tile (libtpu
-# allocates 12.2 MiB for it, aligned, where 2048x1024 takes 15.96 of the 16). A TPU of unknown
-# generation gets it too: it compiles on every known generation.
+# v4 has 16 MiB of VMEM in all and widens int8 mask blocks to 32 bits: a smaller tile, the
+# largest libtpu fits with room (docs/benchmarks.md, "Figures behind choices in the code"). A TPU
+# of unknown generation gets it too: it compiles on every known generation.
 V4_TILES = SplashTiles(1536, 1024, 256)
 UNKNOWN_TPU_TILES = V4_TILES
 # Our Pallas kernel (the TPU default): its VMEM need is well under every default limit
 # (kernels/tpu_memory.py), so the limit never decides its tile; libtpu's static schedule of the
-# aligned call at 720p does (docs/benchmarks.md, "Our kernel's tiles"). A kv step of 768 would
-# save 3% of the body on v5e and v5p (128x128 MXUs), but needs 15.5 of their 16 MiB at 5 heads.
+# aligned call at 720p does (docs/benchmarks.md, "Our kernel's tiles"); a kv step of 768 would
+# leave v5e and v5p (128x128 MXUs) too little VMEM for what it saves ("Figures behind choices
+# in the code").
 PALLAS_TILES = SplashTiles(3328, 1536, 512)
 # The inner kv step when block_kv is the user's: the widest of these dividing it (ours takes
 # wider steps: its per-step accumulator update is amortised over more keys).
