@@ -76,6 +76,14 @@ def _add_json_arg(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
 
+def add_config_args(parser: argparse.ArgumentParser, config_help: str,
+                    overrides_help: str) -> None:
+  """A generation config and the ``key=value`` overrides after it, as on MaxDiffusion's command
+  line (``compare``, ``calibrate``)."""
+  parser.add_argument("config", metavar="CONFIG.yml", help=config_help)
+  parser.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+
+
 def require_maxdiffusion(command: str) -> None:
   """A command that runs MaxDiffusion's ``generate_wan`` says how to get it, not a stack trace."""
   import importlib.util  # pylint: disable=import-outside-toplevel

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from maxdiffusion_svg.cli.args import require_maxdiffusion
+from maxdiffusion_svg.cli.args import add_config_args, require_maxdiffusion
 
 COMMAND_HELP = ("per-layer budgets for your checkpoint: runs the config's prompt(s) through "
                 "the model's own main (generate_wan, generate_ltx2, generate_wan_animate), measures each layer's error against dense at a ladder of "
@@ -24,12 +24,10 @@ def _ladder(text: str) -> tuple[float, ...]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
   calibrate = sub.add_parser("calibrate", help=COMMAND_HELP)
-  calibrate.add_argument("config", metavar="CONFIG.yml",
-                         help="a Wan generation config with attention svg (base_config chains "
-                              "merged), e.g. configs/wan_svg.yml")
-  calibrate.add_argument("overrides", nargs="*", metavar="key=value",
-                         help="keys to change, as on MaxDiffusion's command line; svg_* keys "
-                              "are written into the overlay too (the budget was theirs)")
+  add_config_args(calibrate, "a Wan generation config with attention svg (base_config chains "
+                             "merged), e.g. configs/wan_svg.yml",
+                  "keys to change, as on MaxDiffusion's command line; svg_* keys are written "
+                  "into the overlay too (the budget was theirs)")
   calibrate.add_argument("--out", required=True, metavar="OVERLAY.yml",
                          help="the overlay to write: base_config CONFIG plus "
                               "svg_layer_densities and svg_layer_compensation, or with "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from maxdiffusion_svg.cli.args import require_maxdiffusion
+from maxdiffusion_svg.cli.args import add_config_args, require_maxdiffusion
 
 COMMAND_HELP = ("the config's dense kernel and SVG on the same prompt and seed, weights loaded "
                 "once: seconds per step, sparse calls, PSNR/SSIM(/LPIPS) against the dense video, "
@@ -14,11 +14,10 @@ COMMAND_HELP = ("the config's dense kernel and SVG on the same prompt and seed, 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
   compare = sub.add_parser("compare", help=COMMAND_HELP)
-  compare.add_argument("config", metavar="CONFIG.yml",
-                       help="a Wan, LTX-2 or Wan Animate generation config (base_config chains merged), e.g. "
-                            "configs/wan_svg.yml; its checkpoint, prompt, seed and video are used")
-  compare.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="keys to change for every run, as on MaxDiffusion's command line")
+  add_config_args(compare, "a Wan, LTX-2 or Wan Animate generation config (base_config chains "
+                           "merged), e.g. configs/wan_svg.yml; its checkpoint, prompt, seed and "
+                           "video are used",
+                  "keys to change for every run, as on MaxDiffusion's command line")
   compare.add_argument("--dense", metavar="KERNEL",
                        help="the dense kernel to compare with (e.g. flash, ulysses, "
                             "ulysses_custom_fixed_m; default: the attention of the config's "
