@@ -51,6 +51,8 @@ KERNELS = ("flash", "ulysses_custom_fixed_m", "svg")
 # the fixed-m kernel then needs more scoped VMEM than the compiler has (libtpu 0.0.50.1, v6e:
 # 80.41M of 79.00M at 14,080 tokens), a row the compiler refuses.
 KERNEL_KEYS = {"ulysses_custom_fixed_m": WAN_KERNEL_KEYS["ulysses_custom_fixed_m"]}
+
+
 def ltx2_pipeline_module() -> Any:
   """MaxDiffusion's ``ltx2_pipeline``, imported the way its entry points load it: Triton first
   (as the plugin's LTX-2 hooks do), then ``pyconfig``. Imported first on its own, the pipeline

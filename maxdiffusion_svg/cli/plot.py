@@ -68,7 +68,6 @@ def plot_tiles(path: str, grid: VideoGrid, density: float, block_q: int, block_k
   pyplot.close(fig)
 
 
-
 def plot_quality(path: str, cfg, result: dict, max_pixels: int = 504) -> None:
   """Attention maps of a spatial and a temporal head with their chosen masks drawn over
   them, and the router's per-head errors, for the quality benchmark."""

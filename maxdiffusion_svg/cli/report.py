@@ -24,7 +24,6 @@ def kernel_mask(mask: SvgMask, grid: VideoGrid, head: str) -> Mask:
   return mask if placed else PlacedMask(mask, grid, layout)
 
 
-
 # (header, width, value format); text columns are left-aligned, the rest right-aligned.
 _COLUMNS = (
     ("mode", 8, "s"), ("head", 17, "s"), ("kept%", 7, ".2f"), ("budget%", 8, "+.2f"),

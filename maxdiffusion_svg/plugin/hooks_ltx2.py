@@ -27,6 +27,7 @@ from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import hooks, hooks_entry
 from maxdiffusion_svg.plugin.families import LTX2_MODEL
 
+
 def _grid(model: Any, frames: Any, height: Any, width: Any) -> VideoGrid:
   """The packed video's grid from the call's latent sizes, which must be static ints."""
   if not all(isinstance(x, int) for x in (frames, height, width)):

@@ -17,6 +17,7 @@ from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, libtpu_available
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
 
+
 def device(kind, platform="tpu"):
   return types.SimpleNamespace(device_kind=kind, platform=platform)
 
