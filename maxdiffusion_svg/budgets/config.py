@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from maxdiffusion_svg.budgets.budget import Budget
 from maxdiffusion_svg.budgets.config_keys import DEFAULT_NUM_STEPS, DEFAULT_PRESET, config_kwargs
 from maxdiffusion_svg.budgets.per_head import HeadBudget, check_head_densities, head_budget
 from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_compensation, check_layer_densities
@@ -161,20 +162,29 @@ class SvgConfig:
         raise ValueError(f"{key} with semantic among svg_layouts is not built yet: a semantic "
                          f"head's table has the band's count per row")
 
+  def budget(self, expert: str | None = None) -> Budget:
+    """What ``expert``'s calls run (None: a model without experts), each value its own key's
+    where set, else the shared one's: the one record the kernel, the run summary, ``estimate``
+    and ``calibrate`` read."""
+    if expert is not None and expert not in EXPERTS:
+      raise ValueError(f"expert must be one of {', '.join(EXPERTS)} or None, got {expert!r}")
+    fields = {"densities": "layer_densities", "compensation": "layer_compensation",
+              "head": "head_densities"}
+    own = frozenset(what for what, name in fields.items()
+                    if expert and getattr(self, f"{expert}_{name}") is not None)
+    value = lambda what: getattr(self, (f"{expert}_" if what in own else "") + fields[what])
+    density = getattr(self, f"{expert}_density") if expert else None
+    return Budget(expert, self.density if density is None else density, self.compensation,
+                  value("densities"), value("compensation"), value("head"), own)
+
   def head_densities_for(self, expert: str | None = None) -> tuple[tuple[float, ...], ...] | None:
-    """Per-head densities for ``expert`` (its own, else the shared key), one list per layer
-    (one list: every layer), or None: every head runs its layer's density."""
-    shared = self.head_densities
-    if expert is None:
-      return shared
-    self.density_for(expert)  # validates the expert
-    own = getattr(self, f"{expert}_head_densities")
-    return shared if own is None else own
+    """Per-head densities for ``expert`` (:meth:`budget`'s), one list per layer (one list: every
+    layer), or None: every head runs its layer's density."""
+    return self.budget(expert).head_densities
 
   def head_key(self, expert: str | None = None) -> str:
     """The key :meth:`head_densities_for` reads for ``expert``."""
-    own = f"svg_{expert}_head_densities"
-    return own if expert and getattr(self, own[len("svg_"):]) is not None else "svg_head_densities"
+    return self.budget(expert).key("head")
 
   def head_budget_on(self, grid: VideoGrid, tiles: SplashTiles,
                      expert: str | None = None) -> HeadBudget | None:
@@ -210,54 +220,31 @@ class SvgConfig:
     return RouterConfig(self.profile_queries, self.profile_pool, self.sample_max_row,
                         self.include_sink, self.profile_masks, self.sink_frames)
 
+  # The budget's values one at a time (each reads :meth:`budget`).
   def density_for(self, expert: str | None = None) -> float:
     """The density of a Wan 2.2 expert (``high_noise``/``low_noise``), or the shared one."""
-    if expert is None:
-      return self.density
-    if expert not in EXPERTS:
-      raise ValueError(f"expert must be one of {', '.join(EXPERTS)} or None, got {expert!r}")
-    own = getattr(self, f"{expert}_density")
-    return self.density if own is None else own
+    return self.budget(expert).density
 
   def layer_densities_for(self, expert: str | None = None) -> tuple[float, ...] | None:
     """One density per layer for ``expert`` (its own, else the shared list), or None: every
     layer runs :meth:`density_for`."""
-    return self._per_layer("densities", expert)
+    return self.budget(expert).layer_densities
 
   def layer_compensation_for(self, expert: str | None = None) -> tuple[bool, ...] | None:
     """Compensation on or off per layer for ``expert`` (its own, else the shared list), or
     None: every layer ``compensation``."""
-    return self._per_layer("compensation", expert)
-
-  def _per_layer(self, what: str, expert: str | None) -> tuple[Any, ...] | None:
-    shared = getattr(self, f"layer_{what}")
-    if expert is None:
-      return shared
-    self.density_for(expert)  # validates the expert
-    own = getattr(self, f"{expert}_layer_{what}")
-    return shared if own is None else own
+    return self.budget(expert).layer_compensation
 
   def layer_key(self, what: str, expert: str | None = None) -> str:
     """The key :meth:`layer_densities_for` (``what="densities"``) or
     :meth:`layer_compensation_for` (``"compensation"``) reads for ``expert``: its own where
     set, else the shared one."""
-    own = f"svg_{expert}_layer_{what}"
-    return own if expert and getattr(self, own[len("svg_"):]) is not None else f"svg_layer_{what}"
+    return self.budget(expert).key(what)
 
   def layer_rungs_for(self, expert: str | None = None) -> tuple[Rung, ...] | None:
     """Each layer's :class:`~maxdiffusion_svg.budgets.per_layer.Rung` (density, compensation) for
     ``expert``, or None where neither per-layer key is set. Lists of two lengths are refused."""
-    densities, compensation = self.layer_densities_for(expert), self.layer_compensation_for(expert)
-    if densities is None and compensation is None:
-      return None
-    if densities is not None and compensation is not None and len(densities) != len(compensation):
-      raise ValueError(f"{self.layer_key('densities', expert)} gives {len(densities)} layers "
-                       f"but {self.layer_key('compensation', expert)} {len(compensation)}: "
-                       f"give both one value per layer")
-    layers = len(densities if densities is not None else compensation)
-    densities = densities or (self.density_for(expert),) * layers
-    compensation = compensation or (self.compensation,) * layers
-    return tuple(Rung(d, c) for d, c in zip(densities, compensation))
+    return self.budget(expert).layer_rungs
 
   def at_density(self, density: float) -> "SvgConfig":
     """This config with every layer (and expert) at ``density``: one rung of a per-layer

@@ -2,10 +2,11 @@
 
 Every decision a call makes before it sees data (target, executor, tiles, plans, compensation)
 is made once, in :func:`maxdiffusion_svg.call.prepared.prepare`; this module only runs the data
-path. Temporal heads are moved to temporal-major order, where their mask is the same band +
-sink as a spatial head's, so one TilePlan serves every head of the call. Placement is a
-per-head select between the two orders: shapes never depend on the routing flags, so
-re-routing never recompiles.
+path. Each head is placed in its layout's order (temporal heads in temporal-major order, where
+their mask is the same band + sink as a spatial head's), so one TilePlan serves every band head
+of the call. Placement is a per-head select among the layouts' orders
+(:mod:`maxdiffusion_svg.routing.layouts`): shapes never depend on the routing, so re-routing
+never recompiles.
 """
 
 from __future__ import annotations
@@ -19,61 +20,81 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
-from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, to_frame_major, to_temporal_major
+from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target, target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
                                                    table_row_keys)
-from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
+from maxdiffusion_svg.routing.layouts import SEMANTIC, get, index, layout_ids, names
 from maxdiffusion_svg.routing.router import Routing, layout_centroids, profile_heads
 from maxdiffusion_svg.routing.semantic import (Seed, SemanticLayout, gather_tokens, semantic_layout,
                                                visited_table)
 
 
-def place(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
-  """``[B, H, S, D]``: heads flagged temporal go to temporal-major order, the rest stay."""
-  return jnp.where(temporal[:, :, None, None], to_temporal_major(x, grid), x)
+def _moved(layouts: tuple[str, ...] | None) -> list[str]:
+  """The band layouts among ``layouts`` (default: all) whose order is not frame-major."""
+  return [name for name in names() if (layouts is None or name in layouts)
+          and get(name).band and get(name).to_placed is not None]
 
 
-def restore(x: jax.Array, temporal: jax.Array, grid: VideoGrid) -> jax.Array:
+def place(x: jax.Array, layout: jax.Array, grid: VideoGrid,
+          layouts: tuple[str, ...] | None = None) -> jax.Array:
+  """``[B, H, S, D]``: each head in its band layout's order (``layout [B, H]``: ids, or bool
+  temporal flags); ``layouts``: those the call runs (default: every registered one)."""
+  ids = layout_ids(layout)
+  out = x
+  for name in _moved(layouts):
+    out = jnp.where((ids == index(name))[:, :, None, None], get(name).to_placed(x, grid), out)
+  return out
+
+
+def restore(x: jax.Array, layout: jax.Array, grid: VideoGrid,
+            layouts: tuple[str, ...] | None = None) -> jax.Array:
   """Inverse of :func:`place`."""
-  return jnp.where(temporal[:, :, None, None], to_frame_major(x, grid), x)
+  ids = layout_ids(layout)
+  out = x
+  for name in _moved(layouts):
+    out = jnp.where((ids == index(name))[:, :, None, None], get(name).to_frame_major(x, grid), out)
+  return out
 
 
-def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array, *,
+def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array, *,
                      grid: VideoGrid, plan: TilePlan, scale: float | None = None,
                      backend: str = "auto", block_kv_compute: int | None = None,
                      target: Target | None = None, compensation_blocks: int = 0,
-                     cents: dict[TokenOrder, Centroids] | None = None,
-                     semantic: SemanticLayout | None = None) -> jax.Array:
-  """Place by ``temporal[B, H]``, run the shared plan, restore: SVG after routing. With
-  ``compensation_blocks`` (centroids per key tile) the tiles a row skips are compensated in
-  the placed layout (:mod:`maxdiffusion_svg.routing.compensation`; ``cents``: each layout's
-  centroids, where the router has them, else computed from the placed keys). With ``semantic`` (each
-  head's semantic order and table), ``temporal`` holds layout ids instead (``int32 [B, H]``,
-  :data:`maxdiffusion_svg.routing.layouts.LAYOUTS`): see :func:`semantic_placed_attention`.
-  ``backend``, ``block_kv_compute`` and ``target`` make the kernel
+                     cents: dict[str, Centroids] | None = None,
+                     semantic: SemanticLayout | None = None,
+                     layouts: tuple[str, ...] | None = None) -> jax.Array:
+  """Place by ``layout [B, H]`` (layout ids, or bool temporal flags), run the shared plan,
+  restore: SVG after routing. With ``compensation_blocks`` (centroids per key tile) the tiles a
+  row skips are compensated in the placed layout (:mod:`maxdiffusion_svg.routing.compensation`;
+  ``cents``: each layout's centroids by name, where the router has them, else computed from the
+  placed keys). With ``semantic`` (each head's semantic order and table), see
+  :func:`semantic_placed_attention`. ``layouts``: those the call runs (default: every
+  registered one). ``backend``, ``block_kv_compute`` and ``target`` make the kernel
   (:func:`maxdiffusion_svg.kernels.api.prepare_kernel`)."""
   kernel = prepare_kernel(plan, target_for_call(q, k, v, target=target), backend=backend,
                           block_kv_compute=block_kv_compute)
-  return _placed(kernel, q, k, v, temporal, grid, scale, compensation_blocks, cents, semantic)
+  return _placed(kernel, q, k, v, layout, grid, scale, compensation_blocks, cents, semantic,
+                 layouts=layouts)
 
 
-def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temporal: jax.Array,
+def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array,
             grid: VideoGrid, scale: float | None, compensation_blocks: int,
-            cents: dict[TokenOrder, Centroids] | None,
-            semantic: SemanticLayout | None, heads: HeadTables | None = None) -> jax.Array:
+            cents: dict[str, Centroids] | None,
+            semantic: SemanticLayout | None, heads: HeadTables | None = None,
+            layouts: tuple[str, ...] | None = None) -> jax.Array:
   """:func:`placed_attention` on a prepared kernel (its plan's tiles); with ``heads``, each
   head on its own tables (a per-head budget, on the kernel's carrier plan)."""
   if semantic is not None:
-    return _semantic_placed(kernel, q, k, v, temporal, semantic, grid, scale,
-                            compensation_blocks, cents)
-  placed = [place(x, temporal, grid) for x in (q, k, v)]
+    return _semantic_placed(kernel, q, k, v, layout, semantic, grid, scale,
+                            compensation_blocks, cents, layouts)
+  placed = [place(x, layout, grid, layouts) for x in (q, k, v)]
   if heads is not None:  # the band in each head's placed order: its tables need no routing
     kwargs = {"head_tiles": heads.tables, "head_steps": heads.steps}
     if compensation_blocks:  # each head's own skipped tiles, by its layout's centroids
       plan = kernel.plan
-      head_cents = per_head(cents, temporal) if cents is not None else centroids(
+      head_cents = per_head(cents, layout) if cents is not None else centroids(
           placed[1], placed[2], block_kv=plan.block_kv, blocks=compensation_blocks,
           seq_len=plan.seq_len)
       kwargs["row_keys"] = table_row_keys(head_cents, heads.visited, plan, compensation_blocks,
@@ -81,10 +102,10 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, temp
     out = kernel(*placed, scale=scale, **kwargs)
   elif compensation_blocks:
     out = compensated_call(kernel, *placed, blocks=compensation_blocks, scale=scale,
-                           cents=None if cents is None else per_head(cents, temporal))
+                           cents=None if cents is None else per_head(cents, layout))
   else:
     out = kernel(*placed, scale=scale)
-  return restore(out, temporal, grid)
+  return restore(out, layout, grid, layouts)
 
 
 def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array,
@@ -92,30 +113,32 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
                               scale: float | None = None, backend: str = "auto",
                               block_kv_compute: int | None = None, target: Target | None = None,
                               compensation_blocks: int = 0,
-                              cents: dict[TokenOrder, Centroids] | None = None) -> jax.Array:
-  """SVG after routing among three layouts (``layout [B, H]`` ids): each head is placed by its
-  layout's order (one gather per input: identity, temporal-major, or its clusters'), its
-  kernel walks its layout's table (the shared plan's, or its own), and the output goes back
-  by the inverse order. With ``compensation_blocks`` each head's skipped tiles are compensated
-  by its layout's centroids."""
+                              cents: dict[str, Centroids] | None = None,
+                              layouts: tuple[str, ...] | None = None) -> jax.Array:
+  """SVG after routing among band layouts and semantic (``layout [B, H]`` ids): each head is
+  placed by its layout's order (one gather per input: identity, temporal-major, or its
+  clusters'), its kernel walks its layout's table (the shared plan's, or its own), and the
+  output goes back by the inverse order. With ``compensation_blocks`` each head's skipped
+  tiles are compensated by its layout's centroids."""
   return placed_attention(q, k, v, layout, grid=grid, plan=plan, scale=scale, backend=backend,
                           block_kv_compute=block_kv_compute, target=target,
                           compensation_blocks=compensation_blocks, cents=cents,
-                          semantic=semantic)
+                          semantic=semantic, layouts=layouts)
 
 
 def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array,
                      layout: jax.Array, semantic: SemanticLayout, grid: VideoGrid,
                      scale: float | None, compensation_blocks: int,
-                     cents: dict[TokenOrder, Centroids] | None) -> jax.Array:
+                     cents: dict[str, Centroids] | None,
+                     layouts: tuple[str, ...] | None) -> jax.Array:
   """:func:`semantic_placed_attention` on a prepared kernel."""
   plan = kernel.plan
-  semantic_head = (layout == LAYOUTS.index(SEMANTIC))[:, :, None, None]
-  temporal = layout == LAYOUTS.index(TEMPORAL)
+  semantic_head = (layout == index(SEMANTIC))[:, :, None, None]
   # Semantic heads by their groups' order (a gather of whole groups), the rest as before:
   # gathering every head after the band's placement needs more temporaries (docs/benchmarks.md,
   # "Figures behind choices in the code").
-  placed = lambda x, perm: jnp.where(semantic_head, gather_tokens(x, perm), place(x, temporal, grid))
+  placed = lambda x, perm: jnp.where(semantic_head, gather_tokens(x, perm),
+                                     place(x, layout, grid, layouts))
   tables = jnp.where(semantic_head, semantic.kv_index, jnp.asarray(plan.kv_index))
   # One input at a time: each gather's copy is dead before the next is made.
   qp = placed(q, semantic.q_perm)
@@ -125,7 +148,7 @@ def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
   vp = placed(v, semantic.k_perm)
   kwargs = {"head_tiles": tables}
   if compensation_blocks:
-    static = per_head(cents, temporal) if cents is not None else centroids(
+    static = per_head(cents, layout) if cents is not None else centroids(
         kp, vp, block_kv=plan.block_kv, blocks=compensation_blocks, seq_len=plan.seq_len)
     pick = lambda a, b: jnp.where(semantic_head, a, b)
     head_cents = Centroids(pick(semantic.cents.k, static.k), pick(semantic.cents.v, static.v),
@@ -133,7 +156,8 @@ def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
     kwargs["row_keys"] = table_row_keys(head_cents, visited_table(tables, plan), plan,
                                         compensation_blocks, q.dtype)
   out = kernel(qp, kp, vp, scale=scale, **kwargs)
-  return jnp.where(semantic_head, gather_tokens(out, semantic.q_pos), restore(out, temporal, grid))
+  return jnp.where(semantic_head, gather_tokens(out, semantic.q_pos),
+                   restore(out, layout, grid, layouts))
 
 
 def with_dense_rows(branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
@@ -166,9 +190,9 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
   """The router's key: ``key`` (default: the config's seed) folded with the layer and step,
   so runs are reproducible and each step and layer samples its own rows."""
   key = jax.random.key(config.profile_seed) if key is None else key
-  for index in (layer, step):
-    if index is not None:
-      key = jax.random.fold_in(key, index)
+  for count in (layer, step):
+    if count is not None:
+      key = jax.random.fold_in(key, count)
   return key
 
 
@@ -214,13 +238,15 @@ def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], laye
 def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array,
           key: jax.Array, scale: float | None, seed: Seed | None,
           heads: HeadTables | None = None
-          ) -> tuple[Routing, dict[TokenOrder, Centroids] | None, SemanticLayout | None]:
+          ) -> tuple[Routing, dict[str, Centroids] | None, SemanticLayout | None]:
   """Each head's layout, judged on the mask ``branch``'s kernel will run (with ``heads``, each
   head's own): the routing, each layout's centroids (with compensation: the router judges with
   them, the kernel merges them) and the semantic candidate's order and table (where semantic
   is among the layouts)."""
   plan, blocks = branch.plan, branch.compensation_blocks
-  cents = ({layout: layout_centroids(k, v, call.grid, layout, plan, blocks) for layout in TokenOrder}
+  # each band candidate's (semantic alone: the first band layout's, which no head picks)
+  band = [name for name in call.config.layouts if get(name).band] or [names()[0]]
+  cents = ({name: layout_centroids(k, v, call.grid, get(name), plan, blocks) for name in band}
            if blocks else None)
   semantic = (None if call.semantic is None
               else semantic_layout(q, k, v, plan, call.semantic, scale, call.semantic_group, seed))
@@ -254,18 +280,17 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
         # layouts alone: there it kept the compensated call's centroids alive (figures:
         # docs/benchmarks.md, "Figures behind choices in the code").
         routing, semantic, q, k, v = jax.lax.optimization_barrier((routing, semantic, q, k, v))
-      layout = routing.temporal if semantic is None else routing.layouts
-      out = _placed(branch.kernel, q, k, v, layout, call.grid, scale,
-                    branch.compensation_blocks, cents, semantic, heads)
-      return with_dense_rows(branch, q, k, v, out, scale), routing, None if semantic is None else semantic.clusters
+      out = _placed(branch.kernel, q, k, v, routing.layout, call.grid, scale,
+                    branch.compensation_blocks, cents, semantic, heads, call.config.layouts)
+      clusters = None if semantic is None else semantic.clusters
+      return with_dense_rows(branch, q, k, v, out, scale), routing, clusters
     return run
 
   out, routing, clusters = call.per_platform(build)(q, k, v, key)
   if not return_info:
     return out
   plan = call.host.plan  # the plan the host's executor lowers (with auto off TPU, the XLA path's)
-  info = {"temporal": routing.temporal, "spatial_error": routing.spatial_error,
-          "temporal_error": routing.temporal_error, "layout": routing.layouts,
+  info = {**routing.info(),
           # every layout runs the band's count per query tile row: what the kernel visits
           "visited_tiles": _visited_tiles(call, q.shape, layer, head_ids),
           "plan": plan.stats.as_dict()}
@@ -295,8 +320,9 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
   """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
 
   ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
-  and its tiles. With ``return_info`` also returns a dict: ``temporal`` flags ``[B, H]``,
-  the router's ``spatial_error``/``temporal_error``, and the shared plan's ``plan``
+  and its tiles. With ``return_info`` also returns a dict: each head's ``layout`` id and the
+  ``temporal`` flags ``[B, H]``, the router's ``errors`` (and each band layout's
+  ``<name>_error``, e.g. ``spatial_error``), and the shared plan's ``plan``
   statistics (the target's plan); with semantic among the layouts, also ``clusters``, the
   keys' k-means centroids ``[B, H, C, D]`` (the next step's ``seed``: a warm start).
   Prepares the call (:func:`maxdiffusion_svg.call.prepared.prepare`) and runs
@@ -348,7 +374,7 @@ def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array,
     return sparse
 
   sparse = sparse_at(call)
-  per_layer = config.layer_rungs_for(call.expert)
+  per_layer = config.budget(call.expert).layer_rungs
   if per_layer is not None:  # one prepared plan per distinct rung; the layer picks one
     distinct, rung_of_layer = levels(per_layer)
     rungs = [sparse_at(call.at_rung(rung)) for rung in distinct]
@@ -384,7 +410,7 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
   scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
   The router's key is ``key`` (default: the config's seed) folded with layer and step.
   With ``return_layout`` or ``seed`` returns ``(out, aux)``: ``aux["layout"]``, each head's
-  layout id ``[B, H]`` (:data:`maxdiffusion_svg.routing.layouts.LAYOUTS`; spatial on a dense call),
+  layout id ``[B, H]`` (:func:`maxdiffusion_svg.routing.layouts.names`; spatial on a dense call),
   and with ``seed`` (a warm start of the semantic clustering) ``aux["clusters"]``, this call's
   centroids ``[B, H, C, D]`` (the seed's, unchanged, on a dense call).
   """

@@ -61,7 +61,7 @@ def check_ladder(ladder: Sequence[float], key: str = "--ladder") -> tuple[float,
 
 def uniform_rung(config: SvgConfig, expert: str | None = None) -> Rung:
   """What every layer of ``expert`` runs without per-layer keys: the budget to spend."""
-  return Rung(config.density_for(expert), config.compensation)
+  return Rung(config.budget(expert).density, config.compensation)
 
 
 def candidate_rungs(config: SvgConfig, ladder: Sequence[float], compensation: str = "both",

@@ -54,14 +54,7 @@ def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> No
 
 def budget_keys(config: SvgConfig, experts: Sequence[str | None] = (None,)) -> tuple[str, ...]:
   """The per-layer and per-head keys that ``experts``' calls read, where set."""
-  keys = []
-  for expert in experts:
-    for what in ("densities", "compensation"):
-      if getattr(config, f"layer_{what}_for")(expert) is not None:
-        keys.append(config.layer_key(what, expert))
-    if config.head_densities_for(expert) is not None:
-      keys.append(config.head_key(expert))
-  return tuple(dict.fromkeys(keys))
+  return tuple(dict.fromkeys(key for expert in experts for key in config.budget(expert).set_keys()))
 
 
 def check_on_ring(ulysses: int, ring: int, *, dense_frames: int = 0,

@@ -40,19 +40,22 @@ from maxdiffusion_svg.kernels.splash import RING_REFUSAL
 from maxdiffusion_svg.parallel.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.parallel.ring_plan import (KeyFetch, RingSplit, budget_keys, check_on_ring,
                                                  key_fetch, ring_split, window_plan)
-from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, layout_positions
-from maxdiffusion_svg.plan.masks import Mask, PlacedMask
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.masks import Mask
 from maxdiffusion_svg.plan.target import Target
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroid_log_counts,
                                                    centroids_by_position, per_head, plan_bias,
                                                    row_keys, skips_any)
-from maxdiffusion_svg.routing.layouts import SEMANTIC
-from maxdiffusion_svg.routing.router import compensated_rows, constants, routing_mask, sample_rows
+from maxdiffusion_svg.routing.layouts import SPATIAL, TEMPORAL, get, names
+from maxdiffusion_svg.routing.router import (Routing, compensated_rows, constants, placed_keep,
+                                             routing_mask, sample_rows)
 
 RING, ULYSSES = "svg_ring", "svg_ulysses"
 # The plan and each layout's whole-sequence centroids: the ring router's compensated outputs.
-RingCompensation = tuple[TilePlan, dict[TokenOrder, Centroids]]
+RingCompensation = tuple[TilePlan, dict[str, Centroids]]
+# The layouts a ring places: each has its shards' permutation (ring_placement).
+RING_BAND = (SPATIAL, TEMPORAL)
 
 
 def split_mesh(mesh: Mesh, seq_axis: str, ulysses: int) -> Mesh:
@@ -103,12 +106,12 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
 
   dense, _ = output((keys < grid.tokens)[None, :])
   errors = []
-  for layout in (TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR):
-    keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys[None, :])
+  for name in RING_BAND:
+    keep = placed_keep(mask, grid, get(name), rows[:, None], keys[None, :])
     out, lse = output(keep)
     if compensation is not None:
       plan, cents = compensation
-      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, cents[layout], scale)
+      out = compensated_rows(qs, out, lse, rows, grid, get(name), plan, cents[name], scale)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return errors[0], errors[1]
 
@@ -213,16 +216,16 @@ def _shard_kernels(branch: Branch, plan: TilePlan, split: RingSplit, scale: floa
 
 
 def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, blocks: int,
-                   shard: jax.Array, natural: int) -> dict[TokenOrder, Centroids]:
+                   shard: jax.Array, natural: int) -> dict[str, Centroids]:
   """Each layout's centroids of the whole sequence from the exchange's frame-major shards: each
   shard sums its keys into the sub-blocks their placed positions fall in, summed over the ring
   (``tiles x blocks x D`` per head: a remote tile's centroid costs its own size, not the tile)."""
   frame_major = shard * natural + jnp.arange(natural, dtype=jnp.int32)
   real = frame_major < grid.tokens
   out = {}
-  for layout in (TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR):
-    positions = jnp.where(real, layout_positions(grid, layout, frame_major), grid.tokens)
-    out[layout] = centroids_by_position(k, v, positions, seq_len=grid.tokens,
+  for name in RING_BAND:
+    positions = jnp.where(real, get(name).positions(grid, frame_major), grid.tokens)
+    out[name] = centroids_by_position(k, v, positions, seq_len=grid.tokens,
                                         num_kv_tiles=plan.num_kv_tiles, block_kv=plan.block_kv,
                                         blocks=blocks, axis_name=RING)
   return out
@@ -243,11 +246,12 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   place of ``config``, ``expert`` and ``target``)."""
   call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
   config = call.config
-  if SEMANTIC in config.layouts:  # a head's clusters span the whole sequence, split here
-    raise ValueError(f"svg_layouts with semantic does not run on a ring yet (ulysses_shards "
-                     f"{ulysses} leaves the sequence split over {mesh.shape[seq_axis] // ulysses} "
-                     f"devices): set ulysses_shards to the context axis's size, or svg_layouts "
-                     f"to [spatial, temporal]")
+  off_ring = [name for name in config.layouts if not get(name).on_ring]
+  if off_ring:  # e.g. a semantic head's clusters span the whole sequence, split here
+    raise ValueError(f"svg_layouts with {' and '.join(off_ring)} does not run on a ring yet "
+                     f"(ulysses_shards {ulysses} leaves the sequence split over "
+                     f"{mesh.shape[seq_axis] // ulysses} devices): set ulysses_shards to the "
+                     f"context axis's size, or svg_layouts to [spatial, temporal]")
   check_on_ring(ulysses, mesh.shape[seq_axis] // ulysses, dense_frames=config.dense_frames,
                 budgets=budget_keys(config, (call.expert,)))
   inner = split_mesh(mesh, seq_axis, ulysses)
@@ -345,8 +349,11 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   if not return_info:
     return result
   out, (temporal, spatial, temporal_error) = result
-  return out, {"temporal": temporal, "spatial_error": spatial,
-               "temporal_error": temporal_error}
+  errors = {SPATIAL: spatial, TEMPORAL: temporal_error}
+  layout = jnp.where(temporal, names().index(TEMPORAL), names().index(SPATIAL)).astype(jnp.int32)
+  stacked = jnp.stack([errors.get(name, jnp.full(temporal.shape, jnp.inf, jnp.float32))
+                       for name in names()], -1)
+  return out, Routing(layout, stacked).info()
 
 
 def _in_context(mesh: Mesh) -> bool:

@@ -22,11 +22,12 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.call.attention import (all_heads, check_qkv, prepared_scheduled_attention,
                                              prepared_svg_attention)
 from maxdiffusion_svg.call.prepared import PreparedCall, prepare
-from maxdiffusion_svg.parallel.ring_plan import (asks_for_ring, budget_keys, check_on_ring,
-                                                 check_ulysses_shards, working_ulysses_shards)
+from maxdiffusion_svg.parallel.ring_plan import (asks_for_ring, check_ulysses_shards,
+                                                 working_ulysses_shards)
 from maxdiffusion_svg.parallel.ring_sharding import reshard_explicit, ring_svg_attention
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target
+from maxdiffusion_svg.routing.router import info_keys
 from maxdiffusion_svg.routing.semantic import Seed
 
 
@@ -227,7 +228,7 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
   are given, as Python ints or traced int32 scalars), then all-to-all back. Each device
   routes its own heads with the same key, so a head's route does not depend on the device
   holding it. ``return_info`` (unscheduled calls only) adds the single-device info dict
-  with ``temporal`` and the router errors gathered to ``[B, H]``.
+  with the routing (``layout``, ``temporal``, the router's errors) gathered to ``[B, H]``.
 
   ``fold_batch``: where no mesh axis shards the batch (Wan's CFG pair on a context-only
   mesh), the batch is folded into the heads around the exchange, as MaxDiffusion's
@@ -287,7 +288,7 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
       return out, info.reshape(q.shape[:2] + info.shape[2:])
     if not return_info:
       return out
-    return out, {name: value.reshape(batch, heads) if name != "plan" else value
+    return out, {name: value if name == "plan" else value.reshape((batch, heads) + value.shape[2:])
                  for name, value in info.items()}
   if (step is None) != (layer is None):
     raise ValueError("give both step and layer (the schedule needs both), or neither "
@@ -303,9 +304,7 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
     raise ValueError(f"seed centroids must be [B, H, C, D] = {tuple(q.shape[:2])} + ..., got "
                      f"{tuple(seed.centroids.shape)}")
   plan_stats = {"plan": call.host.plan.stats.as_dict()}
-  check_on_ring(ex.ulysses, ex.ring, dense_frames=call.config.dense_frames,
-                budgets=budget_keys(call.config, (call.expert,)))
-  if ex.ring > 1:
+  if ex.ring > 1:  # ring_svg_attention checks what a ring accepts (check_on_ring) first
     result = ring_svg_attention(q, k, v, mesh=ex.mesh, seq_axis=ex.seq_axis,
                                 batch_axes=ex.batch_axes, ulysses=ex.ulysses,
                                 grid=call.grid, config=call.config, key=key, scale=scale,
@@ -347,7 +346,7 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
       return (out, aux["clusters"]) if seeded else out
     out, info = prepared_svg_attention(call, q, k, v, key=given["key"], scale=scale,
                                        return_info=True, head_ids=local_ids)
-    info = {name: info[name] for name in ("temporal", "spatial_error", "temporal_error")}
+    info = {name: info[name] for name in info_keys()}
     return (out, info) if return_info else out
 
   seed_in = (seed.centroids.astype(jnp.float32),) if seeded else ()

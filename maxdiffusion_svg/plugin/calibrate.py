@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import yaml
 
+from maxdiffusion_svg.budgets.budget import own_key
 from maxdiffusion_svg.budgets.config import EXPERTS
 from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration,
@@ -39,14 +40,6 @@ from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import grid_of, video_model
 from maxdiffusion_svg.routing.compensation import check_compensation
-
-
-def key_for(what: str, expert: str | None) -> str:
-  """The overlay's key for ``expert``'s per-layer ``densities`` or ``compensation``, or its
-  per-head densities (``what="head"``)."""
-  if what == "head":
-    return f"svg_{expert + '_' if expert else ''}head_densities"
-  return f"svg_{expert + '_' if expert else ''}layer_{what}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +213,7 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     if plan.per_head:  # [layers, K, H] -> [layers, H, K]: each head's own errors
       heads = layer_table(entries, expert, layers, len(plan.rungs), "head_errors")[0][active]
       results[expert] = calibrate_heads(np.swapaxes(heads, 1, 2), costs,
-                                        [r.density for r in plan.rungs], svg.density_for(expert),
+                                        [r.density for r in plan.rungs], svg.budget(expert).density,
                                         plan.target_error, plan.max_loss_db, plan.floor_db)
     else:
       results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
@@ -235,15 +228,15 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   for expert, result in results.items():
     if plan.per_head:
       report["experts"][str(expert)] = _head_overlay(overlay, result, expert, experts[expert],
-                                                     measured[expert], svg.density_for(expert))
+                                                     measured[expert], svg.budget(expert).density)
       continue
-    densities = [svg.density_for(expert)] * experts[expert]
+    densities = [svg.budget(expert).density] * experts[expert]
     compensation = [svg.compensation] * experts[expert]
     for layer, rung in zip(measured[expert], result.chosen):
       densities[layer], compensation[layer] = rung
-    overlay[key_for("densities", expert)] = densities
+    overlay[own_key("densities", expert)] = densities
     if plan.per_layer_compensation:
-      overlay[key_for("compensation", expert)] = compensation
+      overlay[own_key("compensation", expert)] = compensation
     chosen = list(result.allocation.choice)
     report["experts"][str(expert)] = {"layers": experts[expert], "measured": measured[expert],
                                       **result.as_dict(), "densities": densities,
@@ -263,7 +256,7 @@ def _head_overlay(overlay: dict[str, Any], result: HeadCalibration, expert: str 
   rows = [[density] * heads for _ in range(layers)]
   for layer, chosen in zip(measured, result.chosen):
     rows[layer] = list(chosen)
-  overlay[key_for("head", expert)] = rows
+  overlay[own_key("head", expert)] = rows
   return {"layers": layers, "measured": measured, "per_head": True, "heads": heads,
           **result.as_dict(), "head_densities": rows}
 

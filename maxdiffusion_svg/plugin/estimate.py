@@ -16,6 +16,7 @@ import math
 import pathlib
 from typing import Any, Mapping
 
+from maxdiffusion_svg.budgets.budget import PER_LAYER
 from maxdiffusion_svg.budgets.per_head import check_head_shape
 from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_count
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
@@ -193,7 +194,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   rows, priced = [], []
   for expert, plan in plans.items():
     first, end = split.of(expert) if split else (0, steps)
-    own = Rung(svg.density_for(expert), svg.compensation)
+    own = Rung(svg.budget(expert).density, svg.compensation)
     weights = rungs[expert] or {own: 1.0}
     by_rung = rung_plans[expert] or {own: plan}
     mean = lambda f: sum(w * f(by_rung[r]) for r, w in weights.items())
@@ -210,7 +211,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
         sparse_layers=svg.schedule.active_layers.count(layers), layers=layers,
         layer_densities=tuple(r.density for r in weights) if rungs[expert] else None,
         layer_rungs=tuple(map(str, weights)) if rungs[expert] else None,
-        per_head=svg.head_densities_for(expert) is not None,
+        per_head=svg.budget(expert).head_densities is not None,
         dense_rows_tiles=extra.visited_tiles if extra else 0,
         dense_rows_block_q=dense_rows.block_q if extra else 0,
         sink_frames=svg.sink_frames if svg.include_sink else 0))
@@ -220,7 +221,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   combined = _combined(rows, priced, *dense_blocks_of(keys))
   share, source = attention_share(grid.tokens, given_share, video_model(keys))
   # checked by check_config above; per-layer compensation: what its compensated layers add
-  compensated = any(svg.layer_compensation_for(expert) is not None for expert in experts) and any(
+  compensated = any(svg.budget(e).layer_compensation is not None for e in experts) and any(
       r.compensation for weights in rungs.values() for r in weights)
   blocks = svg.any_compensation_for(target, backend)
   return {"kind": "computed from the tile plan", "target": target.describe(),
@@ -284,17 +285,17 @@ def _rungs(svg: Any, expert: str | None, layers: int, heads: int) -> dict[Rung, 
   """Per-layer rungs (density, compensation): each distinct rung's share of the layers the
   schedule makes sparse (empty: one density for all). Per-head densities: each distinct
   density's share of the sparse layers' heads (a ragged call costs its heads' tiles)."""
-  for what in ("densities", "compensation"):
-    check_layer_count(getattr(svg, f"layer_{what}_for")(expert), layers,
-                      svg.layer_key(what, expert))
-  per_head = svg.head_densities_for(expert)
+  budget = svg.budget(expert)
+  for what in PER_LAYER:
+    check_layer_count(budget.per_layer(what), layers, budget.key(what))
+  per_head = budget.head_densities
   if per_head is not None:
-    check_head_shape(per_head, layers, heads, svg.head_key(expert))
+    check_head_shape(per_head, layers, heads, budget.key("head"))
     rows = per_head if len(per_head) > 1 else per_head * layers
     sparse = [row for i, row in enumerate(rows) if svg.schedule.active_layers.contains(i)]
     flat = [d for row in (sparse or rows) for d in row]
-    return {Rung(d, svg.compensation): flat.count(d) / len(flat) for d in sorted(set(flat))}
-  per_layer = svg.layer_rungs_for(expert)
+    return {Rung(d, budget.compensation): flat.count(d) / len(flat) for d in sorted(set(flat))}
+  per_layer = budget.layer_rungs
   if per_layer is None:
     return {}
   active = [r for i, r in enumerate(per_layer) if svg.schedule.active_layers.contains(i)]

@@ -45,12 +45,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxdiffusion_svg.budgets.budget import PER_LAYER
 from maxdiffusion_svg.budgets.per_head import check_head_shape
 from maxdiffusion_svg.budgets.per_layer import check_layer_count
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import contract, families, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.plugin.video_models import WAN
+from maxdiffusion_svg.plugin.video_models import experts_of
 
 # The schedule variable's fixed length: Wan's schedulers have 1000 training timesteps.
 MAX_STEPS = 1000
@@ -136,16 +137,13 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   """
   if not isinstance(settings, PluginSettings):
     raise ValueError(f"settings must be PluginSettings, got {type(settings).__name__}")
-  settings.svg.density_for(expert)  # validates the expert
+  budget = settings.svg.budget(expert)  # validates the expert
   ops = list(families.self_attention_ops(model))  # checks the model's layout before changing it
-  check_layer_count(settings.svg.layer_densities_for(expert), model.num_layers,
-                    settings.svg.layer_key("densities", expert))
-  check_layer_count(settings.svg.layer_compensation_for(expert), model.num_layers,
-                    settings.svg.layer_key("compensation", expert))
-  per_head = settings.svg.head_densities_for(expert)
-  if per_head is not None and ops:
-    check_head_shape(per_head, model.num_layers, int(ops[0][0].heads),
-                     settings.svg.head_key(expert))
+  for what in PER_LAYER:
+    check_layer_count(budget.per_layer(what), model.num_layers, budget.key(what))
+  if budget.head_densities is not None and ops:
+    check_head_shape(budget.head_densities, model.num_layers, int(ops[0][0].heads),
+                     budget.key("head"))
   model.svg_settings = settings
   model.svg_expert = expert
   model.svg_video_model = families.family(model)  # its pixel-to-grid map, what runs dense by design
@@ -282,9 +280,9 @@ def create_transformer_hook(original: Callable[..., Any]) -> Callable[..., Any]:
       settings.compensation_text(settings.svg.target(mesh=mesh))  # blocks vs the mesh's key tile
     model = original(devices_array, mesh, rngs, config, *args, **kwargs)
     if settings is not None:
-      # Wan 2.2's two experts (Animate, also model_name wan2.2, has one transformer)
+      # Wan 2.2's two experts, one rule with the pre-flight's (Animate has one transformer)
       expert = (EXPERT_OF_SUBFOLDER.get(subfolder)
-                if config.model_name == "wan2.2" and families.family(model) is WAN else None)
+                if experts_of(config.get_keys()) != (None,) else None)
       aot = bool(getattr(config, "aot_cache_dir", ""))
       prepare_transformer(model, settings, expert, mesh, warm_start=not aot)
       if settings.run_summary and aot:

@@ -238,17 +238,17 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if seed is not None:
     out, clusters = out
     semantic_store.write(call.semantic_store, layer, clusters, schedule.is_active(step, layer))
-  per_layer = settings.svg.layer_rungs_for(call.expert)
-  heads = settings.svg.head_densities_for(call.expert)
-  if heads is not None:  # per-head budgets: the mean of the layer's heads
-    means = [float(np.mean(layer_heads)) for layer_heads in heads]
+  budget = settings.svg.budget(call.expert)
+  recorded = budget.recorded()
+  if recorded is None:
+    density, compensation = budget.density, budget.compensation
+  elif budget.head_densities is not None:  # per-head budgets: the mean of the layer's heads
+    means = recorded[0]
     density = jnp.asarray(means, jnp.float32)[layer if len(means) > 1 else 0]
     compensation = False
-  elif per_layer is None:
-    density, compensation = settings.svg.density_for(call.expert), settings.svg.compensation
   else:  # the layer's own rung
-    density = jnp.asarray([r.density for r in per_layer], jnp.float32)[layer]
-    compensation = jnp.asarray([r.compensation for r in per_layer])[layer]
+    density = jnp.asarray(recorded[0], jnp.float32)[layer]
+    compensation = jnp.asarray(recorded[1])[layer]
   _record("self", call.expert, schedule.is_active(step, layer), step, layer, density,
           arrays=(q, k, v, out), warm=False if seed is None else seed.ready,
           compensation=compensation)

@@ -1,11 +1,11 @@
 """The end-of-run line: what the ``svg`` kernel did in a pipeline call, from the log alone.
 
 Each self-attention call reports, from every device inside the head exchange, its step, layer,
-whether the schedule made it sparse and how many of the device's heads the router sent
-temporal and semantic (one host callback per call and device, five integers; no collective).
-The pipeline hook resets the tally before a call and logs the summary after it: sparse and
-dense calls, the temporal-head (and, with semantic among the layouts, semantic-head) share per
-layer range, the kernel and tiles, and seconds per step.
+whether the schedule made it sparse, its heads and how many of them the router sent to each head
+layout (one host callback per call and device; no collective). The pipeline hook resets the
+tally before a call and logs the summary after it: sparse and dense calls, each reported
+layout's head share per layer range (temporal always; others, e.g. semantic, where they are
+among the layouts), the kernel and tiles, and seconds per step.
 
 ``svg_run_summary: false``, or MaxDiffusion's AOT cache (``aot_cache_dir``, which cannot
 serialise host callbacks), leaves the callbacks out; the calls are then counted from the
@@ -17,17 +17,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from maxdiffusion_svg.budgets.per_layer import layer_ranges
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.plan.target import TPU_BACKENDS
 from maxdiffusion_svg.plugin.settings import PluginSettings
 from maxdiffusion_svg.plugin.video_models import WAN
-from maxdiffusion_svg.routing.layouts import LAYOUTS, SEMANTIC, TEMPORAL
+from maxdiffusion_svg.routing.layouts import SEMANTIC, TEMPORAL, get, index, names
 
 # Layer ranges the temporal share is reported over.
 RANGES = 4
@@ -38,8 +37,8 @@ class _Tally:
   """What the callbacks of one pipeline call reported (host side; callbacks run on threads)."""
 
   calls: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
-  temporal: dict[int, int] = dataclasses.field(default_factory=dict)  # per layer, sparse calls
-  semantic: dict[int, int] = dataclasses.field(default_factory=dict)
+  # per layout name, per layer: its heads in sparse calls
+  routed: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
   heads: dict[int, int] = dataclasses.field(default_factory=dict)
   dense: dict[str, int] = dataclasses.field(default_factory=dict)  # other calls, by kind
   schedules: int = 0  # timesteps the pipeline set: Wan Animate sets them once per segment
@@ -50,11 +49,17 @@ class _Tally:
       self.dense[kind] = self.dense.get(kind, 0) + 1
 
   def add(self, active, step, layer, temporal, heads, semantic=0) -> None:
+    """One call's report with temporal and semantic counts (the built-in layouts')."""
+    self.add_counts(active, step, layer, heads, {TEMPORAL: temporal, SEMANTIC: semantic})
+
+  def add_counts(self, active, step, layer, heads, counts: dict[str, Any]) -> None:
+    """One call's report: its heads and how many went to each layout (by name)."""
     step, layer, active = int(step), int(layer), bool(active)
     with self.lock:
       self.calls[(step, layer)] = active
       if active:
-        for tally, count in ((self.temporal, temporal), (self.semantic, semantic)):
+        for name, count in counts.items():
+          tally = self.routed.setdefault(name, {})
           tally[layer] = tally.get(layer, 0) + int(count)
         self.heads[layer] = self.heads.get(layer, 0) + int(heads)
 
@@ -70,11 +75,13 @@ def reset() -> None:
 def on_routing(layout: jax.Array, active: Any, step: Any, layer: Any) -> None:
   """``sharded_svg_attention``'s ``on_routing``: one host callback with this device's counts
   (``layout``: its heads' layout ids)."""
-  count = lambda name: jnp.sum((layout == LAYOUTS.index(name)).astype(jnp.int32))
+  counted = names()[1:]  # the first layout's heads are the rest
+  counts = [jnp.sum((layout == index(name)).astype(jnp.int32)) for name in counted]
   # The compiled call keeps this callback: it adds to whichever tally is current when it runs.
-  jax.debug.callback(lambda *xs: _TALLY.add(*xs),
+  jax.debug.callback(lambda active, step, layer, heads, *counts: _TALLY.add_counts(
+      active, step, layer, heads, dict(zip(counted, counts))),
                      jnp.asarray(active), jnp.asarray(step), jnp.asarray(layer),
-                     count(TEMPORAL), jnp.int32(layout.size), count(SEMANTIC))
+                     jnp.int32(layout.size), *counts)
 
 
 def on_schedule() -> None:
@@ -96,6 +103,15 @@ def on_dense(kind: str) -> None:
   jax.debug.callback(lambda: _TALLY.add_dense(kind))
 
 
+class LayoutShare(NamedTuple):
+  """A head layout's share of the sparse calls' heads, overall (None: no sparse call) and per
+  layer range (first layer, last layer, share)."""
+
+  name: str
+  share: float | None
+  by_range: tuple[tuple[int, int, float], ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class CallCounts:
   """Self-attention calls of one pipeline call."""
@@ -103,11 +119,21 @@ class CallCounts:
   sparse: int
   dense: int
   counted: bool  # False: from the schedule (no callbacks ran)
-  temporal_share: float | None = None  # of the sparse calls' heads
-  by_range: tuple[tuple[int, int, float], ...] = ()  # (first layer, last layer, share)
-  semantic_share: float | None = None  # None: semantic is not among the layouts
-  semantic_by_range: tuple[tuple[int, int, float], ...] = ()
+  shares: tuple[LayoutShare, ...] = ()  # each reported layout's, in id order
   other_dense: tuple[tuple[str, int], ...] = ()  # counted calls outside video self-attention
+
+  def share_of(self, name: str) -> LayoutShare | None:
+    return next((share for share in self.shares if share.name == name), None)
+
+  @property
+  def temporal_share(self) -> float | None:
+    found = self.share_of(TEMPORAL)
+    return None if found is None else found.share
+
+  @property
+  def by_range(self) -> tuple[tuple[int, int, float], ...]:
+    found = self.share_of(TEMPORAL)
+    return () if found is None else found.by_range
 
   def repeated(self, runs: int) -> CallCounts:
     """The calls of ``runs`` runs of the schedule in one pipeline call (Wan Animate's
@@ -129,19 +155,24 @@ def _shares(counts: dict[int, int], heads: dict[int, int],
   return (sum(counts.values()) / total if total else None), tuple(ranges)
 
 
-def counted_calls(layers: int, semantic: bool = False) -> CallCounts:
+def reported(layouts: tuple[str, ...] = ()) -> tuple[str, ...]:
+  """The layouts whose share the summary gives: after the first (its heads are the rest), those
+  whose record says ``reported`` (temporal) and those among the run's ``layouts``."""
+  return tuple(name for name in names()[1:] if get(name).reported or name in layouts)
+
+
+def counted_calls(layers: int, layouts: tuple[str, ...] = ()) -> CallCounts:
   """The tally of the pipeline call just finished (after ``jax.effects_barrier``);
-  ``semantic``: semantic is among the layouts (its share is reported)."""
+  ``layouts``: the run's (their shares are reported, :func:`reported`)."""
   tally = _TALLY
   with tally.lock:
     calls, heads = dict(tally.calls), dict(tally.heads)
-    temporal, semantic_heads = dict(tally.temporal), dict(tally.semantic)
+    routed = {name: dict(counts) for name, counts in tally.routed.items()}
     other = tuple(sorted(tally.dense.items()))
   sparse = sum(calls.values())
-  share, ranges = _shares(temporal, heads, layers)
-  sem_share, sem_ranges = _shares(semantic_heads, heads, layers) if semantic else (None, ())
-  return CallCounts(sparse, len(calls) - sparse, True, share, ranges, sem_share, sem_ranges,
-                    other)
+  shares = tuple(LayoutShare(name, *_shares(routed.get(name, {}), heads, layers))
+                 for name in reported(layouts))
+  return CallCounts(sparse, len(calls) - sparse, True, shares, other)
 
 
 def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
@@ -166,13 +197,11 @@ def summary_line(counts: CallCounts, steps: int, layers: int, kernel: str,
   segments = f" x {runs} segments" if runs > 1 else ""
   parts = [f"run summary: {steps} steps x {layers} layers{segments}: {calls:,} self-attention calls, "
            f"{counts.sparse:,} sparse and {counts.dense:,} dense ({how})"]
-  if counts.temporal_share is not None:
-    spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in counts.by_range)
-    parts.append(f"temporal heads {counts.temporal_share:.1%} of the sparse calls' heads "
-                 f"({spans})")
-    if counts.semantic_share is not None:
-      spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in counts.semantic_by_range)
-      parts.append(f"semantic heads {counts.semantic_share:.1%} ({spans})")
+  if counts.shares and counts.shares[0].share is not None:
+    for i, (name, share, by_range) in enumerate(counts.shares):
+      spans = ", ".join(f"layers {a}-{b} {s:.0%}" for a, b, s in by_range)
+      whose = " of the sparse calls' heads" if i == 0 else ""
+      parts.append(f"{name} heads {share:.1%}{whose} ({spans})")
   elif counts.counted and counts.sparse == 0:
     parts.append("no sparse call: SVG did not run in this call")
   parts.append(kernel)
@@ -193,17 +222,7 @@ def _steps(kwargs: dict[str, Any], call: Any) -> int:
 
 def _density(model: Any) -> str:
   """The density a model's sparse calls ran: one, or per layer range (``svg_layer_densities``)."""
-  svg = model.svg_settings.svg
-  per_head = svg.head_densities_for(model.svg_expert)
-  if per_head is not None:  # each layer's heads, as least-most (mean), per layer range
-    spans = [f"{min(row):g}-{max(row):g} (mean {sum(row) / len(row):.3g})" for row in per_head]
-    which = "every layer" if len(per_head) == 1 else layer_ranges(spans)
-    return (f"densities per head (svg_head_densities), {spans[0]} in every layer"
-            if len(per_head) == 1 else f"densities per head (svg_head_densities) {which}")
-  per_layer = svg.layer_densities_for(model.svg_expert)
-  if per_layer is None:
-    return f"density {svg.density_for(model.svg_expert)}"
-  return f"densities per layer {layer_ranges(per_layer)}"
+  return model.svg_settings.svg.budget(model.svg_expert).describe()
 
 
 def _kernel(models: list[Any], mesh: Any) -> str:
@@ -254,7 +273,7 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
     why = f"{tokens:,} tokens is below svg_min_seq_length {settings.min_seq_length}: all dense"
   elif counted:
     jax.effects_barrier()  # every callback of the call has run
-    counts = counted_calls(layers, settings.svg.semantic is not None)
+    counts = counted_calls(layers, settings.svg.layouts)
     if counts.sparse + counts.dense == 0:
       return (f"run summary: {steps} steps: no self-attention call reached the svg kernel "
               f"(the model's self-attention runs another kernel)")

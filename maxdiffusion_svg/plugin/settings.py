@@ -77,12 +77,13 @@ class PluginSettings:
       densities += (f" (high-noise {svg.density_for('high_noise')}, "
                     f"low-noise {svg.density_for('low_noise')})")
     for expert in (None, "high_noise", "low_noise"):
-      per_layer = svg.layer_densities_for(expert)
-      if per_layer is not None and (expert is None or per_layer is not svg.layer_densities):
+      budget = svg.budget(expert)
+      per_layer = budget.layer_densities
+      if per_layer is not None and (expert is None or "densities" in budget.own):
         who = f"{expert.replace('_', '-')} " if expert else ""
         densities += f", {who}per layer {layer_ranges(per_layer)}"
-      per_head = svg.head_densities_for(expert)
-      if per_head is not None and (expert is None or per_head is not svg.head_densities):
+      per_head = budget.head_densities
+      if per_head is not None and (expert is None or "head" in budget.own):
         who = f"{expert.replace('_', '-')} " if expert else ""
         flat = [d for row in per_head for d in row]
         densities += (f", {who}per head (svg_head_densities: {len(per_head[0])} heads x "
@@ -144,8 +145,8 @@ class PluginSettings:
     blocks = (self.svg.compensation_blocks if target is None
               else self.svg.any_compensation_for(target, backend))
     per_layer = [f"{f'{e} ' if e else ''}{layer_ranges(c)}" for e in (None, *EXPERTS)
-                 if (c := self.svg.layer_compensation_for(e)) is not None
-                 and (e is None or c is not self.svg.layer_compensation)]
+                 if (c := self.svg.budget(e).layer_compensation) is not None
+                 and (e is None or "compensation" in self.svg.budget(e).own)]
     where = f" (per layer: {'; '.join(per_layer)})" if per_layer else ""
     return f"compensation {blocks} centroids per key tile{where}"
 

@@ -31,9 +31,9 @@ import numpy as np
 
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.kernels.row_keys import RowKeys
-from maxdiffusion_svg.plan.geometry import TokenOrder
 from maxdiffusion_svg.plan.target import target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
+from maxdiffusion_svg.routing.layouts import index, layout_ids, names
 
 
 def check_compensation(enabled: Any, blocks: Any, block_kv: int | None = None) -> None:
@@ -146,12 +146,17 @@ def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, s
   return Centroids(mean(k).astype(k.dtype), mean(v).astype(v.dtype), _log(counts))
 
 
-def per_head(cents: dict[TokenOrder, Centroids], temporal: jax.Array) -> Centroids:
-  """Each head's centroids in the layout it runs in: ``temporal [B, H]`` picks between the
-  frame-major and the temporal-major layout's (same counts: both cut the same positions)."""
-  fm, tm = cents[TokenOrder.FRAME_MAJOR], cents[TokenOrder.TEMPORAL_MAJOR]
-  pick = lambda a, b: jnp.where(temporal[:, :, None, None], b, a)
-  return Centroids(pick(fm.k, tm.k), pick(fm.v, tm.v), fm.log_count)
+def per_head(cents: dict[str, Centroids], layout: jax.Array) -> Centroids:
+  """Each head's centroids in the band layout it runs in: ``layout [B, H]`` (layout ids, or
+  bool temporal flags) picks among each layout's (``cents``, by name; same counts: every band
+  layout cuts the same positions)."""
+  ids = layout_ids(layout)
+  first, *rest = [name for name in names() if name in cents]
+  k, v = cents[first].k, cents[first].v
+  for name in rest:
+    pick = (ids == index(name))[:, :, None, None]
+    k, v = jnp.where(pick, cents[name].k, k), jnp.where(pick, cents[name].v, v)
+  return Centroids(k, v, cents[first].log_count)
 
 
 @functools.lru_cache(maxsize=64)

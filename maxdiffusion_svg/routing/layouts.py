@@ -1,72 +1,191 @@
-"""Head layouts: the orders a router chooses among for each head, and how a call is placed.
+"""Head layouts: the orders a router chooses among for each head, one record each.
 
-A layout is a token order plus a tile table. ``spatial`` keeps frame-major order, ``temporal``
-moves a head to temporal-major order: both run the band plan every head shares, static.
-``semantic`` orders a head's tokens by cluster and gives it its own tile table, computed on
-device (:mod:`maxdiffusion_svg.routing.semantic`) with the band plan's per-row counts. Heads carry a
-layout id (``[B, H]`` int32, an index into :data:`LAYOUTS`); shapes never depend on it.
+A :class:`HeadLayout` says how a head's tokens are ordered and which tile table it runs.
+``spatial`` keeps frame-major order and ``temporal`` moves a head to temporal-major order: both
+are *band* layouts, running the band plan every head shares (a static table), judged by the
+router's sampled errors. ``semantic`` orders each head's tokens by cluster and gives it its own
+table, computed on device (:mod:`maxdiffusion_svg.routing.semantic`), judged by the whole-sequence
+estimate. Heads carry a layout id (``[B, H]`` int32, an index into :func:`names`); shapes never
+depend on it. Everything else (config, router, placement, compensation, the sharded paths, the
+run summary) reads the registry, so a band layout is added by :func:`register` alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from maxdiffusion_svg.plan.geometry import (TokenOrder, VideoGrid, layout_positions,
+                                            temporal_major_order, to_frame_major,
+                                            to_temporal_major)
+
+BAND, OWN = "band", "own"  # a layout's tile table: the shared band plan's, or each head's own
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+  """One head layout.
+
+  Args:
+    name: its ``svg_layouts`` name.
+    table: ``band`` (the call's shared plan, static) or ``own`` (each head's, made on device).
+    positions: ``(grid, tokens) -> positions``: where frame-major tokens sit once placed (a band
+      layout; numpy or jax integers, any shape).
+    order: ``grid -> order``: ``order[u]`` is the frame-major token placed at ``u`` (numpy).
+    to_placed, to_frame_major: ``(x [..., S, D], grid) -> x`` and back; None for frame-major
+      (a band layout placed as it comes).
+    on_ring: runs where a ring splits the sequence (a semantic head's clusters span all of it).
+    reported: the run summary always gives its share (else only where it is among the layouts).
+  """
+
+  name: str
+  table: str = BAND
+  positions: Callable[[VideoGrid, Any], Any] | None = None
+  order: Callable[[VideoGrid], np.ndarray] | None = None
+  to_placed: Callable[[Any, VideoGrid], Any] | None = None
+  to_frame_major: Callable[[Any, VideoGrid], Any] | None = None
+  on_ring: bool = True
+  reported: bool = False
+
+  def __post_init__(self) -> None:
+    if self.table not in (BAND, OWN):
+      raise ValueError(f"a head layout's table is {BAND} or {OWN}, got {self.table!r}")
+    if self.table == BAND and (self.positions is None or self.order is None
+                               or (self.to_placed is None) != (self.to_frame_major is None)):
+      raise ValueError(f"band layout {self.name!r} needs positions, order, and to_placed with "
+                       f"to_frame_major (both None: frame-major)")
+
+  @property
+  def band(self) -> bool:
+    return self.table == BAND
+
+  def placed(self, x: Any, grid: VideoGrid) -> Any:
+    """``x`` in this layout's order (a band layout)."""
+    return x if self.to_placed is None else self.to_placed(x, grid)
+
+  def restored(self, x: Any, grid: VideoGrid) -> Any:
+    """Inverse of :meth:`placed`."""
+    return x if self.to_frame_major is None else self.to_frame_major(x, grid)
+
+
+def _frame_major_order(grid: VideoGrid) -> np.ndarray:
+  return np.arange(grid.tokens, dtype=np.int32)
+
+
 SPATIAL, TEMPORAL, SEMANTIC = "spatial", "temporal", "semantic"
-LAYOUTS: tuple[str, ...] = (SPATIAL, TEMPORAL, SEMANTIC)  # a head's layout id indexes this
+_BUILT_IN = (
+    HeadLayout(SPATIAL, positions=lambda grid, tokens: layout_positions(
+        grid, TokenOrder.FRAME_MAJOR, tokens), order=_frame_major_order),
+    HeadLayout(TEMPORAL, positions=lambda grid, tokens: layout_positions(
+        grid, TokenOrder.TEMPORAL_MAJOR, tokens), order=temporal_major_order,
+               to_placed=to_temporal_major, to_frame_major=to_frame_major, reported=True),
+    HeadLayout(SEMANTIC, table=OWN, on_ring=False),
+)
+LAYOUTS: tuple[str, ...] = tuple(layout.name for layout in _BUILT_IN)  # the built-in layouts
+_REGISTRY: list[HeadLayout] = list(_BUILT_IN)
 # Chosen by measurement (docs/benchmarks.md, "The semantic layout"): the third layout is asked for.
 DEFAULT_LAYOUTS: tuple[str, ...] = (SPATIAL, TEMPORAL)
 
 
+def register(layout: HeadLayout) -> None:
+  """Adds a head layout after the registered ones (its id: their count). A new on-device
+  (``own``) table needs its builder in :mod:`maxdiffusion_svg.routing.semantic` too."""
+  if any(known.name == layout.name for known in _REGISTRY):
+    raise ValueError(f"head layout {layout.name!r} is registered already")
+  _REGISTRY.append(layout)
+
+
+def unregister(name: str) -> None:
+  """Removes a layout :func:`register` added (a built-in stays)."""
+  if name in LAYOUTS:
+    raise ValueError(f"{name!r} is a built-in head layout")
+  _REGISTRY[:] = [layout for layout in _REGISTRY if layout.name != name]
+
+
+def registered() -> tuple[HeadLayout, ...]:
+  """Every head layout, in id order."""
+  return tuple(_REGISTRY)
+
+
+def names() -> tuple[str, ...]:
+  """Every head layout's name, in id order: a head's layout id indexes this."""
+  return tuple(layout.name for layout in _REGISTRY)
+
+
+def index(name: str) -> int:
+  """A layout's id."""
+  return names().index(name)
+
+
+def get(name: str) -> HeadLayout:
+  """The record of a registered layout."""
+  return _REGISTRY[index(name)]
+
+
 def check_layouts(value: Any) -> tuple[str, ...]:
-  """``svg_layouts`` as a tuple in :data:`LAYOUTS` order: a list (or YAML/comma text) of
-  distinct names among them, at least one."""
-  names = value
-  if isinstance(names, str):
+  """``svg_layouts`` as a tuple in id order: a list (or YAML/comma text) of distinct registered
+  names, at least one."""
+  requested = value
+  if isinstance(requested, str):
     try:
-      names = yaml.safe_load(names)
+      requested = yaml.safe_load(requested)
     except yaml.YAMLError:
       pass
-    if isinstance(names, str):
-      names = [n.strip() for n in names.split(",") if n.strip()]
-  allowed = ", ".join(LAYOUTS)
-  if (not isinstance(names, (list, tuple)) or not names
-      or not all(isinstance(n, str) for n in names)):
+    if isinstance(requested, str):
+      requested = [n.strip() for n in requested.split(",") if n.strip()]
+  known = names()
+  allowed = ", ".join(known)
+  if (not isinstance(requested, (list, tuple)) or not requested
+      or not all(isinstance(n, str) for n in requested)):
     raise ValueError(f"svg_layouts must be a non-empty list of {allowed}, got {value!r}")
-  unknown = [n for n in names if n not in LAYOUTS]
+  unknown = [n for n in requested if n not in known]
   if unknown:
     raise ValueError(f"svg_layouts: unknown layout(s) {', '.join(map(repr, unknown))}; allowed: "
                      f"{allowed}")
-  if len(set(names)) != len(names):
-    raise ValueError(f"svg_layouts lists a layout twice: {list(names)!r}")
-  return tuple(n for n in LAYOUTS if n in names)
+  if len(set(requested)) != len(requested):
+    raise ValueError(f"svg_layouts lists a layout twice: {list(requested)!r}")
+  return tuple(n for n in known if n in requested)
+
+
+def _off_ring(layouts: tuple[str, ...]) -> tuple[str, ...]:
+  return tuple(n for n in layouts if not get(n).on_ring)
 
 
 def ring_layouts(layouts: tuple[str, ...], ulysses: int, ring: int) -> tuple[str, ...]:
-  """The layouts a ring runs (``ulysses_shards`` below the context axis): a semantic head's
-  clusters span the whole sequence, which a ring splits over ``ring`` devices, so semantic is
-  left out of the router's choices there (the settings line, ``tiles --config`` and the
-  pre-flight say so). Refused where nothing would be left."""
-  kept = tuple(n for n in layouts if n != SEMANTIC)
+  """The layouts a ring runs (``ulysses_shards`` below the context axis): those whose record
+  says ``on_ring`` (a semantic head's clusters span the whole sequence, which a ring splits over
+  ``ring`` devices), so the rest are left out of the router's choices there (the settings line,
+  ``tiles --config`` and the pre-flight say so). Refused where nothing would be left."""
+  kept = tuple(n for n in layouts if get(n).on_ring)
   if not kept:
-    raise ValueError(f"svg_layouts [semantic] cannot run on a ring (ulysses_shards {ulysses} "
-                     f"leaves the sequence split over {ring} devices): add spatial and temporal "
-                     f"to svg_layouts, or set ulysses_shards to the context axis's size")
+    raise ValueError(f"svg_layouts [{', '.join(layouts)}] cannot run on a ring (ulysses_shards "
+                     f"{ulysses} leaves the sequence split over {ring} devices): add spatial and "
+                     f"temporal to svg_layouts, or set ulysses_shards to the context axis's size")
   return kept
 
 
 def ring_note(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
   """What a ring changes in the layouts, for the settings line and the pre-flight ("" if
   nothing)."""
-  if SEMANTIC not in layouts or ring <= 1:
+  left_out = _off_ring(layouts)
+  if not left_out or ring <= 1:
     return ""
   kept = ring_layouts(layouts, ulysses, ring)
-  return (f"semantic left out on the ring (ulysses_shards {ulysses}, sequence split over {ring} "
-          f"devices): layouts [{', '.join(kept)}]")
+  return (f"{' and '.join(left_out)} left out on the ring (ulysses_shards {ulysses}, sequence "
+          f"split over {ring} devices): layouts [{', '.join(kept)}]")
+
+
+def layout_ids(layout: Any) -> Any:
+  """``int32 [B, H]`` layout ids from ids, or from bool temporal flags (spatial or temporal)."""
+  if layout.dtype == bool:
+    return jnp.where(layout, jnp.int32(index(TEMPORAL)), jnp.int32(index(SPATIAL)))
+  return layout
 
 
 def layout_names(ids: Any) -> list[str]:
   """Names of layout ids (any nested sequence or array of ints), for reports."""
-  return np.asarray(LAYOUTS, dtype=object)[np.asarray(ids)].tolist()
+  return np.asarray(names(), dtype=object)[np.asarray(ids)].tolist()

@@ -25,14 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
-from maxdiffusion_svg.plan.geometry import (TokenOrder, VideoGrid, layout_positions,
-                                            temporal_major_order, to_temporal_major)
-from maxdiffusion_svg.plan.masks import Mask, PlacedMask, probe_mask
+from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plan.masks import Mask, probe_mask
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, block_means, centroid_log_counts,
                                                    centroids, ordered_block_means, plan_bias,
                                                    skipped_bias)
-from maxdiffusion_svg.routing.layouts import DEFAULT_LAYOUTS, LAYOUTS, SEMANTIC, SPATIAL, TEMPORAL
+from maxdiffusion_svg.routing.layouts import (DEFAULT_LAYOUTS, SPATIAL, TEMPORAL, HeadLayout, get,
+                                             index, names, registered)
 from maxdiffusion_svg.routing.semantic import (SemanticLayout, block_shares, placed_block_means,
                                                token_positions, visited_table)
 
@@ -66,27 +66,60 @@ class RouterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Router result: ``temporal[B, H]`` (True = temporal), the spatial and temporal layouts'
-  sampled errors (``inf`` for a layout not among the candidates), ``layout[B, H]``, each head's
-  layout id (an index into :data:`maxdiffusion_svg.routing.layouts.LAYOUTS`) and, where the semantic
-  layout is a candidate, ``left_out [B, H, len(LAYOUTS)]``: each layout's estimated loss over
-  the whole sequence (:func:`left_out`; ``inf`` for a layout not among the candidates)."""
+  """Router result: ``layout [B, H]``, each head's layout id (an index into
+  :func:`maxdiffusion_svg.routing.layouts.names`); ``errors [B, H, n_layouts]``, each band
+  layout's sampled error (``inf`` for a layout not among the candidates, and for an ``own``
+  table's); and, where an ``own`` table competes, ``left_out [B, H, n_layouts]``: each layout's
+  estimated loss over the whole sequence (:func:`left_out`; ``inf`` likewise)."""
 
-  temporal: jax.Array
-  spatial_error: jax.Array
-  temporal_error: jax.Array
-  layout: jax.Array | None = None
+  layout: jax.Array
+  errors: jax.Array
   left_out: jax.Array | None = None
 
   @property
   def layouts(self) -> jax.Array:
-    """``int32 [B, H]``: the layout ids (from the temporal flags where none were recorded)."""
-    return self.temporal.astype(jnp.int32) if self.layout is None else self.layout
+    """``int32 [B, H]``: the layout ids (the name the call info has always used)."""
+    return self.layout
+
+  def chose(self, name: str) -> jax.Array:
+    """``bool [B, H]``: the heads routed to layout ``name``."""
+    return self.layout == index(name)
+
+  def error(self, name: str) -> jax.Array:
+    """``[B, H]``: layout ``name``'s sampled error."""
+    return self.errors[..., index(name)]
+
+  @property
+  def temporal(self) -> jax.Array:
+    """``bool [B, H]``: the heads routed temporal (``route_heads``' answer)."""
+    return self.chose(TEMPORAL)
+
+  @property
+  def spatial_error(self) -> jax.Array:
+    return self.error(SPATIAL)
+
+  @property
+  def temporal_error(self) -> jax.Array:
+    return self.error(TEMPORAL)
+
+  def info(self) -> dict[str, jax.Array]:
+    """The call info's routing entries (:func:`info_keys`)."""
+    out = {"layout": self.layout, "errors": self.errors, "temporal": self.temporal}
+    for i, layout in enumerate(registered()):
+      if layout.band:
+        out[f"{layout.name}_error"] = self.errors[..., i]
+    return out
 
 
-jax.tree_util.register_dataclass(
-    Routing, data_fields=["temporal", "spatial_error", "temporal_error", "layout", "left_out"],
-    meta_fields=[])
+def info_keys() -> tuple[str, ...]:
+  """The call info's routing entries: ``layout``, ``errors``, the ``temporal`` flags and each
+  band layout's ``<name>_error``, all per head."""
+  return ("layout", "errors", "temporal") + tuple(
+      f"{layout.name}_error" for layout in registered() if layout.band)
+
+
+jax.tree_util.register_dataclass(Routing, data_fields=["layout", "errors", "left_out"],
+                                 meta_fields=[])
 
 
 def sample_rows(key: jax.Array, seq_len: int, config: RouterConfig) -> jax.Array:
@@ -134,13 +167,13 @@ def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scal
 
 
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
-                     grid: VideoGrid, layout: TokenOrder, plan: TilePlan, cents: Centroids,
+                     grid: VideoGrid, layout: HeadLayout, plan: TilePlan, cents: Centroids,
                      scale: float, visited: jax.Array | None = None) -> jax.Array:
   """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
   its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
   skips in ``layout`` (``cents``: that layout's; ``visited [B, H, q_tiles, kv_tiles]``: each
   head's own tiles, a per-head budget's, in place of the plan's)."""
-  tiles = layout_positions(grid, layout, rows) // plan.block_q
+  tiles = layout.positions(grid, rows) // plan.block_q
   if visited is None:
     bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
   else:  # [B, H, N, R]: each head's own skipped sub-blocks
@@ -149,11 +182,20 @@ def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.
   return merge(exact, lse, extra, extra_lse)
 
 
-def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: TokenOrder,
+def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: HeadLayout,
                      plan: TilePlan, blocks: int) -> Centroids:
-  """Centroids of ``[B, H, S, D]`` frame-major keys as ``plan``'s call would see them placed."""
-  placed = (lambda x: x) if layout is TokenOrder.FRAME_MAJOR else (lambda x: to_temporal_major(x, grid))
-  return centroids(placed(k), placed(v), block_kv=plan.block_kv, blocks=blocks)
+  """Centroids of ``[B, H, S, D]`` frame-major keys as ``plan``'s call would see them placed
+  in band ``layout``."""
+  return centroids(layout.placed(k, grid), layout.placed(v, grid), block_kv=plan.block_kv,
+                   blocks=blocks)
+
+
+def placed_keep(mask: Mask, grid: VideoGrid, layout: HeadLayout, rows: jax.Array,
+                keys: jax.Array) -> jax.Array:
+  """Which frame-major ``keys`` each frame-major row keeps under ``mask`` placed in band
+  ``layout`` (broadcasting)."""
+  return ((rows < mask.seq_len) & (keys < mask.seq_len)
+          & mask.contains(layout.positions(grid, rows), layout.positions(grid, keys)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,42 +207,45 @@ class HeadTileMask:
   block_q: int
   block_kv: int
 
-  def keep(self, rows: jax.Array, grid: VideoGrid, layout: TokenOrder) -> jax.Array:
+  def keep(self, rows: jax.Array, grid: VideoGrid, layout: HeadLayout) -> jax.Array:
     """``bool [B, H, R, S]``: which keys each head's frame-major ``rows`` keep, placed by
     ``layout`` (O(B x H x R x S), as the sampled logits)."""
     keys = jnp.arange(grid.tokens, dtype=jnp.int32)
-    row_tiles = layout_positions(grid, layout, rows) // self.block_q
-    key_tiles = layout_positions(grid, layout, keys) // self.block_kv
+    row_tiles = layout.positions(grid, rows) // self.block_q
+    key_tiles = layout.positions(grid, keys) // self.block_kv
     return jnp.take(jnp.take(self.visited, row_tiles, axis=2), key_tiles, axis=3)
 
 
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
                   mask: Mask | HeadTileMask, *, scale: float | None = None,
                   compensation: Compensated | None = None,
-                  cents: dict[TokenOrder, Centroids] | None = None,
-                  sampled: Sampled | None = None) -> tuple[jax.Array, jax.Array]:
-  """MSE against dense of ``rows``' outputs under ``mask`` placed frame-major (spatial) and
-  temporal-major (temporal): ``[B, H]`` each. With ``compensation`` (the plan and centroids
-  per key tile), each output is the compensated one that plan's call would give (``cents``:
-  each layout's centroids, where the caller has them)."""
+                  cents: dict[str, Centroids] | None = None,
+                  sampled: Sampled | None = None,
+                  layouts: tuple[str, ...] = (SPATIAL, TEMPORAL)) -> tuple[jax.Array, ...]:
+  """MSE against dense of ``rows``' outputs under ``mask`` placed in each band layout of
+  ``layouts`` (default: frame-major, spatial, and temporal-major, temporal): ``[B, H]`` each.
+  With ``compensation`` (the plan and centroids per key tile), each output is the compensated
+  one that plan's call would give (``cents``: each layout's centroids by name, where the caller
+  has them)."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
   errors = []
-  for layout in (TokenOrder.FRAME_MAJOR, TokenOrder.TEMPORAL_MAJOR):
+  for name in layouts:
+    layout = get(name)
     if isinstance(mask, HeadTileMask):
       keep = mask.keep(rows, grid, layout)
     else:
-      keep = PlacedMask(mask, grid, layout).contains(rows[:, None], keys)
+      keep = placed_keep(mask, grid, layout, rows[:, None], keys)
     out = _masked_output(logits, v32, keep)
     if compensation is not None:
       plan, blocks = compensation
       lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
-      layout_cents = (cents or {}).get(layout) or layout_centroids(k, v, grid, layout, plan, blocks)
+      layout_cents = (cents or {}).get(name) or layout_centroids(k, v, grid, layout, plan, blocks)
       out = compensated_rows(qs, out, lse, rows, grid, layout, plan, layout_cents, scale,
                              mask.visited if isinstance(mask, HeadTileMask) else None)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
-  return errors[0], errors[1]
+  return tuple(errors)
 
 
 # Rows the whole-sequence estimate reads, stratified (every row where the sequence is shorter): a
@@ -254,50 +299,67 @@ def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.A
 
 def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid, plan: TilePlan,
                     semantic: SemanticLayout, layouts: tuple[str, ...], scale: float) -> jax.Array:
-  """``float32 [B, H, len(LAYOUTS)]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
-  for the rest), from centroids of :data:`ESTIMATE_KEYS` placed keys: the static layouts by the
-  shared plan's table, the semantic one by each head's table and order."""
+  """``float32 [B, H, n_layouts]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
+  for the rest), from centroids of :data:`ESTIMATE_KEYS` placed keys: the band layouts by the
+  shared plan's table, an ``own`` table's (semantic) by each head's table and order."""
   blocks = plan.block_kv // ESTIMATE_KEYS
   log_count = centroid_log_counts(plan, blocks)
   means = lambda x: block_means(x, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
-  visited = jnp.asarray(plan.tile_map() != 0)[None, None]  # every static layout's table
+  visited = jnp.asarray(plan.tile_map() != 0)[None, None]  # every band layout's table
   estimates = []
-  for name in LAYOUTS:
-    if name not in layouts:
+  for layout in registered():
+    if layout.name not in layouts:
       estimates.append(jnp.full(q.shape[:2], jnp.inf, jnp.float32))
-    elif name == SEMANTIC:
+    elif not layout.band:
       cents = Centroids(placed_block_means(k, semantic.k_perm, block=plan.block_kv, blocks=blocks,
                                            seq_len=plan.seq_len), None, log_count)
       tiles = jnp.take(token_positions(semantic.q_pos, q.shape[2]), rows, axis=2) // plan.block_q
       estimates.append(left_out(q, rows, tiles, visited_table(semantic.kv_index, plan), cents,
                                 scale))
     else:
-      layout = TokenOrder.TEMPORAL_MAJOR if name == TEMPORAL else TokenOrder.FRAME_MAJOR
-      placed = (means(k) if layout is TokenOrder.FRAME_MAJOR else ordered_block_means(
-          k, temporal_major_order(grid), block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len))
-      tiles = layout_positions(grid, layout, rows) // plan.block_q
+      placed = (means(k) if layout.to_placed is None else ordered_block_means(
+          k, layout.order(grid), block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len))
+      tiles = layout.positions(grid, rows) // plan.block_q
       estimates.append(left_out(q, rows, tiles, visited, Centroids(placed, None, log_count), scale))
   return jnp.stack(estimates, -1)
 
 
+def band_winner(errors: dict[str, jax.Array], layouts: tuple[str, ...], shape: tuple[int, ...]
+                ) -> jax.Array | None:
+  """``int32 [B, H]``: each head's band layout among ``layouts`` with the lowest sampled error
+  (ties: the lower id), or None where no band layout is among them."""
+  band = [name for name in names() if name in layouts and get(name).band]
+  if not band:
+    return None
+  winner = jnp.full(shape, index(band[0]), jnp.int32)
+  if len(band) == 1:
+    return winner
+  best = errors[band[0]]
+  for name in band[1:]:
+    better = errors[name] < best
+    winner = jnp.where(better, jnp.int32(index(name)), winner)
+    best = jnp.where(better, errors[name], best)
+  return winner
+
+
 def choose_layouts(errors: dict[str, jax.Array], estimates: jax.Array,
                    layouts: tuple[str, ...]) -> jax.Array:
-  """``int32 [B, H]``: each head's layout id. The static candidates are compared by their sampled
-  ``errors`` (today's router: ties go to spatial); where semantic competes, it takes the head
-  whose estimated whole-sequence loss (``estimates [B, H, len(LAYOUTS)]``, :func:`left_out`) is
-  below the static winner's, each judged by the same estimate (ties: the static layout)."""
-  if SEMANTIC not in layouts:
-    raise ValueError("choose_layouts decides where the semantic layout competes")
-  static = [name for name in (SPATIAL, TEMPORAL) if name in layouts]
-  semantic_id = jnp.int32(LAYOUTS.index(SEMANTIC))
-  if not static:
-    return jnp.full(estimates.shape[:2], semantic_id)
-  if len(static) == 2:
-    winner = (errors[TEMPORAL] < errors[SPATIAL]).astype(jnp.int32)
-  else:
-    winner = jnp.full(estimates.shape[:2], LAYOUTS.index(static[0]), jnp.int32)
-  static_estimate = jnp.take_along_axis(estimates, winner[..., None], axis=-1)[..., 0]
-  return jnp.where(estimates[..., LAYOUTS.index(SEMANTIC)] < static_estimate, semantic_id, winner)
+  """``int32 [B, H]``: each head's layout id. The band candidates are compared by their sampled
+  ``errors`` (ties go to the lower id: spatial); where an ``own`` table (semantic) competes, it
+  takes the head whose estimated whole-sequence loss (``estimates [B, H, n_layouts]``,
+  :func:`left_out`) is below the winner's so far, each judged by the same estimate (ties: the
+  band layout)."""
+  own = [name for name in names() if name in layouts and not get(name).band]
+  if not own:
+    raise ValueError("choose_layouts decides where a layout with its own table competes")
+  shape = estimates.shape[:2]
+  winner = band_winner(errors, layouts, shape)
+  if winner is None:
+    winner, own = jnp.full(shape, index(own[0]), jnp.int32), own[1:]
+  for name in own:
+    so_far = jnp.take_along_axis(estimates, winner[..., None], axis=-1)[..., 0]
+    winner = jnp.where(estimates[..., index(name)] < so_far, jnp.int32(index(name)), winner)
+  return winner
 
 
 def probe_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
@@ -318,7 +380,7 @@ def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -
 def constants(tree: Any) -> Any:
   """``tree`` with no derivative through its arrays: what decides a layout or a tile is a
   choice, not a function to differentiate (a gradient sees the chosen mask as fixed)."""
-  if isinstance(tree, dict):  # by hand: layouts key the centroids, and enums do not sort
+  if isinstance(tree, dict):  # by hand: a NamedTuple is rebuilt field by field below
     return {key: constants(value) for key, value in tree.items()}
   if isinstance(tree, tuple):
     values = [constants(value) for value in tree]
@@ -330,18 +392,18 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                   key: jax.Array, scale: float | None = None,
                   plan: TilePlan | None = None, expert: str | None = None,
                   compensation_blocks: int = 0,
-                  cents: dict[TokenOrder, Centroids] | None = None,
+                  cents: dict[str, Centroids] | None = None,
                   layouts: tuple[str, ...] | None = None,
                   semantic: SemanticLayout | None = None,
                   head_visited: jax.Array | None = None) -> Routing:
-  """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its two errors.
+  """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its errors.
 
   ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
   (e.g. ``SvgConfig``). Execution masks need the call's tile plan: ``plan`` when given, else
   the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
   The same key gives the same flags. With ``compensation_blocks`` (centroids per key tile, 0:
   off) and execution masks, each layout is judged by the compensated output its call gives
-  (``cents``: each layout's centroids, where the caller has them). ``layouts``: the candidate
+  (``cents``: each layout's centroids by name, where the caller has them). ``layouts``: the candidate
   layouts (default: the config's ``layouts``, else spatial and temporal); ``semantic`` (each
   head's semantic order and table) is required where semantic is among them.
   ``head_visited [B, H, num_q_tiles, num_kv_tiles]`` (a per-head budget's tables, with
@@ -362,24 +424,22 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   if compensation_blocks and router.profile_masks == "execution":
     compensation = (plan, compensation_blocks)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  sampled = sample_dense(q, k, v, rows, scale)  # shared by every candidate
-  spatial, temporal = layout_errors(q, k, v, rows, grid, mask, scale=scale,
-                                    compensation=compensation, cents=cents, sampled=sampled)
   layouts = getattr(config, "layouts", DEFAULT_LAYOUTS) if layouts is None else layouts
-  if layouts == (SPATIAL, TEMPORAL):  # today's router, unchanged
-    return Routing(temporal < spatial, spatial, temporal)
-  if SEMANTIC not in layouts:  # one static layout, forced
-    layout = jnp.full(spatial.shape, LAYOUTS.index(layouts[0]), jnp.int32)
-    return Routing(layout == LAYOUTS.index(TEMPORAL), jnp.where(SPATIAL in layouts, spatial, jnp.inf),
-                   jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout)
+  band = tuple(name for name in names() if name in layouts and get(name).band)
+  sampled = sample_dense(q, k, v, rows, scale)  # shared by every candidate
+  errors = dict(zip(band, layout_errors(q, k, v, rows, grid, mask, scale=scale,
+                                        compensation=compensation, cents=cents, sampled=sampled,
+                                        layouts=band)))
+  shape = q.shape[:2]
+  stacked = jnp.stack([errors.get(name, jnp.full(shape, jnp.inf, jnp.float32))
+                       for name in names()], -1)
+  if len(band) == len(layouts):  # band layouts only: the sampled errors decide
+    return Routing(band_winner(errors, layouts, shape), stacked)
   if semantic is None or plan is None:
     raise ValueError("a semantic candidate needs its layout (semantic=...) and the call's plan")
   estimates = layout_left_out(q, k, estimate_rows(jax.random.fold_in(key, 1), grid.tokens),
                               grid, plan, semantic, layouts, scale)
-  layout = choose_layouts({SPATIAL: spatial, TEMPORAL: temporal}, estimates, layouts)
-  return Routing(layout == LAYOUTS.index(TEMPORAL),
-                 jnp.where(SPATIAL in layouts, spatial, jnp.inf),
-                 jnp.where(TEMPORAL in layouts, temporal, jnp.inf), layout, estimates)
+  return Routing(choose_layouts(errors, estimates, layouts), stacked, estimates)
 
 
 def route_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, config: Any,
