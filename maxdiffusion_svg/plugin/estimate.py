@@ -26,7 +26,7 @@ from maxdiffusion_svg.plan.tiles import visited_in_tiles_of
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
-from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_VACE, VideoModel, experts_of,
+from maxdiffusion_svg.plugin.video_models import (WAN, WAN_VACE, VideoModel, experts_of,
                                                   grid_of, video_model, wan_size)
 from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.routing.compensation import plan_row_keys
@@ -64,12 +64,6 @@ def heads_of(config: Mapping[str, Any]) -> int:
   return video_model(config).heads if size is None else size.heads
 
 
-# LTX-2's video stream: model width 4096 (32 heads x 128); per token and block, its
-# projections and feed-forward (self-attention q/k/v/o, text and audio cross-attention q/o, a
-# 4x feed-forward) cost about 32·d² FLOPs, and self-attention's scores and values 4·N·d.
-LTX2_WIDTH, LTX2_DENSE_FLOPS_PER_D2 = 4096, 32
-
-
 def attention_share(tokens: int, given: float | None = None,
                     family: VideoModel = WAN) -> tuple[float, str]:
   """Self-attention's share of a dense step at ``tokens`` and where it comes from."""
@@ -77,11 +71,12 @@ def attention_share(tokens: int, given: float | None = None,
     if not 0 < given <= 1:
       raise ValueError(f"--attention-share must be a fraction in (0, 1], got {given}")
     return given, "given with --attention-share"
-  if family is LTX2:  # no measured share: a FLOP model of one block
-    attention, rest = 4 * tokens * LTX2_WIDTH, LTX2_DENSE_FLOPS_PER_D2 * LTX2_WIDTH ** 2
+  if family.flop_model is not None:  # no measured share: a FLOP model of one block
+    width, dense = family.flop_model
+    attention, rest = 4 * tokens * width, dense * width ** 2
     return attention / (attention + rest), (
         f"modelled from {family.name}'s FLOPs per block (self-attention 4·N·d against "
-        f"{LTX2_DENSE_FLOPS_PER_D2}·d² of projections and feed-forward, d {LTX2_WIDTH}; not "
+        f"{dense}·d² of projections and feed-forward, d {width}; not "
         f"measured: give --attention-share)")
   for count, share, name in STATED_SHARES:
     if tokens == count:

@@ -1,8 +1,8 @@
 """How ``compare`` and ``calibrate`` drive each model's own MaxDiffusion generate main.
 
 A tool loads the weights once, through the main as the user runs it, and then runs it again
-on the loaded pipeline: ``generate_wan.run``, ``generate_ltx2.run`` and our Wan VACE main's
-(:mod:`generate_vace`) take the pipeline; ``generate_wan_animate.run`` always loads, so its
+on the loaded pipeline: ``generate_wan.run``, ``generate_ltx2.run`` (driven from LTX-2's own
+module, :mod:`ltx2`) and our Wan VACE main's (:mod:`generate_vace`) take the pipeline; ``generate_wan_animate.run`` always loads, so its
 checkpointer hands back the loaded one. While
 a :meth:`Generation.watch` block is open, every pipeline call of the main is seen
 (``before_call`` sets the run's kernel on the pipeline before the call traces), the denoising
@@ -19,10 +19,11 @@ import functools
 import importlib
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from maxdiffusion_svg.measure import video_metrics
-from maxdiffusion_svg.plugin.video_models import LTX2, WAN, WAN_ANIMATE, WAN_VACE, VideoModel
+from maxdiffusion_svg.plugin.video_models import (FAMILIES, WAN, WAN_ANIMATE, WAN_VACE,
+                                                  VideoModel)
 
 BeforeCall = Callable[[Any], None]
 OnStep = Callable[[], None]
@@ -62,7 +63,7 @@ class Generation:
       self.module.run(config)
 
 
-def _seen() -> dict[str, Any]:
+def seen_record() -> dict[str, Any]:
   """What a watch keeps: the pipeline, the frames exported, and per pipeline call its
   denoising seconds and steps (``calls``)."""
   return {"frames": [], "calls": []}
@@ -81,7 +82,7 @@ def step_seconds(seen: dict[str, Any], steps: int) -> float:
 
 
 @contextlib.contextmanager
-def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
+def patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
   """Sets ``owner.name = value`` for each patch, restoring every one after."""
   saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
   for owner, name, value in patches:
@@ -93,7 +94,7 @@ def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
       setattr(owner, name, value)
 
 
-def _watched_call(seen: dict[str, Any], pipeline: Any, before_call: BeforeCall,
+def watched_call(seen: dict[str, Any], pipeline: Any, before_call: BeforeCall,
                   call: Callable[[], Any], denoise_seconds: Callable[[Any, float], float]) -> Any:
   """One pipeline call of the main: ``before_call`` first, then the call, recorded with its
   denoising seconds (``denoise_seconds(output, wall seconds)``) and the Python steps it took."""
@@ -142,15 +143,15 @@ def _watching_main(module: Any, before_call: BeforeCall, on_step: OnStep,
   ``export_to_video``, stepping with UniPC: ``generate_wan``, our VACE main."""
   from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (  # pylint: disable=import-outside-toplevel
       FlaxUniPCMultistepScheduler as scheduler)
-  seen = _seen()
+  seen = seen_record()
   call, export = module.call_pipeline, module.export_to_video
 
   @functools.wraps(call)
   def call_pipeline(config, pipeline, *args, **kwargs):
-    return _watched_call(seen, pipeline, before_call,
+    return watched_call(seen, pipeline, before_call,
                          lambda: call(config, pipeline, *args, **kwargs), denoise_seconds)
 
-  with _patched((module, "call_pipeline", call_pipeline),
+  with patched((module, "call_pipeline", call_pipeline),
                 (module, "export_to_video", _exporting(export, seen)),
                 (scheduler, "step", _counting_step(scheduler, seen, on_step))):
     yield seen
@@ -166,36 +167,6 @@ def _wan(before_call: BeforeCall, on_step: OnStep) -> contextlib.AbstractContext
     return trace.get("denoise_total", float("nan"))
 
   return _watching_main(generate_wan, before_call, on_step, denoise_total)
-
-
-@contextlib.contextmanager
-def _ltx2(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
-  """``generate_ltx2``: its ``call_pipeline`` (the output's ``timings`` give the denoising
-  seconds; the steps run in one compiled loop) and ``export_to_video_with_audio``."""
-  from maxdiffusion import generate_ltx2  # pylint: disable=import-outside-toplevel
-  seen = _seen()
-  call, export = generate_ltx2.call_pipeline, generate_ltx2.export_to_video_with_audio
-
-  def denoising(out: Any, _: float) -> float:
-    return (getattr(out, "timings", None) or {}).get("Denoising", float("nan"))
-
-  @functools.wraps(call)
-  def call_pipeline(config, pipeline, *args, **kwargs):
-    out = _watched_call(seen, pipeline, before_call,
-                        lambda: call(config, pipeline, *args, **kwargs), denoising)
-    if len(seen["calls"]) % 2 == 0:  # the real call: its steps all at once
-      for _ in range(int(config.num_inference_steps)):
-        on_step()
-    return out
-
-  def export_to_video_with_audio(*args, **kwargs):
-    video = kwargs["video"] if "video" in kwargs else args[0]
-    seen["frames"].append(video_metrics.as_frames(video))
-    return export(*args, **kwargs)
-
-  with _patched((generate_ltx2, "call_pipeline", call_pipeline),
-                (generate_ltx2, "export_to_video_with_audio", export_to_video_with_audio)):
-    yield seen
 
 
 class _KeptCheckpointer:
@@ -223,15 +194,15 @@ def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any
   from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
       FlaxUniPCMultistepScheduler as scheduler)
   # pylint: enable=import-outside-toplevel
-  seen = _seen()
+  seen = seen_record()
   call, export = WanAnimatePipeline.__call__, generate_wan_animate.export_to_video
 
   @functools.wraps(call)
   def pipeline_call(self, *args, **kwargs):
-    return _watched_call(seen, self, before_call, lambda: call(self, *args, **kwargs),
+    return watched_call(seen, self, before_call, lambda: call(self, *args, **kwargs),
                          lambda _, wall_seconds: wall_seconds)
 
-  with _patched((WanAnimatePipeline, "__call__", pipeline_call),
+  with patched((WanAnimatePipeline, "__call__", pipeline_call),
                 (generate_wan_animate, "export_to_video",
                  _exporting(export, seen, into_working_directory=True)),
                 (generate_wan_animate, "WanCheckpointer",
@@ -247,11 +218,9 @@ def _vace(before_call: BeforeCall, on_step: OnStep) -> contextlib.AbstractContex
   return _watching_main(generate_vace, before_call, on_step, lambda _, wall_seconds: wall_seconds)
 
 
-GENERATIONS = {
+_HERE = {
     WAN: Generation(WAN, "seconds per denoising step of the real run (the pipeline's "
                          "denoise_total; compile warm-up excluded)", _wan),
-    LTX2: Generation(LTX2, "seconds per denoising step of the real run (the pipeline's "
-                           "Denoising timing; compile warm-up excluded)", _ltx2),
     WAN_ANIMATE: Generation(WAN_ANIMATE, "seconds per denoising step of the real run: the "
                                          "whole pipeline call (every segment's encoding, "
                                          "denoising and decoding) over its steps; compile "
@@ -263,10 +232,31 @@ GENERATIONS = {
 }
 
 
+class _Generations(Mapping[VideoModel, Generation]):
+  """Each family's driver: Wan's and its variants' here, a family with its own module
+  (:attr:`VideoModel.module`, e.g. LTX-2's) that module's ``GENERATION``, imported when asked."""
+
+  def __getitem__(self, family: VideoModel) -> Generation:
+    if family in _HERE:
+      return _HERE[family]
+    if family.module:
+      return importlib.import_module(family.module).GENERATION
+    raise KeyError(family)
+
+  def __iter__(self) -> Iterator[VideoModel]:
+    return iter([f for f in (*FAMILIES, WAN_ANIMATE, WAN_VACE) if f in _HERE or f.module])
+
+  def __len__(self) -> int:
+    return len(list(iter(self)))
+
+
+GENERATIONS: Mapping[VideoModel, Generation] = _Generations()
+
+
 def generation(family: VideoModel, tool: str) -> Generation:
   """The driver of ``family``'s generate main; another family is refused by name."""
   if family not in GENERATIONS:
-    runs = ", ".join(f"{g.family.name} ({g.family.generate_main})" for g in GENERATIONS.values())
+    runs = ", ".join(f"{f.name} ({f.generate_main})" for f in GENERATIONS)
     raise ValueError(f"{tool} drives {runs}; {family.name} has no generate main "
                      f"({family.generate_module})")
   return GENERATIONS[family]

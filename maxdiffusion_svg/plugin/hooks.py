@@ -24,7 +24,7 @@ by :func:`installer.install` (MaxDiffusion's files are not modified):
   context shards against heads), after ``jax.distributed`` starts and before weights load; a
   Wan VACE config goes on to our VACE main (these two: :mod:`hooks_entry`).
 * the same for Wan VACE and Wan Animate (their own model calls and factories;
-  :func:`animate_pipeline_call`) and for LTX-2 (:mod:`hooks_ltx2`); which family a model is
+  :func:`animate_pipeline_call`) and for LTX-2 (its own module, :mod:`ltx2`); which family a model is
   and where its self-attention ops sit: :mod:`families`.
 
 Values cross from a hook to the kernel through context variables, set only while the

@@ -1,11 +1,14 @@
-"""Installs every hook once: Wan's and its variants' (:mod:`hooks`), LTX-2's (:mod:`hooks_ltx2`)
-and the entry points' (:mod:`hooks_entry`, Wan VACE's hand-over in :mod:`generate_vace`)."""
+"""Installs every hook once: Wan's and its variants' (:mod:`hooks`), each family module's (its
+record's :attr:`~video_models.VideoModel.module`, e.g. LTX-2's :mod:`ltx2`) and the entry
+points' (:mod:`hooks_entry`, Wan VACE's hand-over in :mod:`generate_vace`)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Iterator
 
-from maxdiffusion_svg.plugin import contract, generate_vace, hooks, hooks_entry, hooks_ltx2
+from maxdiffusion_svg.plugin import contract, generate_vace, hooks, hooks_entry
+from maxdiffusion_svg.plugin.video_models import FAMILIES
 
 
 def _all_subclasses(cls: type) -> Iterator[type]:
@@ -15,7 +18,7 @@ def _all_subclasses(cls: type) -> Iterator[type]:
 
 
 def install() -> None:
-  """Installs every hook (idempotent). Imports MaxDiffusion's Wan and LTX-2 modules."""
+  """Installs every hook (idempotent). Imports MaxDiffusion's modules of every family."""
   # pylint: disable=import-outside-toplevel
   from maxdiffusion import aot_cache, generate_wan, generate_wan_animate
   from maxdiffusion.models import attention_flax
@@ -45,4 +48,6 @@ def install() -> None:
   wrap(generate_wan, "run",
         lambda run: generate_vace.vace_to_our_main(hooks_entry.preflight_run(run)))
   wrap(generate_wan_animate, "run", hooks_entry.preflight_run)
-  hooks_ltx2.install(wrap)
+  for family in FAMILIES:
+    if family.module:
+      importlib.import_module(family.module).install(wrap)

@@ -27,7 +27,7 @@ from maxdiffusion_svg.plugin.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
-from maxdiffusion_svg.plugin.video_models import LTX2, WAN, WAN_VACE, video_model
+from maxdiffusion_svg.plugin.video_models import FAMILIES, WAN_VACE, video_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +109,12 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   return config, chain
 
 
-WAN_MODELS = WAN.model_names  # what generate_wan runs
-LTX2_MODELS = LTX2.model_names  # generate_ltx2's
-
-
 def check_model(config: Mapping[str, Any], path: str) -> None:
-  """``generate`` runs Wan and LTX-2: a config of another model is refused by name before
-  anything loads (MaxDiffusion's main would fail on it far later, or not say why)."""
+  """``generate`` runs every family of :data:`video_models.FAMILIES` (Wan, LTX-2): a config of
+  another model is refused by name before anything loads (MaxDiffusion's main would fail on it
+  far later, or not say why)."""
   model = config.get("model_name")
-  if model in WAN_MODELS or model in LTX2_MODELS:
+  if any(model in family.model_names for family in FAMILIES):
     return
   weights = str(config.get("pretrained_model_name_or_path") or "")
   if model is None and ("LTX-Video" in weights or os.path.basename(path) == "ltx_video.yml"):
@@ -125,9 +122,9 @@ def check_model(config: Mapping[str, Any], path: str) -> None:
                      f"generate_ltx_video) is not supported. Its transformer calls Pallas flash "
                      f"attention directly, not MaxDiffusion's attention kernels, so attention: "
                      f"svg would be ignored; run it with MaxDiffusion's own generate_ltx_video")
-  raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs Wan "
-                   f"(model_name {' or '.join(WAN_MODELS)}) through generate_wan and LTX-2 "
-                   f"(model_name {' or '.join(LTX2_MODELS)}) through generate_ltx2")
+  runs = " and ".join(f"{f.name} (model_name {' or '.join(f.model_names)}) through "
+                      f"{f.generate_main}" for f in FAMILIES)
+  raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs {runs}")
 
 
 def maxdiffusion_main(config: Mapping[str, Any], entry: Entry) -> str:

@@ -1,11 +1,12 @@
 """The MaxDiffusion video model families the plugin runs, as facts: no MaxDiffusion import.
 
 Each family says which configs are its own (``model_name``), which MaxDiffusion main generates
-with it, and how a pixel video becomes its token grid (VAE compression and patch size). The
-plugin's hooks (:mod:`maxdiffusion_svg.plugin.hooks`) hold how each family's transformer is
-found and called; the CLI tools (``tiles --config``, ``estimate``, ``compare``) and the run
-summary take the grid and the default depth from here, so one video maps to one grid
-everywhere.
+with it, how a pixel video becomes its token grid (VAE compression and patch size), which
+transformer class it is and where its self-attention ops sit (:mod:`families` reads that), and
+which plugin module holds its hooks and generate driver (LTX-2's: :mod:`ltx2`; Wan's and its
+variants' sit in :mod:`hooks` and :mod:`generations`). The CLI tools (``tiles --config``,
+``estimate``, ``compare``) and the run summary take the grid and the default depth from here,
+so one video maps to one grid everywhere.
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ class VideoModel:
   # a config key listing inputs that each add a latent frame in front (VACE's reference images)
   extra_frames_key: str = ""
   main_package: str = "maxdiffusion"  # where generate_main lives
+  # The transformer class (by name, anywhere in the model's MRO) that is this family; "": told
+  # apart otherwise (Wan, and VACE by its control blocks).
+  model_class: str = ""
+  blocks: str = "blocks"  # the model's attribute holding its blocks
+  # The residual checkpoint name of a block's attn1 op, which tells self-attention from
+  # cross-attention at the kernel; None: the op is tagged by its place (LTX-2's attn1).
+  self_attention_name: str | None = "self_attn"
+  control_blocks: str = ""  # blocks whose self-attention runs dense by design (VACE's)
+  # The plugin module holding the family's hooks (install(wrap)) and its generate driver
+  # (GENERATION); "": Wan's and its variants', in hooks and generations.
+  module: str = ""
+  # (model width d, dense FLOPs per token and block in d²): a FLOP model of a step's
+  # self-attention share where none is measured; None: Wan's measured shares.
+  flop_model: tuple[int, int] | None = None
 
   @property
   def generate_module(self) -> str:
@@ -54,8 +69,14 @@ WAN = VideoModel("Wan", ("wan2.1", "wan2.2"), "generate_wan", 4, 8, (1, 2, 2), 4
 # LTX-2 (19B) and LTX-2.3: one latent token per 32x32 pixels of every 8th frame; 48 layers,
 # video self-attention 32 heads x 128. Audio self-attention, text and audio<->video
 # cross-attention run dense.
+# Its video stream: width 4096 (32 heads x 128); per token and block, the projections and
+# feed-forward (self-attention q/k/v/o, text and audio cross-attention q/o, a 4x feed-forward)
+# cost about 32·d² FLOPs, and self-attention's scores and values 4·N·d.
 LTX2 = VideoModel("LTX-2", ("ltx2_video", "ltx2.3"), "generate_ltx2", 8, 32, (1, 1, 1), 48, 32,
-                  dense_by_design="audio self-attention, text and audio-video cross-attention")
+                  dense_by_design="audio self-attention, text and audio-video cross-attention",
+                  model_class="LTX2VideoTransformer3DModel", blocks="transformer_blocks",
+                  self_attention_name=None, module="maxdiffusion_svg.plugin.ltx2",
+                  flop_model=(4096, 32))
 # Wan VACE (Wan 2.1 blocks plus control blocks; MaxDiffusion trains it with train_wan_vace and
 # runs it in VaceWanPipeline2_1, with no generate main: ours, maxdiffusion_svg.plugin.generate_vace,
 # drives that pipeline): each reference image is an extra latent frame in front of the video,
@@ -66,13 +87,15 @@ VACE_REFERENCES = "vace_reference_images"  # the generation config's reference i
 WAN_VACE = dataclasses.replace(
     WAN, name="Wan VACE", model_names=(), generate_main="generate_vace",
     main_package="maxdiffusion_svg.plugin", extra_frames_key=VACE_REFERENCES,
-    dense_by_design="cross-attention and the VACE control blocks' self-attention")
+    dense_by_design="cross-attention and the VACE control blocks' self-attention",
+    control_blocks="vace_blocks")
 # Wan Animate (Wan 2.2 Animate 14B, generate_wan_animate): each segment of
 # segment_frame_length frames is one call on its latent frames plus a reference slot in front
 # (frame 0, the first-frame sink). Its face adapter's attention runs its own kernel.
 WAN_ANIMATE = dataclasses.replace(
     WAN, name="Wan Animate", model_names=(), generate_main="generate_wan_animate",
-    frames_key="segment_frame_length", extra_frames=1)
+    frames_key="segment_frame_length", extra_frames=1,
+    model_class="WanAnimateTransformer3DModel")
 # Keys only an Animate config holds (MaxDiffusion's base_wan_animate.yml; model_name wan2.2).
 ANIMATE_KEYS = ("pose_video_path", "face_video_path")
 FAMILIES = (WAN, LTX2)

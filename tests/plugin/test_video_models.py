@@ -1,9 +1,14 @@
 """Each video model family's pixel-to-grid map and config dispatch, against the numbers its
 MaxDiffusion pipeline gives (VAE compression, patch size, reference frames)."""
 
+import ast
+import pathlib
+import re
+
 import pytest
 
 from maxdiffusion_svg.plan.geometry import VideoGrid
+from maxdiffusion_svg.plugin import families, generations, ltx2
 from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, experts_of,
                                                   grid_of, video_model, wan_size)
 
@@ -84,3 +89,40 @@ def test_a_wan_checkpoints_size_comes_from_its_name_once(keys, size):
     ({"model_name": "wan2.1"}, (None,)), ({"model_name": "ltx2_video"}, (None,))])
 def test_the_experts_a_run_prepares(keys, experts):
   assert experts_of(keys) == experts
+
+
+def _ltx2_mentions(path):
+  """Whether a module's code names LTX-2: an identifier, an import, or a module path string
+  (prose in docstrings and messages aside)."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    names = []
+    if isinstance(node, ast.Name):
+      names = [node.id]
+    elif isinstance(node, ast.Attribute):
+      names = [node.attr]
+    elif isinstance(node, ast.ImportFrom):
+      names = [node.module or "", *(a.name for a in node.names)]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      names = [node.value] if re.fullmatch(r"maxdiffusion[\w.]*", node.value) else []
+    if any("ltx2" in name.lower() for name in names):
+      return True
+  return False
+
+
+def test_the_ltx2_family_occupies_its_record_its_module_and_the_drift_guard():
+  """Adding a family is its record, its module and what the drift guard expects of MaxDiffusion
+  (its benchmarks, bench/ltx2_*, and tiny model, testing/, aside)."""
+  package = pathlib.Path(__file__).resolve().parents[2] / "maxdiffusion_svg"
+  found = {str(p.relative_to(package)) for p in package.rglob("*.py")
+           if p.parts[-2] not in ("bench", "testing") and _ltx2_mentions(p)}
+  assert found == {"plugin/video_models.py", "plugin/ltx2.py", "plugin/contract.py"}, found
+
+
+def test_a_family_module_is_found_through_its_record():
+  assert LTX2.module == ltx2.__name__
+  assert generations.GENERATIONS[LTX2] is ltx2.GENERATION
+  assert list(generations.GENERATIONS) == [WAN, LTX2, WAN_ANIMATE, WAN_VACE]
+  assert families.family(type(LTX2.model_class, (), {})()) is LTX2  # by its class's name
+  assert families.family(type("WanModel", (), {"vace_blocks": ()})()) is WAN_VACE

@@ -1,4 +1,9 @@
-"""The hooks for LTX-2 and LTX-2.3 (``generate_ltx2``), beside Wan's in :mod:`hooks`.
+"""LTX-2 and LTX-2.3 (``generate_ltx2``): the family's hooks and how the tools drive its main.
+
+Its facts (grid, depth, which transformer class it is and where its self-attention ops sit, what
+runs dense by design, the FLOP model of its step) are its record, :data:`video_models.LTX2`,
+which names this module; the installer and ``compare``/``calibrate`` find :func:`install` and
+:data:`GENERATION` through it.
 
 LTX-2's attention calls reach the kernel as 3-D ``[B, S, H*D]`` q/k/v, none with a residual
 checkpoint name, so the kernel cannot tell video self-attention from the rest by the call: it
@@ -14,6 +19,10 @@ cross-attentions) is untagged and runs dense, counted as such.
 * ``LTX2Pipeline.__call__`` and ``FlaxFlowMatchScheduler.set_timesteps_ltx2``: the run's
   timesteps written into the transformer before the pipeline splits it; the run summary.
 * ``generate_ltx2.run``: the job's pre-flight checks.
+
+``compare`` and ``calibrate`` drive ``generate_ltx2`` through :data:`GENERATION`: its
+``call_pipeline`` (the output's ``timings`` give the denoising seconds; the steps run in one
+compiled loop) and ``export_to_video_with_audio``.
 """
 
 from __future__ import annotations
@@ -21,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from maxdiffusion_svg.measure import video_metrics
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.plugin import hooks, hooks_entry
-from maxdiffusion_svg.plugin.families import LTX2_MODEL
+from maxdiffusion_svg.plugin import generations, hooks, hooks_entry
+from maxdiffusion_svg.plugin.video_models import LTX2
+
+LTX2_MODEL = LTX2.model_class
 
 
 def _grid(model: Any, frames: Any, height: Any, width: Any) -> VideoGrid:
@@ -54,7 +66,7 @@ def _model_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
-  """Installs LTX-2's hooks with :func:`hooks.wrap_once` (idempotent)."""
+  """Installs LTX-2's hooks with ``wrap`` (:func:`hooks.wrap_once`: idempotent)."""
   # pylint: disable=import-outside-toplevel
   # MaxDiffusion's LTX-2 modules import TensorFlow before transformers imports Triton, whose
   # library then crashes the process as it loads (TensorFlow 2.21 with Triton 3.x, where torch
@@ -74,3 +86,39 @@ def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   wrap(scheduling_flow_match_flax.FlaxFlowMatchScheduler, "set_timesteps_ltx2",
        hooks.set_timesteps_hook)
   wrap(generate_ltx2, "run", hooks_entry.preflight_run)
+
+
+@contextlib.contextmanager
+def _watching(before_call: generations.BeforeCall,
+              on_step: generations.OnStep) -> Iterator[dict[str, Any]]:
+  """``generate_ltx2`` watched (:meth:`generations.Generation.watch`)."""
+  from maxdiffusion import generate_ltx2  # pylint: disable=import-outside-toplevel
+  seen = generations.seen_record()
+  call, export = generate_ltx2.call_pipeline, generate_ltx2.export_to_video_with_audio
+
+  def denoising(out: Any, _: float) -> float:
+    return (getattr(out, "timings", None) or {}).get("Denoising", float("nan"))
+
+  @functools.wraps(call)
+  def call_pipeline(config, pipeline, *args, **kwargs):
+    out = generations.watched_call(seen, pipeline, before_call,
+                                   lambda: call(config, pipeline, *args, **kwargs), denoising)
+    if len(seen["calls"]) % 2 == 0:  # the real call: its steps all at once
+      for _ in range(int(config.num_inference_steps)):
+        on_step()
+    return out
+
+  def export_to_video_with_audio(*args, **kwargs):
+    video = kwargs["video"] if "video" in kwargs else args[0]
+    seen["frames"].append(video_metrics.as_frames(video))
+    return export(*args, **kwargs)
+
+  with generations.patched((generate_ltx2, "call_pipeline", call_pipeline),
+                           (generate_ltx2, "export_to_video_with_audio",
+                            export_to_video_with_audio)):
+    yield seen
+
+
+GENERATION = generations.Generation(
+    LTX2, "seconds per denoising step of the real run (the pipeline's Denoising timing; compile "
+          "warm-up excluded)", _watching)
