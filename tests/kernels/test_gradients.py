@@ -22,6 +22,7 @@ from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
 from maxdiffusion_svg.plan.tiles import plan_tiles
 from maxdiffusion_svg.routing.compensation import compensated_attention
+from references import assert_grads_close, masked_loss64, reference_grads
 
 GRID = VideoGrid(5, 6, 7)  # 210 tokens: padding in the last 128-token tile; the sink is frame 0
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 6e-2}
@@ -31,42 +32,6 @@ def qkvw(grid=GRID, dim=64, heads=3, batch=2, seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   shape = (batch, heads, grid.tokens, dim)
   return [jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(4)]
-
-
-def masked_loss64(mask, w, u=None):
-  """``sum(out * w) [+ sum(lse * u)]`` of dense attention under ``mask`` (broadcast to [B, H,
-  S, S]), in float64."""
-  def loss(q, k, v):
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
-    s = jnp.where(mask, s, -jnp.inf)
-    out = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
-    total = (out * w).sum()
-    return total if u is None else total + (jax.nn.logsumexp(s, axis=-1) * u).sum()
-  return loss
-
-
-def reference_grads(loss, *xs):
-  with jax.enable_x64(True):
-    grads = jax.grad(loss, argnums=tuple(range(len(xs))))(*(np.asarray(x, np.float64) for x in xs))
-    return [np.asarray(g) for g in grads]
-
-
-def assert_grads_close(got, want, atol):
-  for name, a, b in zip("qkv", got, want):
-    assert np.abs(b).max() > 0.1, name  # a gradient that could fail
-    np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=atol, rtol=2e-5,
-                               err_msg=f"d{name}")
-
-
-@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
-@pytest.mark.parametrize("mode", ["naive", "split", "aligned"])
-def test_every_executor_and_mode_matches_the_float64_reference(backend, mode):
-  plan = plan_tiles(GRID, 0.3, 128, 128, mode)  # sink on, padded last tiles
-  q, k, v, w = qkvw(dim=128 if backend == "pallas" else 64)
-  got = jax.grad(lambda q, k, v: (sparse_attention(q, k, v, plan, backend=backend) * w).sum(),
-                 argnums=(0, 1, 2))(q, k, v)
-  assert_grads_close(got, reference_grads(masked_loss64(np.asarray(plan.dense_mask()), w),
-                                          q, k, v), TOLERANCE[jnp.float32])
 
 
 def test_our_kernel_differentiates_by_tokamaxs_backward_kernel_or_the_portable_one():
@@ -81,34 +46,6 @@ def test_our_kernel_differentiates_by_tokamaxs_backward_kernel_or_the_portable_o
       masked_loss64(np.asarray(plan.dense_mask()), w), q, k, v), TOLERANCE[jnp.float32])
   with pytest.raises(ValueError, match="backward must be one of"):
     sparse_attention(q, k, v, plan, backend="pallas", backward="splash")
-
-
-@pytest.mark.parametrize("backend", ["xla", "splash", "pallas"])
-def test_bfloat16_inputs_give_bfloat16_gradients_near_the_reference(backend):
-  plan = plan_tiles(GRID, 0.3, 128, 128, "aligned")
-  q, k, v, w = qkvw(dim=128 if backend == "pallas" else 64, dtype=jnp.bfloat16)
-  got = jax.grad(lambda q, k, v: (sparse_attention(q, k, v, plan, backend=backend)
-                                  .astype(jnp.float32) * w.astype(jnp.float32)).sum(),
-                 argnums=(0, 1, 2))(q, k, v)
-  assert all(g.dtype == jnp.bfloat16 for g in got)
-  assert_grads_close(got, reference_grads(masked_loss64(np.asarray(plan.dense_mask()), w),
-                                          q, k, v), TOLERANCE[jnp.bfloat16])
-
-
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_the_returned_log_sum_exp_differentiates_too(backend):
-  # What a ring's merge of shards differentiates through.
-  plan = plan_tiles(GRID, 0.3, 128, 128, "split")
-  q, k, v, w = qkvw(dim=128 if backend == "pallas" else 64)
-  u = jnp.asarray(np.random.default_rng(5).standard_normal(q.shape[:3]), jnp.float32)
-
-  def loss(q, k, v):
-    out, lse = sparse_attention(q, k, v, plan, backend=backend, return_lse=True)
-    return (out * w).sum() + (lse * u).sum()
-
-  got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-  assert_grads_close(got, reference_grads(masked_loss64(np.asarray(plan.dense_mask()), w, u),
-                                          q, k, v), TOLERANCE[jnp.float32])
 
 
 def test_each_heads_own_table_differentiates_by_its_own_mask():
