@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from maxdiffusion_svg.plugin import contract
-from maxdiffusion_svg.plugin.video_models import (FAMILIES, VACE_BLOCKS, WAN, WAN_ANIMATE, WAN_VACE,
+from maxdiffusion_svg.plugin.video_models import (EVERY_FAMILY, VACE_BLOCKS, WAN, WAN_VACE,
                                                   VideoModel)
 
 # Told apart in this order: by class, then by control blocks; Wan otherwise.
-_RECOGNISED = tuple(f for f in (*FAMILIES, WAN_ANIMATE, WAN_VACE)
-                    if f.model_class or f.control_blocks)
+_RECOGNISED = tuple(f for f in EVERY_FAMILY if f.model_class or f.control_blocks)
 
 
 def _is(model: Any, family: VideoModel) -> bool:

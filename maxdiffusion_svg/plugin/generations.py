@@ -1,8 +1,9 @@
 """How ``compare`` and ``calibrate`` drive each model's own MaxDiffusion generate main.
 
 A tool loads the weights once, through the main as the user runs it, and then runs it again
-on the loaded pipeline: ``generate_wan.run``, ``generate_ltx2.run`` (driven from LTX-2's own
-module, :mod:`ltx2`) and our Wan VACE main's (:mod:`generate_vace`) take the pipeline; ``generate_wan_animate.run`` always loads, so its
+on the loaded pipeline: ``generate_wan.run``, ``generate_ltx2.run`` and our Wan VACE main's
+take the pipeline (each family other than Wan is driven from its own module: :mod:`ltx2`,
+:mod:`wan_vace`, :mod:`wan_animate`); ``generate_wan_animate.run`` always loads, so its
 checkpointer hands back the loaded one. While
 a :meth:`Generation.watch` block is open, every pipeline call of the main is seen
 (``before_call`` sets the run's kernel on the pipeline before the call traces), the denoising
@@ -22,8 +23,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from maxdiffusion_svg.measure import video_metrics
-from maxdiffusion_svg.plugin.video_models import (FAMILIES, WAN, WAN_ANIMATE, WAN_VACE,
-                                                  VideoModel)
+from maxdiffusion_svg.plugin.video_models import EVERY_FAMILY, WAN, VideoModel
 
 BeforeCall = Callable[[Any], None]
 OnStep = Callable[[], None]
@@ -107,7 +107,7 @@ def watched_call(seen: dict[str, Any], pipeline: Any, before_call: BeforeCall,
   return out
 
 
-def _exporting(export: Callable[..., Any], seen: dict[str, Any],
+def exporting(export: Callable[..., Any], seen: dict[str, Any],
                into_working_directory: bool = False) -> Callable[..., Any]:
   """An ``export_to_video(video, path, fps)`` that keeps the frames; ``into_working_directory``:
   the MP4 goes there under its file name, as the other mains write (the tool's run folder)."""
@@ -120,7 +120,7 @@ def _exporting(export: Callable[..., Any], seen: dict[str, Any],
   return export_to_video
 
 
-def _counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Callable[..., Any]:
+def counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Callable[..., Any]:
   """A scheduler ``step`` that counts the Python steps of the call in progress; ``on_step``
   on the real calls' (every second call: each main warms up first)."""
   step = scheduler.step
@@ -137,7 +137,7 @@ def _counting_step(scheduler: Any, seen: dict[str, Any], on_step: OnStep) -> Cal
 
 
 @contextlib.contextmanager
-def _watching_main(module: Any, before_call: BeforeCall, on_step: OnStep,
+def watching_main(module: Any, before_call: BeforeCall, on_step: OnStep,
                    denoise_seconds: Callable[[Any, float], float]) -> Iterator[dict[str, Any]]:
   """A main whose module holds ``call_pipeline(config, pipeline, ...)`` and
   ``export_to_video``, stepping with UniPC: ``generate_wan``, our VACE main."""
@@ -152,8 +152,8 @@ def _watching_main(module: Any, before_call: BeforeCall, on_step: OnStep,
                          lambda: call(config, pipeline, *args, **kwargs), denoise_seconds)
 
   with patched((module, "call_pipeline", call_pipeline),
-                (module, "export_to_video", _exporting(export, seen)),
-                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
+                (module, "export_to_video", exporting(export, seen)),
+                (scheduler, "step", counting_step(scheduler, seen, on_step))):
     yield seen
 
 
@@ -166,75 +166,18 @@ def _wan(before_call: BeforeCall, on_step: OnStep) -> contextlib.AbstractContext
     trace = outputs[1] if isinstance(outputs, tuple) else {}
     return trace.get("denoise_total", float("nan"))
 
-  return _watching_main(generate_wan, before_call, on_step, denoise_total)
-
-
-class _KeptCheckpointer:
-  """``generate_wan_animate``'s ``WanCheckpointer`` for a tool: the first load is the real
-  one, later runs get the pipeline it loaded."""
-
-  def __init__(self, checkpointer: Any, seen: dict[str, Any]):
-    self._checkpointer, self._seen = checkpointer, seen
-
-  def load_pretrained_pipeline_or_diffusers(self, *args, **kwargs):
-    if "pipeline" not in self._seen:
-      self._seen["pipeline"] = self._checkpointer.load_pretrained_pipeline_or_diffusers(
-          *args, **kwargs)
-    return self._seen["pipeline"]
-
-
-@contextlib.contextmanager
-def _animate(before_call: BeforeCall, on_step: OnStep) -> Iterator[dict[str, Any]]:
-  """``generate_wan_animate``: the pipeline's ``__call__`` (timed whole: the main calls the
-  pipeline directly, and the call's segments each encode, denoise and decode), UniPC's step
-  and ``export_to_video``; its checkpointer loads once."""
-  # pylint: disable=import-outside-toplevel
-  from maxdiffusion import generate_wan_animate
-  from maxdiffusion.pipelines.wan.wan_pipeline_animate import WanAnimatePipeline
-  from maxdiffusion.schedulers.scheduling_unipc_multistep_flax import (
-      FlaxUniPCMultistepScheduler as scheduler)
-  # pylint: enable=import-outside-toplevel
-  seen = seen_record()
-  call, export = WanAnimatePipeline.__call__, generate_wan_animate.export_to_video
-
-  @functools.wraps(call)
-  def pipeline_call(self, *args, **kwargs):
-    return watched_call(seen, self, before_call, lambda: call(self, *args, **kwargs),
-                         lambda _, wall_seconds: wall_seconds)
-
-  with patched((WanAnimatePipeline, "__call__", pipeline_call),
-                (generate_wan_animate, "export_to_video",
-                 _exporting(export, seen, into_working_directory=True)),
-                (generate_wan_animate, "WanCheckpointer",
-                 _KeptCheckpointer(generate_wan_animate.WanCheckpointer, seen)),
-                (scheduler, "step", _counting_step(scheduler, seen, on_step))):
-    yield seen
-
-
-def _vace(before_call: BeforeCall, on_step: OnStep) -> contextlib.AbstractContextManager:
-  """Our Wan VACE main (:mod:`generate_vace`): its pipeline call timed whole (the VACE pipeline
-  encodes the conditions, denoises and decodes in one call)."""
-  from maxdiffusion_svg.plugin import generate_vace  # pylint: disable=import-outside-toplevel
-  return _watching_main(generate_vace, before_call, on_step, lambda _, wall_seconds: wall_seconds)
+  return watching_main(generate_wan, before_call, on_step, denoise_total)
 
 
 _HERE = {
     WAN: Generation(WAN, "seconds per denoising step of the real run (the pipeline's "
                          "denoise_total; compile warm-up excluded)", _wan),
-    WAN_ANIMATE: Generation(WAN_ANIMATE, "seconds per denoising step of the real run: the "
-                                         "whole pipeline call (every segment's encoding, "
-                                         "denoising and decoding) over its steps; compile "
-                                         "warm-up excluded", _animate,
-                            run_takes_pipeline=False),
-    WAN_VACE: Generation(WAN_VACE, "seconds per denoising step of the real run: the whole "
-                                   "pipeline call (the conditions' VAE encoding, denoising and "
-                                   "decoding) over its steps; compile warm-up excluded", _vace),
 }
 
 
 class _Generations(Mapping[VideoModel, Generation]):
-  """Each family's driver: Wan's and its variants' here, a family with its own module
-  (:attr:`VideoModel.module`, e.g. LTX-2's) that module's ``GENERATION``, imported when asked."""
+  """Each family's driver: Wan's here, a family with its own module (:attr:`VideoModel.module`:
+  LTX-2's, Wan Animate's, Wan VACE's) that module's ``GENERATION``, imported when asked."""
 
   def __getitem__(self, family: VideoModel) -> Generation:
     if family in _HERE:
@@ -244,7 +187,7 @@ class _Generations(Mapping[VideoModel, Generation]):
     raise KeyError(family)
 
   def __iter__(self) -> Iterator[VideoModel]:
-    return iter([f for f in (*FAMILIES, WAN_ANIMATE, WAN_VACE) if f in _HERE or f.module])
+    return iter([f for f in EVERY_FAMILY if f in _HERE or f.module])
 
   def __len__(self) -> int:
     return len(list(iter(self)))

@@ -23,9 +23,10 @@ by :func:`installer.install` (MaxDiffusion's files are not modified):
 * ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
   context shards against heads), after ``jax.distributed`` starts and before weights load; a
   Wan VACE config goes on to our VACE main (these two: :mod:`hooks_entry`).
-* the same for Wan VACE and Wan Animate (their own model calls and factories;
-  :func:`animate_pipeline_call`) and for LTX-2 (its own module, :mod:`ltx2`); which family a model is
-  and where its self-attention ops sit: :mod:`families`.
+* the same for Wan VACE and Wan Animate (their model calls and factories; what is their own,
+  with their generate drivers, in their modules :mod:`wan_vace` and :mod:`wan_animate`) and
+  for LTX-2 (its module, :mod:`ltx2`); which family a model is and where its self-attention
+  ops sit: :mod:`families`.
 
 Values cross from a hook to the kernel through context variables, set only while the
 wrapped call runs (its trace, for jitted code). A model with semantic warm starts also holds
@@ -340,24 +341,3 @@ def wrap_once(owner: Any, name: str, make: _Wrapper) -> None:
   wrapped = make(original)
   wrapped._svg_hook = True  # pylint: disable=protected-access
   setattr(owner, name, wrapped)
-
-
-def animate_pipeline_call(original: Callable[..., Any]) -> Callable[..., Any]:
-  """Wan Animate splits its transformer before its segments set their timesteps (each segment
-  restarts the same schedule): the run's schedule is written first, from the same scheduler and
-  step count, so the split state carries it (the pipeline hook then logs the summary)."""
-  logged = pipeline_call_hook(original)
-  steps_default = inspect.signature(original).parameters["num_inference_steps"].default
-
-  @functools.wraps(original)
-  def wrapper(self, *args, **kwargs):
-    models = prepared_transformers(self)
-    if models:
-      steps = kwargs.get("num_inference_steps", steps_default)
-      state = self.scheduler.set_timesteps(self.scheduler_state, num_inference_steps=steps,
-                                           shape=(1,))
-      for model in models:
-        set_denoising_schedule(model, state.timesteps)
-    return logged(self, *args, **kwargs)
-
-  return wrapper

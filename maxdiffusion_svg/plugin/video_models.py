@@ -3,8 +3,9 @@
 Each family says which configs are its own (``model_name``), which MaxDiffusion main generates
 with it, how a pixel video becomes its token grid (VAE compression and patch size), which
 transformer class it is and where its self-attention ops sit (:mod:`families` reads that), and
-which plugin module holds its hooks and generate driver (LTX-2's: :mod:`ltx2`; Wan's and its
-variants' sit in :mod:`hooks` and :mod:`generations`). The CLI tools (``tiles --config``,
+which plugin module holds its own hooks and generate driver (LTX-2's :mod:`ltx2`, Wan Animate's
+:mod:`wan_animate`, Wan VACE's :mod:`wan_vace`; Wan's sit in :mod:`hooks` and
+:mod:`generations`). The CLI tools (``tiles --config``,
 ``estimate``, ``compare``) and the run summary take the grid and the default depth from here,
 so one video maps to one grid everywhere.
 """
@@ -44,8 +45,8 @@ class VideoModel:
   # cross-attention at the kernel; None: the op is tagged by its place (LTX-2's attn1).
   self_attention_name: str | None = "self_attn"
   control_blocks: str = ""  # blocks whose self-attention runs dense by design (VACE's)
-  # The plugin module holding the family's hooks (install(wrap)) and its generate driver
-  # (GENERATION); "": Wan's and its variants', in hooks and generations.
+  # The plugin module holding the family's own hooks (install(wrap)) and its generate driver
+  # (GENERATION); "": Wan's, in hooks and generations.
   module: str = ""
   # (model width d, dense FLOPs per token and block in d²): a FLOP model of a step's
   # self-attention share where none is measured; None: Wan's measured shares.
@@ -88,17 +89,18 @@ WAN_VACE = dataclasses.replace(
     WAN, name="Wan VACE", model_names=(), generate_main="generate_vace",
     main_package="maxdiffusion_svg.plugin", extra_frames_key=VACE_REFERENCES,
     dense_by_design="cross-attention and the VACE control blocks' self-attention",
-    control_blocks="vace_blocks")
+    control_blocks="vace_blocks", module="maxdiffusion_svg.plugin.wan_vace")
 # Wan Animate (Wan 2.2 Animate 14B, generate_wan_animate): each segment of
 # segment_frame_length frames is one call on its latent frames plus a reference slot in front
 # (frame 0, the first-frame sink). Its face adapter's attention runs its own kernel.
 WAN_ANIMATE = dataclasses.replace(
     WAN, name="Wan Animate", model_names=(), generate_main="generate_wan_animate",
     frames_key="segment_frame_length", extra_frames=1,
-    model_class="WanAnimateTransformer3DModel")
+    model_class="WanAnimateTransformer3DModel", module="maxdiffusion_svg.plugin.wan_animate")
 # Keys only an Animate config holds (MaxDiffusion's base_wan_animate.yml; model_name wan2.2).
 ANIMATE_KEYS = ("pose_video_path", "face_video_path")
-FAMILIES = (WAN, LTX2)
+FAMILIES = (WAN, LTX2)  # by model_name
+EVERY_FAMILY = (*FAMILIES, WAN_ANIMATE, WAN_VACE)  # and the Wan variants, told by their keys
 
 
 def video_model(config: Mapping[str, Any]) -> VideoModel:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.plugin import families, generations, ltx2
+from maxdiffusion_svg.plugin import families, generations, ltx2, wan_animate, wan_vace
 from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_ANIMATE, WAN_VACE, experts_of,
                                                   grid_of, video_model, wan_size)
 
@@ -121,8 +121,9 @@ def test_the_ltx2_family_occupies_its_record_its_module_and_the_drift_guard():
 
 
 def test_a_family_module_is_found_through_its_record():
-  assert LTX2.module == ltx2.__name__
-  assert generations.GENERATIONS[LTX2] is ltx2.GENERATION
+  for family, module in ((LTX2, ltx2), (WAN_ANIMATE, wan_animate), (WAN_VACE, wan_vace)):
+    assert family.module == module.__name__
+    assert generations.GENERATIONS[family] is module.GENERATION
   assert list(generations.GENERATIONS) == [WAN, LTX2, WAN_ANIMATE, WAN_VACE]
   assert families.family(type(LTX2.model_class, (), {})()) is LTX2  # by its class's name
   assert families.family(type("WanModel", (), {"vace_blocks": ()})()) is WAN_VACE
