@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+import pytest
 
 from maxdiffusion_svg import plugin
 
@@ -81,3 +82,46 @@ class CachedForward:
       outputs = outputs if isinstance(outputs, tuple) else (outputs,)
       self._results[cache_key] = (*(np.asarray(o) for o in outputs), log)
     return self._results[cache_key]
+
+
+class FamilyBattery:
+  """What every model family passes through its tiny transformer's forward: svg at density 1
+  equals the model's dense kernel, at 0.3 each call is the library's SVG of its own q, k, v on
+  the family's grid (sparse), and sharded over 8 devices it equals one device. A subclass per
+  family sets ``forward`` (a :class:`CachedForward`, outputs first, the call log last),
+  ``grid``, ``layers`` and ``other_calls`` (the forward's calls besides video self-attention,
+  by kind: dense by design). Each family's own pipeline test (one compile, the schedule, the
+  run summary's counts) stays beside its subclass."""
+
+  forward: CachedForward
+  grid: VideoGrid
+  layers: int
+  other_calls: dict
+
+  def selfs(self, log):
+    return [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"]
+
+  @pytest.mark.full  # each family's CI-tier test runs it through its pipeline
+  def test_density_one_equals_the_dense_kernel(self, tmp_path_factory):
+    *dense, _ = self.forward(tmp_path_factory, 1, "dot_product")
+    *svg, log = self.forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
+    for got, want in zip(svg, dense):
+      assert_close(got, want)
+    assert kinds(log) == {"self": self.layers, **self.other_calls}
+    assert self.selfs(log) == [(layer, True) for layer in range(self.layers)]
+
+  @pytest.mark.full
+  def test_sparse_at_0_3_is_the_svg_of_the_calls_own_qkv_on_the_grid(self, tmp_path_factory):
+    dense = self.forward(tmp_path_factory, 1, "dot_product")[0]
+    sparse, *_, log = self.forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+    assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
+    assert self.selfs(log) == [(layer, True) for layer in range(self.layers)]
+    assert_calls_are_svg(log, self.grid, 0.3)
+
+  @pytest.mark.full
+  def test_sharded_over_8_devices_equals_one_device(self, tmp_path_factory):
+    *one, _ = self.forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
+    *eight, log = self.forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
+    for got, want in zip(eight, one):
+      assert_close(got, want)
+    assert kinds(log) == {"self": self.layers, **self.other_calls}

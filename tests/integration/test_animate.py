@@ -15,8 +15,8 @@ from maxdiffusion_svg import plugin
 from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_animate
-from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
-                          rel, summary_lines)
+from model_checks import (EVERYTHING, CachedForward, FamilyBattery, assert_calls_are_svg,
+                          assert_close, rel, summary_lines)
 FRAMES, HEIGHT, WIDTH = tiny_animate.LATENT
 GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # the reference slot + 3 frames, patch 1x2x2
 LAYERS = 2
@@ -37,23 +37,11 @@ FORWARD = CachedForward(tiny_animate, _forward)
 build, forward = FORWARD.build, FORWARD
 
 
-@pytest.mark.full  # the CI tier runs this model through its pipeline below
-def test_density_one_equals_dot_product(tmp_path_factory):
-  dense, _ = forward(tmp_path_factory, 1, "dot_product")
-  svg, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
-  assert_close(svg, dense)
-  assert kinds(log) == {"self": LAYERS, "cross": 2 * LAYERS}  # text and image cross-attention
-  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
+class TestWanAnimate(FamilyBattery):
+  """The battery on the (1 + 3)-frame grid: the first-frame sink is the reference slot; text
+  and image cross-attention run dense."""
 
-
-@pytest.mark.full  # the CI tier runs sparse calls through the pipeline below
-def test_sparse_at_0_3_is_the_svg_of_the_reference_slot_and_frames(tmp_path_factory):
-  """Each sparse call is the library's SVG of its own q, k, v on the (1 + 3)-frame grid: the
-  first-frame sink is the reference slot."""
-  dense, _ = forward(tmp_path_factory, 1, "dot_product")
-  sparse, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
-  assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
-  assert_calls_are_svg(log, GRID, 0.3)
+  forward, grid, layers, other_calls = FORWARD, GRID, LAYERS, {"cross": 2 * LAYERS}
 
 
 @pytest.mark.full
@@ -69,13 +57,6 @@ def test_dense_frames_run_the_reference_slots_queries_dense(tmp_path_factory):
     q, k, v, out = record["qkv_out"]
     rows = GRID.frame_size
     assert_close(out[:, :, :rows], np.asarray(dense_attention(q, k, v))[:, :, :rows])
-
-
-@pytest.mark.full
-def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
-  one, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
-  eight, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
-  assert_close(eight, one)
 
 
 def test_segments_restart_the_schedule_with_one_compile_and_count_their_calls(

@@ -14,8 +14,8 @@ require_maxdiffusion()
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_ltx2
-from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
-                          rel, summary_lines)
+from model_checks import (EVERYTHING, CachedForward, FamilyBattery, assert_close, kinds, rel,
+                          summary_lines)
 
 GRID = VideoGrid(*tiny_ltx2.LATENT_GRID)
 # Per block through the svg kernel: attn1 (video self-attention, svg), then audio
@@ -39,36 +39,13 @@ FORWARD = CachedForward(tiny_ltx2, _forward)
 build, forward = FORWARD.build, FORWARD
 
 
-def test_density_one_equals_the_dense_kernel(tmp_path_factory):
-  """At density 1 every tile runs: the output is the model's dense kernel's (on CPU, the
-  dot_product LTX-2 falls back to), video and audio; audio and cross calls ran dense."""
-  video, audio, _ = forward(tmp_path_factory, 1, "dot_product")
-  svg_video, svg_audio, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
-  assert_close(svg_video, video)
-  assert_close(svg_audio, audio)
-  assert kinds(log) == {"self": 2, "cross": 2 * DENSE_PER_LAYER}
-  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
+class TestLtx2(FamilyBattery):
+  """The battery on the packed video's grid, video and audio outputs: audio self-attention and
+  the text cross-attentions run dense (on CPU the dense kernel is the dot_product LTX-2 falls
+  back to)."""
 
-
-@pytest.mark.full  # the CI tier runs sparse calls through the pipeline below
-def test_sparse_at_0_3_is_the_svg_attention_of_the_calls_own_qkv(tmp_path_factory):
-  """At 0.3 the video changes but stays close; each self-attention call is exactly the
-  library's SVG attention of its own q, k, v (recomputed on one device)."""
-  video, _, _ = forward(tmp_path_factory, 1, "dot_product")
-  sparse, _, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
-  assert 1e-3 < rel(sparse, video) < 0.1, rel(sparse, video)
-  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
-  assert_calls_are_svg(log, GRID, 0.3)
-
-
-@pytest.mark.full
-def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
-  """Context-sharded over 8 devices (heads exchanged, 1 head per device), the same output."""
-  one, one_audio, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
-  eight, eight_audio, log = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
-  assert_close(eight, one)
-  assert_close(eight_audio, one_audio)
-  assert kinds(log) == {"self": 2, "cross": 2 * DENSE_PER_LAYER}
+  forward, grid, layers = FORWARD, GRID, 2
+  other_calls = {"cross": 2 * DENSE_PER_LAYER}
 
 
 def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls(

@@ -14,8 +14,7 @@ require_maxdiffusion()
 from maxdiffusion_svg import plugin
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.testing import tiny_vace
-from model_checks import (EVERYTHING, CachedForward, assert_calls_are_svg, assert_close, kinds,
-                          rel, summary_lines)
+from model_checks import CachedForward, FamilyBattery, kinds, summary_lines
 _, FRAMES, HEIGHT, WIDTH = tiny_vace.LATENT
 GRID = VideoGrid(FRAMES, HEIGHT // 2, WIDTH // 2)  # 1 reference + 4 video frames, patch 1x2x2
 LAYERS = 2  # main blocks, each with a control block (vace_layers [0, 1])
@@ -31,31 +30,12 @@ FORWARD = CachedForward(tiny_vace, lambda model, mesh, config: tiny_vace.forward
 build, forward = FORWARD.build, FORWARD
 
 
-@pytest.mark.full  # the CI tier runs this model through its pipeline below
-def test_density_one_equals_dot_product_and_the_control_blocks_run_dense(tmp_path_factory):
-  dense, _ = forward(tmp_path_factory, 1, "dot_product")
-  svg, log = forward(tmp_path_factory, 1, "svg", svg_density=1.0, **EVERYTHING)
-  assert_close(svg, dense)
-  # main and control blocks: a cross-attention each; the control blocks' self-attention dense
-  assert kinds(log) == {"self": LAYERS, "vace": LAYERS, "cross": 2 * LAYERS}
-  assert [(r["layer"], r["sparse"]) for r in log if r["kind"] == "self"] == [(0, True), (1, True)]
+class TestWanVace(FamilyBattery):
+  """The battery on the (1 + 4)-frame grid: the first-frame sink is the reference frame; the
+  main and control blocks' cross-attention and the control blocks' self-attention run dense."""
 
-
-@pytest.mark.full  # the CI tier runs sparse calls through the pipeline below
-def test_sparse_at_0_3_is_the_svg_of_the_video_and_reference_grid(tmp_path_factory):
-  """Each sparse call is the library's SVG of its own q, k, v on the (1 + 4)-frame grid: the
-  first-frame sink is the reference frame."""
-  dense, _ = forward(tmp_path_factory, 1, "dot_product")
-  sparse, log = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
-  assert 1e-3 < rel(sparse, dense) < 0.1, rel(sparse, dense)
-  assert_calls_are_svg(log, GRID, 0.3)
-
-
-@pytest.mark.full
-def test_sharded_over_8_devices_equals_one_device(tmp_path_factory):
-  one, _ = forward(tmp_path_factory, 1, "svg", svg_density=0.3, **EVERYTHING)
-  eight, _ = forward(tmp_path_factory, 8, "svg", svg_density=0.3, **EVERYTHING)
-  assert_close(eight, one)
+  forward, grid, layers = FORWARD, GRID, LAYERS
+  other_calls = {"vace": LAYERS, "cross": 2 * LAYERS}
 
 
 def test_the_pipeline_follows_the_schedule_with_one_compile_and_counts_its_calls(
