@@ -1,2 +1,1 @@
-"""What each call spends and when: ``SvgConfig`` and its ``svg_*`` keys, the denoising
-schedule (dense warm-up steps and layers), per-layer and per-head budgets."""
+"""What each call spends and when: ``SvgConfig``, the schedule, per-layer and per-head budgets."""

@@ -1,10 +1,5 @@
-"""One expert's budget: its density, compensation, per-layer and per-head values, resolved once.
-
-``SvgConfig`` holds the YAML keys (shared ones and each Wan 2.2 expert's overrides);
-:meth:`maxdiffusion_svg.budgets.config.SvgConfig.budget` resolves them for one expert into a
-:class:`Budget`, which the kernel, the run summary, ``estimate``, ``calibrate`` and the overlay
-writer read, along with which key each value came from.
-"""
+"""One expert's budget (density, compensation, per-layer and per-head values) and the key each
+value came from, resolved once by :meth:`maxdiffusion_svg.budgets.config.SvgConfig.budget`."""
 
 from __future__ import annotations
 
@@ -31,13 +26,9 @@ def own_key(what: str, expert: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-  """What one expert's calls run (``expert`` None: a model without experts).
-
-  ``layer_densities``/``layer_compensation``: one value per layer, or None (every layer
-  ``density``/``compensation``); ``head_densities``: one list per layer (one: every layer), or
-  None (each head its layer's density); ``own``: the per-layer and per-head values set by the
-  expert's own key rather than the shared one (``densities``, ``compensation``, ``head``).
-  """
+  """What one expert's calls run (``expert`` None: no experts). Per-layer values and
+  ``head_densities`` (one list per layer, or one for all) are None where unset; ``own`` names
+  those set by the expert's own key (``densities``, ``compensation``, ``head``)."""
 
   expert: str | None
   density: float
@@ -91,9 +82,8 @@ class Budget:
     return f"densities per layer {layer_ranges(self.layer_densities)}"
 
   def recorded(self) -> tuple[tuple[float, ...], tuple[bool, ...]] | None:
-    """Each layer's (density, compensation) as calls record them, or None: every layer
-    ``(density, compensation)``. Per-head budgets record the mean of a layer's heads,
-    uncompensated (one row: every layer)."""
+    """Each layer's recorded (density, compensation), or None: all the same. Per-head budgets
+    record a layer's mean head density, uncompensated."""
     if self.head_densities is not None:
       means = tuple(float(np.mean(row)) for row in self.head_densities)
       return means, (False,) * len(means)

@@ -163,9 +163,8 @@ class SvgConfig:
                          f"head's table has the band's count per row")
 
   def budget(self, expert: str | None = None) -> Budget:
-    """What ``expert``'s calls run (None: a model without experts), each value its own key's
-    where set, else the shared one's: the one record the kernel, the run summary, ``estimate``
-    and ``calibrate`` read."""
+    """What ``expert``'s calls run (None: no experts): each value its own key's, else the
+    shared one's."""
     if expert is not None and expert not in EXPERTS:
       raise ValueError(f"expert must be one of {', '.join(EXPERTS)} or None, got {expert!r}")
     fields = {"densities": "layer_densities", "compensation": "layer_compensation",
@@ -178,8 +177,7 @@ class SvgConfig:
                   value("densities"), value("compensation"), value("head"), own)
 
   def head_densities_for(self, expert: str | None = None) -> tuple[tuple[float, ...], ...] | None:
-    """Per-head densities for ``expert`` (:meth:`budget`'s), one list per layer (one list: every
-    layer), or None: every head runs its layer's density."""
+    """``expert``'s per-head densities, one list per layer (or one for all), or None."""
     return self.budget(expert).head_densities
 
   def head_key(self, expert: str | None = None) -> str:
@@ -188,8 +186,7 @@ class SvgConfig:
 
   def head_budget_on(self, grid: VideoGrid, tiles: SplashTiles,
                      expert: str | None = None) -> HeadBudget | None:
-    """Each head's plan on ``tiles`` (:mod:`maxdiffusion_svg.budgets.per_head`), or None where no
-    per-head key is set for ``expert``."""
+    """Each head's plan on ``tiles``, or None where no per-head key is set for ``expert``."""
     densities = self.head_densities_for(expert)
     if densities is None:
       return None
@@ -197,17 +194,15 @@ class SvgConfig:
                        include_sink=self.include_sink, sink_frames=self.sink_of(grid))
 
   def on_ring(self, ulysses: int, ring: int) -> "SvgConfig":
-    """This config as a ring of ``ring`` sequence shards runs it: semantic left out of the
-    layouts (:func:`maxdiffusion_svg.routing.layouts.ring_layouts`)."""
+    """This config as a ring of ``ring`` sequence shards runs it (no semantic layout)."""
     if ring <= 1 or SEMANTIC not in self.layouts:
       return self
     return dataclasses.replace(self, layouts=ring_layouts(self.layouts, ulysses, ring))
 
   @property
   def semantic(self) -> SemanticConfig | None:
-    """How semantic heads are clustered and tiled (None where semantic is not a candidate).
-    The estimate reads compensation's centroids (same blocks); with compensation on, tiles are
-    chosen by the error the centroids would leave rather than by mass."""
+    """How semantic heads are clustered and tiled (None where semantic is not a candidate);
+    with compensation on, tiles are chosen by the error centroids would leave, not by mass."""
     if SEMANTIC not in self.layouts:
       return None
     return SemanticConfig(self.semantic_clusters, self.semantic_iterations,
@@ -226,34 +221,28 @@ class SvgConfig:
     return self.budget(expert).density
 
   def layer_densities_for(self, expert: str | None = None) -> tuple[float, ...] | None:
-    """One density per layer for ``expert`` (its own, else the shared list), or None: every
-    layer runs :meth:`density_for`."""
+    """One density per layer for ``expert``, or None: every layer :meth:`density_for`."""
     return self.budget(expert).layer_densities
 
   def layer_compensation_for(self, expert: str | None = None) -> tuple[bool, ...] | None:
-    """Compensation on or off per layer for ``expert`` (its own, else the shared list), or
-    None: every layer ``compensation``."""
+    """Compensation per layer for ``expert``, or None: every layer ``compensation``."""
     return self.budget(expert).layer_compensation
 
   def layer_key(self, what: str, expert: str | None = None) -> str:
-    """The key :meth:`layer_densities_for` (``what="densities"``) or
-    :meth:`layer_compensation_for` (``"compensation"``) reads for ``expert``: its own where
-    set, else the shared one."""
+    """The key ``expert``'s per-layer ``what`` (``densities``/``compensation``) is read from."""
     return self.budget(expert).key(what)
 
   def layer_rungs_for(self, expert: str | None = None) -> tuple[Rung, ...] | None:
-    """Each layer's :class:`~maxdiffusion_svg.budgets.per_layer.Rung` (density, compensation) for
-    ``expert``, or None where neither per-layer key is set. Lists of two lengths are refused."""
+    """Each layer's rung for ``expert``, or None where neither per-layer key is set; lists of
+    two lengths are refused."""
     return self.budget(expert).layer_rungs
 
   def at_density(self, density: float) -> "SvgConfig":
-    """This config with every layer (and expert) at ``density``: one rung of a per-layer
-    budget, prepared as its own plan."""
+    """This config with every layer (and expert) at ``density``."""
     return self.at_rung(Rung(density, self.compensation))
 
   def at_rung(self, rung: Rung) -> "SvgConfig":
-    """This config with every layer (and expert) at ``rung``'s density and compensation: one
-    prepared plan of a per-layer budget."""
+    """This config with every layer (and expert) at ``rung``'s density and compensation."""
     return dataclasses.replace(self, density=rung.density, high_noise_density=None,
                                low_noise_density=None, layer_densities=None,
                                high_noise_layer_densities=None, low_noise_layer_densities=None,
@@ -264,21 +253,18 @@ class SvgConfig:
                                low_noise_layer_compensation=None)
 
   def target(self, *arrays: Any, mesh: Any = None, target: Target | None = None) -> Target:
-    """The one target of a call under this config's ``svg_vmem_limit_kib``: ``target``, else
-    ``mesh``'s, else what the inputs or the mesh in context name, else the default device
+    """A call's target under ``svg_vmem_limit_kib``
     (:func:`maxdiffusion_svg.plan.target.target_for_call`)."""
     return target_for_call(*arrays, target=target, mesh=mesh,
                            vmem_limit_kib=self.vmem_limit_kib)
 
   def tiles(self, target: Target | None = None, backend: str | None = None) -> SplashTiles:
-    """Tile and inner kv step on ``target`` (default: the default device), under this
-    config's VMEM limit: :meth:`tiles_on` the resolved target."""
+    """Tile and inner kv step on ``target`` (None: the default device)."""
     return self.tiles_on(self.target(target=target), backend or self.backend)
 
   def tiles_on(self, target: Target, backend: str) -> SplashTiles:
-    """Tile and inner kv step on a resolved ``target`` (:meth:`target`): the keys given, the
-    rest the executor's defaults there (:func:`maxdiffusion_svg.plan.tiling.choose_tiles`, the one
-    place tiles are decided)."""
+    """Tile and inner kv step on a resolved ``target``
+    (:func:`maxdiffusion_svg.plan.tiling.choose_tiles`)."""
     return choose_tiles(target, backend, self.block_q, self.block_kv, self.block_kv_compute)
 
   def compensation_for(self, target: Target | None = None, backend: str | None = None) -> int:
@@ -295,15 +281,14 @@ class SvgConfig:
         for expert in ("", "high_noise_", "low_noise_"))
 
   def any_compensation_for(self, target: Target | None = None, backend: str | None = None) -> int:
-    """Centroids per key tile the calls that compensate use on ``target`` (0: none does):
-    :meth:`compensation_for` of a compensated rung, checked against the key tile there."""
+    """Centroids per key tile the compensating calls use on ``target`` (0: none compensates)."""
     if not self.compensates:
       return 0
     return dataclasses.replace(self, compensation=True).compensation_for(target, backend)
 
   def compensation_on(self, tiles: SplashTiles) -> int:
-    """Centroids per key tile a call on ``tiles`` compensates with (0: compensation off),
-    checked against that executor's key tile (the one ``svg_block_kv`` leaves to the target)."""
+    """Centroids per key tile a call on ``tiles`` compensates with (0: off), checked against
+    its key tile."""
     if not self.compensation:
       return 0
     check_compensation(True, self.compensation_blocks, tiles.block_kv)
@@ -315,8 +300,7 @@ class SvgConfig:
     return self.plan_on(grid, self.tiles(target, backend), expert)
 
   def plan_on(self, grid: VideoGrid, tiles: SplashTiles, expert: str | None = None) -> TilePlan:
-    """The tile plan every head of a call on ``tiles`` shares (static: built at trace time,
-    cached)."""
+    """The tile plan every head of a call on ``tiles`` shares (built at trace time, cached)."""
     return plan_tiles(grid, self.density_for(expert), tiles.block_q, tiles.block_kv,
                       self.tile_mode, include_sink=self.include_sink,
                       sink_frames=self.sink_of(grid))
@@ -328,16 +312,13 @@ class SvgConfig:
     return self.sink_frames
 
   def dense_rows(self, grid: VideoGrid) -> int:
-    """Queries whose attention is dense (``svg_dense_frames`` leading frames), checked against
-    the video's frames; 0: none."""
+    """Queries attending densely (``svg_dense_frames`` leading frames; 0: none)."""
     _check_leading_frames("svg_dense_frames", self.dense_frames, grid,
                           "; every frame dense is svg_density 1.0")
     return self.dense_frames * grid.frame_size
 
   def dense_rows_plan_on(self, grid: VideoGrid, tiles: SplashTiles) -> TilePlan | None:
-    """The dense rows' plan on ``tiles`` (every key tile of their query tiles), or None. Its
-    query tile is the executor's, shrunk to split the rows evenly: a 720p frame's 3,600 rows
-    take two 1,920-row tiles, not two 3,328-row ones (1.7x the work)."""
+    """The dense rows' plan on ``tiles``, or None; its query tile shrinks to split rows evenly."""
     rows = self.dense_rows(grid)
     if not rows:
       return None
@@ -352,23 +333,16 @@ class SvgConfig:
 
   @staticmethod
   def dense_plan_on(grid: VideoGrid, tiles: SplashTiles) -> TilePlan:
-    """The schedule's dense branch: every tile of the same executor's tiles, no mask. Compiled
-    beside the sparse plan wherever the step or layer is traced (the plugin's forward)."""
+    """The schedule's dense branch: every tile of the executor's tiles, no mask."""
     return plan_tiles(grid, 1.0, tiles.block_q, tiles.block_kv, TileMode.ALIGNED,
                       include_sink=False)
 
   @classmethod
   def from_mapping(cls, mapping: Mapping[str, Any], num_steps: int | None = None,
                    extra_keys: tuple[str, ...] = ()) -> "SvgConfig":
-    """Reads the ``svg_*`` keys of a flat (MaxDiffusion) config; other keys are ignored.
-
-    ``svg_schedule`` picks a preset (default ``moderate``); any other key overrides it.
-    The preset's dense warm-up is placed using ``num_steps``, else the mapping's
-    ``num_inference_steps``, else 50. Unknown ``svg_*`` keys raise: a typo must not be
-    silently ignored. ``extra_keys`` are ``svg_*`` keys a caller reads itself (the
-    MaxDiffusion plugin's); they are allowed and left alone
-    (:mod:`maxdiffusion_svg.budgets.config_keys`).
-    """
+    """Reads a flat config's ``svg_*`` keys over the ``svg_schedule`` preset (warm-up placed by
+    ``num_steps``, else ``num_inference_steps``, else 50). Unknown ``svg_*`` keys raise, except
+    ``extra_keys``; other keys are ignored."""
     return cls(**config_kwargs(mapping, num_steps, extra_keys))
 
 

@@ -1,5 +1,4 @@
-"""The flat ``svg_*`` YAML keys (MaxDiffusion's config style): which ``SvgConfig`` field each
-sets, the values that leave a key unset, and reading a config's keys into its arguments."""
+"""The flat ``svg_*`` YAML keys: the ``SvgConfig`` field each sets, the values leaving it unset."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ UNSET_BY = {"svg_density": PRESET, "svg_active_steps": PRESET, "svg_active_layer
 
 def config_kwargs(mapping: Mapping[str, Any], num_steps: int | None = None,
                   extra_keys: tuple[str, ...] = ()) -> dict[str, Any]:
-  """``SvgConfig``'s arguments from the ``svg_*`` keys of a flat config (see
-  :meth:`maxdiffusion_svg.budgets.config.SvgConfig.from_mapping`)."""
+  """``SvgConfig``'s arguments from a flat config (:meth:`.SvgConfig.from_mapping`)."""
   allowed = set(KEYS) | {"svg_schedule"} | set(extra_keys)
   unknown = sorted(k for k in mapping if k.startswith("svg_") and k not in allowed)
   if unknown:
@@ -66,9 +64,8 @@ def config_kwargs(mapping: Mapping[str, Any], num_steps: int | None = None,
 
 
 def _given(svg: Mapping[str, Any], key: str, unset: str) -> Any:
-  """A key's value, or None where it is absent or says ``unset``. Text is read as YAML: a
-  command line types an override like the config's value, so ``svg_density=0.3`` arrives as
-  the string ``"0.3"`` where the config holds ``preset``."""
+  """A key's value, or None where absent or ``unset``; text is read as YAML (a command line's
+  ``svg_density=0.3`` arrives as ``"0.3"``)."""
   value = svg.get(key)
   if not isinstance(value, str):
     return value

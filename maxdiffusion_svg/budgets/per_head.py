@@ -1,17 +1,6 @@
-"""Per-head budgets: each head's own band density, run by one kernel call in one compile.
-
-A layer's heads differ (some nearly dense, some very local), so one density per layer
-over-spends on some heads and starves others. Here each head ``h`` of a call gets its own
-aligned plan at ``densities[h]`` on the same tiles. Spatial and temporal heads share the band
-in their placed order, so a head's plan does not depend on its route: the tables are static,
-built once per (grid, tiles, densities) in O(heads x tiles).
-
-The kernel takes them as per-head tile tables (``head_tiles``) on a *carrier* plan whose
-rows hold the widest head's count, ``-1`` in the slots a narrower head leaves unused, and
-walks a ragged grid: the heads' own lists end to end, so a call costs the tiles its heads
-visit (:func:`maxdiffusion_svg.kernels.worklist.pack_ragged_work`). Its static length bounds
-what any device's heads can need after the Ulysses exchange (:meth:`HeadBudget.steps_bound`).
-"""
+"""Per-head budgets: each head's own band density, run by one kernel call in one compile, as
+static per-head tile tables (``-1`` past a head's count) on a *carrier* plan of the widest
+head's rows."""
 
 from __future__ import annotations
 
@@ -33,11 +22,9 @@ from maxdiffusion_svg.plan.tiles import FULL, MASKED, TilePlan, TileMode, plan_t
 
 def check_head_densities(value: Any, key: str = "svg_head_densities"
                          ) -> tuple[tuple[float, ...], ...] | None:
-  """``value`` as one list of per-head densities per layer (None: unset). Takes ``uniform``
-  (unset), one list of densities (one per head, every layer the same: a 1-tuple), a list of such
-  lists (one per layer), a mapping of layer ranges to such lists (``{0-9: [...], 10-39:
-  [...]}``), or YAML text of any. Every list has the same number of heads, each density in
-  (0, 1]; refused by ``key`` otherwise."""
+  """``value`` as per-head density lists per layer (None: unset), from ``uniform``, one list
+  (every layer: a 1-tuple), one per layer, a mapping of layer ranges to lists, or YAML text.
+  Lists must match in length, densities in (0, 1]; else refused naming ``key``."""
   if isinstance(value, str) and value.strip() != UNIFORM:
     try:
       value = yaml.safe_load(value)
@@ -66,8 +53,7 @@ def check_head_densities(value: Any, key: str = "svg_head_densities"
 
 def check_head_shape(densities: tuple[tuple[float, ...], ...], layers: int, heads: int,
                      key: str = "svg_head_densities") -> None:
-  """A model of ``layers`` layers and ``heads`` heads takes one list per layer (or one for
-  every layer) of one density per head."""
+  """Refuses densities that are not one list per layer (or one) of one density per head."""
   if len(densities) not in (1, layers):
     raise ValueError(f"{key} gives {len(densities)} layers; the model has {layers} (give one "
                      f"list of heads per layer, one list for every layer, or {UNIFORM!r})")
@@ -82,8 +68,7 @@ _FORMS = ("one density per head for every layer, a list of such lists per layer,
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HeadBudget:
-  """Each (layer, head)'s plan at its own density, the carrier plan and the tables. One layer
-  stands for every layer."""
+  """Each (layer, head)'s plan, the carrier plan and the tables; one layer stands for all."""
 
   densities: tuple[tuple[float, ...], ...]  # [layers][heads] (global heads)
   plans: tuple[tuple[TilePlan, ...], ...]  # [layers][heads], aligned, on the same tiles
@@ -106,15 +91,13 @@ class HeadBudget:
 
   @functools.cached_property
   def visited(self) -> np.ndarray:
-    """``bool [layers, heads, num_q_tiles, num_kv_tiles]``: which key tiles each head's rows
-    visit (the router's execution masks)."""
+    """``bool [layers, heads, num_q_tiles, num_kv_tiles]``: the key tiles each head's rows visit."""
     return np.stack([np.stack([plan.computed_mask.visited for plan in layer])
                      for layer in self.plans])
 
   @functools.cached_property
   def fewest_visited(self) -> int:
-    """The fewest key tiles any head's query tile row visits (the most a row skips, which a
-    compensated call's row keys must hold)."""
+    """The fewest key tiles any head's query tile row visits."""
     return int(min(plan.num_visited.min() for layer in self.plans for plan in layer))
 
   def visited_tiles(self, layer: int = 0) -> int:
@@ -123,12 +106,7 @@ class HeadBudget:
 
   def steps_bound(self, batch: int, local_heads: int) -> int:
     """The most steps one lane of a ragged call on ``[batch, local_heads]`` heads can walk, in
-    any layer.
-
-    A device's heads are a window of consecutive heads (mod ``heads``) in each batch row: the
-    whole call on one device, ``H/n`` heads after the Ulysses exchange, or ``B*H/n`` folded
-    heads with the batch folded in. Every window start is tried, so the bound holds on every
-    device; a device's lanes split its ``batch x local_heads`` lists as the kernel does."""
+    any layer and for any window of consecutive heads (so on every device after Ulysses)."""
     n = batch * local_heads
     cores = ragged_cores(n)
     per = -(-n // cores)
@@ -146,20 +124,18 @@ class HeadBudget:
     return jnp.asarray(table)[layer, head_ids]
 
   def tables_for(self, head_ids: jax.Array, layer: Any = None) -> jax.Array:
-    """``int32 [*head_ids.shape, num_q_tiles, width]``: the tables of the heads named, in
-    ``layer`` (a Python int or a traced index; None with one layer)."""
+    """``int32 [*head_ids.shape, num_q_tiles, width]`` tables of the heads named, in ``layer``
+    (a Python int or a traced index; None with one layer)."""
     return self._at(self.tables, layer, head_ids)
 
   def visited_for(self, head_ids: jax.Array, layer: Any = None) -> jax.Array:
-    """``bool [*head_ids.shape, num_q_tiles, num_kv_tiles]``: :attr:`visited` of the heads
-    named, in ``layer``."""
+    """``bool [*head_ids.shape, num_q_tiles, num_kv_tiles]``: :attr:`visited` of those heads."""
     return self._at(self.visited, layer, head_ids)
 
 
 def head_budget(grid: VideoGrid, densities: Any, block_q: int, block_kv: int, *,
                 include_sink: bool = True, sink_frames: int = 1) -> HeadBudget:
-  """The per-head budget of ``densities`` (:func:`check_head_densities`'s forms) on
-  ``grid``'s aligned tiles (cached: static per shape)."""
+  """The per-head budget of ``densities`` on ``grid``'s aligned tiles (cached)."""
   layers = check_head_densities(densities)
   if layers is None:
     raise ValueError("svg_head_densities is unset (uniform): there is no per-head budget")
@@ -191,8 +167,7 @@ def _head_budget(grid: VideoGrid, densities: tuple[tuple[float, ...], ...], bloc
 
 def _carrier(plans: list[TilePlan], kv_index: np.ndarray, kind: np.ndarray,
              counts: np.ndarray) -> TilePlan:
-  """The plan whose rows are the widest head's (its columns and kinds): the slots a ragged
-  call's tables fill. Its pair statistics are the densest head's."""
+  """The plan of the widest head's rows (the slots tables fill), with the densest head's stats."""
   densest = max(plans, key=lambda plan: plan.stats.visited_tiles)
   kv_index, kind, counts = kv_index.astype(np.int32), kind.astype(np.int8), counts.astype(np.int32)
   for a in (kv_index, kind, counts):

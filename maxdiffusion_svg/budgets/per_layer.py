@@ -1,20 +1,6 @@
-"""Per-layer budgets: which density (and compensation) each layer runs, chosen from measured
-errors.
-
-One density for every layer spends the same tiles on a layer whose heads are nearly local as
-on one that needs most of the sequence. Given each layer's measured error at a ladder of
-rungs (:class:`Rung`: density, compensation on or off; ``errors [L, K]``) and what each costs
-(``costs [L, K]``: visited tiles per call), :func:`allocate` picks one rung per layer with the least
-total error whose total cost is within
-a budget (the uniform density's), and :func:`least_cost` the cheapest choice that meets a total
-error. Both are exact: a multiple-choice knapsack solved over the Pareto front of (cost, error)
-of the layers so far, which stays small because a rung's cost is the same in every layer.
-
-The chosen rungs reach a run as ``svg_layer_densities`` (:func:`check_layer_densities`) and
-``svg_layer_compensation`` (:func:`check_layer_compensation`): each distinct rung is one
-prepared plan, and a traced layer index picks among them (``lax.switch``), so a scanned forward
-compiles once.
-"""
+"""Per-layer budgets: each layer's density (and compensation), chosen from measured errors by
+an exact knapsack over the (cost, error) Pareto front (:func:`allocate`, :func:`least_cost`).
+Each distinct rung is one prepared plan; a traced layer index picks one (``lax.switch``)."""
 
 from __future__ import annotations
 
@@ -33,8 +19,7 @@ _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
 
 
 class Rung(NamedTuple):
-  """What one layer runs: its band density and whether its calls compensate what they skip
-  (``svg_compensation`` per layer). Each distinct rung of a model is one prepared plan."""
+  """What one layer runs: its band density and whether it compensates what it skips."""
 
   density: float
   compensation: bool = False
@@ -44,9 +29,8 @@ class Rung(NamedTuple):
 
 
 def check_layer_densities(value: Any, key: str = "svg_layer_densities") -> tuple[float, ...] | None:
-  """``value`` as one density per layer (None: unset). Takes a list, ``uniform`` (unset), YAML
-  text of either, or a mapping of layer ranges to densities (``{0-4: 0.3, 5-39: 0.15}``, every
-  layer from 0 covered once)."""
+  """``value`` as one density per layer (None: unset), from a list, ``uniform``, YAML text, or
+  layer ranges (``{0-4: 0.3, 5-39: 0.15}``, covering every layer from 0 once)."""
   values = per_layer_values(value, key, "densities")
   if values is None:
     return None
@@ -57,8 +41,7 @@ def check_layer_densities(value: Any, key: str = "svg_layer_densities") -> tuple
 
 def check_layer_compensation(value: Any,
                              key: str = "svg_layer_compensation") -> tuple[bool, ...] | None:
-  """``value`` as compensation on or off per layer (None: unset, every layer
-  ``svg_compensation``); the forms of :func:`check_layer_densities`, with true/false values."""
+  """``value`` as compensation per layer (None: unset); :func:`check_layer_densities`' forms."""
   values = per_layer_values(value, key, "booleans")
   if values is None:
     return None
@@ -118,8 +101,7 @@ def check_layer_count(values: Sequence[Any] | None, num_layers: int,
 
 
 def layer_ranges(values: Sequence[Any]) -> str:
-  """Per-layer ``values`` as runs of layers: ``0-9: 0.3, 10-39: 0.15`` (the form the keys
-  read; booleans as ``true``/``false``, text as it is)."""
+  """Per-layer ``values`` as runs of layers, the form the keys read: ``0-9: 0.3, 10-39: 0.15``."""
   runs, start = [], 0
   for i in range(1, len(values) + 1):
     if i == len(values) or values[i] != values[start]:
@@ -133,16 +115,14 @@ def layer_ranges(values: Sequence[Any]) -> str:
 
 
 def levels(values: Sequence[Any]) -> tuple[tuple[Any, ...], np.ndarray]:
-  """The distinct per-layer values (densities or rungs), ascending, and each layer's index
-  among them: one prepared plan per distinct value, the layer's index picks one."""
+  """The distinct per-layer values, ascending, and each layer's index among them."""
   distinct = tuple(sorted(set(values)))
   return distinct, np.asarray([distinct.index(d) for d in values], np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-  """One rung per layer: ``choice [L]`` (indices into the ladder), its total ``cost`` and
-  total ``error``."""
+  """One rung per layer: ``choice [L]`` (ladder indices), total ``cost`` and ``error``."""
 
   choice: tuple[int, ...]
   cost: float
@@ -183,9 +163,8 @@ def _capped(errors: np.ndarray, caps: Any) -> np.ndarray:
 
 
 def allocate(errors: Any, costs: Any, budget: float, caps: Any = None) -> Allocation:
-  """The rung per layer with the least total error whose total cost is at most ``budget``
-  (ties: the cheaper). ``errors [L, K]``; ``costs [K]`` or ``[L, K]``; ``caps [L]``: the most
-  error a layer may be left with (a rung above it is not taken)."""
+  """The rung per layer with the least total error within ``budget`` (ties: the cheaper).
+  ``errors [L, K]``; ``costs [K]`` or ``[L, K]``; ``caps [L]``: the most error per layer."""
   errors, costs = _check(errors, costs)
   feasible = [p for p in _front(_capped(errors, caps), costs)
               if p[0] <= budget + 1e-9 and np.isfinite(p[1])]
@@ -197,8 +176,7 @@ def allocate(errors: Any, costs: Any, budget: float, caps: Any = None) -> Alloca
 
 
 def least_cost(errors: Any, costs: Any, target_error: float, caps: Any = None) -> Allocation:
-  """The cheapest rung per layer whose total error is at most ``target_error`` (``caps`` as
-  :func:`allocate`'s)."""
+  """The cheapest rung per layer with total error at most ``target_error``."""
   errors, costs = _check(errors, costs)
   for cost, error, choice in _front(_capped(errors, caps), costs):
     if error <= target_error + 1e-12:
@@ -208,13 +186,8 @@ def least_cost(errors: Any, costs: Any, target_error: float, caps: Any = None) -
 
 
 def allocate_greedy(errors: Any, costs: Any, budget: float, caps: Any = None) -> Allocation:
-  """:func:`allocate` for many items (layers x heads), where the exact front grows too large:
-  each item starts at its cheapest rung within its cap, then the upgrade with the largest
-  error drop per added cost is taken while it fits, along each item's lower convex hull of
-  (cost, error); then what budget is left goes to the single moves that lower the error most.
-  The result solves the relaxed problem up to the last upgrade: its error is at most the exact
-  optimum's plus the largest single upgrade's drop (tested against brute force).
-  O(items x rungs x log items)."""
+  """:func:`allocate` for many items (layers x heads), greedily along each item's convex hull:
+  error at most the exact optimum's plus the largest single upgrade's drop."""
   errors, costs = _check(errors, costs)
   capped = _capped(errors, caps)
   hulls = [_hull(c, e) for c, e in zip(costs, capped)]
@@ -262,8 +235,7 @@ def allocate_greedy(errors: Any, costs: Any, budget: float, caps: Any = None) ->
 
 
 def _hull(costs: np.ndarray, errors: np.ndarray) -> list[int]:
-  """The rungs on the lower convex hull of an item's (cost, error), cheapest first, each less
-  error than the one before (unreachable rungs, of infinite error, left out)."""
+  """The finite-error rungs on the lower convex hull of an item's (cost, error), cheapest first."""
   order = sorted((float(c), float(e), k) for k, (c, e) in enumerate(zip(costs, errors))
                  if np.isfinite(e))
   hull: list[tuple[float, float, int]] = []

@@ -1,8 +1,5 @@
-"""When SVG runs: dense warm-up steps and layers, as half-open intervals, and named presets.
-
-``is_active`` accepts Python ints (decided at trace time) or traced int32 scalars (a
-``jax.Array`` flag, for ``lax.cond``), so one compiled forward serves every step and layer.
-"""
+"""When SVG runs: dense warm-up steps and layers as half-open intervals, and named presets.
+``is_active`` takes Python ints or traced int32 scalars, so one compiled forward serves all."""
 
 from __future__ import annotations
 
@@ -49,9 +46,8 @@ class Interval:
     return max(0, min(end, self.end if self.end is not None else end) - max(start, self.start))
 
   def contains(self, i: Any) -> Any:
-    """Whether step or layer ``i`` is inside: a Python bool for an int, and for an interval
-    holding every index (``[0, end)``), whatever ``i`` is: a schedule active everywhere has no
-    dense branch to trace (in training, none to keep residuals for)."""
+    """Whether step or layer ``i`` is inside: a Python bool for an int or for ``[0, None)``
+    (so a schedule active everywhere traces no dense branch), else a traced bool."""
     if self.start == 0 and self.end is None:
       return True
     if _is_int(i):

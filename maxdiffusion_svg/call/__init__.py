@@ -1,2 +1,1 @@
-"""One SVG call on one device: ``prepare`` (every static decision, once) and ``svg_attention``
-(route -> place -> sparse kernel -> restore)."""
+"""One SVG call on one device: ``prepare`` (static decisions, once) and ``svg_attention``."""

@@ -1,13 +1,6 @@
-"""``svg_attention``: route -> place -> sparse kernel -> restore, on one device's heads.
-
-Every decision a call makes before it sees data (target, executor, tiles, plans, compensation)
-is made once, in :func:`maxdiffusion_svg.call.prepared.prepare`; this module only runs the data
-path. Each head is placed in its layout's order (temporal heads in temporal-major order, where
-their mask is the same band + sink as a spatial head's), so one TilePlan serves every band head
-of the call. Placement is a per-head select among the layouts' orders
-(:mod:`maxdiffusion_svg.routing.layouts`): shapes never depend on the routing, so re-routing
-never recompiles.
-"""
+"""``svg_attention``: route -> place -> sparse kernel -> restore, on one device's heads. Every
+decision made before the data is made once, in :func:`maxdiffusion_svg.call.prepared.prepare`;
+placement is a per-head select among the layouts' orders, so re-routing never recompiles."""
 
 from __future__ import annotations
 
@@ -39,8 +32,8 @@ def _moved(layouts: tuple[str, ...] | None) -> list[str]:
 
 def place(x: jax.Array, layout: jax.Array, grid: VideoGrid,
           layouts: tuple[str, ...] | None = None) -> jax.Array:
-  """``[B, H, S, D]``: each head in its band layout's order (``layout [B, H]``: ids, or bool
-  temporal flags); ``layouts``: those the call runs (default: every registered one)."""
+  """``[B, H, S, D]``: each head in its band layout's order (``layout [B, H]``: ids or bool
+  temporal flags); ``layouts``: those the call runs (default: all)."""
   ids = layout_ids(layout)
   out = x
   for name in _moved(layouts):
@@ -65,14 +58,8 @@ def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array
                      cents: dict[str, Centroids] | None = None,
                      semantic: SemanticLayout | None = None,
                      layouts: tuple[str, ...] | None = None) -> jax.Array:
-  """Place by ``layout [B, H]`` (layout ids, or bool temporal flags), run the shared plan,
-  restore: SVG after routing. With ``compensation_blocks`` (centroids per key tile) the tiles a
-  row skips are compensated in the placed layout (:mod:`maxdiffusion_svg.routing.compensation`;
-  ``cents``: each layout's centroids by name, where the router has them, else computed from the
-  placed keys). With ``semantic`` (each head's semantic order and table), see
-  :func:`semantic_placed_attention`. ``layouts``: those the call runs (default: every
-  registered one). ``backend``, ``block_kv_compute`` and ``target`` make the kernel
-  (:func:`maxdiffusion_svg.kernels.api.prepare_kernel`)."""
+  """SVG after routing: place by ``layout [B, H]`` (ids or bool temporal flags), run ``plan``,
+  restore; ``compensation_blocks``: 0 off; ``semantic``: see :func:`semantic_placed_attention`."""
   kernel = prepare_kernel(plan, target_for_call(q, k, v, target=target), backend=backend,
                           block_kv_compute=block_kv_compute)
   return _placed(kernel, q, k, v, layout, grid, scale, compensation_blocks, cents, semantic,
@@ -84,8 +71,7 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layo
             cents: dict[str, Centroids] | None,
             semantic: SemanticLayout | None, heads: HeadTables | None = None,
             layouts: tuple[str, ...] | None = None) -> jax.Array:
-  """:func:`placed_attention` on a prepared kernel (its plan's tiles); with ``heads``, each
-  head on its own tables (a per-head budget, on the kernel's carrier plan)."""
+  """:func:`placed_attention` on a prepared kernel; ``heads``: per-head tables on its plan."""
   if semantic is not None:
     return _semantic_placed(kernel, q, k, v, layout, semantic, grid, scale,
                             compensation_blocks, cents, layouts)
@@ -115,11 +101,8 @@ def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: 
                               compensation_blocks: int = 0,
                               cents: dict[str, Centroids] | None = None,
                               layouts: tuple[str, ...] | None = None) -> jax.Array:
-  """SVG after routing among band layouts and semantic (``layout [B, H]`` ids): each head is
-  placed by its layout's order (one gather per input: identity, temporal-major, or its
-  clusters'), its kernel walks its layout's table (the shared plan's, or its own), and the
-  output goes back by the inverse order. With ``compensation_blocks`` each head's skipped
-  tiles are compensated by its layout's centroids."""
+  """SVG after routing among band layouts and semantic: each head placed by its layout's order,
+  run on its layout's table (the shared plan's or its own), restored by the inverse order."""
   return placed_attention(q, k, v, layout, grid=grid, plan=plan, scale=scale, backend=backend,
                           block_kv_compute=block_kv_compute, target=target,
                           compensation_blocks=compensation_blocks, cents=cents,
@@ -162,9 +145,7 @@ def _semantic_placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
 
 def with_dense_rows(branch: Branch, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
                     scale: float | None) -> jax.Array:
-  """``out`` (frame-major) with the leading frames' rows (``svg_dense_frames``) replaced by
-  their dense attention over every key: one more call, of those rows only, whatever layout each
-  head ran in (a temporal head's reference rows are scattered across its placed sequence)."""
+  """``out`` with the leading frames' rows (``svg_dense_frames``) replaced by dense attention."""
   kernel = branch.rows_kernel
   if kernel is None:
     return out
@@ -187,8 +168,7 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, grid: VideoGrid) -> None
 
 def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
                 key: jax.Array | None = None) -> jax.Array:
-  """The router's key: ``key`` (default: the config's seed) folded with the layer and step,
-  so runs are reproducible and each step and layer samples its own rows."""
+  """The router's key: ``key`` (default: the config's seed) folded with ``layer`` and ``step``."""
   key = jax.random.key(config.profile_seed) if key is None else key
   for count in (layer, step):
     if count is not None:
@@ -197,9 +177,8 @@ def profile_key(config: SvgConfig, step: Any = None, layer: Any = None,
 
 
 class HeadTables(NamedTuple):
-  """A per-head budget's call on one device: its heads' tables (``int32 [B, H, q_tiles,
-  width]``), which key tiles they visit (the router's masks, compensation's skipped tiles), the
-  ragged grid's length and the fewest tiles any head's row visits."""
+  """A per-head budget's call: ``tables int32 [B, H, q_tiles, width]``, visited key tiles,
+  the ragged grid's length and the fewest tiles any head's row visits."""
 
   tables: jax.Array
   visited: jax.Array
@@ -208,8 +187,7 @@ class HeadTables(NamedTuple):
 
 
 def all_heads(call: PreparedCall, shape: tuple[int, ...]) -> jax.Array:
-  """``int32 [B, H]``: every head of the model, in order, for a call on all of them under a
-  per-head budget (whose head count must be the call's)."""
+  """``int32 [B, H]``: all the model's heads in order (their count must be the call's)."""
   listed = call.host.heads.heads
   if shape[1] != listed:
     raise ValueError(f"{call.config.head_key(call.expert)} lists {listed} heads; the call has "
@@ -219,8 +197,7 @@ def all_heads(call: PreparedCall, shape: tuple[int, ...]) -> jax.Array:
 
 def head_tables(call: PreparedCall, branch: Branch, shape: tuple[int, ...], layer: Any,
                 head_ids: jax.Array | None) -> HeadTables | None:
-  """The tables of the heads a call holds (``head_ids [B, H]``: which of the model's heads,
-  default all of them in order) in ``layer``, or None without a per-head budget."""
+  """Tables of ``head_ids [B, H]`` (default: all) in ``layer``; None without a per-head budget."""
   heads = branch.heads
   if heads is None:
     return None
@@ -239,10 +216,8 @@ def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax
           key: jax.Array, scale: float | None, seed: Seed | None,
           heads: HeadTables | None = None
           ) -> tuple[Routing, dict[str, Centroids] | None, SemanticLayout | None]:
-  """Each head's layout, judged on the mask ``branch``'s kernel will run (with ``heads``, each
-  head's own): the routing, each layout's centroids (with compensation: the router judges with
-  them, the kernel merges them) and the semantic candidate's order and table (where semantic
-  is among the layouts)."""
+  """Each head's layout judged on ``branch``'s mask (``heads``: each head's own): the routing,
+  each layout's centroids (with compensation) and the semantic order and table."""
   plan, blocks = branch.plan, branch.compensation_blocks
   # each band candidate's (semantic alone: the first band layout's, which no head picks)
   band = [name for name in call.config.layouts if get(name).band] or [names()[0]]
@@ -261,9 +236,8 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
                            key: jax.Array | None = None, scale: float | None = None,
                            return_info: bool = False, seed: Seed | None = None,
                            layer: Any = None, head_ids: jax.Array | None = None) -> Any:
-  """:func:`svg_attention` of a prepared call: route -> place -> sparse kernel -> restore.
-  With a per-head budget (``svg_head_densities``), ``layer`` picks its layer's densities and
-  ``head_ids [B, H]`` names the model's heads the call holds (default: all, in order)."""
+  """:func:`svg_attention` of a prepared call; per-head budgets: ``layer`` picks the densities,
+  ``head_ids [B, H]`` the model's heads held (default: all, in order)."""
   check_qkv(q, k, v, call.grid)
   key = profile_key(call.config) if key is None else key
   if seed is not None and call.semantic is None:
@@ -302,8 +276,7 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
 
 def _visited_tiles(call: PreparedCall, shape: tuple[int, ...], layer: Any,
                    head_ids: jax.Array | None) -> jax.Array:
-  """``int32 [B, H]``: the tiles each head's call visits (the host's plan, or its own, and the
-  dense rows' tiles)."""
+  """``int32 [B, H]``: the tiles each head's call visits, dense rows included."""
   host, heads = call.host, call.host.heads
   rows = 0 if host.rows_plan is None else host.rows_plan.stats.visited_tiles
   if heads is None:
@@ -317,17 +290,9 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                   config: SvgConfig, key: jax.Array | None = None, scale: float | None = None,
                   expert: str | None = None, return_info: bool = False,
                   target: Target | None = None, seed: Seed | None = None) -> Any:
-  """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs.
-
-  ``target`` (default: the default device, see :meth:`SvgConfig.target`) picks the executor
-  and its tiles. With ``return_info`` also returns a dict: each head's ``layout`` id and the
-  ``temporal`` flags ``[B, H]``, the router's ``errors`` (and each band layout's
-  ``<name>_error``, e.g. ``spatial_error``), and the shared plan's ``plan``
-  statistics (the target's plan); with semantic among the layouts, also ``clusters``, the
-  keys' k-means centroids ``[B, H, C, D]`` (the next step's ``seed``: a warm start).
-  Prepares the call (:func:`maxdiffusion_svg.call.prepared.prepare`) and runs
-  :func:`prepared_svg_attention`.
-  """
+  """Sparse VideoGen attention of frame-major ``[B, H, S, D]`` inputs. ``return_info`` adds a dict:
+  ``layout`` ids and ``temporal`` flags ``[B, H]``, ``errors``, each ``<band>_error``, ``plan``
+  statistics and, with semantic, ``clusters [B, H, C, D]`` (the next ``seed``)."""
   check_qkv(q, k, v, grid)
   call = prepare(config, grid, expert, target=target, arrays=(q, k, v))
   return prepared_svg_attention(call, q, k, v, key=key, scale=scale, return_info=return_info,
@@ -336,8 +301,7 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
 
 def prepared_dense_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
                              scale: float | None = None) -> jax.Array:
-  """Dense attention through the prepared call's executor (every tile full): the schedule's
-  dense branch."""
+  """The schedule's dense branch (every tile full) through the prepared call's executor."""
   return call.per_platform(lambda branch: lambda q, k, v: branch.dense_kernel(
       q, k, v, scale=scale))(q, k, v)
 
@@ -355,8 +319,7 @@ def prepared_scheduled_attention(call: PreparedCall, q: jax.Array, k: jax.Array,
                                  key: jax.Array | None = None, return_layout: bool = False,
                                  seed: Seed | None = None,
                                  head_ids: jax.Array | None = None) -> Any:
-  """:func:`scheduled_svg_attention` of a prepared call (``head_ids``: which of the model's
-  heads the call holds, for a per-head budget; default all, in order)."""
+  """:func:`scheduled_svg_attention` of a prepared call (``head_ids``: the heads held)."""
   check_qkv(q, k, v, call.grid)
   config = call.config
   active = config.schedule.is_active(step, layer)
@@ -404,16 +367,10 @@ def scheduled_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: V
                             scale: float | None = None, expert: str | None = None,
                             key: jax.Array | None = None, target: Target | None = None,
                             return_layout: bool = False, seed: Seed | None = None) -> Any:
-  """SVG inside the schedule's active steps and layers, dense outside.
-
-  ``step`` and ``layer`` may be Python ints (decided while tracing) or traced int32
-  scalars (a ``lax.cond``: one compiled function serves the whole denoising loop).
-  The router's key is ``key`` (default: the config's seed) folded with layer and step.
-  With ``return_layout`` or ``seed`` returns ``(out, aux)``: ``aux["layout"]``, each head's
-  layout id ``[B, H]`` (:func:`maxdiffusion_svg.routing.layouts.names`; spatial on a dense call),
-  and with ``seed`` (a warm start of the semantic clustering) ``aux["clusters"]``, this call's
-  centroids ``[B, H, C, D]`` (the seed's, unchanged, on a dense call).
-  """
+  """SVG in the schedule's active steps and layers, dense outside; ``step``, ``layer``: ints or
+  traced int32 (one ``lax.cond``). ``return_layout`` or ``seed``: returns ``(out, aux)`` with
+  ``aux["layout"] [B, H]`` (spatial when dense) and, with ``seed``, ``aux["clusters"] [B, H, C,
+  D]`` (the seed's when dense)."""
   check_qkv(q, k, v, grid)
   call = prepare(config, grid, expert, target=target, arrays=(q, k, v))
   return prepared_scheduled_attention(call, q, k, v, step=step, layer=layer, scale=scale,

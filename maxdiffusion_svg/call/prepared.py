@@ -1,16 +1,5 @@
-"""One prepared SVG call: every decision a call needs, made once per (config, grid, expert, target).
-
-:func:`prepare` resolves the hardware the call is compiled for once
-(:meth:`maxdiffusion_svg.budgets.config.SvgConfig.target`), and from it each executor's tiles, tile
-plans, compensation and kernel. The call path (``attention``, ``sharding``, ``ring_sharding``,
-the router, the MaxDiffusion plugin, the benchmarks) then only reads the result, as Splash's
-``make_splash_mha`` builds a kernel once that every call runs.
-
-Where nothing names the platform (``svg_backend: auto`` on a host that is not a TPU, where the
-call may still be lowered for one), a call has two branches: our TPU kernel held to a TPU of
-unknown generation, and the XLA path; ``lax.platform_dependent`` keeps the one the lowering
-platform runs (:meth:`PreparedCall.per_platform`). Everywhere else it has one.
-"""
+"""One prepared SVG call: every decision made once per (config, grid, expert, target); off TPU with
+``svg_backend: auto``, a TPU and an XLA branch (:meth:`PreparedCall.per_platform`)."""
 
 from __future__ import annotations
 
@@ -34,8 +23,7 @@ from maxdiffusion_svg.routing.semantic import SemanticConfig, group_size
 
 @dataclasses.dataclass(frozen=True)
 class Branch:
-  """One executor on one target: what a call runs where it is lowered for that platform. Its
-  kernels are built with it, so a call only runs them."""
+  """One executor on one target, with its kernels: what a call runs on that platform."""
 
   executor: Executor  # backend and target (and the TPU a lowering for one is held to)
   tiles: SplashTiles
@@ -71,8 +59,7 @@ class Branch:
     return self.executor.target
 
   def kernel_for(self, plan: TilePlan, backend: str | None = None) -> SparseKernel:
-    """This executor's kernel on another plan of the same tiles (a ring shard's window), or
-    ``backend``'s on them (its own inner kv step)."""
+    """This executor's kernel on another plan of the same tiles, or ``backend``'s on them."""
     if backend is not None and backend != self.executor.backend:
       return prepare_kernel(plan, self.executor.target, backend=backend, tpu=self.executor.tpu)
     return prepare_kernel(plan, self.executor.target, backend=self.executor.backend,
@@ -81,9 +68,7 @@ class Branch:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedCall:
-  """Everything an SVG call decides before it sees data: the config it was prepared from, the
-  video grid, the Wan 2.2 expert (whose density the plans use), the resolved target, and one
-  :class:`Branch` per executor the lowering may keep."""
+  """Everything an SVG call decides before seeing data; one :class:`Branch` per executor."""
 
   config: SvgConfig
   grid: VideoGrid
@@ -112,28 +97,24 @@ class PreparedCall:
     return group_size(self.grid)
 
   def per_platform(self, build: Callable[[Branch], Callable[..., Any]]) -> Callable[..., Any]:
-    """``build(branch)`` for the executor the call will run on: with two branches, both, behind
-    the lowering platform (the plans differ, so the whole path is built twice and the lowering
-    keeps one)."""
+    """``build(branch)`` for the executor the call runs on (two branches: both, behind
+    ``lax.platform_dependent``)."""
     if len(self.branches) == 1:
       return build(self.branches[0])
     tpu, default = (build(branch) for branch in self.branches)
     return lambda *xs: jax.lax.platform_dependent(*xs, tpu=tpu, default=default)
 
   def at_density(self, density: float) -> "PreparedCall":
-    """This call with every layer at ``density`` (one rung of ``svg_layer_densities``), on
-    the same target and executors."""
+    """This call with every layer at ``density``, on the same target and executors."""
     return self.at_rung(Rung(density, self.config.compensation))
 
   def at_rung(self, rung: Rung) -> "PreparedCall":
-    """This call with every layer at ``rung`` (a layer's density and compensation of
-    ``svg_layer_densities``/``svg_layer_compensation``), on the same target and executors."""
+    """This call with every layer at ``rung`` (density and compensation), same executors."""
     return _prepared(self.config.at_rung(rung), self.grid, self.expert, self.target,
                      tuple(branch.executor for branch in self.branches))
 
   def on_ring(self, ulysses: int, ring: int) -> "PreparedCall":
-    """This call as a ring of ``ring`` sequence shards runs it: semantic left out of the
-    layouts (:meth:`SvgConfig.on_ring`); tiles and plans unchanged."""
+    """This call on a ring of ``ring`` shards: semantic left out, tiles and plans unchanged."""
     config = self.config.on_ring(ulysses, ring)
     return self if config is self.config else dataclasses.replace(self, config=config)
 
@@ -141,11 +122,8 @@ class PreparedCall:
 def prepare(config: SvgConfig, grid: VideoGrid, expert: str | None = None, *,
             target: Target | None = None, mesh: Any = None,
             arrays: Sequence[Any] = ()) -> PreparedCall:
-  """The prepared call of ``config`` on ``grid`` (and ``expert``'s density): its target is
-  ``target``, else ``mesh``'s, else what ``arrays`` or the mesh in context name, else the
-  default device, under ``svg_vmem_limit_kib``, and its executors follow (the one resolution,
-  :func:`maxdiffusion_svg.plan.target.resolve_call`); the rest follows from them and is cached per
-  (config, grid, expert, target)."""
+  """The prepared call (cached). Target: ``target``, else ``mesh``'s, else what ``arrays`` or the
+  mesh in context name, else the default device (``resolve_call``)."""
   resolved, executors = resolve_call(*arrays, target=target, mesh=mesh,
                                      vmem_limit_kib=config.vmem_limit_kib,
                                      backend=config.backend)

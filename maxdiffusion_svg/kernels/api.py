@@ -39,11 +39,9 @@ BACKWARDS = ("auto", "xla")
 def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
                    target: Target, backend: str, value_dim: int | None = None,
                    row_keys: int = 0, tables: int = 1) -> None:
-  """What a TPU lowering of ``backend``'s kernel (``pallas`` or ``splash``) refuses before
-  compiling: our kernel's shapes, then VMEM and SMEM on ``target``. One function for the run
-  (:func:`sparse_attention`) and the pre-flight (``tiles --config``), so both say the same.
-  ``row_keys``: the extra keys per row a compensated call gives; ``tables``: heads walking
-  their own tile tables (semantic heads), else 1."""
+  """What a TPU lowering of ``backend`` (``pallas``/``splash``) refuses before compiling: shapes,
+  then VMEM and SMEM on ``target``; the pre-flight (``tiles --config``) runs the same checks.
+  ``row_keys``: extra keys per row; ``tables``: heads walking their own tile tables, else 1."""
   if backend == "pallas":
     check_shapes(head_dim, dtype, plan, block_kv_compute, value_dim)
   check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, row_keys, tables)
@@ -89,10 +87,8 @@ def _check_head_tiles(head_tiles: Any, q_shape: tuple[int, ...], plan: TilePlan,
 
 @dataclasses.dataclass(frozen=True)
 class SparseKernel:
-  """``sparse_attention`` prepared once for a plan on a target (as Splash's ``make_splash_mha``
-  builds its kernel once): the executor, the TPU it is held to, its inner kv step and which
-  platforms a call lowers for are decided here; calling it only runs them. Built by
-  :func:`prepare_kernel`."""
+  """``sparse_attention`` prepared once for a plan on a target (as Splash's ``make_splash_mha``):
+  executor, TPU target and inner kv step are decided here; a call only runs them."""
 
   plan: TilePlan
   backend: str  # as given: auto, pallas, splash or xla
@@ -109,9 +105,8 @@ class SparseKernel:
   def per_lowering(self, on_tpu: Callable[[], Callable[..., Any]],
                    on_host: Callable[[], Callable[..., Any]],
                    host_only: bool = False) -> Callable[..., Any]:
-    """The TPU's function where the call is compiled for a TPU (or is the TPU branch of one that
-    may be), the host's where only the host runs it, else both behind the lowering platform
-    (held to the strictest known TPU where lowered for one)."""
+    """The TPU's function when compiled for a TPU, the host's when only the host runs it, else
+    both behind the lowering platform."""
     if self.on_tpu:
       return on_tpu()
     if host_only or not self.follows_lowering:
@@ -150,8 +145,7 @@ class SparseKernel:
       tables = ragged_tables(plan, tables, head_steps)
 
     def merged_after(run):
-      """An executor without row keys of its own (or with row keys it cannot take: a per-head
-      bias): its log-sum-exp, then the row keys merged."""
+      """``run`` (no row keys of its own, or a per-head bias), the row keys merged after by lse."""
       if row_keys is None:
         return lambda q, k, v: run(q, k, v, return_lse)
       def call(q, k, v):
@@ -176,8 +170,7 @@ class SparseKernel:
         head_tiles=head_tiles, ragged=head_steps is not None))
 
     def on_tpu():
-      """Mosaic where it fits; where it does not and nothing named the TPU, a refusal that
-      surfaces only if the call is lowered for one (runs on this host are unaffected)."""
+      """Mosaic where it fits; else, for a speculative TPU, a refusal raised at TPU lowering."""
       try:
         check_tpu_call(plan, head_dim, dtype, kv_compute, tpu, self.tpu_backend, value_dim,
                        0 if row_keys is None or per_head_bias else row_keys.bias.shape[-1], tables)
@@ -194,10 +187,8 @@ class SparseKernel:
 
   def _tile_backward(self, head_dim: int, dtype: Any, scale: float,
                      head_tiles: jax.Array | None) -> Callable[..., Any] | None:
-    """The tiles' backward where a TPU kernel runs forward (ours or Splash) and one table
-    serves every head: tokamax's Splash backward kernel on the transposed table, fed the
-    forward's log-sum-exp (:mod:`splash_backward`). Ring shards, per-head tables, the XLA
-    executor and ``backward="xla"`` take the portable one, whatever ran forward."""
+    """Splash's backward kernel (:mod:`splash_backward`) where a TPU kernel ran forward with one
+    table for every head; None (the portable backward) for ring shards, head tables or ``xla``."""
     plan, tpu = self.plan, self.tpu
     if (self.backward == "xla" or self.resolved == "xla" or head_tiles is not None
         or plan.q_len is not None):
@@ -226,11 +217,8 @@ class SparseKernel:
 def prepare_kernel(plan: TilePlan, target: Target, *, backend: str = "auto",
                    block_kv_compute: int | None = None, tiles_per_step: int | None = None,
                    backward: str = "auto", tpu: Target | None = None) -> SparseKernel:
-  """:class:`SparseKernel` for ``plan`` on ``target`` (resolved:
-  :func:`maxdiffusion_svg.plan.target.target_for_call`): the executor ``backend`` resolves to
-  there, the TPU a lowering for one is held to (``tpu``, where the caller resolved it:
-  :func:`maxdiffusion_svg.plan.target.call_executors`), the inner kv step (``block_kv_compute``,
-  else the TPU kernel's default for the plan's kv tile)."""
+  """:class:`SparseKernel` for ``plan`` on ``target``. ``tpu``: the TPU a lowering is held to (None:
+  from ``target``); ``block_kv_compute`` None: the TPU kernel's default for ``plan.block_kv``."""
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   if not isinstance(plan, TilePlan):
@@ -256,32 +244,18 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *
                      backward: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over the tiles ``plan`` visits, with ``q, k, v`` already in the plan's layout.
 
-  Inputs are ``[B, H, S, D]`` with ``S == plan.seq_len``; every head shares the plan.
-  Output is ``[B, H, S, Dv]`` in q's dtype, accumulated in float32. A row with no kept
-  key yields zeros. ``backend``: ``pallas`` (our kernel, the TPU default), ``splash``
-  (tokamax's), ``xla`` (portable); the TPU kernels run interpreted off TPU.
-  ``block_kv_compute`` (the TPU kernels' inner kv step) and ``tiles_per_step`` (XLA) tune
-  the backends without changing results. ``target`` is the hardware the call is compiled
-  for (default: what the inputs' sharding or the mesh in context names, else the default
-  device; :func:`maxdiffusion_svg.plan.target.target_for_call`): on a TPU, the kernel's VMEM and
-  SMEM needs are checked against its limits before anything compiles; where nothing names
-  the platform, the TPU kernel still runs (held to the strictest known TPU) if the call is
-  lowered for a TPU. ``return_lse`` also returns each query's log-sum-exp of the logits it
-  kept (float32 ``[B, H, S]``, natural log; ``-inf`` or a large negative value where a row keeps
-  nothing), what merging another softmax over other keys needs. ``row_keys``: extra keys per
-  query tile row in the same softmax (compensation's centroids,
-  :mod:`maxdiffusion_svg.kernels.row_keys`): our kernel takes them as it closes each row, the
-  others merge them after their tiles by log-sum-exp (and ours too where their logit bias is
-  computed on device, per head). ``head_tiles [B, H, num_q_tiles, width]`` (int32, on device):
-  each head's own key tiles in place of the plan's, with the plan's counts per row (an
-  aligned plan; the semantic layout's tables): ``pallas`` and ``xla`` take them, Splash's
-  tables are static and it refuses them. ``head_steps`` (with ``head_tiles``): a per-head
-  budget, whose tables hold ``-1`` where a head's row visits fewer tiles than the plan's (the
-  widest head's); our kernel then walks a ragged grid of at most ``head_steps`` steps per core
-  (:func:`maxdiffusion_svg.kernels.worklist.pack_ragged_work`). ``backward`` (what a gradient of the call runs):
-  ``auto``, tokamax's Splash backward kernel behind either TPU kernel where one table serves
-  every head (else the portable one); ``xla``, the portable flash-style backward
-  (:mod:`maxdiffusion_svg.kernels.backward`) whatever ran forward.
+  Inputs ``[B, H, S, D]``, ``S == plan.seq_len``, one plan for every head; output ``[B, H, S, Dv]``
+  in q's dtype, accumulated in float32; a row with no kept key gives zeros. ``backend``:
+  ``pallas`` (ours, the TPU default), ``splash`` (tokamax's) or ``xla``; the TPU kernels run
+  interpreted off TPU. ``block_kv_compute`` and ``tiles_per_step`` tune speed, not results.
+  ``target`` (None: from the inputs' sharding or the mesh, else the default device): on a TPU,
+  VMEM and SMEM are checked before compiling. ``return_lse`` adds float32 ``[B, H, S]``
+  log-sum-exp (natural log; ``-inf`` or very negative where a row keeps nothing). ``row_keys``:
+  extra keys per query tile row (:mod:`maxdiffusion_svg.kernels.row_keys`). ``head_tiles``:
+  int32 ``[B, H, num_q_tiles, width]``, each head's own key tiles at an aligned plan's per-row
+  counts (Splash refuses them); ``head_steps``: a per-head budget, tables holding ``-1`` past a
+  head's count, at most ``head_steps`` grid steps per core. ``backward``: ``auto`` (Splash's
+  backward kernel on TPU where one table serves every head, else portable) or ``xla``.
   """
   kernel = prepare_kernel(plan, target_for_call(q, k, v, target=target), backend=backend,
                           block_kv_compute=block_kv_compute, tiles_per_step=tiles_per_step,

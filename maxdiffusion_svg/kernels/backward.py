@@ -1,18 +1,11 @@
-"""The gradient of a plan's sparse attention, flash-style: recompute visited tiles, store no scores.
+"""Flash-style gradient of a plan's sparse attention: recompute visited tiles, store no scores.
 
-The forward keeps each query's log-sum-exp ``L`` (natural log). For a visited tile the
-backward recomputes the logits ``s = scale q·k``, the probabilities ``p = exp(s - L)`` (zero
-where the tile's rule drops a pair), and with ``delta = rowsum(dout * out) - dL``:
+Per tile, ``p = exp(scale q·k - lse)`` (0 where masked), ``delta = rowsum(dout * out) - dlse``:
 
     dv += pᵀ dout      dp = dout vᵀ      ds = p (dp - delta)
     dq += scale ds k   dk += scale dsᵀ q
 
-(``dL``: the cotangent of a returned log-sum-exp, which a ring's or compensation's merge
-differentiates through.) It walks the same flat work list as the XLA forward
-(:mod:`maxdiffusion_svg.kernels.xla`), a fixed number of tiles per ``lax.scan`` step, and
-scatter-adds each step's ``dq`` rows and ``dk``/``dv`` columns into float32 accumulators:
-memory is the accumulators plus one step's tiles, whatever the sequence length. Row keys
-(compensation's centroids) get the same rule row by row: :func:`row_keys_backward`.
+A ``lax.scan`` over the XLA forward's work list scatter-adds into float32 accumulators.
 """
 
 from __future__ import annotations
@@ -77,8 +70,7 @@ def _split(x: np.ndarray | jax.Array, steps: int, per_step: int, fill: int, axis
 
 
 def _scatter_add(acc: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
-  """``acc[..., index[...], :, :] += update`` along the tile axis; ``index`` shared ``[C]`` or
-  per head ``[B, H, C]``; out-of-range indices (padding steps) are dropped."""
+  """``acc[:, :, index] += update``; ``index`` ``[C]`` or ``[B, H, C]``; out of range: dropped."""
   if index.ndim == 1:
     return acc.at[:, :, index].add(update, mode="drop")
   one = lambda a, i, u: a.at[i].add(u, mode="drop")
@@ -96,9 +88,8 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
                               head_tiles: jax.Array | None = None,
                               tiles_per_step: int | None = None
                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(dq, dk, dv)`` in float32 of the attention over ``plan``'s visited tiles (the head's own
-  tiles with ``head_tiles``, ``-1`` where a head's row visits fewer), given the forward's ``lse``
-  and :func:`row_delta`'s ``delta``."""
+  """Float32 ``(dq, dk, dv)`` over ``plan``'s visited tiles (or ``head_tiles``, ``-1``: unused),
+  from the forward's ``lse`` and :func:`row_delta`'s ``delta``."""
   b, h, _, d = q.shape
   dv_dim = v.shape[-1]
   bq, bkv = plan.block_q, plan.block_kv
@@ -159,9 +150,8 @@ def sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, lse: jax
 def row_keys_backward(q: jax.Array, rk: RowKeys, lse: jax.Array, delta: jax.Array,
                       dout: jax.Array, block_q: int, scale: float
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(dq, d rk.k, d rk.v)`` in float32 of each query tile row's extra keys, whose logits are
-  ``scale q·rk.k + rk.bias``, in the same softmax (the forward's ``lse`` covers them). The bias
-  (a log of key counts) is a constant."""
+  """Float32 ``(dq, d rk.k, d rk.v)`` of the row keys, logits ``scale q·rk.k + rk.bias`` inside the
+  forward's ``lse``; the bias is a constant."""
   b, h, s, d = q.shape
   nq, m = rk.bias.shape[-2:]
   lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf).astype(jnp.float32)

@@ -1,26 +1,12 @@
 """A fixed softmax offset per query, and the per-head gate that says where it is safe.
 
-Online softmax keeps a running row max and rescales the row's sum and accumulator whenever it
-grows. With a fixed offset ``m_i`` per query, each tile adds ``exp2(s - m_i)`` and nothing is
-rescaled. Any offset gives the same softmax; the offset only has to keep every term that
-matters inside float32's range. The derivation (docs/concepts.md, "A fixed softmax offset"):
-
-- Keys are smoothed: logits are taken against ``k_j - mean(k)`` over the real sequence
-  (softmax is unchanged: each row shifts by the constant ``q_i . mean(k)``), so over *all* keys
-  a row's largest logit is >= 0. The shift goes into the offset, not into k: rounding smoothed
-  keys to bfloat16 would cost precision for nothing.
-- Cauchy-Schwarz bounds every logit by ``G_i = |q_i| * max_j |k_j|``; we take
-  ``m_i = ceil(G_i) - C`` with ``C = 88``, so no term exceeds ``2**88``: the sum of ``S`` terms
-  times ``max|v|`` stays below float32's ``2**127`` while ``S * max|v| < 2**39``.
-- The largest term a row keeps is ``>= 2**(C - 1 - G_i)`` when the row visits every key
-  (its max logit is >= 0), but only ``>= 2**(C - 1 - 2 G_i)`` for a sparse row, whose visited
-  keys may all score as low as ``-G_i``. TPUs flush float32 below ``2**-126`` to zero; the kept
-  terms that flush add at most ``S * 2**-126``, which must stay below ``2**-10`` of the largest
-  term (under bfloat16's rounding). Hence the gate ``G <= 203 - log2 S`` for dense plans and
-  half that for sparse ones (93.4 at 720p).
-
-Heads whose largest ``G_i`` passes run the fixed body; the rest run online softmax. The gate is
-computed here, in XLA, on every call: it follows the activations, so no head is ever wrong.
+With a fixed offset ``m_i`` each tile adds ``exp2(s - m_i)`` and nothing is rescaled. Keys are
+smoothed (``k - mean(k)``, the shift folded into the offset) and ``m_i = ceil(G_i) - 88`` with
+``G_i = |q_i| max|k|`` (Cauchy-Schwarz): no term exceeds ``2**88``, and sums stay finite while
+``S max|v| < 2**39``. TPUs flush float32 below ``2**-126``, so a head qualifies only if
+``G <= 203 - log2 S`` (dense plans; half that for sparse ones); the rest run online softmax.
+Computed in XLA on every call, from the activations. Derivation: docs/concepts.md, "A fixed
+softmax offset".
 """
 
 from __future__ import annotations
@@ -44,8 +30,7 @@ def gate(seq_len: int, every_key_visited: bool) -> float:
 
 
 class FixedOffsets(NamedTuple):
-  """What the kernel reads: q scaled to base-2 logits, ``m [BH, 1, S]`` (smoothing included) and
-  the per-head flag ``fixed [BH]`` (int32, 1 where the head passed the gate)."""
+  """What the kernel reads: base-2 q, ``m [BH, 1, S]``, ``fixed [BH]`` (int32, 1: passed gate)."""
 
   q: jax.Array
   m: jax.Array

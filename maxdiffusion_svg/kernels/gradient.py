@@ -1,14 +1,8 @@
 """``sparse_attention``'s derivative: any executor's forward, the flash-style backward.
 
-A ``jax.custom_vjp`` around the call's executor. Undifferentiated, the primal runs as
-before (no log-sum-exp unless asked). Differentiated, the forward also returns each query's
-log-sum-exp and saves ``q, k, v``, the output and the log-sum-exp (``O(S)`` per head, the
-residuals a flash kernel keeps); the backward recomputes the visited tiles
-(:mod:`maxdiffusion_svg.kernels.backward`). What decides which tiles are visited (the plan, a
-head's table, the router's flags upstream) gets no derivative: tables are integers, and the
-row keys' logit bias (a log of key counts) is a constant. Row keys' keys and values (the
-compensation's centroids, means of ``k`` and ``v``) do get theirs, so the chain reaches
-``k`` and ``v`` through them.
+A ``jax.custom_vjp``: differentiated, the forward also saves ``q, k, v``, the output and its
+log-sum-exp (``O(S)`` per head); the backward recomputes visited tiles. Tile choice gets no
+derivative and the row keys' bias is constant; the row keys' ``k`` and ``v`` get theirs.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ Executor = Callable[[bool, "RowKeys | None", "jax.Array | None"], Callable[..., 
 
 @contextlib.contextmanager
 def residuals_named(name: str | None) -> Iterator[None]:
-  """Calls traced inside also name their residuals ``name`` (e.g. MaxDiffusion's
-  ``residual_checkpoint_name``, so that ``HIDDEN_STATE_WITH_OFFLOAD`` offloads them)."""
+  """Calls traced inside also name their residuals ``name`` (e.g. for a remat offload policy)."""
   token = _CALLER_NAME.set(name)
   try:
     yield
@@ -66,10 +59,9 @@ def xla_backward(plan: TilePlan, scale: float) -> TileBackward:
 def differentiable(executor: Executor, plan: TilePlan, scale: float, return_lse: bool,
                    row_keys: RowKeys | None, head_tiles: jax.Array | None,
                    tile_backward: TileBackward | None = None) -> Callable[..., Any]:
-  """``f(q, k, v)``: ``executor(return_lse, row_keys, head_tiles)`` with a derivative in ``q``,
-  ``k``, ``v`` and the row keys' ``k`` and ``v``; the tiles' part of the backward is
-  ``tile_backward`` (default :func:`xla_backward`). Traced row keys and tables are passed as
-  arguments (a custom VJP must not close over tracers); a static bias is closed over."""
+  """``f(q, k, v)``: ``executor`` with a derivative in ``q, k, v`` and the row keys' ``k, v``;
+  ``tile_backward`` None: :func:`xla_backward`. Traced row keys and tables are passed as
+  arguments (a custom VJP must not close over tracers)."""
   tile_backward = tile_backward or xla_backward(plan, scale)
   static_bias = row_keys is not None and isinstance(row_keys.bias, np.ndarray)
   # Read now: the forward rule may be traced later (a remat traces it when it differentiates).

@@ -1,23 +1,11 @@
-"""Our own Pallas TPU kernel: a TilePlan's work list, queries on lanes, a fixed softmax offset.
+"""Our Pallas TPU kernel: a TilePlan's work list, queries on lanes, a fixed softmax offset.
 
-Why not Splash: on a v6e its mask-free tile body costs 2.43 bundles per 1,000 query-key pairs,
-MaxDiffusion's fixed-m dense kernel 1.55 (docs/benchmarks.md). Three choices close the gap:
-
-- **Queries on lanes.** Scores are ``K·Qᵀ`` (kv chunk x block_q): each query's softmax
-  statistics are one lane of a ``(1, block_q)`` row, reduced over sublanes, and the rescale
-  factor is one exponent per query, not per (query, lane).
-- **Base 2.** ``log2(e)`` and the softmax scale are folded into q once, in XLA.
-- **A fixed offset per query** (:mod:`maxdiffusion_svg.kernels.fixed_offset`) where the head
-  passes a gate computed on the fly; other heads run online softmax. Full tiles therefore have
-  two bodies (fixed, online), chosen by a per-head flag; masked tiles have one online body,
-  exact for both kinds of head (online softmax is exact from any starting offset).
-
-The grid is ``(batch x heads, steps)``: every head walks the plan's packed work list
-(:mod:`maxdiffusion_svg.kernels.worklist`); consecutive steps of a row accumulate into the
-same output block, written once when the row's last step closes it. A row that keeps no key
-gives zeros. A per-head budget's call is ragged: its grid is ``(cores, steps)``, each core
-walking its heads' own lists end to end, each step naming its head, so the call costs the
-tiles its heads visit (:func:`maxdiffusion_svg.kernels.worklist.pack_ragged_work`).
+Faster than Splash's tile body (docs/benchmarks.md): scores are ``K·Qᵀ`` so a query's softmax
+statistics are one lane; ``log2(e)`` and the scale are folded into q once; heads passing the
+gate (:mod:`maxdiffusion_svg.kernels.fixed_offset`) use a fixed offset, other heads and all
+masked tiles online softmax. The grid walks the packed work list
+(:mod:`maxdiffusion_svg.kernels.worklist`), one output block per row, written when the row
+closes (zeros if it keeps no key); a per-head budget's grid is ragged, ``(cores, steps)``.
 """
 
 from __future__ import annotations
@@ -67,10 +55,8 @@ def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
 
 
 def _locator(per_head: int, ragged: int):
-  """``locate(i, t, *scalar_refs) -> (bh, word)``: the head and packed work word of grid step
-  ``(i, t)``. Shared list: head ``i`` walks the plan's list; per-head tables: head ``i`` walks
-  its own (``per_head`` steps each, head after head); ragged (``ragged`` steps per core): core
-  ``i`` walks its heads' lists end to end, each step naming its head."""
+  """``locate(i, t, *scalar_refs) -> (bh, word)`` of grid step ``(i, t)``: shared list, per-head
+  lists (``per_head`` steps each) or ragged (``ragged`` steps per core, each naming its head)."""
   if ragged:
     return lambda i, t, work_ref, _, heads_ref: (heads_ref[i * ragged + t],
                                                  work_ref[i * ragged + t])
@@ -210,16 +196,10 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                             row_keys: RowKeys | None = None,
                             head_tiles: jax.Array | None = None,
                             head_steps: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles, by our kernel; with
-  ``return_lse`` also each row's log-sum-exp (float32 ``[B, H, S]``, ``-inf`` where it keeps
-  nothing), written once per row beside the output. ``row_keys``: each query tile row's extra
-  keys, taken into its softmax when the row closes (one more chunk of ``m`` keys per row).
-  ``head_tiles [B, H, num_q_tiles, width]``: each head's own key tiles (an aligned plan's
-  counts per row, columns computed on device): every head walks its own work list. With
-  ``head_steps`` (a per-head budget, :mod:`maxdiffusion_svg.budgets.per_head`) a head's row may
-  end early (``-1`` in the rest of its slots) and the grid is ragged: the heads' lists laid end
-  to end, at most ``head_steps`` steps per core (:func:`pack_ragged_work`), so a call costs
-  the tiles its heads visit, not its widest head's."""
+  """Our kernel over ``[B, H, S, D]`` inputs and the plan's visited tiles; ``return_lse`` adds
+  float32 ``[B, H, S]`` (``-inf``: row keeps nothing). ``row_keys`` join each row's softmax as it
+  closes. ``head_tiles [B, H, num_q_tiles, width]``: each head's own key tiles (aligned plan);
+  with ``head_steps`` (a per-head budget) rows may end early (``-1``) and the grid is ragged."""
   b, h, s, d = q.shape
   dv = v.shape[-1]
   check_shapes(d, q.dtype, plan, block_kv_compute, dv)

@@ -18,10 +18,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, *,
                      scale: float | None = None) -> jax.Array:
-  """Softmax attention under a boolean ``[S_q, S_kv]`` (or broadcastable) mask, in float32.
-
-  Rows with no kept key give zeros. Materialises the score matrix: tests and small shapes only.
-  """
+  """Float32 softmax attention under a boolean ``[S_q, S_kv]`` (or broadcastable) mask; empty rows
+  give zeros. Materialises the scores: tests and small shapes only."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   logits = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST) * scale

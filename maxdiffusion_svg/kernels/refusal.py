@@ -1,9 +1,6 @@
-"""A refusal that waits for the lowering platform.
+"""A refusal that waits for the lowering platform: an identity whose TPU lowering raises.
 
-With ``svg_backend: auto`` on a host that is not a TPU, and nothing naming the platform, the
-TPU executor is traced beside the host's in case the call is lowered for a TPU (an export).
-Tiles the strictest known TPU cannot hold must not stop runs on this host, yet must never
-reach libtpu: the TPU branch becomes this identity whose TPU lowering raises our message.
+A speculative TPU branch (nothing named the platform) refuses without stopping host runs.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ mlir.register_lowering(_refused, _refuse, platform="tpu")
 
 
 def refused_on_tpu(message: str, return_lse: bool = False) -> Callable[..., Any]:
-  """An attention executor (``q, k, v -> out`` shaped like q, and with ``return_lse`` a
-  float32 ``[B, H, S]`` log-sum-exp) that cannot be lowered for a TPU: lowering it there
-  raises ``ValueError(message)``."""
+  """An executor (``q, k, v -> out``; with ``return_lse`` also float32 ``[B, H, S]`` lse) whose
+  TPU lowering raises ``ValueError(message)``."""
   def run(q, k, v):
     out = _refused.bind(jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype), message=message)
     return (out, jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)) if return_lse else out
@@ -42,8 +38,7 @@ def refused_on_tpu(message: str, return_lse: bool = False) -> Callable[..., Any]
 
 
 def refused_backward_on_tpu(message: str) -> Callable[..., Any]:
-  """A tiles' backward (``q, k, v, lse, delta, dout, tables -> dq, dk, dv`` in float32) that
-  cannot be lowered for a TPU, as :func:`refused_on_tpu` for the forward."""
+  """A backward (float32 ``dq, dk, dv``) whose TPU lowering raises ``ValueError(message)``."""
   def run(q, k, v, *_):
     return tuple(_refused.bind(jnp.zeros(x.shape, jnp.float32), message=message)
                  for x in (q, k, v))

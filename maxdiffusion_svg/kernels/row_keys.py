@@ -1,12 +1,8 @@
-"""Row keys: a few extra keys per query tile row, beside the tiles a plan visits.
+"""Row keys: a few extra keys per query tile row (compensation's centroids), beside the tiles.
 
-Compensation (:mod:`maxdiffusion_svg.routing.compensation`) gives each query tile row the centroids
-of the key tiles it skips. To a kernel these are just more keys, different per row: ``k [B, H,
-num_q_tiles, m, D]`` and ``v [..., m, Dv]`` with an additive logit ``bias [num_q_tiles, m]``
-(natural log; ``-inf`` where a row has fewer than ``m``). Our Pallas kernel takes them into the
-row's softmax state when it closes the row (one more ``m``-key chunk per row, nothing written
-to memory); the other executors return their log-sum-exp and this module's :func:`row_softmax`
-and :func:`merge` add them after the kernel.
+``k [B, H, num_q_tiles, m, D]``, ``v [..., m, Dv]``, natural-log ``bias [num_q_tiles, m]``
+(``-inf``: unused slot). Our kernel takes them as it closes a row; other executors merge them
+after by log-sum-exp (:func:`row_softmax`, :func:`merge`).
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ def check_row_keys(rk: RowKeys, q_shape: tuple[int, ...], num_q_tiles: int) -> N
 
 
 def row_key_slots(count: int, chunk: int) -> int:
-  """Slots our kernel holds for ``count`` row keys: whole chunks of at most ``chunk`` (its inner
-  kv step), so the closing step's scores are no larger than a tile's; none for none."""
+  """Our kernel's slots for ``count`` row keys: whole chunks of at most ``chunk``; 0 for none."""
   if not count:
     return 0
   step = min(-(-count // 8) * 8, chunk)
@@ -64,11 +59,9 @@ def pad_row_keys(rk: RowKeys, chunk: int) -> RowKeys:
 
 def softmax_over(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any,
                  scale: float) -> tuple[jax.Array, jax.Array]:
-  """Softmax of ``[B, H, Q, D]`` queries over keys ``k [B, H, N, D]`` (values ``[B, H, N, Dv]``)
-  with additive logits ``bias`` (broadcast to ``[B, H, N, Q]``; ``-inf``: not seen): ``(out
-  [B, H, Q, Dv], lse [B, H, Q])``, float32, ``lse = -inf`` and ``out = 0`` where a query sees
-  none. Logits are ``[N, Q]``, queries on lanes as in our kernel: reductions over keys run
-  across sublanes and the log-sum-exp comes out lane-major."""
+  """Float32 ``(out [B, H, Q, Dv], lse [B, H, Q])`` of ``[B, H, Q, D]`` queries over ``k``, ``v``
+  ``[B, H, N, .]`` plus ``bias`` (to ``[B, H, N, Q]``; ``-inf``: unseen); zeros and ``-inf`` where
+  a query sees none. Logits are ``[N, Q]``: queries on lanes, as in our kernel."""
   logits = jnp.einsum("bhnd,bhqd->bhnq", k.astype(q.dtype), q,
                       preferred_element_type=jnp.float32) * scale + bias
   peak = logits.max(axis=-2)
@@ -84,9 +77,8 @@ def softmax_over(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any,
 
 def row_softmax(q: jax.Array, rk: RowKeys, block_q: int,
                 scale: float) -> tuple[jax.Array, jax.Array]:
-  """Softmax of ``[B, H, S, D]`` queries over their query tile row's keys: ``(out [B, H, S,
-  Dv], lse [B, H, S])``, float32, ``lse = -inf`` and ``out = 0`` where a row has none. Chunked
-  over query tiles; logits are ``[m, block_q]``, queries on lanes as in our kernel."""
+  """:func:`softmax_over` each query tile row's keys: float32 ``(out [B, H, S, Dv],
+  lse [B, H, S])``, zeros and ``-inf`` where a row has none; chunked over query tiles."""
   b, h, s, d = q.shape
   nq, m = rk.bias.shape[-2:]
   dv = rk.v.shape[-1]
@@ -108,11 +100,8 @@ def row_softmax(q: jax.Array, rk: RowKeys, block_q: int,
 
 
 def merge(out: jax.Array, lse: jax.Array, extra: jax.Array, extra_lse: jax.Array) -> jax.Array:
-  """One softmax over two disjoint sets of keys from each set's normalised output and
-  log-sum-exp; in ``out``'s dtype, zeros where neither set kept anything.
-
-  As ``out + w * (extra - out)`` with one weight per query, ``w = 1 / (1 + exp(lse -
-  extra_lse))`` (the extra set's share): one value to broadcast over the head dim, not three."""
+  """One softmax over two disjoint key sets from each's output and lse, in ``out``'s dtype (zeros
+  where neither kept any), as ``out + w (extra - out)`` with one weight ``w`` per query."""
   gap = lse - extra_lse
   w = jnp.where(jnp.isnan(gap), 0.0, 1.0 / (1.0 + jnp.exp(gap)))  # nan: neither set kept any
   base = out.astype(jnp.float32)

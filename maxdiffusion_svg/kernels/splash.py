@@ -1,14 +1,8 @@
 """TPU path: tokamax's Splash kernel driven by mask information built from a TilePlan.
 
-Splash's forward kernel runs a compacted grid over a flat list of active tiles
-(``active_rows``/``active_cols``), with a mask-free body for full tiles (kind 2) and a
-masked body for partial ones (kind 1). A TilePlan is that list already, so the MaskInfo
-is a reshuffle of the plan's arrays in O(tiles): no ``S x S`` mask, no host pass over
-tiles. Masked tiles get their mask the cheaper of two ways tokamax supports (see
-``mask_traffic``): ``aligned`` plans mask only padding keys, one pattern for every masked
-tile, stored once as a partial block; ``naive``/``split`` plans mask band edges of many
-shapes, computed in-kernel from a mask function. This is the only module that touches
-tokamax internals (the public op takes no MaskInfo and refuses to run off TPU).
+A TilePlan already is Splash's flat active-tile list, so its MaskInfo is built in O(tiles), with
+no ``S x S`` mask; masked tiles take the cheaper of tokamax's two masks (:func:`mask_traffic`).
+The only module touching tokamax internals (the public op takes no MaskInfo, runs only on TPU).
 """
 
 from __future__ import annotations
@@ -29,15 +23,9 @@ from maxdiffusion_svg.plan.tiling import default_kv_compute
 
 
 def mask_traffic(plan: TilePlan, heads: int) -> dict[str, dict[str, float]]:
-  """HBM bytes per call (``heads`` heads) of each way to mask the plan's masked tiles.
-
-  ``function``: tokamax broadcasts the query indices to ``[S_pad, 128]`` int32 in HBM on
-  every call and every head reads all of it (one ``[block_q, 128]`` block per q-tile row).
-  ``stored``: one int8 ``[block_q, block_kv]`` block per distinct tile pattern, written to
-  HBM once per call, fetched whenever the prefetched pattern changes along the work list. A pattern is
-  set by the tile's diagonal offset and where the sink and the padding cut it, so distinct
-  patterns are counted from tile coordinates (an upper bound on distinct contents).
-  """
+  """HBM bytes per call over ``heads`` heads of each way to mask masked tiles: ``function`` (an
+  int32 ``[S_pad, 128]`` query index every head reads) or ``stored`` (int8 ``[block_q, block_kv]``
+  blocks per distinct pattern, an upper bound, refetched when the pattern changes)."""
   rows, cols, kinds = plan.visited_tiles()
   s, bq, bkv = plan.seq_len, plan.block_q, plan.block_kv
   function = {"bytes": float((1 + heads) * plan.num_q_tiles * bq * LANES * 4)}
@@ -107,11 +95,9 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                             scale: float, *, interpret: bool,
                             block_kv_compute: int | None = None,
                             return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Attention of ``[B, H, S, D]`` inputs through Splash, visiting only the plan's tiles; with
-  ``return_lse`` also Splash's saved log-sum-exp (float32 ``[B, H, S]``, natural log; a row that
-  keeps nothing has a large negative value, which weighs nothing in a merge).
-  Unchecked: :func:`maxdiffusion_svg.kernels.sparse_attention` holds the compiled kernel to
-  its target's VMEM and SMEM before calling this."""
+  """Splash over ``[B, H, S, D]`` inputs and the plan's tiles; ``return_lse`` adds float32
+  ``[B, H, S]`` (natural log; very negative, not ``-inf``, for an empty row). Unchecked:
+  :func:`maxdiffusion_svg.kernels.sparse_attention` checks VMEM and SMEM first."""
   if plan.q_len is not None:
     raise ValueError(RING_REFUSAL)
   s = q.shape[2]

@@ -1,23 +1,9 @@
-"""TPU backward through tokamax's Splash kernel, driven by tables built from a TilePlan.
+"""TPU backward through tokamax's Splash dkv kernel, driven by tables built from a TilePlan.
 
-tokamax has one Splash backward kernel (``SplashConfig`` refuses ``use_fused_bwd_kernel=False``):
-the fused dkv kernel (``_splash_attention_bwd_dkv``), which walks a kv-major work list, keeps
-``dk``/``dv`` of one kv tile in VMEM while it runs over that tile's q tiles, and accumulates
-``dq`` in HBM through three rotating copies (``dq_reduction_steps = 3``, summed after). Its
-``MaskInfo`` is the forward's table transposed: per kv tile its q tiles (``active_rows`` are kv
-tiles, ``active_cols`` q tiles), a kv tile no query visits still gets one kind-0 step so its
-``dk``/``dv`` are written (zeros), and stored partial blocks are ``[block_kv, block_q]``. Built
-here from the plan's visited tiles in O(tiles) with numpy (no ``S x S`` mask), with backward
-tiles that divide the forward's: each visited forward tile becomes its sub-tiles.
-
-The kernel takes the log-sum-exp and ``di`` as arguments rather than computing them, so it
-accepts any executor's forward: our natural-log ``lse`` becomes its base-2 residual
-(``lse * log2(e)``; ``q`` is prescaled by ``scale * log2(e)`` as in the forward, and
-``SplashConfig(q_prescaled_log2e=True)``), and ``delta = rowsum(dout * out) - dlse`` is passed
-as ``di``, so a returned log-sum-exp's cotangent is folded in. Masked tiles take their rule computed
-in-kernel (``plan.masked_tile_rule``: the SVG rule, or for ``aligned`` plans padding keys); an
-aligned plan may instead store one padding-key block per backward kv sub-column, as its forward
-does, at more VMEM (:func:`backward_mask_strategy`).
+Its MaskInfo is the forward's table transposed (kv-major, built in O(tiles) with numpy); a kv
+tile no query visits still gets one kind-0 step so its ``dk``/``dv`` are written. Backward tiles
+divide the forward's. The kernel takes lse and ``di`` as arguments, so any executor's forward
+works: ``lse * log2(e)`` (q prescaled as forward) and ``di = rowsum(dout * out) - dlse``.
 """
 
 from __future__ import annotations
@@ -46,8 +32,8 @@ _EMPTY_ROW_LSE = -1e30
 
 def backward_blocks(plan: TilePlan, block_kv_compute: int | None = None,
                     bwd_blocks: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
-  """``(block_q_dkv, block_kv_dkv, block_kv_dkv_compute)``: ``bwd_blocks`` checked, or the
-  forward's tiles (and its ``block_kv_compute``). Backward tiles must divide the forward's."""
+  """``(block_q_dkv, block_kv_dkv, block_kv_dkv_compute)``: ``bwd_blocks`` checked to divide the
+  forward's tiles, or (None) the forward's."""
   if bwd_blocks is None:
     bkv_compute = block_kv_compute or default_kv_compute(plan.block_kv)
     return plan.block_q, plan.block_kv, bkv_compute
@@ -70,11 +56,9 @@ def _sub_tiles(rows: np.ndarray, cols: np.ndarray, kinds: np.ndarray, a: int, b:
 
 
 def backward_mask_strategy(plan: TilePlan, stored: bool = False) -> str | None:
-  """How the backward masks masked tiles: ``function`` (the plan's masked-tile rule computed
-  in-kernel; its ``q_sequence`` is one ``[8, block_q]`` int32 block per step, so unlike the
-  forward's it costs next to no HBM traffic) unless ``stored`` asks, for an aligned plan, for
-  stored ``[block_kv, block_q]`` int8 blocks (double-buffered in VMEM: on v6e at 720p, 3328x1536
-  tiles, they take the kernel from 17 to 28 MB of scoped VMEM). None: no masked tile."""
+  """``function`` (the masked-tile rule in-kernel, little HBM traffic), or with ``stored`` and an
+  aligned plan stored int8 ``[block_kv, block_q]`` blocks (more VMEM: 17 to 28 MB on v6e at
+  720p). None: no masked tile."""
   strategy = mask_strategy(plan)
   if stored and strategy == "function":
     raise ValueError("stored backward masks need an aligned plan (one padding pattern)")
@@ -83,8 +67,7 @@ def backward_mask_strategy(plan: TilePlan, stored: bool = False) -> str | None:
 
 def plan_dkv_mask_info(plan: TilePlan, bq: int, bkv: int, stored: bool = False
                        ) -> tuple[MaskInfo, Callable[..., Any] | None]:
-  """Splash's backward (dkv) MaskInfo, kv-major, and in-kernel mask function for ``plan`` with
-  backward tiles ``bq x bkv`` (dividing the plan's); masks by :func:`backward_mask_strategy`."""
+  """Splash's kv-major backward MaskInfo and mask function for backward tiles ``bq x bkv``."""
   a, b = plan.block_q // bq, plan.block_kv // bkv
   rows, cols, kinds = plan.visited_tiles()
   rows, cols, kinds = _sub_tiles(rows, cols, kinds.astype(np.int8), a, b)
@@ -134,8 +117,7 @@ def plan_dkv_mask_info(plan: TilePlan, bq: int, bkv: int, stored: bool = False
 
 
 def dkv_table_entries(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = None) -> int:
-  """Work-list entries (grid steps per head) of the backward kernel: visited backward sub-tiles
-  plus one per kv sub-tile no query visits."""
+  """Backward grid steps per head: visited sub-tiles plus one per unvisited kv sub-tile."""
   bq, bkv, _ = backward_blocks(plan, None, bwd_blocks)
   a, b = plan.block_q // bq, plan.block_kv // bkv
   rows, cols, _ = plan.visited_tiles()
@@ -145,9 +127,8 @@ def dkv_table_entries(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = 
 
 def dkv_smem_bytes(plan: TilePlan, bwd_blocks: tuple[int, int, int] | None = None,
                    stored: bool = False) -> int:
-  """SMEM bytes of the backward kernel's tables (its scalar prefetch, like the forward's
-  :func:`maxdiffusion_svg.kernels.tpu_memory.smem_estimate`): per entry its kv and q tile (as
-  narrow as they fit), its kind (int8), two int32 row bounds and, for a stored mask, its block."""
+  """SMEM bytes of the backward kernel's tables: per entry kv and q tile (narrowest int), kind,
+  two int32 row bounds and, for a stored mask, its block."""
   bq, bkv, _ = backward_blocks(plan, None, bwd_blocks)
   width = lambda n: 1 if n <= 127 else 2 if n <= 32767 else 4
   per_entry = (width(plan.num_kv_tiles * (plan.block_kv // bkv))
@@ -168,8 +149,8 @@ BACKWARD_VMEM_PER_SCORE = {"v4": 1.2, "v5e": 1.0, "v5p": 1.0, "v6e": 1.0, "tpu7x
 
 def dkv_vmem_bound(bwd_blocks: tuple[int, int, int], head_dim: int, dtype: Any,
                    target: Target) -> int:
-  """Scoped-VMEM bytes tokamax's backward kernel needs at most at ``bwd_blocks`` (block_q,
-  block_kv, block_kv_compute) on ``target``'s generation (an unknown one: the largest)."""
+  """Scoped-VMEM bytes tokamax's backward kernel needs at most at ``bwd_blocks`` on ``target``'s
+  generation (an unknown one: the largest)."""
   bq, bkv, bkc = bwd_blocks
   itemsize = jnp.dtype(dtype).itemsize
   d = -(-head_dim // 128) * 128
@@ -182,9 +163,8 @@ def dkv_vmem_bound(bwd_blocks: tuple[int, int, int], head_dim: int, dtype: Any,
 
 def backward_tiles(plan: TilePlan, block_kv_compute: int, head_dim: int, dtype: Any,
                    target: Target) -> tuple[int, int, int]:
-  """The backward's tiles on ``target``: the forward's, or where they would not fit its scoped
-  VMEM (:func:`dkv_vmem_bound`), the largest query tile dividing the forward's (whole lanes)
-  that does; the forward's when none does (:func:`check_backward_fits` then refuses)."""
+  """The forward's tiles, or the largest query tile dividing them whose :func:`dkv_vmem_bound`
+  fits ``target``; the forward's if none does (:func:`check_backward_fits` refuses)."""
   candidates = [bq for bq in range(plan.block_q, 127, -128) if plan.block_q % bq == 0]
   for bq in candidates:
     blocks = (bq, plan.block_kv, block_kv_compute)
@@ -195,9 +175,7 @@ def backward_tiles(plan: TilePlan, block_kv_compute: int, head_dim: int, dtype: 
 
 def check_backward_fits(plan: TilePlan, bwd_blocks: tuple[int, int, int], head_dim: int,
                         dtype: Any, target: Target) -> None:
-  """Refuses, before compiling, a backward that cannot fit ``target``: its scoped VMEM
-  (:func:`dkv_vmem_bound`) or its tables in SMEM (its kv-major work list holds about as many
-  entries as the forward's, plus unvisited kv tiles)."""
+  """Refuses, before compiling, a backward over ``target``'s scoped VMEM or SMEM."""
   if not target.is_tpu:
     return
   bq, bkv, bkc = bwd_blocks
@@ -225,14 +203,10 @@ def splash_sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, l
                                      bwd_blocks: tuple[int, int, int] | None = None,
                                      stored_mask: bool = False
                                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(dq, dk, dv)`` (float32, at the precision of the inputs' dtype) of the attention over
-  ``plan``'s visited tiles through Splash's backward kernel, given any executor's natural-log
-  ``lse [B, H, S]`` and ``delta = rowsum(dout * out) - dlse`` (:func:`row_delta`). Arguments
-  as :func:`maxdiffusion_svg.kernels.backward.sparse_attention_backward` (no ``head_tiles``:
-  Splash runs one table). ``bwd_blocks``: ``(block_q, block_kv, block_kv_compute)`` of the
-  backward, dividing the plan's tiles (default: the forward's, ``block_kv_compute`` its
-  compute block). ``stored_mask``: see :func:`backward_mask_strategy`. Unchecked against
-  VMEM/SMEM, like the forward."""
+  """Float32 ``(dq, dk, dv)`` over ``plan``'s visited tiles by Splash's backward kernel, from any
+  forward's natural-log ``lse [B, H, S]`` and ``delta`` (:func:`row_delta`); one table, no
+  ``head_tiles``. ``bwd_blocks``: ``(block_q, block_kv, block_kv_compute)`` dividing the plan's
+  (None: the forward's). ``stored_mask``: :func:`backward_mask_strategy`. Unchecked, like Splash."""
   if plan.q_len is not None:
     raise ValueError(RING_REFUSAL)
   s = q.shape[2]

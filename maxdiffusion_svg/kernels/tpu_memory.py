@@ -1,12 +1,7 @@
-"""Will a plan's TPU kernel fit the chip's on-chip memories? VMEM and SMEM needs and limits.
+"""Will a plan's TPU kernel fit the chip's VMEM and SMEM? Estimates, limits and refusals.
 
-Splash keeps its pipelined blocks, online-softmax scratch and per-step temporaries in
-scoped VMEM, under a per-kernel limit the compiler enforces (the generation's default
-unless ``--xla_tpu_scoped_vmem_limit_kib`` raises it), and copies its tile tables whole
-into SMEM. A configuration over either fails deep inside libtpu; these checks refuse it
-first, naming the chip, the bytes, the limit and the settings to change. The VMEM figure is
-the model fitted to libtpu's own allocations (``vmem_model``); tests compile against libtpu
-to hold both claims: what is accepted compiles, and what is refused would not have.
+Over either, a kernel fails deep in libtpu; these checks refuse first, naming chip, bytes, limit
+and settings to change. Tests compile against libtpu to hold both sides of that line.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ def mask_strategy(plan: TilePlan) -> str | None:
 
 def vmem_estimate(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
                   target: Target) -> int:
-  """Scoped-VMEM bytes of one Splash kernel for ``plan`` on ``target``'s (known) generation,
-  by the model fitted to libtpu's allocations (:mod:`maxdiffusion_svg.kernels.vmem_model`)."""
+  """Scoped-VMEM bytes of one Splash kernel on ``target``'s known generation (fitted model)."""
   if not target.known:
     raise ValueError("vmem_estimate needs a known TPU generation (vmem_need holds an unknown "
                      "one to the largest of them)")
@@ -46,9 +40,8 @@ def vmem_estimate(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: i
 
 
 def smem_estimate(plan: TilePlan) -> int:
-  """SMEM bytes of the tile tables: per work-list entry (visited tiles, plus one per q-tile
-  row with none) its row, column, kind, two int32 row bounds and, for a stored mask, the
-  block index; rows and columns as narrow as they fit."""
+  """SMEM bytes of the tile tables: per work-list entry its row, column (narrowest int), kind,
+  two int32 row bounds and, for a stored mask, the block index."""
   entries = plan.work_list()[0].size
   width = lambda n: 1 if n <= 127 else 2 if n <= 32767 else 4
   per_entry = (width(plan.num_q_tiles) + width(plan.num_kv_tiles) + 1 + 8
@@ -58,8 +51,7 @@ def smem_estimate(plan: TilePlan) -> int:
 
 def vmem_need(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
               target: Target) -> int:
-  """The scoped VMEM ``target`` is held to: its generation's estimate, or for a TPU of unknown
-  generation the largest of the known generations' (what must fit wherever it runs)."""
+  """Scoped VMEM ``target`` is held to: its generation's estimate, or if unknown the largest."""
   if target.known:
     return vmem_estimate(plan, head_dim, dtype, block_kv_compute, target)
   return max(vmem_estimate(plan, head_dim, dtype, block_kv_compute, Target("tpu", generation))
@@ -80,9 +72,7 @@ PALLAS_ROW_KEY_BIAS_BYTES = 128 * 4
 
 def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
                       row_keys: int = 0) -> int:
-  """Scoped-VMEM bytes our kernel needs at most for ``plan``'s tiles (see the figures above);
-  ``row_keys``: the extra keys each row takes (compensated sparse calls), held in whole chunks
-  (:func:`row_key_slots`)."""
+  """Upper bound on our kernel's scoped VMEM (figures above); ``row_keys``: extra keys per row."""
   itemsize = jnp.dtype(dtype).itemsize
   wide = max(1.0, itemsize / 2) * max(1.0, head_dim / 128)
   slots = row_key_slots(row_keys, block_kv_compute)
@@ -92,15 +82,13 @@ def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_comput
 
 
 def pallas_smem_bytes(plan: TilePlan, tables: int = 1) -> int:
-  """Our work list: one int32 per grid step (visited tiles, plus one per empty row), once, or
-  once per head where ``tables`` heads walk their own (the semantic layout's tables)."""
+  """Our work list's SMEM: one int32 per grid step, times ``tables`` heads walking their own."""
   return 4 * plan.work_list()[0].size * tables + 1024
 
 
 def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
                 target: Target, backend: str = "splash", row_keys: int = 0) -> int:
-  """The scoped VMEM a TPU target holds ``backend``'s kernel for ``plan`` to (``row_keys``: the
-  extra keys per row our kernel takes; Splash merges them after, outside the kernel)."""
+  """Scoped VMEM ``backend``'s kernel is held to (``row_keys``: ours only; Splash merges after)."""
   bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
   if backend == "pallas":
     return pallas_vmem_bound(plan, head_dim, dtype, bkc, row_keys)
@@ -120,14 +108,9 @@ def _keys_to_change(plan: TilePlan) -> str:
 def check_fits(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int | None,
                target: Target, backend: str = "splash", row_keys: int = 0,
                tables: int = 1) -> None:
-  """Raises before compiling when ``plan`` cannot fit ``target``'s VMEM or SMEM.
-
-  Any TPU target is checked: a known generation against its own limits, an unknown one
-  against the strictest known. Off TPU there is no limit (interpreted kernels on CPU).
-  ``backend`` is the TPU kernel: ``pallas`` (ours) or ``splash``; ``row_keys``: the extra keys
-  per row our kernel takes (compensation); ``tables``: the heads walking their own tile
-  tables (semantic heads: one work list each in SMEM), else 1.
-  """
+  """Raises before compiling when ``backend``'s kernel for ``plan`` cannot fit ``target``'s VMEM
+  or SMEM (unknown TPU: the strictest known; off TPU: no limit). ``row_keys``: extra keys per
+  row (ours); ``tables``: heads walking their own tile tables, else 1."""
   if not target.is_tpu:
     return
   name = "Pallas" if backend == "pallas" else "Splash"

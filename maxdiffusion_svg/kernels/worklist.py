@@ -1,11 +1,7 @@
-"""A TilePlan as the flat, packed work list our Pallas kernel walks (one int32 per grid step).
+"""A TilePlan as the packed work list our Pallas kernel walks: one int32 per grid step.
 
-Each visited tile is one grid step; a q-tile row that visits nothing still gets one step, so
-its output block is written (as zeros). A step packs its row, kv column, tile kind and whether
-it opens or closes its row, so the kernel needs one scalar-memory read per step and the whole
-list of a 1440p dense call (about 18k steps) stays under 80 KiB of SMEM. Steps that keep the
-previous step's q or kv block index make the Pallas pipeline skip that block's copy, so a
-do-nothing step reuses the kv column before it (:meth:`TilePlan.work_list`).
+A step packs row, kv column, kind and open/close-row flags (a 1440p dense call: ~18k steps,
+under 80 KiB of SMEM); a row that visits nothing gets one step, so its output is written.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ RAGGED_CORES = 2
 
 
 def ragged_cores(heads: int) -> int:
-  """Lanes a ragged call on ``heads`` (batch x heads) lists splits them into: each lane gets
-  at least one head, so no lane writes an output block it never computed."""
+  """Lanes a ragged call splits ``heads`` (B x H) lists into: at least one head per lane."""
   return min(RAGGED_CORES, heads)
 
 
@@ -52,8 +47,7 @@ def unpack_work(word):
 
 
 def head_table_slots(plan: TilePlan) -> tuple[np.ndarray, np.ndarray]:
-  """``(rows, slots)`` of the plan's work-list steps in its packed ``[num_q_tiles, width]``
-  table: where each step of a per-head table (same rows, same counts) reads its column."""
+  """``(rows, slots)`` of each work-list step in the plan's ``[num_q_tiles, width]`` table."""
   if (plan.num_visited < 1).any():
     raise ValueError("a per-head tile table needs every query tile row to visit a tile "
                      "(aligned plans keep each row's diagonal)")
@@ -62,10 +56,8 @@ def head_table_slots(plan: TilePlan) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_head_work(plan: TilePlan, kv_index: jax.Array) -> jax.Array:
-  """``int32 [B * H * steps]``: each head's work list, where heads visit their own key tiles
-  (``kv_index [B, H, num_q_tiles, width]``, computed on device) with the plan's per-row counts:
-  rows, order and open/close flags are the plan's, columns the head's. A column holding
-  padding keys is ``MASKED`` (aligned rule), any other ``FULL``. Flat, head after head."""
+  """``int32 [B * H * steps]``, head after head: the plan's rows, order and flags with each head's
+  columns from ``kv_index [B, H, num_q_tiles, width]`` (kinds by the aligned rule)."""
   rows, slots = head_table_slots(plan)
   static = pack_work(plan) & ~np.int32((MAX_COLS - 1) << COL_SHIFT | ((1 << KIND_BITS) - 1))
   cols = kv_index[:, :, rows, slots]  # [B, H, steps]
@@ -73,30 +65,23 @@ def pack_head_work(plan: TilePlan, kv_index: jax.Array) -> jax.Array:
 
 
 def _column_kinds(plan: TilePlan, cols: jax.Array) -> jax.Array:
-  """Each head's own column's kind, by the aligned rule: ``MASKED`` where it holds padding
-  keys (the last column of a padded sequence), else ``FULL``."""
+  """The aligned rule: ``MASKED`` for the last column of a padded sequence, else ``FULL``."""
   padded = plan.seq_len % plan.block_kv != 0
   return jnp.where(padded & (cols == plan.num_kv_tiles - 1), MASKED, FULL)
 
 
 def ragged_tables(plan: TilePlan, heads: int, steps: int) -> int:
-  """A ragged call's SMEM in the plan's work lists (what the VMEM/SMEM checks count): its work
-  list and each step's head, ``steps`` per lane of ``heads`` (batch x heads) lists."""
+  """A ragged call's SMEM (work list and step heads) in units of the plan's work list."""
   return -(-2 * ragged_cores(heads) * steps // plan.work_list()[0].size)
 
 
 def pack_ragged_work(plan: TilePlan, kv_index: jax.Array, steps: int,
                      cores: int) -> tuple[jax.Array, jax.Array]:
-  """``(work, heads)``, ``int32 [cores * steps]`` each: a per-head budget's work lists laid end
-  to end, heads split in ``cores`` contiguous groups, each group's list padded to ``steps``.
-
-  ``kv_index [B, H, num_q_tiles, width]`` (on device) holds each head's key tiles in the
-  plan's slots, ``-1`` past the head's own count in a row (a head visits a prefix of the
-  plan's slots; the plan holds the widest head's count per row). A step packs its row,
-  column, kind and open/close flags as :func:`pack_work`; ``heads`` names its head
-  (``b * H + h``). Padding steps repeat the last real step's blocks as ``EMPTY`` with no flag:
-  no copy, no compute, nothing written. ``steps`` must bound each group's visited tiles
-  (:func:`maxdiffusion_svg.budgets.per_head.HeadBudget.steps_bound`); more would be dropped."""
+  """``(work, heads)``, int32 ``[cores * steps]``: a per-head budget's lists end to end, heads in
+  ``cores`` contiguous groups, each padded to ``steps``. ``kv_index [B, H, num_q_tiles, width]``
+  holds ``-1`` past a head's count; ``heads`` names each step's head (``b * H + h``). Padding
+  steps repeat the last real blocks as ``EMPTY`` (no copy, compute or write). ``steps`` must
+  bound each group's visited tiles (``HeadBudget.steps_bound``); more would be dropped."""
   rows, slots = head_table_slots(plan)
   b, h = kv_index.shape[:2]
   n = b * h

@@ -1,11 +1,7 @@
 """Portable block-sparse attention in plain JAX: cost follows the plan's visited tiles.
 
-The visited tiles form a flat work list. A ``lax.scan`` takes a fixed number of tiles
-per step, computes their logits, and folds them into the online-softmax state (running
-max, denominator, accumulator) of just the rows they touch, by gather and scatter. Full
-and masked tiles are two separate scans over the same state, so full tiles never
-evaluate a mask: the seed's B2/B3 split, in XLA. A flat list wastes nothing on rows that
-visit fewer tiles.
+A ``lax.scan`` folds a fixed number of work-list tiles per step into the online-softmax state
+of the rows they touch; full and masked tiles scan separately, so full tiles skip the mask.
 """
 
 from __future__ import annotations
@@ -29,12 +25,9 @@ def _pad_tiles(x: jax.Array, tiles: int, block: int) -> jax.Array:
 
 
 def _work_steps(rows: np.ndarray, cols: np.ndarray, per_step: int, dummy_row: int):
-  """Splits a row-sorted work list into equal steps, with each step's distinct rows.
-
-  Returns per step: the rows it updates (``[steps, per_step]``, padded with ``dummy_row``,
-  whose updates are dropped), and per tile its kv tile and the slot of its row in that
-  list. Only those rows' softmax state is read and written: a step costs O(its tiles).
-  """
+  """A row-sorted work list cut into equal steps: ``(step_rows, cols, slots, rows)``, each step's
+  distinct rows (padded with ``dummy_row``, whose updates drop) and per tile its kv tile and its
+  row's slot in them, so a step costs O(its tiles)."""
   steps = -(-rows.size // per_step)
   per_step = -(-rows.size // steps)  # same step count, least padding
   pad = steps * per_step - rows.size
@@ -53,13 +46,10 @@ def xla_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePla
                          return_lse: bool = False,
                          head_tiles: jax.Array | None = None,
                          ragged: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles only; with
-  ``return_lse`` also each row's log-sum-exp of its kept logits (float32 ``[B, H, S]``,
-  natural log, ``-inf`` where a row keeps nothing). ``head_tiles [B, H, num_q_tiles, width]``:
-  each head's own key tiles with the (aligned) plan's counts per row; one scan then takes
-  every tile with the aligned rule (padding keys dropped), since which tiles hold padding
-  differs per head. ``ragged``: the tables hold ``-1`` where a head's row visits fewer tiles
-  than the plan's (a per-head budget); those slots are dropped too."""
+  """Attention of ``[B, H, S, D]`` inputs over the plan's visited tiles; ``return_lse`` adds
+  float32 ``[B, H, S]`` (natural log, ``-inf``: row keeps nothing). ``head_tiles [B, H,
+  num_q_tiles, width]``: each head's own tiles, all taken with the aligned rule; ``ragged``:
+  their ``-1`` slots (a per-head budget) are dropped."""
   b, h, s, _ = q.shape
   dv = v.shape[-1]
   bq, bkv = plan.block_q, plan.block_kv

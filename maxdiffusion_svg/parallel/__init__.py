@@ -1,2 +1,1 @@
-"""The call across devices and hosts: the Ulysses head exchange, the Ulysses x ring split,
-and several JAX processes on one machine."""
+"""Across devices and hosts: the Ulysses head exchange, the Ulysses x ring split, multi-process."""

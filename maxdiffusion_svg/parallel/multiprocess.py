@@ -1,15 +1,9 @@
 """Several JAX processes on one machine, as the hosts of a multi-host TPU slice would be.
 
-``run_processes("pkg.module:function", n)`` starts ``n`` Python processes; each joins JAX's
-distributed runtime through a loopback coordinator (CPU devices, gloo collectives), so the
-global mesh spans every process's devices exactly as a v6e-16's spans its 4 hosts, then calls
-the function with its process index and writes the JSON-able result. Time is bounded: on a
-timeout or any failure every process is killed and the error carries each process's log.
-
-Each process's environment also describes the job the way a cluster launcher would (JAX's
-Open MPI detection plus ``JAX_COORDINATOR_ADDRESS``), so that code which calls
-``jax.distributed.initialize()`` with no arguments itself, as MaxDiffusion does, joins the
-same job: pass ``initialize=False`` and let it.
+Each joins ``jax.distributed`` (loopback coordinator, CPU, gloo); on a timeout or failure all are
+killed and the error carries every log. The environment mimics a launcher's (Open MPI,
+``JAX_COORDINATOR_ADDRESS``), so code calling ``jax.distributed.initialize()`` itself joins too
+(pass ``initialize=False``).
 """
 
 from __future__ import annotations
@@ -58,11 +52,9 @@ def run_processes(worker: str, num_processes: int, *, devices_per_process: int =
                   args: Any = None, timeout: float = 300.0,
                   env: dict[str, str] | None = None, initialize: bool = True,
                   kill_on_failure: bool = True) -> list[Any]:
-  """Runs ``worker`` ("module:function", called as ``function(process_index, args)``) in
-  ``num_processes`` processes joined by ``jax.distributed``; returns their results in order.
-
-  ``kill_on_failure=False`` lets the others run on (to the timeout) when one fails: for tests
-  that every process fails by itself."""
+  """Runs ``worker`` ("module:function", as ``function(process_index, args)``) in
+  ``num_processes`` processes; returns their results in order. ``kill_on_failure=False``: the
+  others run on to the timeout."""
   if num_processes < 1 or devices_per_process < 1:
     raise ValueError(f"num_processes and devices_per_process must be >= 1, got "
                      f"{num_processes}, {devices_per_process}")

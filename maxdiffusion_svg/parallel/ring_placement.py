@@ -1,12 +1,6 @@
 """Placement across the ring: the exchange's ring shards to the plan's, per head type.
 
-After the head exchange a ring shard holds ``S / R`` frame-major tokens as they arrived; the plan
-runs shards of whole query tiles (:class:`maxdiffusion_svg.parallel.ring_plan.RingSplit`), and a
-temporal head runs in temporal-major order. Both moves are a static permutation of the sequence
-across
-the ring, here as tables (O(S) integers, built once per shape) for one all-to-all whose sides are
-gathers.
-"""
+Static O(S) tables, built once per shape, for one all-to-all whose sides are gathers."""
 
 from __future__ import annotations
 
@@ -22,13 +16,9 @@ from maxdiffusion_svg.parallel.ring_plan import RingSplit
 class ShardPermutation:
   """``out[p] = x[source[p]]``, from the exchange's ``natural`` shards to the plan's shards.
 
-  Tokens that stay on their shard are gathered locally; the rest cross the ring in one
-  all-to-all, in which shard ``s`` sends ``send[s, d]`` (its local offsets, in ``d``'s order)
-  to each other shard ``d``, whose positions ``recv[d, s]`` they fill. Blocks are as large as
-  the busiest pair of different shards; padding entries are out of range (gathered as zeros).
-  Each side is one gather: ``place_from[d, p]`` is where the plan shard's position ``p`` is in
-  ``[received (R x M) | the shard's own natural tokens]``; the inverse sends by ``recv`` and
-  gathers by ``back_from`` from ``[received | the shard's own plan positions]``."""
+  Staying tokens gather locally; shard ``s`` sends ``send[s, d]`` to fill ``recv[d, s]`` in one
+  all-to-all. ``place_from[d, p]`` indexes ``[received (R x M) | own natural tokens]``, the
+  inverse's ``back_from`` ``[received | own plan positions]``; out-of-range padding gives zeros."""
 
   split: RingSplit
   send: np.ndarray  # int32 [R(src), R(dst), M]
@@ -44,9 +34,8 @@ class ShardPermutation:
 @functools.lru_cache(maxsize=16)
 def ring_placement(frames: int, frame_size: int,
                    split: RingSplit) -> tuple[ShardPermutation | None, ShardPermutation]:
-  """``(spatial, temporal)``: the exchange's shards to the plan's, in frame-major order (None
-  where they are the same) and in temporal-major order, with one block size so that a head's
-  flag picks its tables around one all-to-all. O(S) tables, built once per shape."""
+  """``(spatial, temporal)``: frame-major (None where shards match) and temporal-major tables
+  with one block size, so a head's flag picks its tables around one all-to-all."""
   s = frames * frame_size
   if s != split.seq_len:
     raise ValueError(f"grid of {s} tokens, ring split of {split.seq_len}")

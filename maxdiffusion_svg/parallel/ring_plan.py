@@ -1,16 +1,8 @@
 """The ring half of a Ulysses x ring context split, planned statically (numpy, at trace time).
 
-A context axis of ``C`` devices splits as ``U`` (Ulysses) x ``R`` (ring), ring-major as
-MaxDiffusion's ``ulysses_ring`` kernels split it (``ulysses_shards = U``). After the head
-exchange inside each group of ``U`` devices, ring shard ``r`` holds ``H / U`` heads over
-tokens ``[r L, (r + 1) L)`` of the placed sequence: frame-major for spatial heads,
-temporal-major for temporal heads (:class:`ShardPermutation` moves them across the ring).
-
-A band + sink plan visits few of the ``R x R`` (query shard, key shard) pairs, so instead of
-rotating every key shard past every device (a ring's ``R - 1`` hops), each shard fetches the
-key tiles its rows visit and nothing else (:class:`KeyFetch`), and runs the single-device plan's
-own rows on them (:func:`window_plan`): the same tiles, kinds and rounding as one device, so
-the result is that of one device.
+After the head exchange ring shard ``r`` holds ``H / U`` heads over tokens ``[r L, (r + 1) L)``.
+Rather than ``R - 1`` ring hops, each fetches only the key tiles its rows visit (:class:`KeyFetch`)
+and runs the single-device plan's own rows (:func:`window_plan`): one device's result.
 """
 
 from __future__ import annotations
@@ -35,16 +27,13 @@ def _is_int(value: Any) -> bool:
 
 
 def asks_for_ring(ulysses_shards: Any, context: int) -> bool:
-  """Whether ``ulysses_shards`` asks for fewer head-exchanging devices than the context axis
-  (unset, -1, 0 and the whole axis ask for none; any other value asks, and
-  :func:`check_ulysses_shards` judges it)."""
+  """Whether ``ulysses_shards`` asks for a ring (unset, -1, 0 and ``context`` do not)."""
   return not (ulysses_shards is None
               or (_is_int(ulysses_shards) and (ulysses_shards <= 0 or ulysses_shards == context)))
 
 
 def check_dense_frames_on_ring(dense_frames: int, ulysses: int, ring: int) -> None:
-  """The leading frames' dense rows (``svg_dense_frames``) need every key, which a ring of
-  sequence shards splits: refused by the run and its pre-flight in these words."""
+  """Refuses ``svg_dense_frames`` on a ring: dense rows need every key, which a ring splits."""
   if ring > 1 and dense_frames:
     raise ValueError(
         f"svg_dense_frames is {dense_frames}, whose dense rows need every key: ulysses_shards "
@@ -59,11 +48,8 @@ def budget_keys(config: SvgConfig, experts: Sequence[str | None] = (None,)) -> t
 
 def check_on_ring(ulysses: int, ring: int, *, dense_frames: int = 0,
                   budgets: Sequence[str] = (), layouts: Sequence[str] | None = None) -> str:
-  """What a ring of ``ring`` sequence shards accepts, checked alike by the run (before it traces
-  a ring) and by its pre-flight (before weights load): ``svg_dense_frames``
-  (:func:`check_dense_frames_on_ring`), the per-layer and per-head keys set (``budgets``, from
-  :func:`budget_keys`: a ring runs one budget for every layer and head) and ``layouts`` (a ring
-  leaves semantic out). Returns what it changes ("" if nothing)."""
+  """What a ring accepts, for the run and its pre-flight alike: no ``svg_dense_frames``, no
+  per-layer or per-head ``budgets``. Returns the note on ``layouts`` (semantic left out, or "")."""
   check_dense_frames_on_ring(dense_frames, ulysses, ring)
   if ring > 1 and budgets:
     raise ValueError(f"{budgets[0]} does not run on a ring yet (ulysses_shards {ulysses} leaves "
@@ -78,12 +64,8 @@ def working_ulysses_shards(context: int, heads: int) -> list[int]:
 
 
 def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple[int, int]:
-  """``(U, R)`` for a context axis of ``context`` devices and ``heads`` heads per exchange.
-
-  ``ulysses_shards`` is MaxDiffusion's key: ``None``, ``-1`` or ``0`` (its default) and
-  ``context`` itself mean Ulysses over the whole axis (``R = 1``); otherwise ``U`` devices
-  exchange heads and ``R = context / U`` shards of the sequence form the ring.
-  """
+  """``(U, R)``: ``None``, -1, 0 or ``context`` mean Ulysses over the whole axis (``R = 1``);
+  otherwise ``U`` devices exchange heads and ``R = context / U`` shards form the ring."""
   if ulysses_shards is not None and not _is_int(ulysses_shards):
     raise ValueError(f"ulysses_shards must be an integer, got {ulysses_shards!r}")
   ulysses = int(ulysses_shards) if asks_for_ring(ulysses_shards, context) else context
@@ -102,12 +84,9 @@ def check_ulysses_shards(ulysses_shards: Any, context: int, heads: int) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class RingSplit:
-  """The sequence over the ring, two ways. As the head exchange delivers it: ``ring`` shards
-  of ``natural`` tokens (the sequence padded only to the context axis). As the plan runs it:
-  shard ``r`` holds positions ``[starts[r], starts[r + 1])``, whole query tiles, the tile
-  boundary nearest the natural one (so a shard's tokens mostly stay where they are); buffers
-  hold ``chunk`` tokens, the largest shard. Positions past ``seq_len`` are padding (never kept
-  as keys, sliced off as queries)."""
+  """The sequence over the ring: the exchange's ``ring`` shards of ``natural`` tokens, and the
+  plan's ``[starts[r], starts[r + 1])`` of whole query tiles, at the tile boundary nearest the
+  natural one; buffers hold ``chunk``, the largest. Past ``seq_len``: padding (never a key)."""
 
   seq_len: int
   ring: int
@@ -137,8 +116,7 @@ class RingSplit:
 
 
 def ring_split(seq_len: int, ring: int, ulysses: int, block_q: int) -> RingSplit:
-  """The exchange's shards (each split evenly by the Ulysses group) and the plan's (each whole
-  query tiles, so it runs whole rows of the plan)."""
+  """The exchange's shards (even over the Ulysses group) and the plan's (whole query tiles)."""
   natural = -(-seq_len // (ring * ulysses)) * ulysses
   tiles = -(-seq_len // block_q)
   starts = [min(tiles, round(r * natural / block_q)) * block_q for r in range(ring)]
@@ -147,12 +125,8 @@ def ring_split(seq_len: int, ring: int, ulysses: int, block_q: int) -> RingSplit
 
 @dataclasses.dataclass(frozen=True)
 class WindowMask(Mask):
-  """A global mask seen from one ring shard's buffers: local query ``q`` is global
-  ``q + q_offset``; the local keys are runs of global keys (``runs``: ascending
-  ``(local_start, global_start)``); local keys before the first run are unused slots.
-
-  Evaluated by ``where`` arithmetic on static constants, so it runs inside a Pallas kernel.
-  """
+  """A global mask on a ring shard's buffers (query ``q`` is ``q + q_offset``; keys are ``runs``
+  of global keys, unused slots first), in static ``where`` arithmetic so it runs inside Pallas."""
 
   mask: Mask
   q_offset: int
@@ -202,10 +176,8 @@ def window_slots(plan: TilePlan, split: RingSplit) -> int:
 
 
 def window_plan(plan: TilePlan, split: RingSplit, shard: int) -> TilePlan:
-  """Shard ``shard``'s rows of ``plan`` on its local buffers: its ``chunk`` queries against
-  the window of :func:`window_slots` key tiles :class:`KeyFetch` assembles (unused slots
-  first, then the visited tiles ascending, so the sequence's padded last tile stays last).
-  Same tiles, kinds and rounding as the single-device plan."""
+  """Shard ``shard``'s rows of ``plan``: ``chunk`` queries against its :class:`KeyFetch` window
+  (unused slots, then visited tiles ascending, so the padded last tile stays last)."""
   bq, bkv = plan.block_q, plan.block_kv
   slots = window_slots(plan, split)
   tiles = window_tiles(plan, split, shard)
@@ -255,9 +227,8 @@ def _runs(tiles: np.ndarray, unused: int, bkv: int) -> tuple[tuple[int, int], ..
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Hop:
-  """One collective permute of a fetch: shard ``s`` sends ``send[s]`` (piece offsets in its
-  own shard) to ``(s + offset) % R``, which takes them as window pieces ``recv[...]``.
-  Padding entries are out of range (dropped)."""
+  """One collective permute: shard ``s`` sends ``send[s]`` to ``(s + offset) % R``, which takes
+  them as window pieces ``recv[...]``. Out-of-range padding is dropped."""
 
   offset: int
   pairs: tuple[tuple[int, int], ...]
@@ -267,14 +238,9 @@ class Hop:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KeyFetch:
-  """How every ring shard assembles its window of key tiles from the shards holding them.
-
-  Keys move in ``piece``-token pieces (the largest that divides both a shard and a kv tile):
-  own pieces stay; the sink (the first frame, on shard 0) goes to every shard past shard 0's
-  neighbour by one broadcast (a sum over the ring of shard 0's pieces and zeros: one
-  collective, not one permute per shard); the rest (the band's neighbours) by one collective
-  permute per shard offset around the ring (``R - 1`` at most: a dense window's), each as large
-  as its busiest pair."""
+  """How every ring shard assembles its key window in ``piece``-token pieces: own pieces stay, the
+  sink (first frame, on shard 0) reaches shards >= 2 by one broadcast (a ring sum), the band's
+  neighbours by one collective permute per shard offset."""
 
   split: RingSplit
   block_kv: int
@@ -392,8 +358,7 @@ def _key_fetch(plan: TilePlan, split: RingSplit) -> KeyFetch:
 
 
 def _stack(pairs, ring, src_pad, dst_pad, src_rows, dst_rows):
-  """``[R, width]`` tables of ``(source pieces, window pieces)`` pairs, each in its shard's row
-  (the sender's for the first, the receiver's for the second), padded out of range."""
+  """``[R, width]`` (source, window) piece tables, rows by sender and by receiver, padded."""
   width = max(1, max(p[0].size for p in pairs))
   src = np.full((ring, width), src_pad, np.int32)
   dst = np.full((ring, width), dst_pad, np.int32)

@@ -1,25 +1,13 @@
 """SVG over a context axis split as Ulysses ``U`` x ring ``R`` (MaxDiffusion's ``ulysses_shards``).
 
-Where the context axis is larger than any divisor of the heads (40 for Wan 14B: 32 or 64
-chips for one video), heads are exchanged inside groups of ``U`` devices only, and the sequence
-stays split over ``R`` ring shards. On each device, inside one ``shard_map`` over the mesh with
-``context`` split into ``(svg_ring, svg_ulysses)`` (ring-major, as MaxDiffusion splits it):
-
-1. all-to-all over ``svg_ulysses``: ``H / U`` heads over ring shard ``r``'s tokens;
-2. route: the sampled rows' softmax over this shard's keys, merged over the ring exactly
-   (max, then sums): every shard of a head gets the same flags;
-3. place: temporal heads move to temporal-major order across the ring and every head to the
-   plan's tile-aligned shards (one all-to-all; where the exchange's shards already are the
-   plan's, spatial heads keep their tokens);
-4. fetch: the key tiles this shard's rows visit, by a collective permute per shard offset
-   (the band's neighbours) and one broadcast (the sink), not ``R - 1`` ring hops;
-5. this shard's rows of the single-device plan on them (``lax.switch`` over ``r``: each
-   shard's plan is static), then restore and the all-to-all back.
-
-Why move temporal heads (step 3) rather than ring them: a temporal head in frame-major order
-reaches every frame, so every shard would need every key shard; placed, its band is as local as
-a spatial head's. The move costs ``q, k, v`` and the output once across the ring
-(``4 (R - 1) / R`` of a shard's heads), where a ring costs ``k, v`` ``R - 1`` times.
+For axes no divisor of the heads fills (Wan's 40 heads on 32 or 64 chips). In one ``shard_map``,
+``context`` split ring-major into ``(svg_ring, svg_ulysses)``: (1) all-to-all over
+``svg_ulysses`` to ``H / U`` heads of ring shard ``r``'s tokens; (2) route by per-shard softmaxes
+merged exactly over the ring (same flags on every shard); (3) place temporal heads
+temporal-major, all heads on the plan's shards (one all-to-all); (4) fetch the visited key tiles
+(permutes, one sink broadcast); (5) run this shard's plan rows, restore, all-to-all back.
+Temporal heads are placed, not ringed (frame-major they need every key shard): ``q, k, v`` and
+the output cross once, where a ring moves ``k, v`` ``R - 1`` times.
 """
 
 from __future__ import annotations
@@ -83,10 +71,8 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
                        grid: VideoGrid, mask: Mask, shard: jax.Array, chunk: int,
                        scale: float | None = None,
                        compensation: RingCompensation | None = None) -> tuple[jax.Array, jax.Array]:
-  """:func:`maxdiffusion_svg.routing.router.layout_errors` of a frame-major sequence split over the
-  ring: each shard's keys give a partial softmax (its max, sum and weighted values), merged
-  over the ring. Moves ``rows x D`` values per head, never keys. With ``compensation`` (the
-  plan and each layout's centroids, already whole-sequence) outputs are the compensated ones."""
+  """:func:`maxdiffusion_svg.routing.router.layout_errors` over the ring: per-shard softmaxes
+  merged, moving ``rows x D`` per head, never keys; compensated given the plan and centroids."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   qs = _rows_of(q, rows, shard, chunk)
   keys = shard * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -118,9 +104,8 @@ def ring_layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array
 
 def permute(x: jax.Array, perm: ShardPermutation, shard: jax.Array,
             inverse: bool = False) -> jax.Array:
-  """``[b, h, N, D]`` exchange shards -> ``[b, h, chunk, D]`` plan shards (``inverse``: back)
-  by ``perm``: a gather, one all-to-all, a gather from what crossed and one from what stayed
-  (no scatter, no concatenated copy)."""
+  """``[b, h, N, D]`` exchange shards -> ``[b, h, chunk, D]`` plan shards (``inverse``: back):
+  a gather, one all-to-all, then gathers from what crossed and what stayed."""
   send, crossed, stayed = _tables(perm, shard, inverse)
   got = _all_to_all(_take(x, send))
   return _take(got, crossed) + _take(x, stayed)
@@ -141,8 +126,7 @@ def place(x: jax.Array, temporal: jax.Array, spatial: ShardPermutation | None,
 
 
 def _tables(perm: ShardPermutation, shard: jax.Array, inverse: bool) -> tuple[jax.Array, ...]:
-  """What a shard sends, and where each of its outputs is in what crossed the ring and in
-  what stayed (out of range in the other: a gather gives zeros there)."""
+  """What a shard sends, and each output's index in what crossed and in what stayed."""
   send, gather = (perm.recv, perm.back_from) if inverse else (perm.send, perm.place_from)
   crossed = perm.split.ring * perm.block
   gather = jnp.asarray(gather)[shard]
@@ -155,9 +139,8 @@ def _all_to_all(blocks: jax.Array) -> jax.Array:
 
 
 def fetch_window(x: jax.Array, fetch: KeyFetch, shard: jax.Array) -> jax.Array:
-  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]`` of key tiles: its
-  own pieces, then each permute's and the sink's, written in place into one buffer (gathered
-  copies of a whole window per source cost a window each; the writes cost nothing more)."""
+  """``[b, h, L, D]`` -> this shard's window ``[b, h, slots * block_kv, D]``: its own, each
+  permute's and the sink's pieces, written in place into one buffer."""
   b, h, chunk, d = x.shape
   pieces = x.reshape(b, h, chunk // fetch.piece, fetch.piece, d)
   window = jnp.zeros((b, h, fetch.window_pieces, fetch.piece, d), x.dtype)
@@ -184,10 +167,8 @@ def _take(x: jax.Array, index: jax.Array) -> jax.Array:
 
 def _shard_kernels(branch: Branch, plan: TilePlan, split: RingSplit, scale: float | None,
                    blocks: int = 0) -> tuple[KeyFetch, Callable[..., Any]]:
-  """The fetch and ``run(shard, q, k_window, v_window, centroids=None)``: each shard's rows of
-  ``plan`` by ``branch``'s executor; with ``blocks``, compensated for every key tile a row
-  skips, its own shard's and the others' (``centroids``: each head's, of the whole placed
-  sequence, :func:`ring_centroids`; a plan that skips nothing takes none)."""
+  """The fetch and ``run(shard, q, k_window, v_window, centroids=None)`` of each shard's rows;
+  with ``blocks``, compensated for every skipped key tile (centroids: :func:`ring_centroids`)."""
   fetch = key_fetch(plan, split)
   compensate = blocks and skips_any(plan)
 
@@ -217,9 +198,8 @@ def _shard_kernels(branch: Branch, plan: TilePlan, split: RingSplit, scale: floa
 
 def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, blocks: int,
                    shard: jax.Array, natural: int) -> dict[str, Centroids]:
-  """Each layout's centroids of the whole sequence from the exchange's frame-major shards: each
-  shard sums its keys into the sub-blocks their placed positions fall in, summed over the ring
-  (``tiles x blocks x D`` per head: a remote tile's centroid costs its own size, not the tile)."""
+  """Each layout's whole-sequence centroids: each shard sums its keys by placed sub-block, then
+  a sum over the ring (``tiles x blocks x D`` per head, never remote tiles)."""
   frame_major = shard * natural + jnp.arange(natural, dtype=jnp.int32)
   real = frame_major < grid.tokens
   out = {}
@@ -239,11 +219,9 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
                        target: Target | None = None,
                        on_routing: Callable[..., None] | None = None,
                        prepared: PreparedCall | None = None) -> Any:
-  """SVG of global frame-major ``[B, H, S, D]`` arrays sequence-sharded over ``seq_axis``,
-  with heads exchanged inside groups of ``ulysses`` devices (see the module docstring).
-  Arguments as :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`, which validates
-  them and calls this where ``ulysses_shards`` leaves a ring (``prepared``: its prepared call, in
-  place of ``config``, ``expert`` and ``target``)."""
+  """SVG of frame-major ``[B, H, S, D]``, heads exchanged in groups of ``ulysses`` (module doc):
+  :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`'s ring path, with its arguments
+  (``prepared`` in place of ``config``, ``expert`` and ``target``)."""
   call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
   config = call.config
   off_ring = [name for name in config.layouts if not get(name).on_ring]
@@ -363,9 +341,8 @@ def _in_context(mesh: Mesh) -> bool:
 
 
 def reshard_explicit(x: jax.Array, mesh: Mesh, spec: P, axes: Sequence[str]) -> jax.Array:
-  """Where ``mesh``'s ``axes`` (the sequence and batch axes of a call) are explicit, moves ``x``
-  to ``spec`` (shard_map requires its inputs there already); on auto axes XLA's propagation
-  does it, so ``x`` is returned as is."""
+  """``x`` at ``spec`` where ``mesh``'s ``axes`` are explicit (shard_map needs it there); on auto
+  axes XLA's propagation does it, so ``x`` is returned as is."""
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   if all(types[a] == jax.sharding.AxisType.Explicit for a in axes):
     return jax.reshard(x, NamedSharding(mesh, spec))

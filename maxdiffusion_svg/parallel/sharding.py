@@ -1,11 +1,8 @@
 """Sharded SVG: the Ulysses head exchange around the single-device path.
 
-Video self-attention arrives sequence-sharded over the mesh's ``context`` axis. An
-all-to-all gives each device the full sequence of ``H / n`` heads; there routing,
-placement, the sparse kernel and restoration are all local (a temporal-major reorder of a
-sequence-sharded array would interleave every device's frames, i.e. move data across
-devices), and an all-to-all returns the output to sequence shards. The seed measured
-this order at 46.81 ms against 75.64 ms for routing and permuting before the exchange.
+An all-to-all over ``context`` gives each device the whole sequence of ``H / n`` heads, so routing
+and temporal-major placement never cross devices; another all-to-all restores sequence shards.
+Measured: 46.81 ms, against 75.64 ms routing and permuting before the exchange.
 """
 
 from __future__ import annotations
@@ -74,9 +71,8 @@ class HeadExchange:
 def head_exchange(mesh: Mesh, q_shape: Sequence[int], *, seq_axis: str = "context",
                   batch_axes: Sequence[str] = ("data", "fsdp"),
                   ulysses_shards: Any = None) -> HeadExchange:
-  """Validates a ``[B, H, S, D]`` shape against the mesh (errors name the problem).
-  ``ulysses_shards`` (MaxDiffusion's key): devices exchanging heads; unset, -1, 0 or the whole
-  axis mean Ulysses over all of ``seq_axis``, fewer leave a ring (:mod:`ring_sharding`)."""
+  """Validates a ``[B, H, S, D]`` shape against the mesh. ``ulysses_shards``: devices exchanging
+  heads; unset, -1, 0 or the whole axis mean all of ``seq_axis``, fewer leave a ring."""
   if seq_axis not in mesh.shape:
     raise ValueError(f"seq_axis {seq_axis!r} is not an axis of the mesh (axes: "
                      f"{', '.join(mesh.axis_names)})")
@@ -106,13 +102,8 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
 
 
 def layout_axes(mesh: Mesh, spec: P) -> tuple[str, tuple[str, ...]]:
-  """``(seq_axis, batch_axes)`` of a ``[B, H, S, D]`` layout given as a partition spec.
-
-  The spec is how the caller's arrays are laid out (MaxDiffusion derives it from its logical
-  axis rules); the exchange then matches it instead of resharding. Heads and head dims must
-  not be split across devices outside the call (the exchange splits heads itself), and the
-  sequence must be sharded over exactly one mesh axis (the one the all-to-all runs over).
-  """
+  """``(seq_axis, batch_axes)`` of a ``[B, H, S, D]`` partition spec (the caller's layout).
+  Refused: heads or head dims split over devices, or the sequence not over exactly one axis."""
   entries = (tuple(spec) + (None,) * 4)[:4]
   if len(tuple(spec)) > 4:
     raise ValueError(f"qkv_spec {spec} has {len(tuple(spec))} entries; a [B, H, S, D] layout "
@@ -154,15 +145,9 @@ def _pad_seq(x: jax.Array, length: int) -> jax.Array:
 
 def exchange_heads(fn: Callable[..., Any], ex: HeadExchange, *,
                    extra_specs: Sequence[P] = (), aux_spec: P | None = None) -> Callable[..., Any]:
-  """Runs ``fn`` on each device's local heads over the whole (unpadded) sequence.
-
-  Returns ``g(q, k, v, *extras)`` on global sequence-sharded ``[B, H, S, D]`` arrays;
-  ``fn(q, k, v, *extras)`` sees ``[b, H/n, S, D]``. ``extras`` enter with
-  ``extra_specs``. ``fn`` returns the output, or with ``aux_spec`` ``(out, aux)`` whose
-  leaves are per-head ``[b, H/n, ...]`` values, gathered to ``[B, H, ...]``. The pad that
-  makes ``S`` divisible by the shards is cut off before ``fn``, so it never reaches the
-  permutation or a softmax.
-  """
+  """Runs ``fn`` on each device's local heads over the whole (unpadded) sequence: ``g(q, k, v,
+  *extras)`` on sequence-sharded ``[B, H, S, D]``, ``fn`` on ``[b, H/n, S, D]``. With ``aux_spec``,
+  ``fn`` returns ``(out, aux)``, aux per-head ``[b, H/n, ...]`` gathered to ``[B, H, ...]``."""
   def body(q, k, v, *extras):
     q, k, v = (_to_local_heads(x, ex)[:, :, :ex.seq_len] for x in (q, k, v))
     result = fn(q, k, v, *extras)
@@ -190,10 +175,8 @@ def exchange_heads(fn: Callable[..., Any], ex: HeadExchange, *,
 
 def per_local_heads(fn: Callable[..., Any], ex: HeadExchange,
                     extra_specs: Sequence[P] = ()) -> Callable[..., Any]:
-  """``g(q, k, v, *extras)``: ``fn``'s per-head values of each device's local heads (a tuple of
-  ``[b, H/n, ...]`` arrays, as :func:`exchange_heads` gives ``fn`` its inputs), gathered to
-  ``[B, H, ...]``, with no output exchanged back: for measurements of the heads (what
-  ``calibrate`` records), which then cost each device its own heads only."""
+  """``g(q, k, v, *extras)``: ``fn``'s per-head ``[b, H/n, ...]`` values of each device's heads,
+  gathered to ``[B, H, ...]``; no output goes back (measurements such as ``calibrate``'s)."""
   def body(q, k, v, *extras):
     q, k, v = (_to_local_heads(x, ex)[:, :, :ex.seq_len] for x in (q, k, v))
     return fn(q, k, v, *extras)
@@ -223,35 +206,16 @@ def sharded_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mes
                           prepared: PreparedCall | None = None) -> Any:
   """SVG attention of global frame-major ``[B, H, S, D]`` arrays, sequence-sharded on ``mesh``.
 
-  Inside one ``shard_map``: all-to-all to local heads, then exactly the single-device path
-  (:func:`svg_attention`, or :func:`scheduled_svg_attention` when ``step`` and ``layer``
-  are given, as Python ints or traced int32 scalars), then all-to-all back. Each device
-  routes its own heads with the same key, so a head's route does not depend on the device
-  holding it. ``return_info`` (unscheduled calls only) adds the single-device info dict
-  with the routing (``layout``, ``temporal``, the router's errors) gathered to ``[B, H]``.
-
-  ``fold_batch``: where no mesh axis shards the batch (Wan's CFG pair on a context-only
-  mesh), the batch is folded into the heads around the exchange, as MaxDiffusion's
-  ``ulysses`` does: every (example, head) is independent, and at batch 2 the TPU compiler
-  would otherwise tile the exchanged tensors as T(2,128) instead of T(8,128).
-  ``target``: the hardware (default: the mesh's devices), which picks the executor and tiles.
-  ``prepared``: the call already prepared (:func:`maxdiffusion_svg.call.prepared.prepare` of
-  ``config``, ``grid`` and ``expert`` on this mesh), in place of ``target``.
-  ``qkv_spec``: the inputs' layout as a partition spec (e.g. from MaxDiffusion's logical axis
-  rules); when given it decides ``seq_axis`` and ``batch_axes`` (:func:`layout_axes`).
-  ``on_routing(layout, active, step, layer)``, scheduled calls only: called on each device
-  inside the exchange with its heads' layout ids ``[b, H/n]`` (spatial on a dense call) and
-  the schedule's verdict, so a caller can count routing (e.g. by host callback) without a
-  collective.
-  ``seed`` (scheduled calls with semantic among the layouts): the warm start of each head's
-  clustering, ``centroids [B, H, C, D]``; the call then returns ``(out, clusters)``, this
-  step's centroids ``[B, H, C, D]`` (the seed's on a dense call, and on a ring, which leaves
-  semantic out: :func:`maxdiffusion_svg.routing.layouts.ring_layouts`).
-  ``ulysses_shards``: MaxDiffusion's key. Where it is smaller than the context axis, heads are
-  exchanged inside groups of that many devices and the sequence stays split over the rest, a
-  ring whose shards fetch only the key tiles their rows visit
-  (:func:`maxdiffusion_svg.parallel.ring_sharding.ring_svg_attention`): for meshes whose context
-  axis no divisor of the heads fills (32 or 64 chips for Wan's 40 heads).
+  In one ``shard_map``: all-to-all to local heads, the single-device path (scheduled given ``step``
+  and ``layer``, ints or traced int32), all-to-all back. Every device routes with the same key.
+  ``return_info`` (unscheduled): the info dict, routing gathered to ``[B, H]``. ``fold_batch``: with
+  no batch mesh axis, batch folds into heads (TPU tiles batch 2 as T(2,128), not T(8,128)).
+  ``prepared``: the call prepared on this mesh, in place of ``target`` (default: the mesh's).
+  ``qkv_spec`` decides ``seq_axis`` and ``batch_axes``. ``on_routing(layout, active, step, layer)``
+  (scheduled): called per device with layout ids ``[b, H/n]``. ``seed`` (scheduled, semantic on):
+  warm-start ``centroids [B, H, C, D]``; returns ``(out, clusters)`` (the seed's on a dense step or
+  a ring). ``ulysses_shards`` below the context axis (e.g. 32 or 64 chips, 40 heads) leaves a ring:
+  :func:`~maxdiffusion_svg.parallel.ring_sharding.ring_svg_attention`.
   """
   check_qkv(q, k, v, grid)
   if qkv_spec is not None:
@@ -268,9 +232,8 @@ def _sharded(call: PreparedCall, ex: HeadExchange, q: jax.Array, k: jax.Array, v
              key: jax.Array | None, scale: float | None, step: Any, layer: Any,
              return_info: bool, fold_batch: bool, on_routing: Callable[..., None] | None,
              seed: Seed | None, head_ids: jax.Array | None = None) -> Any:
-  """:func:`sharded_svg_attention` of a prepared call on a validated exchange. ``head_ids
-  [B, H]``: which of the model's heads each (example, head) is, for a per-head budget
-  (default: all, in order); they travel with the heads through the exchange."""
+  """:func:`sharded_svg_attention` on a validated exchange. ``head_ids [B, H]``: the model head of
+  each (example, head) for per-head budgets (default: all, in order), moved with the heads."""
   batch, heads = q.shape[:2]
   if call.host.heads is not None and head_ids is None:
     head_ids = all_heads(call, q.shape)

@@ -1,2 +1,1 @@
-"""The static plan of a call: the token grid and orders, the SVG masks, the tile tables,
-and the target hardware's tile sizes (NumPy, at trace time, in O(tiles))."""
+"""A call's static plan (NumPy, at trace time, O(tiles)): token grid, masks, tiles, target."""

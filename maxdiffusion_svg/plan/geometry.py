@@ -1,9 +1,5 @@
-"""Video token geometry: Wan's latent grid and the two token layouts SVG uses.
-
-A video of ``F`` latent frames of ``H x W`` patches is flattened frame-major,
-token ``t = f * (H*W) + p`` with ``p`` the raster position inside a frame.
-Temporal heads are moved to *temporal-major* order, position ``u = p * F + f``,
-so that "same place, nearby frames" becomes a contiguous band.
+"""Wan's latent token grid and SVG's two layouts: frame-major ``t = f * (H*W) + p`` (``p`` the
+raster position) and temporal-major ``u = p * F + f``, where nearby frames form a band.
 """
 
 from __future__ import annotations
@@ -65,11 +61,8 @@ class VideoGrid:
       vae_spatial: int = 8,
       patch: tuple[int, int, int] = (1, 2, 2),
   ) -> "VideoGrid":
-    """Wan's grid for a pixel video: causal VAE in time, VAE and patchify in space.
-
-    81 frames at 720x1280 give (21, 45, 80). Sizes the VAE or patch do not
-    divide raise: silently cropping would change the video users asked for.
-    """
+    """Wan's grid for a pixel video (81x720x1280 gives 21x45x80); sizes the VAE or patch do not
+    divide raise rather than crop."""
     num_frames = _positive_int("num_frames", num_frames)
     height = _positive_int("height", height)
     width = _positive_int("width", width)
@@ -113,18 +106,12 @@ def grid_for_resolution(name: str) -> VideoGrid:
 
 
 def temporal_major_order(grid: VideoGrid) -> np.ndarray:
-  """``order[u]`` is the frame-major token placed at temporal-major position ``u``.
-
-  ``x_tm = x_fm[order]``.
-  """
+  """``order[u]``: the frame-major token at temporal-major ``u``; ``x_tm = x_fm[order]``."""
   return np.arange(grid.tokens, dtype=np.int32).reshape(grid.frames, grid.frame_size).T.reshape(-1)
 
 
 def frame_major_order(grid: VideoGrid) -> np.ndarray:
-  """Inverse of :func:`temporal_major_order`: ``x_fm = x_tm[order]``.
-
-  Equivalently, ``order[t]`` is the temporal-major position of frame-major token ``t``.
-  """
+  """Inverse of :func:`temporal_major_order`: ``x_fm = x_tm[order]``."""
   return np.arange(grid.tokens, dtype=np.int32).reshape(grid.frame_size, grid.frames).T.reshape(-1)
 
 
@@ -143,10 +130,7 @@ def _check_sequence(x: Any, grid: VideoGrid) -> None:
 
 
 def to_temporal_major(x: Any, grid: VideoGrid) -> Any:
-  """Reorder ``[..., S, D]`` (numpy or jax) from frame-major to temporal-major.
-
-  A reshape and transpose rather than a gather: XLA lowers it to a plain copy.
-  """
+  """Reorders ``[..., S, D]`` (numpy or jax) frame-major to temporal-major: a copy, no gather."""
   _check_sequence(x, grid)
   lead, d = x.shape[:-2], x.shape[-1]
   y = x.reshape(*lead, grid.frames, grid.frame_size, d).swapaxes(-3, -2)

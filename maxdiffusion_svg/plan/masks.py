@@ -1,10 +1,5 @@
-"""SVG attention masks as small objects evaluated by index arithmetic.
-
-Every mask is defined on positions of the head's *placed* layout (frame-major
-for spatial heads, temporal-major for temporal heads), so after placement all
-heads share one rule. Membership is a formula of ``(q, k)``; nothing here builds
-an ``S x S`` array except :meth:`Mask.block` on the slice a caller asks for.
-Positions ``>= seq_len`` are sequence padding and are never kept.
+"""SVG masks as index arithmetic on a head's placed layout: no ``S x S`` array but the slice
+:meth:`Mask.block` is asked for. Positions ``>= seq_len`` are padding, never kept.
 """
 
 from __future__ import annotations
@@ -35,12 +30,8 @@ def check_density(density: Any, name: str = "density") -> float:
 
 
 def band_half_width(seq_len: int, density: float) -> int:
-  """Half-width ``w`` (tokens) of the band that keeps about ``density`` of all pairs.
-
-  A band ``|q - k| <= w`` keeps ``1 - (1 - w/S)^2`` of an ``S x S`` matrix, so
-  ``w = S (1 - sqrt(1 - s))``, rounded up to a multiple of 128. ``s = 1`` gives
-  ``w >= S``: everything is kept.
-  """
+  """Half-width ``w`` (tokens) of the band keeping about ``density`` of all pairs:
+  ``S (1 - sqrt(1 - density))`` rounded up to a multiple of 128 (density 1: all kept)."""
   density = check_density(density)
   raw = seq_len * (1.0 - math.sqrt(1.0 - density))
   return int(math.ceil(raw / BAND_QUANTUM)) * BAND_QUANTUM
@@ -118,7 +109,7 @@ def _pairs_in_diagonals(q0, q1, k0, k1, lo: Any, hi: Any) -> np.ndarray:
 
 
 def _pairs_below(q0, q1, k0, k1, d) -> np.ndarray:
-  """Number of pairs with ``k - q <= d``: each row ``q`` has ``clamp(q + d + 1 - k0, 0, k1 - k0)``."""
+  """Pairs with ``k - q <= d``: row ``q`` holds ``clamp(q + d + 1 - k0, 0, k1 - k0)``."""
   width = np.maximum(k1 - k0, 0)
 
   def ramp_sum(x):  # sum_{t=0..x} clamp(t, 0, width), zero for x < 0
@@ -133,12 +124,7 @@ def _pairs_below(q0, q1, k0, k1, d) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class ProbeMask(Mask):
-  """The router's fixed probe mask: a band of ``block``-token blocks plus a key sink.
-
-  Keeps ``|q // block - k // block| < radius_blocks`` or ``k < sink``; with
-  ``radius_blocks = 2 * frame_size // 128`` it spans about two frames either
-  side, independent of the execution density (as the reference SVG router does).
-  """
+  """The router's probe mask: ``|q // block - k // block| < radius_blocks`` or ``k < sink``."""
 
   seq_len: int
   radius_blocks: int
@@ -153,12 +139,7 @@ class ProbeMask(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class PlacedMask(Mask):
-  """A layout's mask seen from frame-major token indices.
-
-  For a temporal head, ``mask`` holds in temporal-major positions; this view
-  answers in the original (F, H, W) order, where the band becomes per-frame
-  diagonal stripes. Used for plots and brute-force checks.
-  """
+  """A layout's mask seen from frame-major token indices (for plots and brute-force checks)."""
 
   mask: Mask
   grid: VideoGrid
@@ -173,12 +154,8 @@ class PlacedMask(Mask):
                               layout_positions(self.grid, self.layout, k))
 
   def kept_pairs(self, q0: Any, q1: Any, k0: Any, k1: Any) -> np.ndarray:
-    """Exact kept pairs in frame-major rectangles ``[q0, q1) x [k0, k1)``.
-
-    Splits each rectangle into per-frame pieces; inside a (query frame, key frame)
-    piece a temporal-major band is again a diagonal band over raster positions, so
-    each piece is counted in O(1). Cost: rectangles x frames spanned^2.
-    """
+    """Exact kept pairs in frame-major rectangles ``[q0, q1) x [k0, k1)``, in O(1) per
+    (query frame, key frame) piece: cost rectangles x frames spanned^2."""
     if not isinstance(self.mask, SvgMask):
       raise TypeError(f"kept_pairs needs an SvgMask inside, got {type(self.mask).__name__}")
     if self.layout is TokenOrder.FRAME_MAJOR:
@@ -210,16 +187,14 @@ class PlacedMask(Mask):
 
 def svg_mask(grid: VideoGrid, density: float, include_sink: bool = True,
              sink_frames: int = 1) -> SvgMask:
-  """The execution mask of a head in its placed layout at ``density``; the sink is the first
-  ``sink_frames`` frames' positions (VACE's reference images lead the grid)."""
+  """A head's execution mask at ``density`` in its placed layout; the sink is the first
+  ``sink_frames`` frames (VACE's reference images lead the grid)."""
   sink = sink_frames * grid.frame_size if include_sink else 0
   return SvgMask(grid.tokens, band_half_width(grid.tokens, density), sink)
 
 
 def probe_mask(grid: VideoGrid, include_sink: bool = True, sink_frames: int = 1) -> ProbeMask:
-  """The router's probe mask in the placed layout (the same rule serves both head types).
-
-  On tiny grids (frame_size < 64) the band keeps at least each query's own block.
-  """
+  """The router's probe mask in the placed layout, for both head types: about two frames
+  either side whatever the density (at least a query's own block on tiny grids)."""
   radius = max(1, 2 * grid.frame_size // PROBE_BLOCK)
   return ProbeMask(grid.tokens, radius, sink_frames * grid.frame_size if include_sink else 0)

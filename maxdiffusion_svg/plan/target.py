@@ -1,13 +1,6 @@
-"""The hardware a call is compiled for: platform, TPU generation and its on-chip memory limits.
-
-Everything chosen by platform (the executor behind ``svg_backend: auto``, Splash tiles, the
-VMEM and SMEM checks, the plugin's dense kernel) follows what the call is compiled for, not
-the host: a Wan forward compiled ahead of time for a v6e slice from a CPU host must pick the
-TPU kernel and fit a v6e's memory. :func:`target_for_call` is the one resolution: an explicit
-target, else the mesh, else what the inputs' sharding or the mesh in context names, else the
-default device. Only when nothing names a TPU generation is it unknown, and an unknown TPU is
-held to the strictest limits of the known ones.
-"""
+"""The hardware a call is compiled for (platform, TPU generation, memory limits), not the host:
+an AOT export for a v6e from a CPU host picks the TPU kernel and fits a v6e. A TPU of unknown
+generation gets the strictest known limits."""
 
 from __future__ import annotations
 
@@ -82,8 +75,8 @@ def vmem_limit_from_flags(flags: str | None = None) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """Where a call runs: ``platform`` (``tpu``, ``cpu``, ``gpu``), the TPU generation, the
-  scoped-VMEM limit its kernels compile under, and where that limit came from."""
+  """Where a call runs: ``platform`` (``tpu``, ``cpu``, ``gpu``), TPU generation, scoped-VMEM
+  limit and that limit's source."""
 
   platform: str
   generation: TpuGeneration | None = None
@@ -132,9 +125,8 @@ class Target:
 
 def tpu_target(generation: TpuGeneration | str = GENERIC_TPU, vmem_limit_kib: int | None = None,
                flags: str | None = None) -> Target:
-  """A TPU target; the VMEM limit is ``vmem_limit_kib``, else the job's ``LIBTPU_INIT_ARGS``
-  (``flags``; None: this process's environment), capped at the chip's VMEM as the compiler
-  caps it, else the generation's default."""
+  """A TPU target. VMEM limit: ``vmem_limit_kib``, else ``flags``' ``LIBTPU_INIT_ARGS`` (None:
+  this process's) capped at the chip's VMEM, else the generation's default."""
   if isinstance(generation, str):
     generation = generation_named(generation)
   if vmem_limit_kib:
@@ -153,8 +145,7 @@ def tpu_target(generation: TpuGeneration | str = GENERIC_TPU, vmem_limit_kib: in
 
 
 def target_for_devices(devices: Iterable[Any], vmem_limit_kib: int | None = None) -> Target:
-  """The target of a set of devices (concrete, a topology's abstract TPU devices, or a mesh's
-  ``AbstractDevice``)."""
+  """The target of devices: concrete, a topology's abstract ones, or a mesh's ``AbstractDevice``."""
   device = next(iter(devices))
   if device.platform != "tpu":
     return Target(device.platform)
@@ -198,9 +189,8 @@ def _array_device(x: Any) -> Any:
 
 def target_for_call(*arrays: Any, target: Target | None = None, mesh: Any = None,
                     vmem_limit_kib: int | None = None) -> Target:
-  """The one target of a call: ``target``, else ``mesh``'s, else the TPU the inputs' sharding
-  or the mesh in context names (what Pallas itself compiles for), else the default device's.
-  ``vmem_limit_kib`` (``svg_vmem_limit_kib``) sets the scoped-VMEM limit on any of them."""
+  """A call's target: ``target``, else ``mesh``'s, else what the inputs' sharding or the mesh
+  in context names, else the default device's; ``vmem_limit_kib`` applies to any of them."""
   if target is not None:
     return target.with_vmem_limit(vmem_limit_kib)
   import jax  # pylint: disable=import-outside-toplevel
@@ -218,8 +208,7 @@ TPU_BACKENDS = ("pallas", "splash")
 
 
 def resolve_backend(backend: str, target: Target | None = None) -> str:
-  """``auto`` is our Pallas kernel on a TPU target and the XLA path elsewhere (target: default
-  device)."""
+  """``auto``: our Pallas kernel on a TPU target, else XLA (None target: the default device)."""
   if backend not in BACKENDS:
     raise ValueError(f"svg_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
   if backend == "auto":
@@ -228,15 +217,14 @@ def resolve_backend(backend: str, target: Target | None = None) -> str:
 
 
 def follows_lowering_platform(target: Target) -> bool:
-  """A target nothing pinned on a host that is not a TPU: the call may still be lowered for a
-  TPU (an ahead-of-time export from a CPU host), so both executors are traced and
-  ``lax.platform_dependent`` keeps the one the lowering platform runs."""
+  """An unpinned non-TPU target, which may still be lowered for a TPU (AOT export): both
+  executors are traced and ``lax.platform_dependent`` keeps one."""
   return target.follows_lowering
 
 
 def lowering_tpu_target(target: Target) -> Target:
-  """The TPU a call is held to: ``target``, or where only a later lowering can say TPU, one of
-  unknown generation (the strictest known limits), whose refusals wait for that lowering."""
+  """The TPU a call is held to: ``target``, else one of unknown generation whose refusals
+  wait for the lowering."""
   if target.is_tpu:
     return target
   return dataclasses.replace(tpu_target(GENERIC_TPU), speculative=True)
@@ -244,8 +232,7 @@ def lowering_tpu_target(target: Target) -> Target:
 
 @dataclasses.dataclass(frozen=True)
 class Executor:
-  """One executor a call may run: ``backend`` (resolved) on ``target``, held to ``tpu`` where it
-  is lowered for a TPU (:func:`lowering_tpu_target`)."""
+  """An executor a call may run: resolved ``backend`` on ``target``, held to ``tpu`` on a TPU."""
 
   backend: str
   target: Target
@@ -253,10 +240,8 @@ class Executor:
 
 
 def call_executors(target: Target, backend: str) -> tuple[Executor, ...]:
-  """What a call on ``target`` (resolved: :func:`target_for_call`) with ``svg_backend``
-  ``backend`` runs: one executor; or, with ``auto`` where the lowering platform decides
-  (:func:`follows_lowering_platform`), our TPU kernel held to a TPU of unknown generation and
-  the XLA path, of which the lowering keeps one. Decided once per call, here."""
+  """The executors a call on a resolved ``target`` runs: one, or with ``auto`` where lowering
+  decides, our TPU kernel (unknown-generation limits) and XLA, of which the lowering keeps one."""
   if backend == "auto" and target.follows_lowering:
     tpu = lowering_tpu_target(target)
     return Executor(TPU_BACKENDS[0], tpu, tpu), Executor("xla", target, tpu)
@@ -266,7 +251,6 @@ def call_executors(target: Target, backend: str) -> tuple[Executor, ...]:
 def resolve_call(*arrays: Any, target: Target | None = None, mesh: Any = None,
                  vmem_limit_kib: int | None = None,
                  backend: str = "auto") -> tuple[Target, tuple[Executor, ...]]:
-  """A call's target (:func:`target_for_call`) and its executors (:func:`call_executors`), in
-  one resolution."""
+  """A call's target and executors (:func:`target_for_call`, :func:`call_executors`)."""
   resolved = target_for_call(*arrays, target=target, mesh=mesh, vmem_limit_kib=vmem_limit_kib)
   return resolved, call_executors(resolved, backend)

@@ -1,17 +1,8 @@
 """Tile planning: which ``block_q x block_kv`` tiles a sparse kernel visits, and which it masks.
 
-Three traversal modes, the seed design's three iterations:
-
-* ``naive`` (B1): visit every tile holding a kept pair; evaluate the exact mask in all of them.
-* ``split`` (B2): tiles whose pairs are all kept run mask-free; only boundary tiles evaluate the
-mask. * ``aligned`` (B3): round each boundary tile in (run whole) or out (skip) so the kept-pair
-count
-  stays close to the exact mask's; afterwards only tiles that hold padding keys need a mask.
-
-Everything is index arithmetic over the tiles a band+sink mask can reach: the cost is
-O(visited tiles), never O(S^2). Padding follows one rule everywhere: padded keys are never
-kept; padded query rows are computed and sliced off, so they never force a mask on their own.
-"""
+``naive`` masks every visited tile, ``split`` only boundary tiles; ``aligned`` rounds boundary
+tiles in or out to keep about the exact pair count and masks only padding keys. Cost is
+O(visited tiles). Padded keys are never kept; padded query rows are computed and sliced off."""
 
 from __future__ import annotations
 
@@ -109,13 +100,9 @@ class TileStats:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TilePlan:
-  """Per q-tile row, the kv tiles to visit (ascending) and whether each needs a mask.
-
-  ``kv_index[i, :num_visited[i]]`` are row ``i``'s kv tiles; the remaining slots repeat
-  the last one (so a prefetching kernel fetches nothing new) and have kind ``EMPTY``.
-  In ``naive``/``split`` plans a ``MASKED`` tile applies ``mask`` exactly; in ``aligned``
-  plans it only removes padding keys (``k >= seq_len``).
-  """
+  """Per q-tile row, the kv tiles to visit (ascending) and whether each needs a mask. Slots past
+  ``num_visited[i]`` repeat the last tile, kind ``EMPTY``. ``MASKED`` applies ``mask`` exactly
+  in ``naive``/``split`` plans, and only drops padding keys (``k >= seq_len``) in ``aligned``."""
 
   mask: Mask  # an SvgMask, or a PlacedMask view of one (to measure unplaced heads)
   mode: TileMode
@@ -163,8 +150,7 @@ class TilePlan:
 
   def work_list(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rows, cols, kinds)`` a TPU kernel's grid walks: the visited tiles, plus one ``EMPTY``
-    step for each q-tile row that visits none (its output must still be written). That step
-    repeats the kv column before it, so a prefetching kernel fetches nothing new for it."""
+    step (repeating the previous kv column) per q-tile row visiting none, to write its output."""
     rows, cols, kinds = self.visited_tiles()
     empty = np.setdiff1d(np.arange(self.num_q_tiles, dtype=np.int32), rows)
     if not empty.size:
@@ -197,12 +183,8 @@ class TilePlan:
 @dataclasses.dataclass(frozen=True, eq=False)
 class ComputedMask(Mask):
   """What a plan's kernel computes: the exact rule in ``naive``/``split`` plans; in ``aligned``
-  plans every pair of a visited tile, except padding keys.
-
-  Membership of an aligned plan is a lookup in its ``[q_tiles, kv_tiles]`` table of visited
-  tiles (O(tiles) memory), so a router can score sampled rows against the mask that will
-  really run without an ``S x S`` array. Works on numpy and jax index arrays.
-  """
+  ones every non-padding pair of a visited tile, looked up in a ``[q_tiles, kv_tiles]`` table
+  (numpy or jax indices)."""
 
   plan: TilePlan
 
@@ -234,12 +216,8 @@ def plan_tiles(grid: VideoGrid, density: float, block_q: int, block_kv: int,
 
 
 def plan_mask_tiles(mask: Mask, block_q: int, block_kv: int, mode: TileMode | str) -> TilePlan:
-  """Builds (and caches: plans are static per shape) the tile plan of ``mask``.
-
-  ``mask`` must count its kept pairs per rectangle (``kept_pairs``). For an
-  :class:`SvgMask` only the tiles its band and sink reach are examined; any other
-  mask is examined on every tile.
-  """
+  """The tile plan of ``mask`` (cached), which must have ``kept_pairs``; only an
+  :class:`SvgMask` skips the tiles its band and sink cannot reach."""
   if not hasattr(mask, "kept_pairs"):
     raise TypeError(f"cannot plan a {type(mask).__name__}: it has no kept_pairs counter")
   return _plan(mask, check_block_size(block_q, "block_q"),
@@ -293,17 +271,15 @@ def _plan(mask: Mask, block_q: int, block_kv: int, mode: TileMode) -> TilePlan:
 
 
 def visited_in_tiles_of(plan: TilePlan, other: TilePlan) -> float:
-  """``plan``'s visited tiles counted in ``other``'s tile size (the dense rows' shorter query
-  tiles count by their share of a sparse plan's)."""
+  """``plan``'s visited tiles counted in ``other``'s tile size."""
   return (plan.stats.visited_tiles * plan.block_q * plan.block_kv
           / (other.block_q * other.block_kv))
 
 
 @functools.lru_cache(maxsize=16)
 def dense_rows_plan(seq_len: int, rows: int, block_q: int, block_kv: int) -> TilePlan:
-  """Every key tile of the first ``rows`` queries of a ``seq_len`` sequence, mask-free but for
-  the padded last key tile: a plan of ``rows`` queries against all keys (``q_len``), the
-  leading frames' dense rows (``svg_dense_frames``)."""
+  """The dense rows' plan (``svg_dense_frames``): the first ``rows`` queries against every key
+  tile, masking only the padded last one."""
   if not 0 < rows <= seq_len:
     raise ValueError(f"dense rows must be in [1, {seq_len}] (the sequence), got {rows}")
   block_q, block_kv = check_block_size(block_q, "block_q"), check_block_size(block_kv, "block_kv")
@@ -344,12 +320,8 @@ def _candidate_tiles(mask: Mask, block_q: int, block_kv: int, nq: int):
 
 
 def _balance_boundary(rows, cols, exact, real, boundary, required) -> np.ndarray:
-  """Rounds boundary tiles in or out so the kept pairs best match the exact count.
-
-  Tiles that are wholly kept, or ``required``, stay. The rest are taken in order of
-  falling kept share (most-kept first, so recall is as high as the budget allows) and
-  the prefix whose total is closest to the exact budget is rounded in.
-  """
+  """Rounds boundary tiles in or out so the kept pairs best match the exact count: full and
+  ``required`` tiles stay; of the rest, by falling kept share, the best-matching prefix goes in."""
   keep = ~boundary | required
   free = np.flatnonzero(~keep)
   share = exact[free] / real[free]

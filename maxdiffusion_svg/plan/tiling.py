@@ -1,12 +1,5 @@
-"""The one place a target becomes tiles: every tile decision (kernel, sharded path, plugin, CLI,
-benchmarks) is :func:`choose_tiles`.
-
-Our Pallas kernel (the TPU default) takes one tile everywhere. Splash's default tile is the
-largest that compiles for every mode and the dense branch under the target's scoped-VMEM limit
-(docs/reference.md, "Default tiles"; ``make compile-tpu`` checks each by compiling); the XLA
-path's is fixed. Keys a user gives win, and the inner kv step defaults to the widest of the
-kernel's choices (``KV_COMPUTE_CHOICES``) dividing the kv tile.
-"""
+"""The one place a target becomes tiles: :func:`choose_tiles`. Keys given win; Splash's default
+is the largest tile compiling under the target's VMEM limit (docs/reference.md, "Default tiles")."""
 
 from __future__ import annotations
 
@@ -18,8 +11,7 @@ from maxdiffusion_svg.plan.tiles import check_block_size
 
 @dataclasses.dataclass(frozen=True)
 class SplashTiles:
-  """A ``block_q x block_kv`` tile, walked in ``block_kv_compute``-wide inner steps (Splash's;
-  the XLA path ignores the step)."""
+  """A ``block_q x block_kv`` tile walked in ``block_kv_compute``-wide steps (XLA ignores them)."""
 
   block_q: int
   block_kv: int
@@ -79,8 +71,7 @@ def default_tiles(target: Target, backend: str = "auto") -> SplashTiles:
 
 def choose_tiles(target: Target, backend: str = "auto", block_q: int | None = None,
                  block_kv: int | None = None, block_kv_compute: int | None = None) -> SplashTiles:
-  """The tile a call on ``target`` runs: the ``svg_block_*`` keys given, the rest the
-  executor's defaults there. Errors name the key."""
+  """A call's tile on ``target``: the ``svg_block_*`` keys given, else the executor's defaults."""
   default = default_tiles(target, backend)
   for name, value in (("svg_block_q", block_q), ("svg_block_kv", block_kv),
                       ("svg_block_kv_compute", block_kv_compute)):

@@ -1,2 +1,1 @@
-"""Per head, which layout runs: the head layouts, the router, the semantic (k-means) layout,
-and compensation for the tiles a head skips."""
+"""Per head, which layout runs: the layouts, the router, the semantic layout, compensation."""

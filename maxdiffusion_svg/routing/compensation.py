@@ -1,22 +1,5 @@
-"""Compensation: what a sparse call skips, approximated by centroids and merged by log-sum-exp.
-
-A sparse call gives the key tiles it skips a weight of zero. SVG-EAR's observation is that a
-skipped block of keys is well summarised by its mean key and mean value: the block's share of
-a query's softmax is about ``count * exp(scale * q . k_mean)`` and what it adds is that share
-times ``v_mean``. So, per call and on device, in the placed layout:
-
-1. each key tile is cut into ``blocks`` sub-blocks; each gets its mean key, mean value and
-   real-token count (padding keys excluded): O(S * D), :func:`centroids`;
-2. each query tile row sees, as extra keys, the centroids of the tiles *its row skips*, with
-   logit ``scale * q . k_mean + log(count)``; which ones is a static table
-   (:func:`skipped_bias`), packed per row by :func:`row_keys`;
-3. they enter the row's one softmax beside its visited tiles: our Pallas kernel takes them as
-   one more chunk when it closes the row; Splash and the XLA path return their log-sum-exp
-   and a small pass merges them after (:mod:`maxdiffusion_svg.kernels.row_keys`).
-
-Every path shares this (one device, the head exchange, the ring: :mod:`ring_sharding`); its cost
-is measured by ``bench schedule --compensation``. Where a plan skips nothing (density 1, the
-schedule's dense branch) nothing is added: the output is the kernel's, unchanged.
+"""Compensation (as in SVG-EAR): each key tile a row skips is stood for by its sub-blocks' mean key
+and value, biased by ``log(count)`` in the row's softmax. A plan that skips nothing adds nothing.
 """
 
 from __future__ import annotations
@@ -37,8 +20,7 @@ from maxdiffusion_svg.routing.layouts import index, layout_ids, names
 
 
 def check_compensation(enabled: Any, blocks: Any, block_kv: int | None = None) -> None:
-  """Refuses a non-boolean ``svg_compensation`` and a ``svg_compensation_blocks`` that is not a
-  positive divisor of the key tile (when the tile is known)."""
+  """Refuses a non-bool ``enabled`` and ``blocks`` < 1 or not dividing ``block_kv`` (if given)."""
   if not isinstance(enabled, bool):
     raise ValueError(f"svg_compensation must be true or false, got {enabled!r}")
   if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1:
@@ -78,9 +60,8 @@ def centroid_log_counts(plan: TilePlan, blocks: int) -> np.ndarray:
 
 
 def block_means(x: jax.Array, *, block_kv: int, blocks: int, seq_len: int | None = None) -> jax.Array:
-  """float32 ``[B, H, tiles * blocks, D]``: the mean of each sub-block of ``[B, H, S, D]`` cut
-  into ``block_kv`` tiles of ``blocks`` sub-blocks, over its real tokens (``seq_len``, default
-  ``S``; the rest are padding)."""
+  """float32 ``[B, H, tiles * blocks, D]``: mean of each sub-block of ``block_kv`` tiles of
+  ``[B, H, S, D]`` over its real tokens (the first ``seq_len``, default ``S``)."""
   b, h, s, d = x.shape
   seq_len = s if seq_len is None else seq_len
   tiles = -(-s // block_kv)
@@ -97,9 +78,7 @@ def block_means(x: jax.Array, *, block_kv: int, blocks: int, seq_len: int | None
 
 def ordered_block_means(x: jax.Array, order: np.ndarray, *, block_kv: int, blocks: int,
                         seq_len: int | None = None) -> jax.Array:
-  """:func:`block_means` of ``x[:, :, order]`` (``order``: a static placement of the ``seq_len``
-  real tokens), summed from one strided gather per key of a sub-block: the placed copy is never
-  built (a 720p temporal-major copy summed in float32 took 369 MiB on a v6e)."""
+  """:func:`block_means` of ``x[:, :, order]``, never building the placed copy (369 MiB at 720p)."""
   b, h, s, d = x.shape
   seq_len = s if seq_len is None else seq_len
   tiles = -(-s // block_kv)
@@ -116,8 +95,7 @@ def ordered_block_means(x: jax.Array, order: np.ndarray, *, block_kv: int, block
 
 def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
               seq_len: int | None = None) -> Centroids:
-  """Mean key and value of each sub-block of ``[B, H, S, D]`` keys cut into ``block_kv`` tiles
-  of ``blocks`` sub-blocks; ``seq_len`` real keys (default ``S``), the rest are padding."""
+  """:class:`Centroids` of ``[B, H, S, D]`` keys and values (see :func:`block_means`)."""
   check_compensation(True, blocks, block_kv)
   s = k.shape[2]
   seq_len = s if seq_len is None else seq_len
@@ -129,9 +107,8 @@ def centroids(k: jax.Array, v: jax.Array, *, block_kv: int, blocks: int,
 def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, seq_len: int,
                           num_kv_tiles: int, block_kv: int, blocks: int,
                           axis_name: str | None = None) -> Centroids:
-  """:func:`centroids` of keys held out of order or split over devices: ``positions [L]`` are
-  the local keys' positions in the placed sequence (those ``>= seq_len`` are padding). Sums
-  are summed over ``axis_name`` where the sequence is split there (``N x D`` per head)."""
+  """:func:`centroids` of keys out of order or split over devices: ``positions [L]`` are their
+  placed positions (``>= seq_len``: padding); sums are psummed over ``axis_name`` if given."""
   b, h, _, _ = k.shape
   n, size = num_kv_tiles * blocks, block_kv // blocks
   counts = block_counts(seq_len, num_kv_tiles, block_kv, blocks)
@@ -147,9 +124,8 @@ def centroids_by_position(k: jax.Array, v: jax.Array, positions: jax.Array, *, s
 
 
 def per_head(cents: dict[str, Centroids], layout: jax.Array) -> Centroids:
-  """Each head's centroids in the band layout it runs in: ``layout [B, H]`` (layout ids, or
-  bool temporal flags) picks among each layout's (``cents``, by name; same counts: every band
-  layout cuts the same positions)."""
+  """Each head's centroids from ``cents`` (by name), picked by ``layout [B, H]`` (ids or bool
+  temporal flags); every band layout has the same counts."""
   ids = layout_ids(layout)
   first, *rest = [name for name in names() if name in cents]
   k, v = cents[first].k, cents[first].v
@@ -172,10 +148,8 @@ def skips_any(plan: TilePlan) -> bool:
 
 
 def skipped_bias(skipped: Any, log_count: np.ndarray) -> Any:
-  """``float32 [..., rows, tiles * blocks]``: each pseudo-key's additive logit for each query
-  tile row, ``log(count)`` where the row skips the key tile, ``-inf`` where it visits it (its
-  keys are already exact) or the block holds only padding. ``skipped [..., rows, tiles]``:
-  static (numpy), or on device (a per-head budget's heads, each its own)."""
+  """``float32 [..., rows, tiles * blocks]``: pseudo-key logit bias, ``log(count)`` where the row
+  skips the tile, else ``-inf``; ``skipped [..., rows, tiles]``: numpy or on device."""
   xp = jnp if isinstance(skipped, jax.Array) else np
   blocks = log_count.size // skipped.shape[-1]
   return xp.where(xp.repeat(skipped, blocks, axis=-1), log_count, -np.inf).astype(np.float32)
@@ -197,8 +171,7 @@ def row_key_count(bias: np.ndarray) -> int:
 
 
 def plan_row_keys(plan: TilePlan, blocks: int) -> int:
-  """:func:`row_key_count` of ``plan`` compensated with ``blocks`` centroids per key tile (0
-  where it skips nothing: nothing is compensated)."""
+  """:func:`row_key_count` of ``plan`` at ``blocks`` per key tile; 0 if it skips nothing."""
   if not skips_any(plan):
     return 0
   return row_key_count(plan_bias(plan, centroid_log_counts(plan, blocks)))
@@ -206,9 +179,7 @@ def plan_row_keys(plan: TilePlan, blocks: int) -> int:
 
 def row_keys(cents: Centroids, bias: np.ndarray, dtype: Any) -> RowKeys:
   """Each query tile row's pseudo-keys: the centroids ``bias [num_q_tiles, N]`` admits, packed
-  first (``m``: the most any row sees, rounded to 8; unused slots get ``-inf``). Picked by a
-  static one-hot matmul rather than a gather: exact (one 1.0 per output, float32 accumulation
-  at full precision) and one dense MXU op where a gather is a loop of small copies."""
+  first (unused slots: ``-inf``), picked by an exact static one-hot matmul, not a gather."""
   nq, n = bias.shape
   seen = np.isfinite(bias)
   m = row_key_count(bias)
@@ -228,11 +199,8 @@ def row_keys(cents: Centroids, bias: np.ndarray, dtype: Any) -> RowKeys:
 def compensated_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, *,
                           blocks: int, scale: float | None = None,
                           cents: Centroids | None = None, **kernel_kwargs: Any) -> jax.Array:
-  """:func:`maxdiffusion_svg.kernels.sparse_attention` over ``plan``'s tiles, plus the centroids
-  of the tiles each query tile row skips (``blocks`` per key tile) as that row's extra keys.
-  With nothing skipped (a dense plan) it is the kernel's output itself. ``cents``: the
-  centroids of ``k, v`` where the caller has them already (the router computes each layout's).
-  ``kernel_kwargs``: ``backend``, ``block_kv_compute``, ``target`` (:func:`prepare_kernel`)."""
+  """:func:`maxdiffusion_svg.kernels.sparse_attention` over ``plan`` plus the centroids of the tiles
+  each row skips (``blocks`` per key tile); ``kernel_kwargs``: for :func:`prepare_kernel`."""
   target = target_for_call(q, k, v, target=kernel_kwargs.pop("target", None))
   return compensated_call(prepare_kernel(plan, target, **kernel_kwargs), q, k, v, blocks=blocks,
                           scale=scale, cents=cents)
@@ -254,11 +222,8 @@ def compensated_call(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Ar
 
 def table_row_keys(cents: Centroids, visited: jax.Array, plan: TilePlan, blocks: int,
                    dtype: Any, fewest_visited: int | None = None) -> RowKeys:
-  """:func:`row_keys` where each head has its own tiles (``visited [B, H, num_q_tiles,
-  num_kv_tiles]``, on device: the semantic layout's tables, with the plan's counts per row):
-  each row's skipped sub-blocks packed first, their logit bias per head. ``cents``: each
-  head's own centroids (``[B, H, N, D]``). ``fewest_visited``: the fewest tiles any head's row
-  visits, where heads visit fewer than the plan's (a per-head budget; default the plan's)."""
+  """:func:`row_keys` with each head's own tiles (``visited [B, H, num_q_tiles, num_kv_tiles]``)
+  and centroids (``[B, H, N, D]``); ``fewest_visited``: fewest tiles a head's row visits."""
   seen = jnp.repeat(~visited, blocks, axis=-1) & np.isfinite(cents.log_count)  # [B, H, nq, N]
   fewest = int(plan.num_visited.min()) if fewest_visited is None else fewest_visited
   m = min(_slots(int(plan.num_kv_tiles - fewest) * blocks), cents.log_count.size)

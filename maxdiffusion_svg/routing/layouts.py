@@ -1,14 +1,5 @@
-"""Head layouts: the orders a router chooses among for each head, one record each.
-
-A :class:`HeadLayout` says how a head's tokens are ordered and which tile table it runs.
-``spatial`` keeps frame-major order and ``temporal`` moves a head to temporal-major order: both
-are *band* layouts, running the band plan every head shares (a static table), judged by the
-router's sampled errors. ``semantic`` orders each head's tokens by cluster and gives it its own
-table, computed on device (:mod:`maxdiffusion_svg.routing.semantic`), judged by the whole-sequence
-estimate. Heads carry a layout id (``[B, H]`` int32, an index into :func:`names`); shapes never
-depend on it. Everything else (config, router, placement, compensation, the sharded paths, the
-run summary) reads the registry, so a band layout is added by :func:`register` alone.
-"""
+"""Head layouts: the token orders the router picks among per head (a layout id, ``[B, H]`` int32,
+indexes :func:`names`; shapes never depend on it). Band layouts share the band plan's table."""
 
 from __future__ import annotations
 
@@ -28,19 +19,11 @@ BAND, OWN = "band", "own"  # a layout's tile table: the shared band plan's, or e
 
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
-  """One head layout.
-
-  Args:
-    name: its ``svg_layouts`` name.
-    table: ``band`` (the call's shared plan, static) or ``own`` (each head's, made on device).
-    positions: ``(grid, tokens) -> positions``: where frame-major tokens sit once placed (a band
-      layout; numpy or jax integers, any shape).
-    order: ``grid -> order``: ``order[u]`` is the frame-major token placed at ``u`` (numpy).
-    to_placed, to_frame_major: ``(x [..., S, D], grid) -> x`` and back; None for frame-major
-      (a band layout placed as it comes).
-    on_ring: runs where a ring splits the sequence (a semantic head's clusters span all of it).
-    reported: the run summary always gives its share (else only where it is among the layouts).
-  """
+  """One head layout. ``table``: ``band`` (the call's shared static plan) or ``own`` (each head's,
+  made on device). Band layouts give ``positions(grid, tokens)``, frame-major tokens' placed
+  positions, and ``order(grid)``, ``order[u]`` the frame-major token placed at ``u`` (numpy).
+  ``to_placed``/``to_frame_major``: ``(x [..., S, D], grid) -> x`` and back (None: frame-major).
+  ``on_ring``: runs where a ring splits the sequence; ``reported``: always in the run summary."""
 
   name: str
   table: str = BAND
@@ -92,8 +75,7 @@ DEFAULT_LAYOUTS: tuple[str, ...] = (SPATIAL, TEMPORAL)
 
 
 def register(layout: HeadLayout) -> None:
-  """Adds a head layout after the registered ones (its id: their count). A new on-device
-  (``own``) table needs its builder in :mod:`maxdiffusion_svg.routing.semantic` too."""
+  """Appends a head layout (id: the count before it); an ``own`` table also needs its builder."""
   if any(known.name == layout.name for known in _REGISTRY):
     raise ValueError(f"head layout {layout.name!r} is registered already")
   _REGISTRY.append(layout)
@@ -127,8 +109,7 @@ def get(name: str) -> HeadLayout:
 
 
 def check_layouts(value: Any) -> tuple[str, ...]:
-  """``svg_layouts`` as a tuple in id order: a list (or YAML/comma text) of distinct registered
-  names, at least one."""
+  """``svg_layouts`` (a list, or YAML/comma text, of distinct registered names) in id order."""
   requested = value
   if isinstance(requested, str):
     try:
@@ -156,10 +137,7 @@ def _off_ring(layouts: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def ring_layouts(layouts: tuple[str, ...], ulysses: int, ring: int) -> tuple[str, ...]:
-  """The layouts a ring runs (``ulysses_shards`` below the context axis): those whose record
-  says ``on_ring`` (a semantic head's clusters span the whole sequence, which a ring splits over
-  ``ring`` devices), so the rest are left out of the router's choices there (the settings line,
-  ``tiles --config`` and the pre-flight say so). Refused where nothing would be left."""
+  """The layouts a ring runs: those ``on_ring``. Refused where none is left."""
   kept = tuple(n for n in layouts if get(n).on_ring)
   if not kept:
     raise ValueError(f"svg_layouts [{', '.join(layouts)}] cannot run on a ring (ulysses_shards "
@@ -169,8 +147,7 @@ def ring_layouts(layouts: tuple[str, ...], ulysses: int, ring: int) -> tuple[str
 
 
 def ring_note(layouts: tuple[str, ...], ulysses: int, ring: int) -> str:
-  """What a ring changes in the layouts, for the settings line and the pre-flight ("" if
-  nothing)."""
+  """What a ring changes in the layouts, for the settings line and pre-flight ("" if nothing)."""
   left_out = _off_ring(layouts)
   if not left_out or ring <= 1:
     return ""

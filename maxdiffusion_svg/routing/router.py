@@ -1,18 +1,8 @@
-"""The SVG router: per head, is attention better approximated spatially or temporally?
+"""The SVG router: per head, the layout that best approximates dense attention.
 
-A few query rows are sampled; their attention output is computed densely over all keys
-and under one mask placed in each layout (frame-major = spatial, temporal-major =
-temporal); each head takes the layout whose output is closer to dense (mean squared
-error, float32; ties go to spatial). The mask is either the reference SVG router's fixed
-*probe* (about two frames either side, whatever the density) or the *execution* mask,
-the one the kernel will run (the plan's, tile-rounded in ``aligned`` mode). Masks are
-evaluated in the original frame-major order by index arithmetic, so routing needs no
-permutation and no ``S x S`` array: its cost is ``rows x S`` per head.
-
-Where the semantic layout is a candidate, sampled rows would flatter it (its errors sit in a few
-rows at a cluster's edge, which a few samples miss), so the winner of that comparison and the
-semantic layout are judged alike, by an estimate of what each leaves out over the whole sequence
-(:func:`left_out`): every candidate's own table, read through its own key centroids.
+Band layouts by MSE against dense on sampled rows (ties: spatial), masks by index arithmetic in
+frame-major order; semantic and the band winner by a whole-sequence estimate (:func:`left_out`),
+as sampled rows miss the errors at a cluster's edge.
 """
 
 from __future__ import annotations
@@ -66,11 +56,9 @@ class RouterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Router result: ``layout [B, H]``, each head's layout id (an index into
-  :func:`maxdiffusion_svg.routing.layouts.names`); ``errors [B, H, n_layouts]``, each band
-  layout's sampled error (``inf`` for a layout not among the candidates, and for an ``own``
-  table's); and, where an ``own`` table competes, ``left_out [B, H, n_layouts]``: each layout's
-  estimated loss over the whole sequence (:func:`left_out`; ``inf`` likewise)."""
+  """Router result: ``layout [B, H]`` layout ids (indices into ``layouts.names()``); ``errors
+  [B, H, n_layouts]`` sampled errors (``inf`` for non-candidates and ``own`` tables); ``left_out``,
+  same shape: :func:`left_out` estimates, where an ``own`` table competes."""
 
   layout: jax.Array
   errors: jax.Array
@@ -78,7 +66,7 @@ class Routing:
 
   @property
   def layouts(self) -> jax.Array:
-    """``int32 [B, H]``: the layout ids (the name the call info has always used)."""
+    """Alias of :attr:`layout`."""
     return self.layout
 
   def chose(self, name: str) -> jax.Array:
@@ -112,8 +100,7 @@ class Routing:
 
 
 def info_keys() -> tuple[str, ...]:
-  """The call info's routing entries: ``layout``, ``errors``, the ``temporal`` flags and each
-  band layout's ``<name>_error``, all per head."""
+  """The call info's routing entries: ``layout``, ``errors``, ``temporal``, ``<band>_error``."""
   return ("layout", "errors", "temporal") + tuple(
       f"{layout.name}_error" for layout in registered() if layout.band)
 
@@ -123,12 +110,8 @@ jax.tree_util.register_dataclass(Routing, data_fields=["layout", "errors", "left
 
 
 def sample_rows(key: jax.Array, seq_len: int, config: RouterConfig) -> jax.Array:
-  """Query rows to profile.
-
-  ``prefix``: uniform, with replacement, from the first ``sample_max_row`` tokens (the
-  reference SVG router). ``stratified``: one row from each of ``profile_queries`` equal
-  slices of the whole sequence, so every frame is seen.
-  """
+  """Query rows to profile: ``prefix``, uniform with replacement from the first ``sample_max_row``
+  tokens; ``stratified``, one from each of ``profile_queries`` equal slices of the sequence."""
   n = config.profile_queries
   if config.profile_pool == "prefix":
     return jax.random.randint(key, (n,), 0, min(config.sample_max_row, seq_len), dtype=jnp.int32)
@@ -148,8 +131,7 @@ Compensated = tuple[TilePlan, int]
 
 
 class Sampled(NamedTuple):
-  """The sampled rows' queries (float32), logits over every key, values and dense output: what
-  every candidate layout's error is measured against (computed once per call)."""
+  """Sampled rows' float32 queries, logits over all keys, values and dense output."""
 
   qs: jax.Array
   logits: jax.Array
@@ -169,10 +151,8 @@ def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scal
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
                      grid: VideoGrid, layout: HeadLayout, plan: TilePlan, cents: Centroids,
                      scale: float, visited: jax.Array | None = None) -> jax.Array:
-  """What a compensated call gives ``rows``: ``exact`` (their softmax over the kept keys, with
-  its log-sum-exp ``lse``) merged with the centroids of the key tiles each row's query tile
-  skips in ``layout`` (``cents``: that layout's; ``visited [B, H, q_tiles, kv_tiles]``: each
-  head's own tiles, a per-head budget's, in place of the plan's)."""
+  """``exact`` rows (log-sum-exp ``lse``) merged with the centroids their query tiles skip in
+  ``layout``: the plan's skipped tiles, or each head's (``visited [B, H, q_tiles, kv_tiles]``)."""
   tiles = layout.positions(grid, rows) // plan.block_q
   if visited is None:
     bias = jnp.asarray(plan_bias(plan, cents.log_count).T)[:, tiles]  # [N, R]
@@ -184,32 +164,28 @@ def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.
 
 def layout_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, layout: HeadLayout,
                      plan: TilePlan, blocks: int) -> Centroids:
-  """Centroids of ``[B, H, S, D]`` frame-major keys as ``plan``'s call would see them placed
-  in band ``layout``."""
+  """Centroids of frame-major ``[B, H, S, D]`` keys placed in band ``layout`` for ``plan``."""
   return centroids(layout.placed(k, grid), layout.placed(v, grid), block_kv=plan.block_kv,
                    blocks=blocks)
 
 
 def placed_keep(mask: Mask, grid: VideoGrid, layout: HeadLayout, rows: jax.Array,
                 keys: jax.Array) -> jax.Array:
-  """Which frame-major ``keys`` each frame-major row keeps under ``mask`` placed in band
-  ``layout`` (broadcasting)."""
+  """Which frame-major ``keys`` each frame-major row keeps under ``mask`` placed in ``layout``."""
   return ((rows < mask.seq_len) & (keys < mask.seq_len)
           & mask.contains(layout.positions(grid, rows), layout.positions(grid, keys)))
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadTileMask:
-  """Each head's own execution mask (a per-head budget's): the key tiles its query tiles visit,
-  ``visited [B, H, num_q_tiles, num_kv_tiles]`` in its placed order, whole tiles kept."""
+  """Per-head execution masks: ``visited [B, H, num_q_tiles, num_kv_tiles]``, placed order."""
 
   visited: jax.Array
   block_q: int
   block_kv: int
 
   def keep(self, rows: jax.Array, grid: VideoGrid, layout: HeadLayout) -> jax.Array:
-    """``bool [B, H, R, S]``: which keys each head's frame-major ``rows`` keep, placed by
-    ``layout`` (O(B x H x R x S), as the sampled logits)."""
+    """``bool [B, H, R, S]``: keys each head's frame-major ``rows`` keep, placed by ``layout``."""
     keys = jnp.arange(grid.tokens, dtype=jnp.int32)
     row_tiles = layout.positions(grid, rows) // self.block_q
     key_tiles = layout.positions(grid, keys) // self.block_kv
@@ -222,11 +198,8 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
                   cents: dict[str, Centroids] | None = None,
                   sampled: Sampled | None = None,
                   layouts: tuple[str, ...] = (SPATIAL, TEMPORAL)) -> tuple[jax.Array, ...]:
-  """MSE against dense of ``rows``' outputs under ``mask`` placed in each band layout of
-  ``layouts`` (default: frame-major, spatial, and temporal-major, temporal): ``[B, H]`` each.
-  With ``compensation`` (the plan and centroids per key tile), each output is the compensated
-  one that plan's call would give (``cents``: each layout's centroids by name, where the caller
-  has them)."""
+  """``[B, H]`` MSE against dense of ``rows``' outputs under ``mask`` in each band layout of
+  ``layouts``; with ``compensation`` (plan, centroids per key tile), of the compensated outputs."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
@@ -260,7 +233,7 @@ ROW_CHUNK = 128  # rows whose shares are held at once
 
 
 def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> jax.Array:
-  """``int32 [min(count, seq_len)]``: one row from each of that many equal slices of the sequence."""
+  """``int32 [min(count, seq_len)]``: one row from each of that many equal slices."""
   if count >= seq_len:
     return jnp.arange(seq_len, dtype=jnp.int32)
   offsets = jax.random.uniform(key, (count,))
@@ -270,13 +243,10 @@ def estimate_rows(key: jax.Array, seq_len: int, count: int = ESTIMATE_ROWS) -> j
 
 def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.Array,
              cents: Centroids, scale: float) -> jax.Array:
-  """``float32 [B, H]``: the mean over ``rows`` of the attention share each row's softmax loses to
-  the key tiles its query tile skips, estimated from the layout's key centroids (``cents``,
-  blocks per key tile; :func:`maxdiffusion_svg.routing.semantic.block_shares`). ``row_tiles [R]`` or
-  ``[B, H, R]``: each row's placed query tile; ``visited [B or 1, H or 1, num_q_tiles,
-  num_kv_tiles]``: the layout's table. The same estimate serves a compensated call: adding the
-  share its coarser centroids misplace chose worse at 720p (docs/benchmarks.md, "The router
-  without a margin")."""
+  """``float32 [B, H]``: mean over ``rows`` of the softmax share a row loses to the key tiles its
+  query tile skips, from key centroids (:func:`maxdiffusion_svg.routing.semantic.block_shares`).
+  ``row_tiles``: ``[R]`` or ``[B, H, R]``; ``visited [B or 1, H or 1, num_q_tiles, num_kv_tiles]``.
+  Compensated calls use it too (docs/benchmarks.md, "The router without a margin")."""
   b, h = q.shape[:2]
   count = rows.shape[0]
   chunk = math.gcd(count, ROW_CHUNK)  # rows per step: the shares of all rows at once took
@@ -299,9 +269,7 @@ def left_out(q: jax.Array, rows: jax.Array, row_tiles: jax.Array, visited: jax.A
 
 def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid, plan: TilePlan,
                     semantic: SemanticLayout, layouts: tuple[str, ...], scale: float) -> jax.Array:
-  """``float32 [B, H, n_layouts]``: :func:`left_out` of each candidate in ``layouts`` (``inf``
-  for the rest), from centroids of :data:`ESTIMATE_KEYS` placed keys: the band layouts by the
-  shared plan's table, an ``own`` table's (semantic) by each head's table and order."""
+  """``float32 [B, H, n_layouts]``: :func:`left_out` of each candidate (else ``inf``)."""
   blocks = plan.block_kv // ESTIMATE_KEYS
   log_count = centroid_log_counts(plan, blocks)
   means = lambda x: block_means(x, block_kv=plan.block_kv, blocks=blocks, seq_len=plan.seq_len)
@@ -326,8 +294,7 @@ def layout_left_out(q: jax.Array, k: jax.Array, rows: jax.Array, grid: VideoGrid
 
 def band_winner(errors: dict[str, jax.Array], layouts: tuple[str, ...], shape: tuple[int, ...]
                 ) -> jax.Array | None:
-  """``int32 [B, H]``: each head's band layout among ``layouts`` with the lowest sampled error
-  (ties: the lower id), or None where no band layout is among them."""
+  """``int32 [B, H]``: the lowest-error band layout (ties: lower id), or None if none competes."""
   band = [name for name in names() if name in layouts and get(name).band]
   if not band:
     return None
@@ -344,11 +311,9 @@ def band_winner(errors: dict[str, jax.Array], layouts: tuple[str, ...], shape: t
 
 def choose_layouts(errors: dict[str, jax.Array], estimates: jax.Array,
                    layouts: tuple[str, ...]) -> jax.Array:
-  """``int32 [B, H]``: each head's layout id. The band candidates are compared by their sampled
-  ``errors`` (ties go to the lower id: spatial); where an ``own`` table (semantic) competes, it
-  takes the head whose estimated whole-sequence loss (``estimates [B, H, n_layouts]``,
-  :func:`left_out`) is below the winner's so far, each judged by the same estimate (ties: the
-  band layout)."""
+  """``int32 [B, H]``: layout ids. Band candidates by sampled ``errors`` (ties: lower id, spatial);
+  an ``own`` table takes a head only where its ``estimates [B, H, n_layouts]`` (:func:`left_out`)
+  are below the winner's so far (ties: the band layout)."""
   own = [name for name in names() if name in layouts and not get(name).band]
   if not own:
     raise ValueError("choose_layouts decides where a layout with its own table competes")
@@ -378,8 +343,7 @@ def routing_mask(grid: VideoGrid, router: RouterConfig, plan: TilePlan | None) -
 
 
 def constants(tree: Any) -> Any:
-  """``tree`` with no derivative through its arrays: what decides a layout or a tile is a
-  choice, not a function to differentiate (a gradient sees the chosen mask as fixed)."""
+  """``tree`` with gradients stopped: a chosen layout or tile is fixed, not differentiated."""
   if isinstance(tree, dict):  # by hand: a NamedTuple is rebuilt field by field below
     return {key: constants(value) for key, value in tree.items()}
   if isinstance(tree, tuple):
@@ -396,19 +360,11 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                   layouts: tuple[str, ...] | None = None,
                   semantic: SemanticLayout | None = None,
                   head_visited: jax.Array | None = None) -> Routing:
-  """The router's decision for ``[B, H, S, D]`` inputs (frame-major), with its errors.
+  """The router's decision for frame-major ``[B, H, S, D]`` inputs, with its errors.
 
-  ``config`` is a :class:`RouterConfig` or anything with a ``router`` attribute holding one
-  (e.g. ``SvgConfig``). Execution masks need the call's tile plan: ``plan`` when given, else
-  the one an ``SvgConfig`` makes for ``grid`` (and ``expert``'s density), as its kernel would.
-  The same key gives the same flags. With ``compensation_blocks`` (centroids per key tile, 0:
-  off) and execution masks, each layout is judged by the compensated output its call gives
-  (``cents``: each layout's centroids by name, where the caller has them). ``layouts``: the candidate
-  layouts (default: the config's ``layouts``, else spatial and temporal); ``semantic`` (each
-  head's semantic order and table) is required where semantic is among them.
-  ``head_visited [B, H, num_q_tiles, num_kv_tiles]`` (a per-head budget's tables, with
-  execution masks): each head is judged under its own mask, in ``plan``'s tiles.
-  """
+  ``config``: a :class:`RouterConfig`, or an object holding one as ``router``; ``plan``: default,
+  the config's for ``grid`` and ``expert``; ``compensation_blocks``: 0 off; ``layouts``: default the
+  config's, else spatial and temporal (``semantic`` needed among them). Same key, same result."""
   router = getattr(config, "router", config)
   q, k, v, cents, semantic = constants((q, k, v, cents, semantic))
   if q.shape[2] != grid.tokens:

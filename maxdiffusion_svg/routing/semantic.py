@@ -1,25 +1,6 @@
-"""The semantic layout (SVG2 on TPU): each head's tokens ordered by k-means cluster, and its own
-tile table, chosen on device within the band's budget.
-
-Attention that follows content as it moves is neither local in time (spatial) nor fixed in place
-(temporal): a band misses it at any density. Ordered by cluster, tokens that attend to each other
-sit in a few tiles. Per head and per call, on device and in fixed shapes:
-
-1. **Cluster**: k-means of the head's keys (:data:`CLUSTER_ON`, chosen by measurement), distances
-   as matrix products on the MXU, ``iterations`` updates from a deterministic start (evenly
-   spaced tokens), so runs are reproducible.
-2. **Order**: clusters placed along the principal direction of their centroids (similar clusters
-   next to each other), each cluster contiguous, frame-major inside it. Padding stays at the end.
-3. **Table**: each query tile row's key tiles ranked by an estimate of the attention mass it
-   puts on them, from its query sub-blocks' mean queries and each key tile's sub-block
-   centroids (with compensation on: by the error the centroids would leave, see
-   :func:`tile_scores`); row ``i``
-   visits the top ``K_i`` tiles, ``K_i`` being what the band plan's row ``i`` visits, so a
-   semantic head costs what a spatial head costs in the kernel.
-
-The kernel runs the head's table like any plan (:func:`maxdiffusion_svg.kernels.sparse_attention`
-with ``head_tiles``); the output goes back to frame-major order by the inverse permutation.
-Nothing here depends on the data's values for shapes: new clusters never recompile.
+"""The semantic layout (SVG2 on TPU): each head's tokens ordered by k-means cluster of its keys,
+with its own tile table, on device in fixed shapes: row ``i`` visits its ``K_i`` key tiles of most
+estimated mass (:func:`tile_scores`), ``K_i`` the band plan's, so it costs what a spatial head does.
 """
 
 from __future__ import annotations
@@ -81,9 +62,8 @@ def _is_int(x: Any) -> bool:
 
 def check_semantic(clusters: Any, iterations: Any, tokens: int | None = None,
                    warm_iterations: Any = 0) -> None:
-  """Refuses clusters below 1 (or above the tokens, when known), iterations below 1 and warm
-  iterations below 0 (0: no warm start) or above the cold ones (a warm start never costs more
-  than a cold one)."""
+  """Refuses clusters < 1 (or > ``tokens``), iterations < 1, and warm iterations outside
+  ``[0, iterations]`` (0: no warm start)."""
   if not _is_int(clusters) or clusters < 1 or (
       tokens is not None and clusters > tokens):
     most = f" and <= the tokens ({tokens})" if tokens is not None else ""
@@ -105,12 +85,10 @@ def check_plan(plan: TilePlan) -> None:
 
 
 class SemanticLayout(NamedTuple):
-  """One call's semantic placement of every head, by groups of ``g = S / perm.shape[-1]``
-  consecutive tokens. ``*_perm [B, H, S / g]``: the frame-major group at each placed group
-  position; ``*_pos``: the placed position of each frame-major group (its inverse).
-  ``kv_index [B, H, num_q_tiles, width]``: each head's key tiles per query tile row, ascending
-  in the first ``plan.num_visited[i]`` slots. ``cents``: the placed keys' sub-block centroids.
-  ``clusters [B, H, C, D]`` float32: the keys' k-means centroids, the next step's warm start."""
+  """Every head's placement, in groups of ``g = S / perm.shape[-1]`` tokens. ``*_perm [B, H,
+  S / g]``: the frame-major group at each placed position; ``*_pos``: its inverse. ``kv_index [B, H,
+  num_q_tiles, width]``: each row's key tiles, ascending in the first ``plan.num_visited[i]``.
+  ``cents``: placed keys' sub-block centroids; ``clusters [B, H, C, D]``: the next warm start."""
 
   q_perm: jax.Array
   q_pos: jax.Array
@@ -122,9 +100,8 @@ class SemanticLayout(NamedTuple):
 
 
 class Seed(NamedTuple):
-  """A warm start: ``centroids`` broadcastable to ``[B, H, C, D]`` (float32, the previous
-  denoising step's k-means centroids of the keys) and ``ready`` (a traced bool: False before
-  the first semantic call of a run, when the cold start runs instead)."""
+  """A warm start: the previous step's key centroids (float32, broadcastable to ``[B, H, C, D]``)
+  and ``ready`` (traced bool; False: the cold start runs)."""
 
   centroids: jax.Array
   ready: jax.Array
@@ -133,13 +110,10 @@ class Seed(NamedTuple):
 def kmeans(x: jax.Array, clusters: int, iterations: int, sample: int | None = None,
            seed: Seed | None = None,
            warm_iterations: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """k-means of ``[B, H, S, D]`` points per head: ``(assign [B, H, S] int32, centroids [B, H, C,
-  D] float32, counts [B, H, C] float32)``. Starts from evenly spaced tokens (``iterations``
-  updates), or where ``seed.ready`` from ``seed.centroids`` (``warm_iterations`` updates: the
-  two counts are branches of one ``lax.cond``, so a warm call runs only its own). The updates
-  read every ``S // sample``-th token (default :data:`SAMPLE_PER_CLUSTER` per cluster), the
-  final assignment every token; ``counts`` are of the sample. Distances and sums are matrix
-  products in ``x``'s dtype with float32 accumulation; an empty cluster keeps its centroid."""
+  """Per-head k-means of ``[B, H, S, D]``: ``(assign [B, H, S] int32, centroids [B, H, C, D]
+  float32, counts [B, H, C] float32)``. ``iterations`` updates from evenly spaced tokens, or
+  ``warm_iterations`` from ``seed.centroids`` where ``seed.ready`` (one ``lax.cond``). Updates and
+  ``counts`` read every ``S // sample``-th token; an empty cluster keeps its centroid."""
   b, h, s, d = x.shape
   check_semantic(clusters, iterations, s, warm_iterations if seed is not None else 0)
   if seed is not None and warm_iterations < 1:
@@ -175,8 +149,7 @@ def kmeans(x: jax.Array, clusters: int, iterations: int, sample: int | None = No
 
 
 def cluster_ranks(cents: jax.Array, counts: jax.Array) -> jax.Array:
-  """``int32 [B, H, C]``: each cluster's place along the principal direction of the centroids
-  (count-weighted), so that similar clusters are placed next to each other."""
+  """``int32 [B, H, C]``: cluster ranks along the centroids' count-weighted principal direction."""
   w = counts / jnp.maximum(counts.sum(axis=-1, keepdims=True), 1.0)
   centered = cents - jnp.einsum("bhc,bhcd->bhd", w, cents)[:, :, None, :]
   cov = jnp.einsum("bhc,bhcd,bhce->bhde", w, centered, centered)
@@ -189,11 +162,7 @@ def cluster_ranks(cents: jax.Array, counts: jax.Array) -> jax.Array:
 
 
 def placed_positions(slot: jax.Array, slots: int) -> jax.Array:
-  """``int32 [B, H, S]``: where each token goes when tokens are grouped by ``slot [B, H, S]``
-  (values in ``[0, slots)``), groups in slot order, tokens in their own order inside a group.
-  Counted, not sorted: a group's start, plus its tokens in earlier blocks of 128 (a cumulative
-  sum over blocks), plus those earlier in the token's own block (a triangular matrix product
-  with the one-hot slots, exact: counts of at most 128)."""
+  """``int32 [B, H, S]``: positions once stably grouped by ``slot [B, H, S]`` in ``[0, slots)``."""
   b, h, s = slot.shape
   blocks = -(-s // _COUNT_BLOCK)
   padded = jnp.pad(slot, ((0, 0), (0, 0), (0, blocks * _COUNT_BLOCK - s)), constant_values=slots)
@@ -210,10 +179,8 @@ def placed_positions(slot: jax.Array, slots: int) -> jax.Array:
 
 
 def group_size(grid: VideoGrid, largest: int = MAX_GROUP, units: int = MAX_UNITS) -> int:
-  """Tokens that move together: the least power of two that leaves at most ``units`` groups
-  (the placement's cost follows the groups it moves), up to ``largest`` and dividing the frame's
-  width, so a group is a run of neighbours along one row of one frame. 720p: 8; 480p: 4; a
-  sequence of at most ``units`` tokens: 1."""
+  """Tokens placed as one: the least power of two leaving at most ``units`` groups, up to
+  ``largest`` and dividing the frame width (a run along one row). 720p: 8; 480p: 4."""
   group = 1
   while grid.tokens > units * group and group < largest and grid.width % (2 * group) == 0:
     group *= 2
@@ -221,15 +188,13 @@ def group_size(grid: VideoGrid, largest: int = MAX_GROUP, units: int = MAX_UNITS
 
 
 def _rows(x: jax.Array, group: int) -> jax.Array:
-  """``[B, H, S / group, group * D]``: each group of consecutive tokens as one row (no copy;
-  a ``[..., group, D]`` view would pad ``group`` sublanes out to a whole tile)."""
+  """``[B, H, S / group, group * D]``: each group of tokens as one row (a free reshape)."""
   b, h, s, d = x.shape
   return x.reshape(b, h, s // group, group * d)
 
 
 def group_means(x: jax.Array, group: int, dtype: Any = None) -> jax.Array:
-  """``[B, H, S / group, D]``: each group of consecutive tokens' mean, in ``dtype`` (default
-  ``x``'s; a float32 sum of lane-aligned slices of its row)."""
+  """``[B, H, S / group, D]``: each group's mean (float32 sum), in ``dtype`` (default ``x``'s)."""
   d = x.shape[-1]
   rows = _rows(x, group)
   total = sum(rows[..., j * d:(j + 1) * d].astype(jnp.float32) for j in range(group))
@@ -238,10 +203,8 @@ def group_means(x: jax.Array, group: int, dtype: Any = None) -> jax.Array:
 
 def placed_block_means(x: jax.Array, perm: jax.Array, *, block: int, blocks: int,
                        seq_len: int) -> jax.Array:
-  """float32 ``[B, H, tiles * blocks, D]``: :func:`block_means` of ``x`` placed in ``perm``'s
-  order (groups of ``g = S / perm.shape[-1]`` tokens), from the groups' means where a sub-block
-  holds whole groups: the placed tokens themselves are never read. (Read from them, the means
-  of a 720p call's placed queries and keys took 0.9 GiB more temporaries on a v6e.)"""
+  """float32 :func:`block_means` of ``x`` placed in ``perm``'s order, from group means where
+  sub-blocks hold whole groups (reading placed tokens took 0.9 GiB more at 720p on a v6e)."""
   group = x.shape[2] // perm.shape[-1]
   if group == 1 or (block // blocks) % group or seq_len % group:
     return block_means(gather_tokens(x, perm), block_kv=block, blocks=blocks, seq_len=seq_len)
@@ -252,10 +215,8 @@ def placed_block_means(x: jax.Array, perm: jax.Array, *, block: int, blocks: int
 def cluster_order(x: jax.Array, clusters: int, iterations: int, group: int = 1,
                   seed: Seed | None = None,
                   warm_iterations: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(perm, pos, centroids)`` of ``[B, H, S, D]`` tokens ordered by cluster (see module
-  docstring), by groups of ``group`` consecutive tokens clustered by their mean (``[B, H, S /
-  group]``): ``perm`` by one sort, ``pos`` (its inverse) counted (:func:`placed_positions`);
-  ``centroids [B, H, C, D]`` (float32) for the next call's ``seed`` (see :func:`kmeans`)."""
+  """``(perm, pos, centroids)``: ``[B, H, S, D]`` tokens ordered by cluster in groups of ``group``
+  (``perm``, ``pos``: ``[B, H, S / group]``); ``centroids [B, H, C, D]`` seed the next call."""
   points = group_means(x, group) if group > 1 else x
   assign, cents, counts = kmeans(points, min(clusters, points.shape[2]), iterations, seed=seed,
                                  warm_iterations=warm_iterations)
@@ -266,8 +227,7 @@ def cluster_order(x: jax.Array, clusters: int, iterations: int, group: int = 1,
 
 
 def gather_tokens(x: jax.Array, perm: jax.Array) -> jax.Array:
-  """``[B, H, S, D]`` tokens taken in ``perm [B, H, S / g]`` order, by groups of ``g`` consecutive
-  tokens (a gather of ``g``-row blocks: on a TPU a gather's cost is per moved block)."""
+  """``[B, H, S, D]`` tokens in ``perm [B, H, S / g]`` order, moved in blocks of ``g``."""
   b, h, s, d = x.shape
   rows = _rows(x, s // perm.shape[-1])
   return jnp.take_along_axis(rows, perm[..., None], axis=2).reshape(b, h, s, d)
@@ -282,13 +242,10 @@ def token_positions(pos: jax.Array, seq_len: int) -> jax.Array:
 
 def block_shares(qbar: jax.Array, cents: Centroids, scale: float, criterion: str = "mass",
                  q_sq: jax.Array | None = None, k_sq: jax.Array | None = None) -> jax.Array:
-  """float32 ``[B, H, R, N]``: what each query (or sub-block's mean query) ``q̄_r`` (``qbar
-  [B, H, R, D]``) would lose by skipping each key block, from the blocks' centroids ``k̄_n``
-  (``n_n`` keys): its share ``softmax_n(s q̄_r·k̄_n + log n_n)`` (``mass``), or (``error``) the
-  part compensation, which gives a block its centroid's share, would miss: with a block's keys
-  Gaussian about ``k̄_n`` with per-coordinate variance ``σ²_n``, the share times ``expm1(s²
-  |q|² σ²_n / 2)``; ``q_sq [B, H, R]`` is each query's (mean) ``|q|²``, ``k_sq [B, H, N, D]``
-  each key block's mean square. The semantic table and the router share this estimate."""
+  """float32 ``[B, H, R, N]``: what each query ``qbar [B, H, R, D]`` loses by skipping each key
+  block (centroid ``k̄_n``, ``n_n`` keys): ``softmax_n(s q̄·k̄_n + log n_n)`` (``mass``), or what
+  compensation misses (``error``): that times ``expm1(s² |q|² σ²_n / 2)`` for Gaussian keys of
+  variance ``σ²_n``, from ``q_sq [B, H, R]`` and ``k_sq [B, H, N, D]`` (mean squares)."""
   f32 = jnp.float32
   logits = scale * jnp.einsum("bhrd,bhnd->bhrn", qbar.astype(f32), cents.k.astype(f32),
                               precision=jax.lax.Precision.HIGHEST) + cents.log_count
@@ -302,12 +259,8 @@ def block_shares(qbar: jax.Array, cents: Centroids, scale: float, criterion: str
 def tile_scores(qbar: jax.Array, cents: Centroids, plan: TilePlan, scale: float,
                 criterion: str = "mass", q_sq: jax.Array | None = None,
                 k_sq: jax.Array | None = None) -> jax.Array:
-  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: what each query tile row would lose by
-  skipping each key tile. Each query tile is cut into sub-blocks (a tile holds several clusters:
-  its mean query would stand for none of them); each sub-block's mean query (``qbar [B, H,
-  num_q_tiles * query_blocks, D]``) shares its attention over the key sub-blocks' centroids
-  (:func:`block_shares`, by ``criterion``), and a row's score for a key tile is its sub-blocks'
-  shares of the tile's blocks, weighted by their queries."""
+  """float32 ``[B, H, num_q_tiles, num_kv_tiles]``: what each query tile row loses by skipping each
+  key tile: its sub-blocks' :func:`block_shares` (``qbar``: their mean queries), count-weighted."""
   query_blocks = qbar.shape[2] // plan.num_q_tiles
   blocks = cents.log_count.size // plan.num_kv_tiles
   b, h = qbar.shape[:2]
@@ -333,10 +286,8 @@ def top_tiles(scores: jax.Array, plan: TilePlan) -> jax.Array:
 def semantic_layout(q: jax.Array, k: jax.Array, v: jax.Array, plan: TilePlan, config: SemanticConfig,
                     scale: float | None = None, group: int = 1,
                     seed: Seed | None = None) -> SemanticLayout:
-  """The semantic placement and tile table of every head of frame-major ``[B, H, S, D]`` inputs,
-  sized by the band ``plan`` (aligned) every head shares; tokens move in groups of ``group``
-  (:func:`group_size` of the video grid; ``S`` must be a multiple). ``seed``: the keys' k-means
-  starts from the previous denoising step's centroids (``config.warm_iterations`` updates)."""
+  """Every head's semantic placement and table for frame-major ``[B, H, S, D]``, sized by the
+  aligned ``plan``; tokens move in groups of ``group`` (dividing ``S``); ``seed``: a warm start."""
   check_plan(plan)
   check_semantic(config.clusters, config.iterations, q.shape[2])
   if q.shape[2] % group:
