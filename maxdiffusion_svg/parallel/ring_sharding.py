@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.call.attention import profile_key
-from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
+from maxdiffusion_svg.call.prepared import Branch, PreparedCall
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL
+from maxdiffusion_svg.parallel.exchange import HeadExchange, in_context, reshard_explicit
 from maxdiffusion_svg.parallel.ring_placement import ShardPermutation, ring_placement
 from maxdiffusion_svg.parallel.ring_plan import (KeyFetch, RingSplit, budget_keys, check_on_ring,
                                                  key_fetch, ring_split, window_plan)
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.masks import Mask
-from maxdiffusion_svg.plan.target import Target
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroid_log_counts,
                                                    centroids_by_position, per_head, plan_bias,
@@ -211,19 +210,16 @@ def ring_centroids(k: jax.Array, v: jax.Array, grid: VideoGrid, plan: TilePlan, 
   return out
 
 
-def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, seq_axis: str,
-                       batch_axes: Sequence[str], ulysses: int, grid: VideoGrid,
-                       config: SvgConfig, key: jax.Array | None = None,
+def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, ex: HeadExchange,
+                       call: PreparedCall, *, key: jax.Array | None = None,
                        scale: float | None = None, step: Any = None, layer: Any = None,
-                       expert: str | None = None, return_info: bool = False,
-                       target: Target | None = None,
-                       on_routing: Callable[..., None] | None = None,
-                       prepared: PreparedCall | None = None) -> Any:
-  """SVG of frame-major ``[B, H, S, D]``, heads exchanged in groups of ``ulysses`` (module doc):
-  :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`'s ring path, with its arguments
-  (``prepared`` in place of ``config``, ``expert`` and ``target``)."""
-  call = prepared or prepare(config, grid, expert, mesh=mesh, target=target)
-  config = call.config
+                       return_info: bool = False,
+                       on_routing: Callable[..., None] | None = None) -> Any:
+  """SVG of frame-major ``[B, H, S, D]`` on exchange ``ex``, heads exchanged in groups of
+  ``ex.ulysses`` (module doc): :func:`maxdiffusion_svg.parallel.sharding.sharded_svg_attention`'s
+  ring path, with its arguments (``call``: prepared for the ring, ``PreparedCall.on_ring``)."""
+  mesh, seq_axis, batch_axes, ulysses = ex.mesh, ex.seq_axis, ex.batch_axes, ex.ulysses
+  grid, config = call.grid, call.config
   off_ring = [name for name in config.layouts if not get(name).on_ring]
   if off_ring:  # e.g. a semantic head's clusters span the whole sequence, split here
     raise ValueError(f"svg_layouts with {' and '.join(off_ring)} does not run on a ring yet "
@@ -314,7 +310,7 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
       q, k, v = (reshard_explicit(reshard_explicit(jnp.pad(x, pad), mesh, outer_spec, outer_axes),
                                   inner, spec, inner_axes) for x in (q, k, v))
       # Under jax.set_mesh(mesh) the shard_map's mesh must be the one in context.
-      with (jax.sharding.use_abstract_mesh(inner.abstract_mesh) if _in_context(mesh)
+      with (jax.sharding.use_abstract_mesh(inner.abstract_mesh) if in_context(mesh)
             else contextlib.nullcontext()):
         result = mapped(q, k, v, *values)
       out, info = result if return_info else (result, None)
@@ -332,18 +328,3 @@ def ring_svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, 
   stacked = jnp.stack([errors.get(name, jnp.full(temporal.shape, jnp.inf, jnp.float32))
                        for name in names()], -1)
   return out, Routing(layout, stacked).info()
-
-
-def _in_context(mesh: Mesh) -> bool:
-  """Whether ``mesh`` is the mesh in context (``jax.set_mesh``), abstractly."""
-  context = jax.sharding.get_abstract_mesh()
-  return not context.empty and context == mesh.abstract_mesh
-
-
-def reshard_explicit(x: jax.Array, mesh: Mesh, spec: P, axes: Sequence[str]) -> jax.Array:
-  """``x`` at ``spec`` where ``mesh``'s ``axes`` are explicit (shard_map needs it there); on auto
-  axes XLA's propagation does it, so ``x`` is returned as is."""
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if all(types[a] == jax.sharding.AxisType.Explicit for a in axes):
-    return jax.reshard(x, NamedSharding(mesh, spec))
-  return x
