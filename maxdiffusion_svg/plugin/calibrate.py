@@ -34,7 +34,6 @@ from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibra
                                                   calibrate_layers, candidate_rungs,
                                                   compensation_choices, rung_costs, uniform_rung)
 from maxdiffusion_svg.plugin import generations, hooks, launcher
-from maxdiffusion_svg.plugin.compare import check_checkpoint
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
@@ -110,7 +109,6 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   if keys.get("aot_cache_dir"):
     raise ValueError(f"aot_cache_dir is {keys['aot_cache_dir']!r}: calibrate measures inside the "
                      f"svg kernel, which a cached executable skips; give aot_cache_dir=''")
-  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""), video_model(keys))
   path = pathlib.Path(out)
   if path.suffix not in (".yml", ".yaml"):
     raise ValueError(f"--out {out} must name a .yml file (the overlay config)")

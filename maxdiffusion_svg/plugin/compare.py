@@ -34,10 +34,9 @@ import yaml
 from maxdiffusion_svg.budgets.schedule import PRESETS
 from maxdiffusion_svg.measure import video_metrics
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.plugin import (families, generations, hooks, launcher, overlay, preflight,
-                                     run_summary)
+from maxdiffusion_svg.plugin import families, generations, hooks, launcher, overlay, run_summary
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.plugin.video_models import WAN_VACE, VideoModel, grid_of, video_model
+from maxdiffusion_svg.plugin.video_models import grid_of, video_model
 from maxdiffusion_svg.routing.layouts import check_layouts
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
@@ -187,36 +186,12 @@ def plan_comparison(config: str, overrides: Sequence[str], dense: str | None,
                      f"attention only; give aot_cache_dir=''")
   if not str(keys.get("prompt") or "").strip():
     raise ValueError("prompt is empty: give prompt='...' (the same prompt runs for every kernel)")
-  check_checkpoint(str(keys.get("pretrained_model_name_or_path") or ""), video_model(keys))
   video_metrics.check_metrics(lpips)
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   if not os.access(out, os.W_OK):
     raise ValueError(f"--out {out} is not writable")
   return Plan(config, tuple(overrides), tuple(runs), keys, settings, out.resolve(), lpips)
-
-
-def check_checkpoint(name: str, family: VideoModel) -> None:
-  """The checkpoint's transformer config can be read (a local folder, or a Hub id), and a Wan
-  VACE checkpoint goes with a VACE config (``family``), and only with one."""
-  if not name:
-    raise ValueError("pretrained_model_name_or_path is not set: give the checkpoint to compare on")
-  try:
-    transformer = preflight.transformer_config(name)
-  except Exception as err:  # pylint: disable=broad-except  # any loader failure, named
-    raise ValueError(f"pretrained_model_name_or_path {name!r} does not load: "
-                     f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                     ) from None
-  if "vace_layers" in transformer and family is not WAN_VACE:
-    raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint (its "
-                     f"transformer has vace_layers) but the config is {family.name}'s: give a "
-                     f"VACE config, e.g. configs/wan_vace_svg.yml (its vace_* keys name the "
-                     f"reference images, control video and mask)")
-  if family is WAN_VACE and "vace_layers" not in transformer:
-    raise ValueError(f"pretrained_model_name_or_path {name!r} is not a Wan VACE checkpoint (its "
-                     f"transformer has no vace_layers) but the config is Wan VACE's (it holds "
-                     f"vace_reference_images): give a VACE checkpoint, e.g. "
-                     f"Wan-AI/Wan2.1-VACE-14B-diffusers")
 
 
 def call_counts(settings: PluginSettings, steps: int, layers: int, grid: VideoGrid,

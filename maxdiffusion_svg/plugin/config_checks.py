@@ -22,7 +22,8 @@ when the run would pass it, and a refusal or warning carries the run's words:
 
 from __future__ import annotations
 
-import pathlib
+import dataclasses
+import os
 from typing import Any, Mapping
 
 from maxdiffusion_svg.kernels.api import check_tpu_call
@@ -31,12 +32,13 @@ from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.parallel.ring_plan import budget_keys
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import MIB, TPU_BACKENDS, Target, generation_named
-from maxdiffusion_svg.plugin import preflight
+from maxdiffusion_svg.budgets.budget import PER_LAYER
+from maxdiffusion_svg.budgets.per_head import check_head_shape
+from maxdiffusion_svg.budgets.per_layer import check_layer_count
+from maxdiffusion_svg.plugin import checkpoint, preflight
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
-from maxdiffusion_svg.plugin.video_models import experts_of, video_model, wan_size
+from maxdiffusion_svg.plugin.video_models import FAMILIES, WAN_VACE, experts_of, video_model
 from maxdiffusion_svg.routing.compensation import plan_row_keys
-
-HEAD_DIM = 128  # every Wan transformer's (the 1.3B's 1536 / 12 heads, the 14B's 5120 / 40), LTX-2's video
 
 
 class Refused(ValueError):
@@ -52,19 +54,62 @@ def check_attention(config: Mapping[str, Any]) -> None:
                      f"attention={KERNEL_NAME}")
 
 
-def heads_of(config: Mapping[str, Any]) -> tuple[int, str]:
-  """The transformer's heads and where they come from: a checkpoint folder's config.json, read
-  as the run reads it (:func:`preflight.transformer_heads`), else the checkpoint's name."""
-  name = str(config.get("pretrained_model_name_or_path", ""))
-  if (pathlib.Path(name) / "transformer" / "config.json").is_file():
-    return preflight.transformer_heads(name), f"{name}/transformer/config.json"
-  size = wan_size(config)
-  if size is None:
-    family = video_model(config)
-    return family.heads, (f"{family.name}'s by its model_name; a checkpoint folder's "
-                          f"config.json is read where it is one")
-  return (size.heads,
-          f"a {size.name} by its name; a checkpoint folder's config.json is read where it is one")
+def check_model(config: Mapping[str, Any], path: str = "") -> None:
+  """A config of a model no family of :data:`video_models.FAMILIES` is refused by name
+  (MaxDiffusion's main would fail on it far later, or not say why)."""
+  model = config.get("model_name")
+  if any(model in family.model_names for family in FAMILIES):
+    return
+  weights = str(config.get("pretrained_model_name_or_path") or "")
+  if model is None and ("LTX-Video" in weights or os.path.basename(path) == "ltx_video.yml"):
+    raise ValueError(f"{path or 'the config'} is an LTX-Video config: LTX-Video (MaxDiffusion's "
+                     f"legacy 13B port, generate_ltx_video) is not supported. Its transformer "
+                     f"calls Pallas flash attention directly, not MaxDiffusion's attention "
+                     f"kernels, so attention: svg would be ignored; run it with MaxDiffusion's "
+                     f"own generate_ltx_video")
+  runs = " and ".join(f"{f.name} (model_name {' or '.join(f.model_names)}) through "
+                      f"{f.generate_main}" for f in FAMILIES)
+  raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs {runs}")
+
+
+def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None = None, *,
+                         path: str = "", training: bool = False, download: bool = False,
+                         layers: int | None = None,
+                         heads: int | None = None) -> checkpoint.ModelShape:
+  """The checks of a merged config that need its checkpoint, made by every tool (``tiles``,
+  the launcher, ``compare``, ``calibrate``) and by the run before weights load: the model
+  family (generation), the checkpoint readable (:func:`checkpoint.model_shape`), a VACE
+  checkpoint with a VACE config and only with one, and the per-layer and per-head budgets
+  against the transformer's layers and heads (``layers``, ``heads``: ``tiles``' flags, over
+  the checkpoint's). Returns the shape."""
+  env = os.environ if env is None else env
+  if not training:
+    check_model(keys, path)
+  shape = checkpoint.model_shape(keys, env, download)
+  given = {k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None}
+  if given:
+    shape = dataclasses.replace(shape, **given, source=f"{shape.source}; "
+                                f"{' and '.join(given)} given with --{' and --'.join(given)}")
+  name, family = keys.get("pretrained_model_name_or_path"), video_model(keys)
+  if shape.read and shape.vace_layers and family is not WAN_VACE and not training:
+    raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint (its "
+                     f"transformer has vace_layers) but the config is {family.name}'s: give a "
+                     f"VACE config, e.g. configs/wan_vace_svg.yml (its vace_* keys name the "
+                     f"reference images, control video and mask)")
+  if shape.read and family is WAN_VACE and not shape.vace_layers:
+    raise ValueError(f"pretrained_model_name_or_path {name!r} is not a Wan VACE checkpoint (its "
+                     f"transformer has no vace_layers) but the config is Wan VACE's (it holds "
+                     f"vace_reference_images): give a VACE checkpoint, e.g. "
+                     f"Wan-AI/Wan2.1-VACE-14B-diffusers")
+  if keys.get("attention") == KERNEL_NAME:
+    svg = PluginSettings.from_mapping(keys).svg
+    for expert in experts_of(keys):
+      budget = svg.budget(expert)
+      for what in PER_LAYER:
+        check_layer_count(budget.per_layer(what), shape.layers, budget.key(what))
+      if budget.head_densities is not None:
+        check_head_shape(budget.head_densities, shape.layers, shape.heads, budget.key("head"))
+  return shape
 
 
 def _refused(where: str, err: ValueError) -> Refused:
@@ -90,8 +135,10 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
                       context_shards=context, heads=heads,
                       ulysses_shards=config.get("ulysses_shards", -1),
                       backend=str(config.get("svg_backend", "auto")),
-                      layouts=tuple(layouts), dense_frames=dense_frames, budgets=budgets)
+                      layouts=tuple(layouts), dense_frames=dense_frames, budgets=budgets,
+                      per_device_batch_size=float(config.get("per_device_batch_size", 1)))
   try:
+    preflight.check_batch(job.per_device_batch_size, job.device_count)
     ulysses, ring = preflight.check_heads(job)
     note = preflight.check_ring(job, ulysses, ring)
   except ValueError as err:
@@ -102,7 +149,7 @@ def check_slice(config: Mapping[str, Any], slice_type: str, heads: int,
 
 
 def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Target,
-                 backend: str, dtype: str,
+                 backend: str, dtype: str, head_dim: int,
                  tables: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
   """Every plan the first call compiles, checked as the run checks it on ``target``: the need
   and the limit of each, or the run's refusal. ``tables``: per plan, the work lists in SMEM
@@ -119,11 +166,11 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
     # (per-layer compensation: every rung's plan is checked as if compensated, the larger need)
     row_keys = plan_row_keys(plan, blocks) if blocks and backend == "pallas" else 0
     try:
-      check_tpu_call(plan, HEAD_DIM, dtype, kv_compute, target, backend, row_keys=row_keys,
+      check_tpu_call(plan, head_dim, dtype, kv_compute, target, backend, row_keys=row_keys,
                      tables=tables.get(name, 1))
     except ValueError as err:
       raise _refused(f"at its first call ({name} plan)", err) from None
-    fits.append({"plan": name, "vmem": kernel_vmem(plan, HEAD_DIM, dtype, kv_compute, target,
+    fits.append({"plan": name, "vmem": kernel_vmem(plan, head_dim, dtype, kv_compute, target,
                                                      backend, row_keys),
                  "vmem_limit": target.vmem_limit,
                  "smem": kernel_smem(plan, backend, tables.get(name, 1)),
@@ -132,16 +179,16 @@ def check_kernel(settings: PluginSettings, plans: Mapping[str, Any], target: Tar
 
 
 def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoGrid,
-                 target: Target, backend: str, plans: Mapping[str, Any], steps: int, layers: int,
-                 slice_type: str | None, per_head: Mapping[str, Any] | None = None
-                 ) -> dict[str, Any]:
+                 target: Target, backend: str, plans: Mapping[str, Any], steps: int,
+                 shape: checkpoint.ModelShape, slice_type: str | None,
+                 per_head: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Every check, in the order the run makes them; raises :class:`Refused` on the first the
   run would stop on. Returns what passed and the warnings. ``per_head``: the per-head budgets
   (:class:`~maxdiffusion_svg.budgets.per_head.HeadBudget`) by the name of the plan that carries
   each one's ragged call, checked with its work list and heads for the (example, head)s a
   device holds (the CFG pair folded into the heads the slice leaves each device; without
-  ``--slice``, all of them on one)."""
-  heads, heads_source = heads_of(keys)
+  ``--slice``, all of them on one). ``shape``: :func:`check_before_weights`'."""
+  heads, layers = shape.heads, shape.layers
   warnings = []
   try:
     preflight.check_run_name(str(keys.get("output_dir") or ""), str(keys.get("run_name") or ""))
@@ -164,10 +211,10 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
                     f"svg_min_seq_length {settings.min_seq_length}: every call runs dense")
   dtype = str(keys.get("activations_dtype") or "bfloat16")
   local = 2 * (mesh["heads_per_device"] if mesh else heads)  # the CFG pair's (example, head)s
-  fits = check_kernel(settings, plans, target, backend, dtype,
+  fits = check_kernel(settings, plans, target, backend, dtype, shape.head_dim,
                       {name: ragged_tables(budget.carrier, local, budget.steps_bound(1, local))
                        for name, budget in (per_head or {}).items()})
-  return {"heads": heads, "heads_source": heads_source, "head_dim": HEAD_DIM, "dtype": dtype,
+  return {"heads": heads, "heads_source": shape.source, "head_dim": shape.head_dim, "dtype": dtype,
           "slice": mesh, "compensation": compensation, "kernel": fits, "warnings": warnings}
 
 

@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
 from typing import Any, Mapping
 
-from maxdiffusion_svg.budgets.budget import PER_LAYER
-from maxdiffusion_svg.budgets.per_head import check_head_shape
-from maxdiffusion_svg.budgets.per_layer import Rung, check_layer_count
+from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target, resolve_backend
 from maxdiffusion_svg.plan.tiles import visited_in_tiles_of
-from maxdiffusion_svg.plugin import preflight
-from maxdiffusion_svg.plugin.config_checks import check_attention, check_config
+from maxdiffusion_svg.plugin.checkpoint import ModelShape
+from maxdiffusion_svg.plugin.config_checks import (check_attention, check_before_weights,
+                                                   check_config)
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
 from maxdiffusion_svg.plugin.video_models import (WAN, WAN_VACE, VideoModel, experts_of,
-                                                  grid_of, video_model, wan_size)
+                                                  grid_of, video_model)
 from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.routing.compensation import plan_row_keys
 from maxdiffusion_svg.routing.semantic import SAMPLE_PER_CLUSTER, group_size
@@ -40,28 +38,12 @@ SHARE_SOURCE = "the seed design (quoted in docs/benchmarks.md)"
 STATED_SHARES = ((75_600, 0.555, "720p"), (302_400, 0.882, "1440p"))
 
 
-def layers_of(config: Mapping[str, Any]) -> int:
-  size = wan_size(config)
-  return video_model(config).layers if size is None else size.layers
-
-
-def dense_blocks_of(config: Mapping[str, Any]) -> tuple[int, str]:
+def dense_blocks_of(config: Mapping[str, Any], shape: ModelShape) -> tuple[int, str]:
   """Self-attention calls per step that run dense by design besides the layers' (Wan VACE's
-  control blocks) and where the count comes from: a checkpoint folder's ``vace_layers``, else
-  the checkpoint's name."""
+  control blocks) and where the count comes from."""
   if video_model(config) is not WAN_VACE:
     return 0, ""
-  name = str(config.get("pretrained_model_name_or_path", ""))
-  path = pathlib.Path(name) / "transformer" / "config.json"
-  if path.is_file():  # as config_checks.heads_of reads the heads
-    return len(preflight.transformer_config(name).get("vace_layers") or ()), str(path)
-  size = wan_size(config)
-  return size.vace_blocks, f"a {size.name} by its name"
-
-
-def heads_of(config: Mapping[str, Any]) -> int:
-  size = wan_size(config)
-  return video_model(config).heads if size is None else size.heads
+  return shape.vace_layers, shape.source
 
 
 def attention_share(tokens: int, given: float | None = None,
@@ -148,6 +130,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   """The pre-flight and estimate for a merged MaxDiffusion config (its ``svg_*`` keys over
   their defaults) on ``target``; ``slice_type`` (e.g. ``v6e-8``) adds the mesh's checks."""
   keys = {**config_defaults(), **config}
+  shape = check_before_weights(keys, layers=layers, heads=heads)
   check_attention(keys)
   for key in ("num_frames", "height", "width", "num_inference_steps"):
     if key not in keys:
@@ -156,8 +139,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
   settings = PluginSettings.from_mapping(keys)
   svg = settings.svg
   grid = grid_of(keys)
-  layers = layers_of(keys) if layers is None else layers
-  heads = heads_of(keys) if heads is None else heads
+  layers, heads = shape.layers, shape.heads
   target = svg.target(target=target)  # under the config's svg_vmem_limit_kib, if set
   backend = resolve_backend(svg.backend, target)
   tiles = svg.tiles(target, backend)
@@ -185,7 +167,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
                          # Splash's calls run the rectangle on our kernel, checked as its own
                          **({"dense rows": dense_rows}
                             if dense_rows is not None and backend != "splash" else {})},
-                        steps, layers, slice_type, ragged)
+                        steps, shape, slice_type, ragged)
   rows, priced = [], []
   for expert, plan in plans.items():
     first, end = split.of(expert) if split else (0, steps)
@@ -213,7 +195,7 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
     priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
                                                  tiles, target, backend, dense_rows)
                              for r in weights}, weights))
-  combined = _combined(rows, priced, *dense_blocks_of(keys))
+  combined = _combined(rows, priced, *dense_blocks_of(keys, shape))
   share, source = attention_share(grid.tokens, given_share, video_model(keys))
   # checked by check_config above; per-layer compensation: what its compensated layers add
   compensated = any(svg.budget(e).layer_compensation is not None for e in experts) and any(
@@ -280,12 +262,9 @@ def _rungs(svg: Any, expert: str | None, layers: int, heads: int) -> dict[Rung, 
   """Per-layer rungs (density, compensation): each distinct rung's share of the layers the
   schedule makes sparse (empty: one density for all). Per-head densities: each distinct
   density's share of the sparse layers' heads (a ragged call costs its heads' tiles)."""
-  budget = svg.budget(expert)
-  for what in PER_LAYER:
-    check_layer_count(budget.per_layer(what), layers, budget.key(what))
+  budget = svg.budget(expert)  # its shape against the model's: check_before_weights
   per_head = budget.head_densities
   if per_head is not None:
-    check_head_shape(per_head, layers, heads, budget.key("head"))
     rows = per_head if len(per_head) > 1 else per_head * layers
     sparse = [row for i, row in enumerate(rows) if svg.schedule.active_layers.contains(i)]
     flat = [d for row in (sparse or rows) for d in row]

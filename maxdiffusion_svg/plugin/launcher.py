@@ -27,7 +27,7 @@ from maxdiffusion_svg.plugin.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
 from maxdiffusion_svg.plugin import overlay, preflight
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
-from maxdiffusion_svg.plugin.video_models import FAMILIES, WAN_VACE, video_model
+from maxdiffusion_svg.plugin.video_models import WAN_VACE, video_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,32 +99,14 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   check_values(config, argv[2:])
   check_run_name(config, argv[2:])
   keys = with_overrides(config, argv[2:])  # what the run will read
+  from maxdiffusion_svg.plugin.config_checks import check_before_weights  # pylint: disable=import-outside-toplevel
   if entry.training:
     from maxdiffusion_svg.plugin.training import check_training  # pylint: disable=import-outside-toplevel
     check_training(keys)
-  else:
-    check_model(keys, argv[1])
-    if video_model(keys) is WAN_VACE:
-      VaceInputs.from_mapping(keys)  # the files, before loading
+  check_before_weights(keys, path=argv[1], training=entry.training)
+  if not entry.training and video_model(keys) is WAN_VACE:
+    VaceInputs.from_mapping(keys)  # the files, before loading
   return config, chain
-
-
-def check_model(config: Mapping[str, Any], path: str) -> None:
-  """``generate`` runs every family of :data:`video_models.FAMILIES` (Wan, LTX-2): a config of
-  another model is refused by name before anything loads (MaxDiffusion's main would fail on it
-  far later, or not say why)."""
-  model = config.get("model_name")
-  if any(model in family.model_names for family in FAMILIES):
-    return
-  weights = str(config.get("pretrained_model_name_or_path") or "")
-  if model is None and ("LTX-Video" in weights or os.path.basename(path) == "ltx_video.yml"):
-    raise ValueError(f"{path} is an LTX-Video config: LTX-Video (MaxDiffusion's legacy 13B port, "
-                     f"generate_ltx_video) is not supported. Its transformer calls Pallas flash "
-                     f"attention directly, not MaxDiffusion's attention kernels, so attention: "
-                     f"svg would be ignored; run it with MaxDiffusion's own generate_ltx_video")
-  runs = " and ".join(f"{f.name} (model_name {' or '.join(f.model_names)}) through "
-                      f"{f.generate_main}" for f in FAMILIES)
-  raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs {runs}")
 
 
 def maxdiffusion_main(config: Mapping[str, Any], entry: Entry) -> str:
@@ -276,4 +258,14 @@ def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
           file=sys.stderr)
     sys.exit(2)
   with transformer_engine_context():
-    app.run(lambda maxdiffusion_argv: run(maxdiffusion_argv, entry), argv=argv)
+    app.run(lambda maxdiffusion_argv: refusing(run, maxdiffusion_argv, entry), argv=argv)
+
+
+def refusing(main_run: Any, *args: Any) -> None:
+  """``main_run(*args)``, where a :class:`preflight.Refusal` (the run's checks before weights
+  load, in every process) is one line and exit status 2, not a stack trace."""
+  try:
+    main_run(*args)
+  except preflight.Refusal as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)

@@ -10,9 +10,7 @@ calls :func:`check_job` (``hooks_entry.preflight_run``) reads the values from Ma
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import pathlib
 import re
 from typing import Any, Mapping
 
@@ -39,6 +37,12 @@ class Job:
   dense_frames: int = 0  # svg_dense_frames
   # the per-layer and per-head keys set for the run's experts (ring_plan.budget_keys)
   budgets: tuple[str, ...] = ()
+  per_device_batch_size: float = 1.0
+
+
+class Refusal(ValueError):
+  """A job the run's checks stop before weights load: the launcher prints it in one line and
+  exits 2, in every process."""
 
 
 def declared_hosts(env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -116,25 +120,15 @@ def mesh_shape(config: Mapping[str, Any], devices: int) -> dict[str, int]:
   return dict(zip(names, values))
 
 
-def transformer_heads(pretrained_model_name_or_path: str) -> int:
-  """The transformer's attention heads, from its ``config.json`` alone."""
-  return int(transformer_config(pretrained_model_name_or_path)["num_attention_heads"])
-
-
-def transformer_config(pretrained_model_name_or_path: str) -> dict[str, Any]:
-  """The checkpoint's ``transformer/config.json``.
-
-  Read here rather than with MaxDiffusion's ``load_config``, which rewrites the file in place
-  on every load: processes sharing a checkpoint folder would then race on it."""
-  path = pathlib.Path(pretrained_model_name_or_path)
-  if path.is_dir():
-    config_file = path / "transformer" / "config.json"
-  else:
-    from huggingface_hub import hf_hub_download  # pylint: disable=import-outside-toplevel
-    config_file = hf_hub_download(pretrained_model_name_or_path, "config.json",
-                                  subfolder="transformer")
-  with open(config_file, encoding="utf-8") as f:
-    return dict(json.load(f))
+def check_batch(per_device_batch_size: float, devices: int) -> None:
+  """MaxDiffusion generates ``int(devices x per_device_batch_size)`` videos; none is a batch its
+  tokenizer fails on, far into the run."""
+  if int(devices * per_device_batch_size) < 1:
+    least = math.ceil(1000 / devices) / 1000
+    raise ValueError(f"per_device_batch_size {per_device_batch_size:g} on {devices} devices makes "
+                     f"a batch of 0 videos (MaxDiffusion's int(devices x per_device_batch_size)): "
+                     f"give per_device_batch_size={least:g} or more (one video on {devices} "
+                     f"devices), or run on the slice the config was written for")
 
 
 def check_processes(job: Job, env: Mapping[str, str]) -> None:
@@ -223,5 +217,6 @@ def check_job(job: Job, env: Mapping[str, str]) -> None:
   """Every check, cheapest first."""
   check_run_name(job.output_dir, job.run_name)
   check_processes(job, env)
+  check_batch(job.per_device_batch_size, job.device_count)
   ulysses, ring = check_heads(job)
   check_ring(job, ulysses, ring)

@@ -30,6 +30,7 @@ class VideoModel:
   patch: tuple[int, int, int]  # (t, h, w) patchify after the VAE
   layers: int  # the default checkpoint's depth and video self-attention heads
   heads: int
+  head_dim: int = 128  # ... and their width (every Wan size's and LTX-2's video)
   # what runs dense by design besides cross-attention (for the settings line)
   dense_by_design: str = "cross-attention"
   frames_key: str = "num_frames"  # the config key of the frames one transformer call sees

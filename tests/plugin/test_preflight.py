@@ -180,7 +180,15 @@ def test_a_mesh_that_cannot_be_built_is_refused_naming_the_keys(keys, devices, n
     preflight.mesh_shape({**WAN_MESH, **keys}, devices)
 
 
-def test_the_heads_come_from_a_checkpoint_folders_config(tmp_path):
-  (tmp_path / "transformer").mkdir()
-  (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 12}')
-  assert preflight.transformer_heads(str(tmp_path)) == 12
+@pytest.mark.parametrize("per_device, devices, batch", [
+    (0.125, 8, 1), (0.125, 16, 2), (0.125, 4, 0), (0.3, 3, 0), (0.334, 3, 1), (1, 1, 1)])
+def test_a_batch_of_no_videos_is_refused(per_device, devices, batch):
+  """MaxDiffusion's global batch is int(devices x per_device_batch_size); the advice given
+  makes one video."""
+  if batch:
+    preflight.check_batch(per_device, devices)
+    return
+  with pytest.raises(ValueError, match="makes a batch of 0 videos") as refused:
+    preflight.check_batch(per_device, devices)
+  advice = float(re.search(r"per_device_batch_size=([\d.]+)", str(refused.value)).group(1))
+  assert int(devices * advice) == 1

@@ -65,22 +65,25 @@ def test_the_attention_share_is_modelled_for_ltx2_and_the_seeds_for_wan_families
 @pytest.mark.parametrize("keys, size", [
     ({"pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"}, (30, 12, 15)),
     ({"pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-14B-Diffusers"}, (40, 40, 8)),
-    ({"model_name": "wan2.2"}, (40, 40, 8)),
+    ({"model_name": "wan2.2", "pretrained_model_name_or_path": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"},
+     (40, 40, 8)),
     ({"vace_reference_images": ["r.png"],
       "pretrained_model_name_or_path": "Wan-AI/Wan2.1-VACE-1.3B-diffusers"}, (30, 12, 15)),
-    ({"model_name": "ltx2_video"}, None)])
+    ({"model_name": "ltx2_video", "pretrained_model_name_or_path": "Lightricks/LTX-2"}, None)])
 def test_a_wan_checkpoints_size_comes_from_its_name_once(keys, size):
   """One rule: layers, heads and VACE control blocks by the name; estimate and the pre-flight
-  read it (other families have one size: their VideoModel's)."""
-  from maxdiffusion_svg.plugin import config_checks, estimate  # pylint: disable=import-outside-toplevel
+  read it where the checkpoint's own config.json is not here (other families have one size:
+  their VideoModel's)."""
+  from maxdiffusion_svg.plugin import checkpoint, estimate  # pylint: disable=import-outside-toplevel
   found = wan_size(keys)
   assert (None if found is None else (found.layers, found.heads, found.vace_blocks)) == size
   family = video_model(keys)
-  assert estimate.layers_of(keys) == (family.layers if size is None else size[0])
-  assert estimate.heads_of(keys) == config_checks.heads_of(keys)[0] == (
-      family.heads if size is None else size[1])
+  shape = checkpoint.model_shape(keys, env={})
+  assert not shape.read and "by its" in shape.source
+  assert shape.layers == (family.layers if size is None else size[0])
+  assert shape.heads == (family.heads if size is None else size[1])
   if family is WAN_VACE:
-    assert estimate.dense_blocks_of(keys)[0] == size[2]
+    assert estimate.dense_blocks_of(keys, shape)[0] == size[2]
 
 
 @pytest.mark.parametrize("keys, experts", [
