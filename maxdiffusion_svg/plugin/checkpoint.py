@@ -34,6 +34,12 @@ class ModelShape:
   vace_layers: int  # Wan VACE's control blocks (0 for the other families)
   source: str
   read: bool  # from the checkpoint's own config.json (else the model's by its name)
+  unread: str = ""  # why it was not read, where it was not
+
+  @property
+  def described(self) -> str:
+    """Where the figures come from, and why not from the checkpoint where they do not."""
+    return f"{self.source}; its config.json: {self.unread}" if self.unread else self.source
 
 
 def is_offline(env: Mapping[str, str]) -> bool:
@@ -105,7 +111,7 @@ def model_shape(config: Mapping[str, Any], env: Mapping[str, str] | None = None,
   vace = size.vace_blocks if size and family is WAN_VACE else 0
   if transformer is None:
     what = f"a {size.name} by its name" if size else f"{family.name}'s by its model_name"
-    return ModelShape(layers, heads, family.head_dim, vace, f"{what}; {where}", read=False)
+    return ModelShape(layers, heads, family.head_dim, vace, what, read=False, unread=where)
   heads = int(transformer.get("num_attention_heads", heads))
   return ModelShape(
       layers=int(transformer.get("num_layers", layers)), heads=heads,

@@ -88,8 +88,8 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
   shape = checkpoint.model_shape(keys, env, download)
   given = {k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None}
   if given:
-    shape = dataclasses.replace(shape, **given, source=f"{shape.source}; "
-                                f"{' and '.join(given)} given with --{' and --'.join(given)}")
+    shape = dataclasses.replace(shape, **given, source=f"{shape.source}; {' and '.join(given)} "
+                                f"given with --{' and --'.join(given)}", unread="")
   name, family = keys.get("pretrained_model_name_or_path"), video_model(keys)
   if shape.read and shape.vace_layers and family is not WAN_VACE and not training:
     raise ValueError(f"pretrained_model_name_or_path {name!r} is a Wan VACE checkpoint (its "
@@ -214,7 +214,7 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
   fits = check_kernel(settings, plans, target, backend, dtype, shape.head_dim,
                       {name: ragged_tables(budget.carrier, local, budget.steps_bound(1, local))
                        for name, budget in (per_head or {}).items()})
-  return {"heads": heads, "heads_source": shape.source, "head_dim": shape.head_dim, "dtype": dtype,
+  return {"heads": heads, "heads_source": shape.described, "head_dim": shape.head_dim, "dtype": dtype,
           "slice": mesh, "compensation": compensation, "kernel": fits, "warnings": warnings}
 
 

@@ -31,7 +31,7 @@ def test_without_the_file_the_shape_is_the_models_by_its_name_and_says_so():
   shape = checkpoint.model_shape({**WAN, "pretrained_model_name_or_path": "Wan-AI/Wan2.1-T2V-"
                                   "1.3B-Diffusers"}, env={})
   assert (shape.layers, shape.heads, shape.head_dim, shape.read) == (30, 12, 128, False)
-  assert shape.source.startswith("a 1.3B by its name")
+  assert shape.source == "a 1.3B by its name" and shape.unread
 
 
 @pytest.mark.parametrize("name, needle", [
@@ -64,7 +64,7 @@ def test_a_hub_id_is_read_from_the_cache_and_refused_offline_without_it(hub):
   cached, tmp_path = hub
   keys = {**WAN, "pretrained_model_name_or_path": "Owner/Wan-custom"}
   shape = checkpoint.model_shape(keys, env={})  # online: the run downloads it
-  assert not shape.read and shape.source.endswith("not in this host's Hugging Face cache")
+  assert not shape.read and shape.unread == "not in this host's Hugging Face cache"
   with pytest.raises(ValueError, match=re.escape(
       "pretrained_model_name_or_path 'Owner/Wan-custom': its transformer/config.json is not in "
       "this host's Hugging Face cache and HF_HUB_OFFLINE is set")):

@@ -79,7 +79,7 @@ def test_a_wan_checkpoints_size_comes_from_its_name_once(keys, size):
   assert (None if found is None else (found.layers, found.heads, found.vace_blocks)) == size
   family = video_model(keys)
   shape = checkpoint.model_shape(keys, env={})
-  assert not shape.read and "by its" in shape.source
+  assert not shape.read and "by its" in shape.source and shape.unread
   assert shape.layers == (family.layers if size is None else size[0])
   assert shape.heads == (family.heads if size is None else size[1])
   if family is WAN_VACE:
