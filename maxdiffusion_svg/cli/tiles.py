@@ -163,6 +163,7 @@ def _estimate(args: argparse.Namespace) -> int:
     config[key] = yaml.safe_load(text)
   target = chip_target(slice_chip(args.slice, args.chip), args.libtpu_init_args)
   result = estimate_config(config, target, layers=args.layers, slice_type=args.slice,
-                           given_share=args.attention_share, heads=args.heads)
+                           given_share=args.attention_share, heads=args.heads,
+                           path=chain[0])
   _report(args, format_estimate(result), result)
   return 0

@@ -126,11 +126,12 @@ class Estimate:
 def estimate_config(config: Mapping[str, Any], target: Target, layers: int | None = None,
                     slice_type: str | None = None,
                     given_share: float | None = None,
-                    heads: int | None = None) -> dict[str, Any]:
+                    heads: int | None = None, path: str = "") -> dict[str, Any]:
   """The pre-flight and estimate for a merged MaxDiffusion config (its ``svg_*`` keys over
-  their defaults) on ``target``; ``slice_type`` (e.g. ``v6e-8``) adds the mesh's checks."""
+  their defaults; ``path``, its file) on ``target``; ``slice_type`` (e.g. ``v6e-8``) adds the
+  mesh's checks."""
   keys = {**config_defaults(), **config}
-  shape = check_before_weights(keys, layers=layers, heads=heads)
+  shape = check_before_weights(keys, path=path, layers=layers, heads=heads)
   check_attention(keys)
   for key in ("num_frames", "height", "width", "num_inference_steps"):
     if key not in keys:
