@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import sys
+from typing import Any, Mapping
 
 from maxdiffusion_svg.cli.args import (_add_json_arg, _density, _positive_int, _progress, _report,
                                        _tile)
@@ -158,7 +161,28 @@ def _bench_schedule(args: argparse.Namespace) -> int:
   result = run_schedule_bench(args.chip, args.resolution, args.density, tiles,
                               args.vmem_limit_kib, args.maxdiffusion, args.backend, log=_progress)
   _report(args, format_schedule_bench(result), result)
-  return 0
+  failed = failed_cases(result["modes"])
+  for line in failed:
+    print(f"error: {line}", file=sys.stderr)
+  return 1 if failed else 0
+
+
+def failed_cases(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """One line per case that did not compile: a missing module named with how to get it (the
+  MaxDiffusion cases need its runtime), else the compile's own error."""
+  lines = []
+  for name, row in rows.items():
+    if row.get("ok"):
+      continue
+    error = str(row.get("error", "")) or "no error message"
+    missing = re.search(r"No module named '([^']+)'", error)
+    if missing:
+      lines.append(f"{name}: the compile needs the module {missing.group(1)}, which is missing: "
+                   f"install MaxDiffusion's runtime (pip install -r requirements-maxdiffusion.txt) "
+                   f"and put its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src)")
+    else:
+      lines.append(f"{name}: {error}")
+  return lines
 
 
 def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access

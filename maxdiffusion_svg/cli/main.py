@@ -1,10 +1,15 @@
-"""``python -m maxdiffusion_svg``: the command-line tools (``tiles``, ``bench``, ``compare``; each
-in its own ``cli_*`` module, their shared argument helpers in ``cli_args``) and their parser."""
+"""``python -m maxdiffusion_svg`` (and the ``maxdiffusion-svg`` script): the command-line tools
+(``tiles``, ``bench``, ``compare``, ``calibrate``; each in its own module here, their shared
+argument helpers in ``args``) and their parser; ``generate``, ``train`` and ``train-vace`` hand
+their arguments, unparsed, to :mod:`maxdiffusion_svg.plugin.launcher`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import pathlib
+import re
 import sys
 from typing import Sequence
 
@@ -48,10 +53,33 @@ class _Parser(argparse.ArgumentParser):
     return actions
 
 
+PROG = "python -m maxdiffusion_svg"
+# The launcher's entries, as subcommands: python -m maxdiffusion_svg generate == ....generate.
+LAUNCHED = {"generate": ("GENERATE", "run generation with SVG through MaxDiffusion (as python -m "
+                                     "maxdiffusion_svg.generate; --help for its usage)"),
+            "train": ("TRAIN", "fine-tune Wan 2.1 with SVG through MaxDiffusion's train_wan (as "
+                               "python -m maxdiffusion_svg.train)"),
+            "train-vace": ("TRAIN_VACE", "fine-tune Wan VACE with SVG through MaxDiffusion's "
+                                         "train_wan_vace (as python -m maxdiffusion_svg.train_vace)")}
+
+
+def version() -> str:
+  """The installed distribution's version, else (a source checkout) pyproject.toml's."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  try:
+    return metadata.version("maxdiffusion-svg")
+  except metadata.PackageNotFoundError:
+    pyproject = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
+    found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"), re.M)
+    return found.group(1) if found else "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="python -m maxdiffusion_svg",
-                   description="Sparse VideoGen attention for MaxDiffusion: tools.")
+  parser = _Parser(prog=PROG, description="Sparse VideoGen attention for MaxDiffusion: tools.")
+  parser.add_argument("--version", action="version", version=f"maxdiffusion-svg {version()}")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  for name, (_, what) in LAUNCHED.items():  # listed here; main hands them to the launcher
+    sub.add_parser(name, help=what, add_help=False)
   from maxdiffusion_svg.cli import tiles as cli_tiles  # pylint: disable=import-outside-toplevel
   cli_tiles.add_parser(sub)
 
@@ -66,8 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def launch(command: str, argv: Sequence[str]) -> int:
+  """``generate``, ``train`` or ``train-vace``: the launcher's main with ``argv`` as its own
+  (``--help`` and ``key=value`` as there), its exit status returned."""
+  from maxdiffusion_svg.plugin import launcher  # pylint: disable=import-outside-toplevel
+  entry = dataclasses.replace(getattr(launcher, LAUNCHED[command][0]), command=f"{PROG} {command}")
+  try:
+    launcher.main([sys.argv[0], *argv], entry=entry)
+  except SystemExit as done:
+    return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+  return 0
+
+
 @quiet_on_broken_pipe  # `python -m maxdiffusion_svg tiles | head -1` ends quietly
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in LAUNCHED:  # unparsed: the launcher reads its own arguments
+    return launch(argv[0], argv[1:])
   parser = build_parser()
   try:
     args, extra = parser.parse_known_args(argv)
@@ -81,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return done.code if isinstance(done.code, int) else 2
   try:
     return args.run(args)
-  except ValueError as err:
+  except BrokenPipeError:  # quiet_on_broken_pipe's, not a user's mistake
+    raise
+  except (OSError, ValueError) as err:  # a file that cannot be read or written, a bad value
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -1,16 +1,19 @@
-"""``python -m maxdiffusion_svg tiles``: the tile report, or with ``--config`` the run's own
-pre-flight checks and the estimate for a generation config.
+"""``python -m maxdiffusion_svg tiles``: the tile report, or with a config (``tiles CONFIG.yml
+[key=value ...]``, or ``--config CONFIG.yml``) the run's own pre-flight checks and the estimate
+for a generation config.
 
-A flag that does not apply where it is given is an error naming what to do instead: with
-``--config`` the config's keys set the video, density and tiles, so the report's flags would
-be silently beaten by them; without it there is no config for ``--layers``, ``--slice``,
+A flag that does not apply where it is given is an error naming what to do instead: with a
+config its keys set the video, density and tiles, so the report's flags would be silently
+beaten by them; without one there is no config for ``--layers``, ``--slice``,
 ``--attention-share`` or ``key=value`` to act on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Mapping
 
 from maxdiffusion_svg.cli.args import (_MODES, _add_grid_args, _add_json_arg, _density,
                                        _grid_from_args, _report, _tile, _typed)
@@ -28,8 +31,9 @@ _positive = _typed(int, lambda v: v > 0, "a positive integer")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
   tiles = sub.add_parser(
-      "tiles", help="tile report: what a density and tile size cost per mode; with --config, "
-                    "the run's own checks and the estimate for a generation config")
+      "tiles", usage="%(prog)s [CONFIG.yml] [key=value ...] [options]",
+      help="tile report: what a density and tile size cost per mode; with a config "
+           "(tiles CONFIG.yml), the run's own checks and the estimate for it")
   _add_grid_args(tiles)
   tiles.add_argument("--density", type=_density,
                      help=f"band density in (0, 1] (the first-frame sink comes on top) "
@@ -43,33 +47,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   _add_json_arg(tiles)
   tiles.add_argument("--plot", metavar="FILE.png", help="draw tile maps and a token-mask crop")
   tiles.add_argument("--chip",
-                     help=f"with --config: the TPU generation whose tiles and limits to check "
+                     help=f"with a config: the TPU generation whose tiles and limits to check "
                           f"({', '.join(GENERATIONS)}; --slice implies it) (default: {CHIP})")
   tiles.add_argument("--libtpu-init-args", metavar="FLAGS",
-                     help="with --config: the job's LIBTPU_INIT_ARGS (its scoped-VMEM limit "
-                          "sets the tiles and the kernel's check; default: the chip's own limit)")
+                     help="with a config: the job's LIBTPU_INIT_ARGS (its scoped-VMEM limit "
+                          "sets the tiles and the kernel's check) (default: this environment's "
+                          "LIBTPU_INIT_ARGS, as a job that exports it runs; without it the "
+                          "chip's own limit)")
   estimate = tiles.add_argument_group(
       "pre-flight and estimate for a generation config (computed from the tile plan, not "
       "measured)")
-  estimate.add_argument("--config", metavar="FILE.yml",
-                        help="a MaxDiffusion Wan config (base_config chains merged): the run's "
-                             "checks, then its estimate; its video, steps and svg_* keys replace "
-                             "the report's options above")
+  estimate.add_argument("config", nargs="?", metavar="CONFIG.yml",
+                        help="a generation config (Wan, Wan VACE, Wan Animate or LTX-2; "
+                             "base_config chains merged; a bare name such as wan_svg.yml is "
+                             "also looked up among the shipped configs): the run's checks, then "
+                             "its estimate; its video, steps and svg_* keys replace the report's "
+                             "options above")
+  estimate.add_argument("--config", dest="config_flag", metavar="CONFIG.yml",
+                        help="the same as CONFIG.yml given first (give one or the other)")
   estimate.add_argument("--slice", metavar="TYPE",
-                        help="the TPU slice the job runs on (e.g. v6e-8, v6e-16): also checks "
+                        help="the TPU slice the job runs on (a size Cloud TPU offers, e.g. "
+                             "v6e-8, v6e-16, v5p-8, tpu7x-8): also checks "
                              "the mesh the config's ici_*_parallelism builds there against the "
                              "heads; implies --chip")
   estimate.add_argument("--layers", type=_positive,
-                        help="transformer layers (default: 30 for a 1.3B checkpoint, else 40)")
+                        help="transformer layers (default: the model's, by its model_name and "
+                             "checkpoint name: Wan 1.3B 30, other Wan 40, LTX-2 48)")
   estimate.add_argument("--heads", type=_positive,
-                        help="attention heads, which svg_head_densities lists (default: 12 for "
-                             "a 1.3B checkpoint, else 40)")
+                        help="attention heads, which svg_head_densities lists (default: the "
+                             "checkpoint's transformer/config.json where it is a folder, else "
+                             "the model's by its name: Wan 1.3B 12, other Wan 40, LTX-2 32)")
   estimate.add_argument("--attention-share", type=_share, metavar="F",
                         help="self-attention's share of a dense step's time, for the end-to-end "
                              "bound (default: the seed design's 55.5%% at 720p and 88.2%% at "
                              "1440p, interpolated between)")
   estimate.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="with --config: keys to change, as on MaxDiffusion's command line")
+                        help="with a config: keys to change, as on MaxDiffusion's command line")
   tiles.set_defaults(run=run)
 
 
@@ -88,9 +101,21 @@ def _instead(args: argparse.Namespace) -> dict[str, str]:
       "mode": (f"give svg_tile_mode={args.mode}" if args.mode != MODE else
                "give svg_tile_mode=naive, split or aligned (the run has one)"),
       "no_sink": "give svg_include_sink=false",
-      "plot": "run tiles without --config for the tile map (--resolution, --density)",
+      "plot": "run tiles without a config for the tile map (--resolution, --density)",
   }
   return {name: hint for name, hint in keys.items() if getattr(args, name) not in (None, False)}
+
+
+def config_of(config: str | None, flag: str | None,
+              overrides: list[str]) -> tuple[str | None, list[str]]:
+  """The config (first positional, or ``--config``) and the ``key=value`` overrides: a first
+  positional holding ``=`` is an override (``tiles svg_density=0.2`` names no config)."""
+  if config is not None and "=" in config:
+    config, overrides = None, [config, *overrides]
+  if config is not None and flag is not None:
+    raise ValueError(f"two configs: CONFIG.yml {config} and --config {flag}; give one "
+                     f"(tiles CONFIG.yml [key=value ...])")
+  return (config if flag is None else flag), overrides
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -98,23 +123,26 @@ def _check_flags(args: argparse.Namespace) -> None:
   flag = lambda name: "--" + name.replace("_", "-")
   if args.config:
     for name, hint in _instead(args).items():
-      raise ValueError(f"{flag(name)} does not apply with --config: {hint}")
+      raise ValueError(f"{flag(name)} does not apply with a config: {hint}")
     return
   for name in ("slice", "layers", "heads", "attention_share"):
     if getattr(args, name) is not None:
-      raise ValueError(f"{flag(name)} needs --config (a generation config to check)")
+      raise ValueError(f"{flag(name)} needs a config to check: tiles CONFIG.yml "
+                       f"{flag(name)} ... (e.g. tiles wan_svg.yml)")
   for name in ("chip", "libtpu_init_args"):  # the report's tiles are our kernel's on every chip
     if getattr(args, name) is not None:
       tiles = choose_tiles(chip_target(CHIP, None), "auto")
-      raise ValueError(f"{flag(name)} does not apply without --config: the report's tiles are "
+      raise ValueError(f"{flag(name)} does not apply without a config: the report's tiles are "
                        f"our kernel's, {tiles.block_q}x{tiles.block_kv} on every chip and limit "
-                       f"(give --block-q and --block-kv for others); give --config FILE.yml to "
-                       f"check a config's kernel on a chip")
+                       f"(give --block-q and --block-kv for others); give a config (tiles "
+                       f"CONFIG.yml) to check a config's kernel on a chip")
   if args.overrides:
-    raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need --config")
+    raise ValueError(f"key=value overrides ({' '.join(args.overrides)}) need a config: tiles "
+                     f"CONFIG.yml {' '.join(args.overrides)}")
 
 
 def run(args: argparse.Namespace) -> int:
+  args.config, args.overrides = config_of(args.config, args.config_flag, args.overrides)
   _check_flags(args)
   if args.config:
     return _estimate(args)
@@ -135,14 +163,31 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def chip_target(chip: str, libtpu_init_args: str | None) -> Target:
-  """The chip a ``tiles`` answer is for, under the job's LIBTPU_INIT_ARGS as given (never this
-  host's); ``svg_vmem_limit_kib`` in the config or overrides comes on top."""
-  return tpu_target(generation_named(chip, "--chip"), flags=libtpu_init_args or "")
+def chip_target(chip: str, libtpu_init_args: str | None, source: str = "") -> Target:
+  """The chip a ``tiles`` answer is for, under the job's LIBTPU_INIT_ARGS as given (never read
+  here from the environment); ``source`` names where they came from in the limit's label.
+  ``svg_vmem_limit_kib`` in the config or overrides comes on top."""
+  target = tpu_target(generation_named(chip, "--chip"), flags=libtpu_init_args or "")
+  if not source:
+    return target
+  if target.vmem_source == "LIBTPU_INIT_ARGS":  # the flags set the limit
+    return dataclasses.replace(target, vmem_source=source)
+  return dataclasses.replace(target, vmem_source=f"{target.vmem_source}; {source} sets no "
+                                                 f"scoped-VMEM limit")
+
+
+def job_flags(given: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
+  """The job's LIBTPU_INIT_ARGS and where they come from: ``--libtpu-init-args`` where given,
+  else this environment's (a GKE job exports them, and ``tiles`` runs in the job's shell)."""
+  if given is not None:
+    return given, "--libtpu-init-args"
+  if env.get("LIBTPU_INIT_ARGS"):
+    return env["LIBTPU_INIT_ARGS"], "LIBTPU_INIT_ARGS from the environment"
+  return None, ""
 
 
 def _estimate(args: argparse.Namespace) -> int:
-  """``tiles --config FILE [key=value ...]``: the config's own video, steps and keys."""
+  """``tiles CONFIG.yml [key=value ...]``: the config's own video, steps and keys."""
   # pylint: disable=import-outside-toplevel
   import jax
   import yaml
@@ -161,7 +206,8 @@ def _estimate(args: argparse.Namespace) -> int:
   for override in args.overrides:
     key, text = override.split("=", 1)
     config[key] = yaml.safe_load(text)
-  target = chip_target(slice_chip(args.slice, args.chip), args.libtpu_init_args)
+  target = chip_target(slice_chip(args.slice, args.chip),
+                       *job_flags(args.libtpu_init_args, os.environ))
   result = estimate_config(config, target, layers=args.layers, slice_type=args.slice,
                            given_share=args.attention_share, heads=args.heads,
                            path=chain[0])

@@ -218,6 +218,24 @@ def check_config(keys: Mapping[str, Any], settings: PluginSettings, grid: VideoG
           "slice": mesh, "compensation": compensation, "kernel": fits, "warnings": warnings}
 
 
+# The slice sizes Cloud TPU offers, by the count in the type's name (chips for v5e and v6e;
+# TensorCores, two per chip, for v4, v5p and tpu7x), read from Cloud TPU's topology tables:
+# v5e and v6e come as 1 chip or 2D tori of 4 to 256 chips; v4 and v5p as 3D tori of 2x2x1,
+# 2x2x2, 2x2x4 or 2x4x4 chips, then AxBxC with each side a multiple of 4 (64 chips times any
+# count), up to the pod (4,096 and 8,960 chips). TPU7x (9,216 chips a pod) is taken to follow
+# v5p's rule, which its topologies share (2x2x1 on one 4-chip VM, ...).
+_PLANAR_SIZES = (1, 4, 8, 16, 32, 64, 128, 256)
+_CUBE_SMALL = (8, 16, 32, 64)  # TensorCores: 2x2x1, 2x2x2, 2x2x4, 2x4x4 chips
+_POD_CORES = {"v4": 8192, "v5p": 17920, "tpu7x": 18432}
+
+
+def slice_size_ok(generation: str, count: int) -> bool:
+  """Whether ``<generation>-<count>`` is a slice size Cloud TPU offers (the table above)."""
+  if generation in _POD_CORES:
+    return count in _CUBE_SMALL or (count % 128 == 0 and count <= _POD_CORES[generation])
+  return count in _PLANAR_SIZES
+
+
 def slice_chip(slice_type: str | None, chip: str | None) -> str:
   """The chip a pre-flight is for: ``--slice``'s generation (a ``--chip`` must agree), else
   ``--chip``, else v6e."""
@@ -227,6 +245,12 @@ def slice_chip(slice_type: str | None, chip: str | None) -> str:
   if generation is None:
     raise ValueError(f"--slice must be a TPU slice type <generation>-<count> (e.g. v6e-8, "
                      f"v6e-16, v5litepod-16, v5p-8, tpu7x-8), got {slice_type!r}")
+  prefix, count = slice_type.strip().rsplit("-", 1)
+  if not slice_size_ok(generation, int(count)):
+    sizes = ", ".join(f"{prefix}-{n}" for n in (_CUBE_SMALL if generation in _POD_CORES
+                                                   else _PLANAR_SIZES[:5]))
+    raise ValueError(f"--slice {slice_type} is not a {generation} slice size: give one Cloud "
+                     f"TPU offers, e.g. {sizes}, ...")
   if chip and generation_named(chip, "--chip").name != generation:
     raise ValueError(f"--chip {chip} contradicts --slice {slice_type} (a {generation} slice): "
                      f"drop --chip (--slice implies it)")

@@ -39,6 +39,11 @@ class Entry:
   what: str  # the sentence of the usage text
   example: str  # a shipped config
   training: bool = False
+  command: str = ""  # how the user runs it (default: python -m maxdiffusion_svg.<name>)
+
+  @property
+  def invocation(self) -> str:
+    return self.command or f"python -m maxdiffusion_svg.{self.name}"
 
   @property
   def starts(self) -> str:
@@ -48,7 +53,7 @@ class Entry:
 
   @property
   def usage_line(self) -> str:
-    return f"usage: python -m maxdiffusion_svg.{self.name} CONFIG.yml [key=value ...]"
+    return f"usage: {self.invocation} CONFIG.yml [key=value ...]"
 
   @property
   def usage(self) -> str:
@@ -58,8 +63,9 @@ class Entry:
 on an unmodified MaxDiffusion: merges CONFIG's base_config chain into one YAML over every svg_*
 key's default, checks the overrides, registers the plugin and starts {self.starts}.
 
-  CONFIG.yml   a config, e.g. {self.example}; its base_config is looked up beside it, then
-               among the installed MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)
+  CONFIG.yml   a config, e.g. {self.example}; a bare name that is not a file here is one of
+               the shipped configs (then MaxDiffusion's); its base_config is looked up beside
+               it, then among the installed MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)
   key=value    overrides any key of the merged config, MaxDiffusion's or svg_* (e.g.
                {"max_train_steps=100" if self.training else "num_inference_steps=30"} svg_density=0.25), typed as MaxDiffusion types it
 
@@ -254,7 +260,7 @@ def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
   except ImportError as err:
     print(f"error: MaxDiffusion is not importable ({err}); install its runtime packages and put "
           f"its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src), then run "
-          f"python -m maxdiffusion_svg.{entry.name} CONFIG.yml [key=value ...] again",
+          f"{entry.invocation} CONFIG.yml [key=value ...] again",
           file=sys.stderr)
     sys.exit(2)
   with transformer_engine_context():

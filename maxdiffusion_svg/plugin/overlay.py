@@ -4,8 +4,10 @@ MaxDiffusion reads one complete YAML (no includes), and a ``key=value`` override
 a key that YAML already has. A config here names its base instead of copying it; the
 chain is merged (later files win, key by key) into one complete YAML before MaxDiffusion
 reads it, so overrides then work for every key, ours included. A base is looked up
-beside the file naming it, then among the installed MaxDiffusion's configs. MaxDiffusion
-itself is not imported: its configs folder is found from the package's location.
+beside the file naming it, then among the installed MaxDiffusion's configs; a config given by
+bare name that is not a file here (``wan_svg.yml``) among the shipped configs, then
+MaxDiffusion's. MaxDiffusion itself is not imported: its configs folder is found from the
+package's location.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Sequence
 import yaml
 
 BASE_KEY = "base_config"
+EXAMPLE = "wan_svg.yml"  # a shipped config, for the refusals' examples
 
 
 def maxdiffusion_config_dirs() -> list[pathlib.Path]:
@@ -28,6 +31,14 @@ def maxdiffusion_config_dirs() -> list[pathlib.Path]:
   locations = spec.submodule_search_locations if spec is not None else None
   return [pathlib.Path(p) / "configs" for p in (locations or [])
           if (pathlib.Path(p) / "configs").is_dir()]
+
+
+def shipped_config_dir() -> pathlib.Path:
+  """The configs shipped with the package: ``maxdiffusion_svg/configs`` in a wheel (setup.py
+  puts them there), else the checkout's ``configs/`` (a source tree, an editable install)."""
+  package = pathlib.Path(__file__).resolve().parents[1]
+  inside = package / "configs"
+  return inside if inside.is_dir() else package.parent / "configs"
 
 
 def find_base(name: str, referrer: pathlib.Path,
@@ -65,22 +76,59 @@ def missing_maxdiffusion_hint() -> str:
 
 
 def _read(path: pathlib.Path) -> dict[str, Any]:
-  with open(path, encoding="utf-8") as f:
-    data = yaml.safe_load(f)
+  """One file's keys; a file that is not a YAML mapping is named in one line, not a traceback."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = yaml.safe_load(f)
+  except UnicodeDecodeError:
+    raise ValueError(f"{path} is not a config: not UTF-8 text (give a .yml file, e.g. "
+                     f"{EXAMPLE})") from None
+  except yaml.YAMLError as err:
+    mark = getattr(err, "problem_mark", None)
+    where = f" line {mark.line + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    raise ValueError(f"{path}{where}: not valid YAML ({problem}); a config is a YAML mapping "
+                     f"of keys, e.g. {EXAMPLE}") from None
   if data is None:
     return {}
   if not isinstance(data, dict):
-    raise ValueError(f"{path}: a config must be a YAML mapping of keys, got {type(data).__name__}")
+    raise ValueError(f"{path}: a config must be a YAML mapping of keys, got "
+                     f"{type(data).__name__} (give a .yml file, e.g. {EXAMPLE})")
   return data
+
+
+def find_config(path: str | pathlib.Path,
+                search_dirs: Sequence[pathlib.Path] | None = None) -> pathlib.Path:
+  """The file a config argument names: the path as given, else (a bare name) the shipped
+  config of that name, else MaxDiffusion's (``search_dirs`` in its place, as for bases)."""
+  given = pathlib.Path(path).expanduser()
+  if given.is_dir():
+    raise ValueError(f"config {path} is a folder: give a .yml file, e.g. {EXAMPLE}")
+  if given.is_file():
+    return given.resolve()
+  places = [given.resolve()]
+  # No folder part and a YAML name: a shipped (or MaxDiffusion's) config's, as wan_svg.yml.
+  if given.name == str(path) and given.suffix in (".yml", ".yaml"):
+    dirs = maxdiffusion_config_dirs() if search_dirs is None else list(search_dirs)
+    places += [pathlib.Path(d) / given.name for d in [shipped_config_dir(), *dirs]]
+    for place in places[1:]:
+      if place.is_file():
+        return place.resolve()
+  if len(places) > 1:
+    hint = missing_maxdiffusion_hint() if search_dirs is None else ""
+  else:
+    hint = (f"; a bare .yml name (e.g. {EXAMPLE}) is also looked up among the shipped "
+            f"configs")
+  raise ValueError(f"config file {path} does not exist; looked in "
+                   f"{', '.join(str(p) for p in places)}{hint}")
 
 
 def load_config(path: str | pathlib.Path,
                 search_dirs: Sequence[pathlib.Path] | None = None) -> tuple[dict[str, Any], list[str]]:
-  """The merged config of ``path`` and its chain of bases, and the chain (file first)."""
+  """The merged config of ``path`` (:func:`find_config`) and its chain of bases, and the
+  chain (file first)."""
   chain: list[pathlib.Path] = []
-  current = pathlib.Path(path).expanduser().resolve()
-  if not current.is_file():
-    raise ValueError(f"config file {current} does not exist")
+  current = find_config(path, search_dirs)
   layers = []
   while True:
     if current in chain:

@@ -66,7 +66,7 @@ def test_table_lists_every_mode_and_head(capsys):
     (["--block-q", "100"], "argument --block-q: must be a positive multiple of 128"),
     (["--block-kv", "-128"], "argument --block-kv: must be a positive multiple of 128"),
     (["--densty", "0.3"], "unrecognized arguments: --densty (did you mean --density?)"),
-    (["svg_density=0.2"], "key=value overrides (svg_density=0.2) need --config"),
+    (["svg_density=0.2"], "key=value overrides (svg_density=0.2) need a config"),
     (["--resolution", "2k"], "resolution must be one of"),
     (["--frames", "80", "--height", "720", "--width", "1280"], "num_frames"),
     (["--frames", "81", "--height", "720"], "--frames, --height and --width"),
@@ -238,3 +238,141 @@ def test_wan_forward_bench_refuses_an_unknown_resolution_before_building_anythin
   assert main(["bench", "wan-forward", "--resolution", "900p"]) == 2
   assert "--resolution must be one of 480p, 720p, 1080p, 1440p, got '900p'" in (
       capsys.readouterr().err)
+
+
+# ------------------------------------------------ one command-line shape
+
+
+def test_the_config_is_tiles_first_positional_or_its_config_flag(tmp_path, capsys):
+  path = tmp_path / "config.yml"
+  path.write_text(json.dumps(WAN14B_720P))
+  outs = []
+  for args in ([str(path), "svg_density=0.2"], ["--config", str(path), "svg_density=0.2"],
+               ["--chip", "v6e", str(path), "svg_density=0.2"]):
+    out = tmp_path / "estimate.json"
+    assert main(["tiles", *args, "--json", str(out)]) == 0, capsys.readouterr().err
+    outs.append(json.loads(out.read_text())["rows"][0]["density"])
+  assert outs == [0.2, 0.2, 0.2]
+  capsys.readouterr()
+  assert main(["tiles", "other.yml", "--config", str(path)]) == 2
+  err = capsys.readouterr().err
+  assert "CONFIG.yml other.yml and --config" in err and str(path) in err
+  assert main(["tiles", "svg_density=0.2"]) == 2  # a first positional with = is an override
+  assert "need a config: tiles CONFIG.yml svg_density=0.2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("slice_type, ok", [
+    ("v6e-3", False), ("v6e-2", False), ("v6e-512", False), ("v5litepod-16", True),
+    ("v5p-12", False), ("v5p-384", True), ("tpu7x-4", False), ("v6e-1", True)])
+def test_slice_types_are_the_sizes_cloud_tpu_offers(slice_type, ok):
+  from maxdiffusion_svg.plugin.config_checks import slice_chip  # pylint: disable=import-outside-toplevel
+  if ok:
+    slice_chip(slice_type, None)
+    return
+  with pytest.raises(ValueError, match=rf"^--slice {slice_type} is not a .* slice size: give one "
+                                       rf"Cloud TPU offers, e.g. "):
+    slice_chip(slice_type, None)
+
+
+def test_tiles_reads_the_jobs_libtpu_init_args_where_the_flag_is_not_given(
+    tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+  _, text = estimate(tmp_path, capsys, WAN14B_720P)
+  assert "scoped VMEM 64 MiB (LIBTPU_INIT_ARGS from the environment)" in text
+  _, text = estimate(tmp_path, capsys, WAN14B_720P,
+                     "--libtpu-init-args=--xla_tpu_scoped_vmem_limit_kib=49152")
+  assert "scoped VMEM 48 MiB (--libtpu-init-args)" in text  # the flag wins
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=true")
+  _, text = estimate(tmp_path, capsys, WAN14B_720P)
+  assert ("(the chip's default; LIBTPU_INIT_ARGS from the environment sets no scoped-VMEM "
+          "limit)") in text
+
+
+def test_version_and_help_name_every_subcommand(capsys):
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  assert main(["--version"]) == 0
+  assert capsys.readouterr().out == f"maxdiffusion-svg {metadata.version('maxdiffusion-svg')}\n"
+  assert main(["--help"]) == 0
+  out = capsys.readouterr().out
+  for command in ("generate", "train", "train-vace", "tiles", "bench", "compare", "calibrate"):
+    assert f"\n    {command} " in out, command
+
+
+@pytest.mark.parametrize("command, entry", [("generate", "GENERATE"), ("train", "TRAIN"),
+                                            ("train-vace", "TRAIN_VACE")])
+def test_launcher_subcommands_run_the_launchers_main(capsys, monkeypatch, command, entry):
+  from maxdiffusion_svg.plugin import launcher  # pylint: disable=import-outside-toplevel
+  assert main([command, "--help"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f"usage: python -m maxdiffusion_svg {command} CONFIG.yml [key=value ...]")
+  assert getattr(launcher, entry).what in out
+  seen = []
+  monkeypatch.setattr(launcher, "main", lambda argv, entry: seen.append((argv[1:], entry.name)))
+  assert main([command, "cfg.yml", "seed=1", "--x"]) == 0  # unparsed
+  assert seen == [(["cfg.yml", "seed=1", "--x"], getattr(launcher, entry).name)]
+
+
+def test_the_console_script_is_this_parser():
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  (script,) = [e for e in metadata.entry_points(group="console_scripts")
+               if e.name == "maxdiffusion-svg"]
+  assert script.load() is main
+
+
+def bad_configs(tmp_path):
+  """A config argument that is not a config, each with what its one line must say."""
+  (tmp_path / "broken.yml").write_text("attention: svg\nheight: [720\nwidth: 1280\n")
+  (tmp_path / "notes.md").write_text("# Notes\n\nSome words, not keys.\n")
+  (tmp_path / "folder").mkdir()
+  return [(tmp_path / "broken.yml", f"{tmp_path}/broken.yml line 3: not valid YAML"),
+          (tmp_path / "notes.md", "a config must be a YAML mapping of keys, got str"),
+          (ROOT / "README.md", "not valid YAML"),
+          (tmp_path / "folder", f"config {tmp_path}/folder is a folder: give a .yml file, e.g. "
+                                f"wan_svg.yml"),
+          (tmp_path / "absent.yml", f"config file {tmp_path}/absent.yml does not exist; looked "
+                                    f"in {tmp_path}/absent.yml; a bare .yml name"),
+          ("absent_svg.yml", f"looked in {pathlib.Path.cwd()}/absent_svg.yml, "
+                             f"{ROOT}/configs/absent_svg.yml")]
+
+
+def test_a_config_that_is_not_one_is_named_in_one_line(tmp_path, capsys):
+  from maxdiffusion_svg.plugin import launcher  # pylint: disable=import-outside-toplevel
+  for path, needle in bad_configs(tmp_path):
+    assert main(["tiles", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    with pytest.raises(SystemExit) as done:
+      launcher.main(["prog", str(path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_a_shipped_config_is_found_by_name_from_any_folder(tmp_path, monkeypatch):
+  from maxdiffusion_svg.plugin import overlay  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)
+  found = overlay.find_config("wan_svg_1_3b.yml")
+  assert found == ROOT / "configs" / "wan_svg_1_3b.yml"
+  (tmp_path / "wan_svg_1_3b.yml").write_text("attention: svg\n")  # a file here comes first
+  assert overlay.find_config("wan_svg_1_3b.yml") == tmp_path / "wan_svg_1_3b.yml"
+
+
+def test_schedule_bench_fails_when_a_case_does_not_compile(capsys, monkeypatch):
+  """Without MaxDiffusion's runtime each MaxDiffusion case's compile child fails on an import:
+  simulated here (no compile), the run exits 1 with one line per failing case."""
+  from maxdiffusion_svg.bench import schedule  # pylint: disable=import-outside-toplevel
+  def compile_case(case, directory):  # pylint: disable=unused-argument
+    error = ("ModuleNotFoundError: No module named 'huggingface_hub'"
+             if case.kernel.startswith("maxdiffusion") else "E1001: out of scoped VMEM")
+    return {"ok": False, "error": f"compile process exited 1: {error}", "seconds": 0.0}
+  monkeypatch.setattr(schedule, "compile_case", compile_case)
+  monkeypatch.setattr(schedule, "libtpu_version", lambda: "0.0")
+  assert main(["bench", "schedule", "--maxdiffusion"]) == 1
+  lines = capsys.readouterr().err.splitlines()
+  errors = [l for l in lines if l.startswith("error: ")]
+  missing = [l for l in errors if "needs the module huggingface_hub, which is missing: install "
+                                  "MaxDiffusion's runtime" in l]
+  assert len(missing) == 5 and all(l.startswith("error: maxdiffusion_") for l in missing)
+  assert len(errors) == 5 + 4  # and each of ours (3 modes, dense) with its compile error
+  from maxdiffusion_svg.cli.bench_tpu import failed_cases  # pylint: disable=import-outside-toplevel
+  assert failed_cases({"aligned": {"ok": True}, "split": {"ok": False, "error": "E1"}}) == [
+      "split: E1"]

@@ -199,17 +199,17 @@ def test_a_config_that_runs_no_svg_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--density", "0.25"], "--density does not apply with --config: give svg_density=0.25"),
-    (["--resolution", "1080p"], "--resolution does not apply with --config: give num_frames=81 "
+    (["--density", "0.25"], "--density does not apply with a config: give svg_density=0.25"),
+    (["--resolution", "1080p"], "--resolution does not apply with a config: give num_frames=81 "
                                 "height=1088 width=1920"),
-    (["--height", "480"], "--height does not apply with --config: give height=480"),
-    (["--latent-grid", "21x45x80"], "--latent-grid does not apply with --config: give "
+    (["--height", "480"], "--height does not apply with a config: give height=480"),
+    (["--latent-grid", "21x45x80"], "--latent-grid does not apply with a config: give "
                                     "num_frames, height and width"),
-    (["--block-q", "2048"], "--block-q does not apply with --config: give svg_block_q=2048"),
-    (["--block-kv", "1024"], "--block-kv does not apply with --config: give svg_block_kv=1024"),
-    (["--mode", "split"], "--mode does not apply with --config: give svg_tile_mode=split"),
-    (["--no-sink"], "--no-sink does not apply with --config: give svg_include_sink=false"),
-    (["--plot", "x.png"], "--plot does not apply with --config: run tiles without --config"),
+    (["--block-q", "2048"], "--block-q does not apply with a config: give svg_block_q=2048"),
+    (["--block-kv", "1024"], "--block-kv does not apply with a config: give svg_block_kv=1024"),
+    (["--mode", "split"], "--mode does not apply with a config: give svg_tile_mode=split"),
+    (["--no-sink"], "--no-sink does not apply with a config: give svg_include_sink=false"),
+    (["--plot", "x.png"], "--plot does not apply with a config: run tiles without a config"),
 ])
 def test_report_flags_are_refused_with_config(tmp_path, capsys, args, needle):
   code, out, err, _ = tiles(tmp_path, capsys, WAN14B, *args)
@@ -217,13 +217,13 @@ def test_report_flags_are_refused_with_config(tmp_path, capsys, args, needle):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--slice", "v6e-8"], "--slice needs --config"),
-    (["--layers", "30"], "--layers needs --config"),
-    (["--attention-share", "0.5"], "--attention-share needs --config"),
-    (["--chip", "v5e"], "--chip does not apply without --config: the report's tiles are our "
+    (["--slice", "v6e-8"], "--slice needs a config to check"),
+    (["--layers", "30"], "--layers needs a config to check"),
+    (["--attention-share", "0.5"], "--attention-share needs a config to check"),
+    (["--chip", "v5e"], "--chip does not apply without a config: the report's tiles are our "
                         "kernel's, 3328x1536 on every chip"),
     (["--libtpu-init-args=--xla_tpu_scoped_vmem_limit_kib=65536"],
-     "--libtpu-init-args does not apply without --config"),
+     "--libtpu-init-args does not apply without a config"),
 ])
 def test_config_flags_are_refused_without_config(capsys, args, needle):
   assert main(["tiles", *args]) == 2
