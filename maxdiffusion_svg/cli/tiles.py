@@ -71,12 +71,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                              "the mesh the config's ici_*_parallelism builds there against the "
                              "heads; implies --chip")
   estimate.add_argument("--layers", type=_positive,
-                        help="transformer layers (default: the model's, by its model_name and "
-                             "checkpoint name: Wan 1.3B 30, other Wan 40, LTX-2 48)")
+                        help="transformer layers (default: the checkpoint's transformer/"
+                             "config.json, from its folder or this host's Hugging Face cache, "
+                             "else the model's by its name: Wan 1.3B 30, other Wan 40, LTX-2 48)")
   estimate.add_argument("--heads", type=_positive,
-                        help="attention heads, which svg_head_densities lists (default: the "
-                             "checkpoint's transformer/config.json where it is a folder, else "
-                             "the model's by its name: Wan 1.3B 12, other Wan 40, LTX-2 32)")
+                        help="attention heads, which svg_head_densities lists (default: as "
+                             "--layers: Wan 1.3B 12, other Wan 40, LTX-2 32)")
   estimate.add_argument("--attention-share", type=_share, metavar="F",
                         help="self-attention's share of a dense step's time, for the end-to-end "
                              "bound (default: the seed design's 55.5%% at 720p and 88.2%% at "
