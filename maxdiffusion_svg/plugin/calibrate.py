@@ -34,6 +34,7 @@ from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibra
                                                   calibrate_layers, candidate_rungs,
                                                   compensation_choices, rung_costs, uniform_rung)
 from maxdiffusion_svg.plugin import generations, hooks, launcher
+from maxdiffusion_svg.plugin.calibration_record import CHECK_KEY, RECORD_KEY, record
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
@@ -242,6 +243,8 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
                                       "temporal_share": temporal[expert].tolist(),
                                       "chosen_temporal_share": temporal[expert][
                                           np.arange(len(chosen)), chosen].tolist()}
+  overlay[RECORD_KEY] = record(plan.keys, len(plan.prompts))
+  report["calibrated_on"] = overlay[RECORD_KEY]
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
 
@@ -266,10 +269,14 @@ def _svg_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def _overlay_text(plan: CalibrationPlan, overlay: dict[str, Any]) -> str:
+  measured = [o for o in plan.overrides if o.split("=", 1)[0] in overlay[RECORD_KEY]]
   head = (f"# Written by python -m maxdiffusion_svg calibrate {plan.config}"
           f"{' ' + ' '.join(plan.overrides) if plan.overrides else ''}\n"
-          f"# Per-layer budgets measured on this checkpoint ({len(plan.prompts)} prompt(s));"
-          f" run it as any config:\n#   python -m maxdiffusion_svg.generate {plan.out.name}\n")
+          f"# Per-layer budgets measured on this checkpoint ({len(plan.prompts)} prompt(s)) at "
+          f"the keys of {RECORD_KEY}, which a run must share\n# ({CHECK_KEY}=false runs "
+          f"them anyway); run it as any config:\n"
+          f"#   python -m maxdiffusion_svg generate {plan.out.name}"
+          f"{' ' + ' '.join(measured) if measured else ''}\n")
   return head + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None)
 
 

@@ -36,6 +36,7 @@ from maxdiffusion_svg.budgets.budget import PER_LAYER
 from maxdiffusion_svg.budgets.per_head import check_head_shape
 from maxdiffusion_svg.budgets.per_layer import check_layer_count
 from maxdiffusion_svg.plugin import checkpoint, preflight
+from maxdiffusion_svg.plugin.calibration_record import check_record
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import FAMILIES, WAN_VACE, experts_of, video_model
 from maxdiffusion_svg.routing.compensation import plan_row_keys
@@ -78,13 +79,15 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
                          heads: int | None = None) -> checkpoint.ModelShape:
   """The checks of a merged config that need its checkpoint, made by every tool (``tiles``,
   the launcher, ``compare``, ``calibrate``) and by the run before weights load: the model
-  family (generation), the checkpoint readable (:func:`checkpoint.model_shape`), a VACE
+  family (generation), a calibrated overlay's record against the run
+  (:func:`calibration_record.check_record`), the checkpoint readable (:func:`checkpoint.model_shape`), a VACE
   checkpoint with a VACE config and only with one, and the per-layer and per-head budgets
   against the transformer's layers and heads (``layers``, ``heads``: ``tiles``' flags, over
   the checkpoint's). Returns the shape."""
   env = os.environ if env is None else env
   if not training:
     check_model(keys, path)
+  check_record(keys)
   shape = checkpoint.model_shape(keys, env, download)
   given = {k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None}
   if given:

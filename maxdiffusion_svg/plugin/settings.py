@@ -17,14 +17,17 @@ from maxdiffusion_svg.budgets.per_layer import layer_ranges
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.kernels.vmem_model import libtpu_note
 from maxdiffusion_svg.plan.target import TPU_BACKENDS, Target
+from maxdiffusion_svg.plugin.calibration_record import CHECK_KEY, RECORD_KEY, measured_on
 from maxdiffusion_svg.routing.layouts import ring_note
 
 SUPPORTED_MODELS = ("Wan 2.1 / 2.2 WanModel (T2V, I2V), Wan VACE, Wan Animate and LTX-2 / LTX-2.3 "
                     "transformers built by a MaxDiffusion pipeline, or prepared with "
                     "maxdiffusion_svg.plugin.prepare_transformer")
 KERNEL_NAME = "svg"
-# svg_* keys the kernel reads itself (SvgConfig reads the rest).
-PLUGIN_KEYS = ("svg_dense_kernel", "svg_min_seq_length", "svg_run_summary")
+# svg_* keys the kernel reads itself, and calibrate's record that the run checks
+# (calibration_record; SvgConfig reads the rest).
+PLUGIN_KEYS = ("svg_dense_kernel", "svg_min_seq_length", "svg_run_summary", RECORD_KEY,
+               CHECK_KEY)
 DEFAULT_MIN_SEQ_LENGTH = 4096
 
 
@@ -38,6 +41,9 @@ class PluginSettings:
   several frames of tokens to skip anything).
   ``run_summary``: count each self-attention call and its temporal heads for the end-of-run
   log line (a host callback per call and device); off, the line counts from the schedule.
+  ``calibrated_on``, ``calibration_check``: ``calibrate``'s record of what its budgets were
+  measured on, as sorted ``(key, value)`` pairs, and whether the run is checked against it
+  (:mod:`calibration_record`).
   """
 
   svg: SvgConfig = SvgConfig()
@@ -45,6 +51,8 @@ class PluginSettings:
   min_seq_length: int = DEFAULT_MIN_SEQ_LENGTH
   preset: str = DEFAULT_PRESET  # the svg_schedule the keys started from (for the log)
   run_summary: bool = True
+  calibrated_on: tuple[tuple[str, Any], ...] = ()
+  calibration_check: bool = True
 
   def __post_init__(self):
     if self.dense_kernel is not None and (not isinstance(self.dense_kernel, str)
@@ -56,6 +64,8 @@ class PluginSettings:
       raise ValueError(f"svg_min_seq_length must be an integer >= 0, got {value!r}")
     if not isinstance(self.run_summary, bool):
       raise ValueError(f"svg_run_summary must be true or false, got {self.run_summary!r}")
+    if not isinstance(self.calibration_check, bool):
+      raise ValueError(f"{CHECK_KEY} must be true or false, got {self.calibration_check!r}")
 
   @classmethod
   def from_mapping(cls, mapping: Mapping[str, Any]) -> "PluginSettings":
@@ -65,7 +75,9 @@ class PluginSettings:
                dense_kernel=dense or None,
                min_seq_length=mapping.get("svg_min_seq_length", DEFAULT_MIN_SEQ_LENGTH),
                preset=mapping.get("svg_schedule", DEFAULT_PRESET),
-               run_summary=mapping.get("svg_run_summary", True))
+               run_summary=mapping.get("svg_run_summary", True),
+               calibrated_on=measured_on(mapping),
+               calibration_check=mapping.get(CHECK_KEY, True))
 
   def summary(self, target: Target | None = None, ring: tuple[int, int] = (0, 1)) -> str:
     """One line for the run's log: what will be sparse, where, and how (on ``target``, the
@@ -192,4 +204,4 @@ def config_defaults() -> dict[str, Any]:
         value = f"[{', '.join(value)}]"
       values[key] = 0 if value is None else value.value if isinstance(value, enum.Enum) else value
   return {**values, "svg_dense_kernel": "", "svg_min_seq_length": DEFAULT_MIN_SEQ_LENGTH,
-          "svg_run_summary": True}
+          "svg_run_summary": True, RECORD_KEY: {}, CHECK_KEY: True}

@@ -2,6 +2,10 @@
 with compensation off and on), an overlay that MaxDiffusion's own pyconfig reads, and a
 calibrated run no further from dense than the uniform one at no more cost."""
 
+import pathlib
+import re
+import shutil
+
 import numpy as np
 import pytest
 import yaml
@@ -94,6 +98,31 @@ def test_the_overlay_round_trips_through_maxdiffusions_pyconfig(calibrated, wan2
   assert settings.svg.layer_densities == tuple(report["experts"]["None"]["densities"])
   assert settings.svg.layer_compensation == tuple(report["experts"]["None"]["compensation"])
   assert settings.svg.density == SVG_KEYS["svg_density"]  # the chain to the config is kept
+
+
+def test_the_overlay_refuses_a_run_on_another_checkpoint_or_video_by_name(
+    calibrated, wan21_checkpoint, tmp_path):
+  """It records what it was measured on; the run's own checks (the launcher's, here) compare,
+  and svg_calibration_check=false runs it anyway."""
+  _, report, out, _, _ = calibrated
+  recorded = yaml.safe_load(out.read_text())["svg_calibrated_on"]
+  assert recorded == report["calibrated_on"] == {
+      "pretrained_model_name_or_path": str(pathlib.Path(wan21_checkpoint).resolve()),
+      "height": 128, "width": 128, "num_frames": 33, "num_inference_steps": STEPS,
+      "svg_dense_kernel": "", "prompts": 1}
+  same = _overrides(wan21_checkpoint)
+  launcher.checked_config(["generate", str(out), *same])
+  other = tmp_path / "other"
+  shutil.copytree(wan21_checkpoint, other)
+  for change, needle in ((f"pretrained_model_name_or_path={other}",
+                          f"measured with pretrained_model_name_or_path "
+                          f"'{pathlib.Path(wan21_checkpoint).resolve()}', and this run has "
+                          f"pretrained_model_name_or_path '{other}'"),
+                         ("height=256", "measured with height 128, and this run has height 256")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+      launcher.checked_config(["generate", str(out), *same, change])
+    launcher.checked_config(["generate", str(out), *same, change, "svg_calibration_check=false"])
+  assert "svg_calibrated_on" in out.read_text().split("\n", 3)[1]  # the header says so
 
 
 def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoint, dense_video,

@@ -1,6 +1,7 @@
 """The plugin's settings and import hygiene (no MaxDiffusion needed)."""
 
 import ast
+import json
 import subprocess
 import sys
 
@@ -61,6 +62,8 @@ def typed_like(default, text):
     return text.lower() == "true"
   if isinstance(default, list):
     return ast.literal_eval(text)
+  if isinstance(default, dict):
+    return json.loads(text)
   return type(default)(text)
 
 
