@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                               "--per-head svg_head_densities (per expert for Wan 2.2)")
   calibrate.add_argument("--prompts", metavar="FILE",
                          help="prompts to measure on, one per line (default: the config's)")
+  calibrate.add_argument("--held-out", type=int, metavar="N",
+                         help="the last N prompts are measured but not fitted: the budget's "
+                              "per-layer error and guard are reported on them (default: half "
+                              "the prompts, rounded down)")
   calibrate.add_argument("--ladder", type=_ladder, metavar="D1,D2,...",
                          help="densities a layer may take (default 0.05,0.1,0.15,0.2,0.3,0.45,"
                               "0.7,1.0; the config's density is added)")
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
   # pylint: enable=import-outside-toplevel
   plan = plan_calibration(args.config, args.overrides, args.out, args.prompts, args.ladder,
                           args.target_error, None if args.no_guard else args.max_layer_loss_db,
-                          args.floor_db, args.compensation, args.per_head)
+                          args.floor_db, args.compensation, args.per_head, args.held_out)
   report, _ = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
   print(format_calibration(report))
   if args.json:

@@ -6,7 +6,9 @@ The measurement is the call a run makes: at each rung, every head routed among t
 layouts by :func:`maxdiffusion_svg.call.attention.svg_attention` (compensated or not as the rung
 says), its output against dense attention of the same inputs. A layer's error is the mean over
 its heads and samples of the squared error relative to the dense output's power, so layers
-whose outputs differ in scale weigh alike. A rung costs its plan's visited key tiles, plus, when
+whose outputs differ in scale weigh alike; within a layer, each head weighs by its dense output's
+power (:func:`layer_error`), so a soft head with little output counts for what it adds to the
+residual stream, not as much as the layer's strongest head. A rung costs its plan's visited key tiles, plus, when
 compensated, the row keys each query tile row scores (in key tiles). The allocation
 (:mod:`maxdiffusion_svg.budgets.per_layer`) then picks one rung per layer at a total cost no larger
 than the uniform rung's (the config's density and compensation).
@@ -46,6 +48,9 @@ LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0)
 COMPENSATION_CHOICES = {"both": (False, True), "off": (False,), "on": (True,), "config": None}
 
 QKV = tuple[Any, Any, Any]
+# How a layer's error weighs its heads' relative errors: by each head's dense output power (the
+# layer's output error relative to its power), or the plain mean over heads (before issue 59).
+WEIGHTINGS = ("power", "mean")
 # Rows a call's on-device measurement reads (the router's stratified sample, more of it): the
 # errors are averaged over steps and prompts too.
 CALIBRATION_ROWS = 256
@@ -105,57 +110,95 @@ def relative_error(out: Any, dense: Any) -> np.ndarray:
   return ((out - dense) ** 2).sum((-1, -2)) / np.maximum((dense ** 2).sum((-1, -2)), 1e-30)
 
 
-def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: VideoGrid,
-                 rungs: Sequence[Rung], *, target: Target | None = None,
-                 log: Callable[[str], None] = lambda _: None,
-                 per_head: bool = False) -> np.ndarray:
-  """``[L, K]``: each layer's mean relative error (over its heads and samples) at each rung
-  (``per_head``: ``[L, H, K]``, each head's, over its samples). ``layers[l]``: that layer's
-  ``(q, k, v)`` samples, ``[B, H, S, D]`` frame-major."""
+def layer_error(head_errors: Any, power: Any, weighting: str = "power") -> Any:
+  """``[..., K]``: a layer's error from its heads' relative errors ``[..., H, K]`` and their
+  dense outputs' power ``[..., H]``: weighted by the power (``"power"``: the layer output's
+  squared error over its power, what reaches the residual stream), or the plain mean."""
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+  if weighting == "mean":
+    return head_errors.mean(axis=-2)
+  return (head_errors * power[..., None]).sum(axis=-2) / power.sum(axis=-1)[..., None]
+
+
+def head_weights(power: Any, weighting: str = "power") -> np.ndarray:
+  """``[..., H]``: each head's share of its layer's error (:func:`layer_error`), summing to 1."""
+  power = np.asarray(power, np.float64)
+  if weighting == "mean":
+    return np.full(power.shape, 1 / power.shape[-1])
+  layer_error(np.zeros((*power.shape, 1)), power, weighting)  # (the name checked)
+  return power / np.maximum(power.sum(axis=-1, keepdims=True), 1e-30)
+
+
+def head_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: VideoGrid,
+                rungs: Sequence[Rung], *, target: Target | None = None,
+                log: Callable[[str], None] = lambda _: None) -> tuple[np.ndarray, np.ndarray]:
+  """``[L, H, K]`` and ``[L, H]``: each head's relative error at each rung and its dense output's
+  power, over the layer's samples. ``layers[l]``: that layer's ``(q, k, v)`` samples,
+  ``[B, H, S, D]`` frame-major."""
   dense = jax.jit(dense_attention)
   calls = [jax.jit(lambda q, k, v, c=config.at_rung(r): svg_attention(
       q, k, v, grid=grid, config=c, target=target)) for r in rungs]
   heads = layers[0][0][0].shape[1]
   errors = np.zeros((len(layers), heads, len(rungs)))
+  power = np.zeros((len(layers), heads))
   for i, samples in enumerate(layers):
     for q, k, v in samples:
       ref = dense(q, k, v)
+      power[i] += (np.asarray(ref, np.float64) ** 2).mean((-1, -2)).mean(axis=0) / len(samples)
       for j, call in enumerate(calls):
         errors[i, :, j] += relative_error(call(q, k, v), ref).mean(axis=0) / len(samples)
     log(f"layer {i}: {len(samples)} samples x {len(rungs)} rungs")
-  return errors if per_head else errors.mean(axis=1)
+  return errors, power
+
+
+def layer_errors(layers: Sequence[Sequence[QKV]], config: SvgConfig, grid: VideoGrid,
+                 rungs: Sequence[Rung], *, target: Target | None = None,
+                 log: Callable[[str], None] = lambda _: None,
+                 per_head: bool = False, weighting: str = "power") -> np.ndarray:
+  """``[L, K]``: each layer's error at each rung (:func:`layer_error` of :func:`head_errors`);
+  ``per_head``: ``[L, H, K]``, each head's relative error."""
+  errors, power = head_errors(layers, config, grid, rungs, target=target, log=log)
+  return errors if per_head else layer_error(errors, power, weighting)
 
 
 def sampled_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                         config: SvgConfig, rungs: Sequence[Rung], key: jax.Array,
                         scale: float | None = None, expert: str | None = None,
-                        target: Target | None = None,
-                        per_head: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``float32 [K]`` twice: one call's mean relative error per rung, on device, from
+                        target: Target | None = None, per_head: bool = False,
+                        weighting: str = "power") -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``float32 [K]`` twice: one call's error per rung (:func:`layer_error` of its heads'), on
+  device, from
   :data:`CALIBRATION_ROWS` sampled rows against their dense output: each head takes the lower
   of its spatial and temporal errors under the rung's execution mask (as the router would
   choose), compensated where the rung compensates; and the share of heads whose better layout
   is temporal at each rung (the layouts the table reports). What ``calibrate`` records per step and
   layer of a real run, where the whole inputs cannot leave the device. ``per_head``: ``[K, H]``
-  each, every head's over the batch (what per-head budgets allocate)."""
-  errors, temporal = head_rung_errors(q, k, v, grid=grid, config=config, rungs=rungs, key=key,
-                                      scale=scale, expert=expert, target=target)
-  return _reduced(errors, temporal, per_head)
+  each, every head's over the batch (what per-head budgets allocate). Third: the heads' dense
+  output power over the batch, ``[H]`` (``per_head``) or its sum over heads."""
+  errors, temporal, power = head_rung_errors(q, k, v, grid=grid, config=config, rungs=rungs,
+                                             key=key, scale=scale, expert=expert, target=target)
+  return _reduced(errors, temporal, power, per_head, weighting)
 
 
-def _reduced(errors: jax.Array, temporal: jax.Array, per_head: bool) -> tuple[jax.Array, jax.Array]:
-  """``[B, H, K]`` each -> ``[K]`` (the mean over heads and batch) or ``[K, H]`` (over batch)."""
-  over = (lambda x: jnp.mean(x, axis=0).T) if per_head else (lambda x: jnp.mean(x, axis=(0, 1)))
-  return over(errors), over(temporal)
+def _reduced(errors: jax.Array, temporal: jax.Array, power: jax.Array, per_head: bool,
+             weighting: str = "power") -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``[B, H, K]``, ``[B, H, K]``, ``[B, H]`` -> ``[K]`` (the layer's error over the batch, the
+  share of heads temporal) or ``[K, H]`` (over the batch), and the power over the batch."""
+  if per_head:
+    return jnp.mean(errors, axis=0).T, jnp.mean(temporal, axis=0).T, jnp.mean(power, axis=0)
+  return (jnp.mean(layer_error(errors, power, weighting), axis=0),
+          jnp.mean(temporal, axis=(0, 1)), jnp.mean(jnp.sum(power, axis=1)))
 
 
 def head_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
                      config: SvgConfig, rungs: Sequence[Rung], key: jax.Array,
                      scale: float | None = None, expert: str | None = None,
-                     target: Target | None = None) -> tuple[jax.Array, jax.Array]:
+                     target: Target | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``float32 [B, H, K]`` twice: :func:`sampled_rung_errors` of each (example, head), and
-  whether its better layout is temporal (0 or 1): independent per head, so a device can measure
-  its own heads (:func:`sharded_rung_errors`)."""
+  whether its better layout is temporal (0 or 1); and ``[B, H]``, each head's dense output power
+  on the sampled rows: independent per head, so a device can measure its own heads
+  (:func:`sharded_rung_errors`)."""
   router = dataclasses.replace(config.router, profile_queries=CALIBRATION_ROWS)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   rows = sample_rows(key, grid.tokens, router)
@@ -171,12 +214,13 @@ def head_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGri
                                       compensation=(plan, blocks) if blocks else None)
     errors.append(jnp.minimum(spatial, temporal) / power)
     temporal_first.append((temporal < spatial).astype(jnp.float32))
-  return jnp.stack(errors, axis=-1), jnp.stack(temporal_first, axis=-1)
+  return jnp.stack(errors, axis=-1), jnp.stack(temporal_first, axis=-1), power
 
 
 def sharded_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Any,
                         qkv_spec: Any, ulysses_shards: Any = None, per_head: bool = False,
-                        **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+                        weighting: str = "power",
+                        **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   """:func:`sampled_rung_errors` of global sequence-sharded inputs, each device measuring its own
   heads after the Ulysses exchange (the batch folded into the heads where nothing shards it),
   as the kernel runs them: measured on the global arrays instead, XLA held every head's sampled
@@ -187,7 +231,7 @@ def sharded_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Any,
   ex = head_exchange(mesh, q.shape, seq_axis=seq_axis, batch_axes=batch_axes,
                      ulysses_shards=ulysses_shards)
   if ex.ring > 1:
-    return sampled_rung_errors(q, k, v, per_head=per_head, **kwargs)
+    return sampled_rung_errors(q, k, v, per_head=per_head, weighting=weighting, **kwargs)
   batch, heads = q.shape[:2]
   fold = batch > 1 and ex.batch_shards == 1  # every (example, head) is independent
   if fold:
@@ -197,10 +241,11 @@ def sharded_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Any,
   key = kwargs.pop("key")
   measure = per_local_heads(lambda q, k, v, key: head_rung_errors(q, k, v, key=key, **kwargs),
                             ex, extra_specs=(P(),))
-  errors, temporal = measure(q, k, v, key)
+  errors, temporal, power = measure(q, k, v, key)
   if fold:
     errors, temporal = (x.reshape(batch, heads, -1) for x in (errors, temporal))
-  return _reduced(errors, temporal, per_head)
+    power = power.reshape(batch, heads)
+  return _reduced(errors, temporal, power, per_head, weighting)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,38 +340,44 @@ class HeadCalibration:
 
 def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform: float,
                     target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
-                    floor_db: float = FLOOR_DB, budget: float | None = None) -> HeadCalibration:
+                    floor_db: float = FLOOR_DB, budget: float | None = None,
+                    weights: Any = None) -> HeadCalibration:
   """Densities per (layer, head) from measured ``errors [L, H, K]`` (each head's relative error
   at ``densities``, which holds ``uniform``): the least total error within the uniform
   density's cost (every head at it), or with ``target_error`` (a mean relative error per layer)
   about the fewest tiles that meet it (:func:`~maxdiffusion_svg.budgets.per_layer.allocate_greedy`:
   layers x heads is too many items for the exact front). The guard is per head, as
   :func:`calibrate_layers`' per layer. ``budget``: key tiles per head over the layers to spend
-  instead of the uniform density's (e.g. a plain call's, for compensated candidates)."""
+  instead of the uniform density's (e.g. a plain call's, for compensated candidates).
+  ``weights [L, H]``: each head's share of its layer's error (:func:`head_weights`; default
+  alike, ``1 / H``)."""
   errors, costs = np.asarray(errors, np.float64), np.asarray(costs, np.float64)
   densities = tuple(float(d) for d in densities)
   if float(uniform) not in densities:
     raise ValueError(f"the densities {list(densities)} must hold the uniform density {uniform}")
   u = densities.index(float(uniform))
   layers, heads, _ = errors.shape
-  items = errors.reshape(layers * heads, -1) / heads  # each head's share of its layer's mean
+  weights = (np.full((layers, heads), 1 / heads) if weights is None
+             else np.asarray(weights, np.float64))
+  shares = errors * weights[:, :, None]  # each head's share of its layer's error
+  items = shares.reshape(layers * heads, -1)
   chosen, uniform_allocation = _spend(items, costs, u, target_error, layers, max_loss_db,
-                                      floor_db, floor_share=1 / heads, exact=False,
+                                      floor_db, floor_share=weights.reshape(-1), exact=False,
                                       budget=None if budget is None else budget * heads)
   choice = np.asarray(chosen.choice).reshape(layers, heads)
-  return HeadCalibration(densities, tuple(costs.tolist()), errors / heads,
+  return HeadCalibration(densities, tuple(costs.tolist()), shares,
                          tuple(tuple(densities[k] for k in row) for row in choice), choice,
                          float(uniform), chosen, uniform_allocation)
 
 
 def _spend(items: np.ndarray, costs: np.ndarray, u: int, target_error: float | None,
-           layers: int, max_loss_db: float | None, floor_db: float, floor_share: float = 1.0,
+           layers: int, max_loss_db: float | None, floor_db: float, floor_share: Any = 1.0,
            exact: bool = True, budget: float | None = None) -> tuple[Allocation, Allocation]:
   """``(chosen, uniform)``: the allocation of ``items [N, K]`` (layers, or layers x heads) within
   the uniform rung ``u``'s cost, or with ``target_error`` (per layer) the least cost meeting it;
-  each item capped by the guard (``floor_share``: an item's share of the floor). ``exact``: the
-  multiple-choice front, else the greedy (many items). ``budget``: the cost to spend in place
-  of the uniform rung's."""
+  each item capped by the guard (``floor_share``: an item's share of the floor, one or
+  ``[N]``). ``exact``: the multiple-choice front, else the greedy (many items). ``budget``: the
+  cost to spend in place of the uniform rung's."""
   n = items.shape[0]
   uniform = Allocation((u,) * n, float(costs[u] * n), float(items[:, u].sum()))
   caps = None if max_loss_db is None else np.maximum(

@@ -32,7 +32,8 @@ from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration,
                                                   HeadCalibration, calibrate_heads,
                                                   calibrate_layers, candidate_rungs,
-                                                  compensation_choices, rung_costs, uniform_rung)
+                                                  compensation_choices, head_weights, rung_costs,
+                                                  uniform_rung)
 from maxdiffusion_svg.plugin import generations, hooks, launcher
 from maxdiffusion_svg.plugin.calibration_record import CHECK_KEY, RECORD_KEY, record
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
@@ -58,6 +59,11 @@ class CalibrationPlan:
   floor_db: float = FLOOR_DB
   compensation: str = "both"  # calibration.COMPENSATION_CHOICES
   per_head: bool = False  # a density per (layer, head): svg_head_densities
+  held_out: int = 0  # the last prompts, not fitted: the budget judged on them
+
+  @property
+  def fitted(self) -> tuple[str, ...]:
+    return self.prompts[:len(self.prompts) - self.held_out]
 
   @property
   def per_layer_compensation(self) -> bool:
@@ -88,10 +94,11 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
                      ladder: Sequence[float] | None = None,
                      target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
                      floor_db: float = FLOOR_DB, compensation: str | None = None,
-                     per_head: bool = False) -> CalibrationPlan:
+                     per_head: bool = False, held_out: int | None = None) -> CalibrationPlan:
   """Every check ``calibrate`` can make before weights load. ``compensation`` (``--compensation``)
   defaults to ``both``, and to ``config`` with ``per_head`` (``--per-head``), whose heads all
-  compensate as ``svg_compensation`` says."""
+  compensate as ``svg_compensation`` says. ``held_out`` (``--held-out``): the last prompts,
+  measured but not fitted (default: half of them, rounded down)."""
   from maxdiffusion_svg.measure.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
@@ -117,9 +124,13 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
     raise ValueError(f"--out {out}: its folder is missing or not writable")
   rungs = candidate_rungs(settings.svg, LADDER if ladder is None else ladder, compensation,
                           (None, *EXPERTS))  # every expert's uniform choice is a candidate
-  return CalibrationPlan(config, tuple(overrides), keys, settings, read_prompts(prompts, keys),
-                         rungs, target_error, path.resolve(), max_loss_db, floor_db, compensation,
-                         per_head)
+  texts = read_prompts(prompts, keys)
+  held_out = len(texts) // 2 if held_out is None else held_out
+  if not 0 <= held_out < len(texts):
+    raise ValueError(f"--held-out {held_out}: give 0 to {len(texts) - 1} of the {len(texts)} "
+                     f"prompt(s) (at least one is fitted; more with --prompts FILE)")
+  return CalibrationPlan(config, tuple(overrides), keys, settings, texts, rungs, target_error,
+                         path.resolve(), max_loss_db, floor_db, compensation, per_head, held_out)
 
 
 def _check_per_head(settings: PluginSettings, compensation: str) -> None:
@@ -183,13 +194,17 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     os.chdir(tmp)  # the main writes its MP4 into the working directory
     try:
       for i, prompt in enumerate(plan.prompts):
-        log(f"calibrate: prompt {i + 1} of {len(plan.prompts)}")
+        held = " (held out: measured, not fitted)" if i >= len(plan.fitted) else ""
+        log(f"calibrate: prompt {i + 1} of {len(plan.prompts)}{held}")
         with_prompt = [*argv, f"prompt={prompt}"]
         if "pipeline" not in seen:
           generation.first(with_prompt)  # loads the weights (once), then runs
         else:
           pyconfig.initialize(with_prompt)
           generation.again(pyconfig.config, seen)
+        jax.effects_barrier()  # this prompt's measurements, all in
+        if i == len(plan.fitted) - 1:
+          fitted_calls = len(entries)
     finally:
       os.chdir(cwd)
     jax.effects_barrier()
@@ -201,8 +216,10 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   results: dict[str | None, Calibration | HeadCalibration] = {}
   measured: dict[str | None, list[int]] = {}
   temporal: dict[str | None, np.ndarray] = {}
+  fitted, held_entries = entries[:fitted_calls], entries[fitted_calls:]
+  held: dict[str | None, dict[str, Any]] = {}
   for expert, layers in experts.items():
-    table, count = layer_table(entries, expert, layers, len(plan.rungs))
+    table, count = layer_table(fitted, expert, layers, len(plan.rungs))
     active = count > 0
     if not active.any():
       raise ValueError(f"no sparse call was measured{f' ({expert})' if expert else ''}: the "
@@ -210,24 +227,33 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
     errors = table[active]
     costs = rung_costs(svg, grid, plan.rungs, expert, target)
     if plan.per_head:  # [layers, K, H] -> [layers, H, K]: each head's own errors
-      heads = layer_table(entries, expert, layers, len(plan.rungs), "head_errors")[0][active]
+      heads = layer_table(fitted, expert, layers, len(plan.rungs), "head_errors")[0][active]
+      power = layer_table(fitted, expert, layers, len(plan.rungs), "power")[0][active]
       results[expert] = calibrate_heads(np.swapaxes(heads, 1, 2), costs,
                                         [r.density for r in plan.rungs], svg.budget(expert).density,
-                                        plan.target_error, plan.max_loss_db, plan.floor_db)
+                                        plan.target_error, plan.max_loss_db, plan.floor_db,
+                                        weights=head_weights(power))
     else:
       results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
                                          plan.target_error, plan.max_loss_db, plan.floor_db)
     measured[expert] = np.flatnonzero(active).tolist()
-    temporal[expert] = layer_table(entries, expert, layers, len(plan.rungs), "temporal")[0][active]
+    temporal[expert] = layer_table(fitted, expert, layers, len(plan.rungs), "temporal")[0][active]
+    if held_entries:
+      held[expert] = held_out_errors(held_entries, expert, layers, plan, results[expert],
+                                     active, svg.budget(expert).density)
   overlay = {BASE_KEY: str(pathlib.Path(plan.config).resolve())}
   overlay.update(_svg_overrides(plan.overrides))
   report = {"config": plan.config, "overlay": str(plan.out), "prompts": len(plan.prompts),
+            "held_out": plan.held_out,
+            "guard": None if plan.max_loss_db is None else {"max_loss_db": plan.max_loss_db,
+                                                             "floor_db": plan.floor_db},
             "steps": steps, "grid": [grid.frames, grid.height, grid.width], "experts": {},
             "seconds": round(time.perf_counter() - start, 1), "kind": "measured"}
   for expert, result in results.items():
     if plan.per_head:
-      report["experts"][str(expert)] = _head_overlay(overlay, result, expert, experts[expert],
-                                                     measured[expert], svg.budget(expert).density)
+      report["experts"][str(expert)] = {
+          **_head_overlay(overlay, result, expert, experts[expert], measured[expert],
+                          svg.budget(expert).density), "held_out": held.get(expert)}
       continue
     densities = [svg.budget(expert).density] * experts[expert]
     compensation = [svg.compensation] * experts[expert]
@@ -242,11 +268,41 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
                                       "compensation": compensation,
                                       "temporal_share": temporal[expert].tolist(),
                                       "chosen_temporal_share": temporal[expert][
-                                          np.arange(len(chosen)), chosen].tolist()}
+                                          np.arange(len(chosen)), chosen].tolist(),
+                                      "held_out": held.get(expert)}
   overlay[RECORD_KEY] = record(plan.keys, len(plan.prompts))
   report["calibrated_on"] = overlay[RECORD_KEY]
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
+
+
+def held_out_errors(entries: Sequence[dict[str, Any]], expert: str | None, layers: int,
+                    plan: CalibrationPlan, result: Calibration | HeadCalibration,
+                    active: np.ndarray, density: float) -> dict[str, Any]:
+  """The fitted budget judged on the held-out prompts' calls: each measured layer's error at
+  its chosen rung(s) and at the uniform one, and the guard (no layer more than
+  ``max_loss_db`` below its uniform PSNR unless above ``floor_db``) held or broken, by layer."""
+  if plan.per_head:  # the heads' errors weighed by their power on these prompts
+    heads = np.swapaxes(layer_table(entries, expert, layers, len(plan.rungs),
+                                    "head_errors")[0][active], 1, 2)  # [L, H, K]
+    weights = head_weights(layer_table(entries, expert, layers, len(plan.rungs),
+                                       "power")[0][active])
+    u = list(result.densities).index(float(density))
+    at = np.take_along_axis(heads, result.choice[:, :, None], axis=2)[:, :, 0]
+    chosen, uniform = (at * weights).sum(axis=1), (heads[:, :, u] * weights).sum(axis=1)
+  else:
+    errors = layer_table(entries, expert, layers, len(plan.rungs))[0][active]  # [L, K]
+    rows = np.arange(errors.shape[0])
+    chosen = errors[rows, list(result.allocation.choice)]
+    uniform = errors[:, plan.rungs.index(result.uniform)]
+  psnr = lambda e: -10 * np.log10(np.maximum(e, 1e-30))
+  loss = psnr(uniform) - psnr(chosen)
+  broke = [] if plan.max_loss_db is None else [
+      {"layer": int(layer), "loss_db": float(d), "psnr_db": float(psnr(c))}
+      for layer, d, c in zip(np.flatnonzero(active), loss, chosen)
+      if d > plan.max_loss_db + 1e-9 and psnr(c) < plan.floor_db]
+  return {"prompts": plan.held_out, "errors": chosen.tolist(), "uniform_errors": uniform.tolist(),
+          "error": float(chosen.sum()), "uniform_error": float(uniform.sum()), "broke": broke}
 
 
 def _head_overlay(overlay: dict[str, Any], result: HeadCalibration, expert: str | None,
@@ -287,6 +343,7 @@ def format_calibration(report: dict[str, Any]) -> str:
   for expert, r in report["experts"].items():
     if r.get("per_head"):
       lines.extend(_head_table(expert, r))
+      lines.append(_held_out_line(r["held_out"], r["measured"], report))
       continue
     u = r["uniform_rung"]
     lines.append(f"{'expert ' + expert if expert != 'None' else 'model'}: uniform "
@@ -303,8 +360,31 @@ def format_calibration(report: dict[str, Any]) -> str:
     lines.append(f"cost per head (key tiles, with compensation's row keys): {r['tiles']:.0f} "
                  f"(uniform {r['uniform_tiles']:.0f}); total error {r['error']:.3g} (uniform "
                  f"{r['uniform_error']:.3g})")
+    lines.append(_held_out_line(r["held_out"], r["measured"], report))
   lines.append(f"overlay written: {report['overlay']}")
   return "\n".join(lines)
+
+
+def _held_out_line(held: dict[str, Any] | None, layers: Sequence[int],
+                   report: dict[str, Any]) -> str:
+  """The budget on the prompts it was not fitted to: each layer's dB against uniform there, and
+  whether the per-layer guard held."""
+  if held is None:
+    return ("held out: none (one prompt: give --prompts FILE with 2 or more to judge the budget "
+            "on prompts it was not fitted to)")
+  db = lambda a, b: 10 * math.log10(max(b, 1e-30) / max(a, 1e-30))
+  per_layer = ", ".join(f"{layer} {db(e, u):+.2f}" for layer, e, u in
+                        zip(layers, held["errors"], held["uniform_errors"]))
+  guard = report.get("guard")
+  if held["broke"]:
+    verdict = "guard broken: " + "; ".join(
+        f"layer {b['layer']} {b['loss_db']:.2f} dB below uniform, at {b['psnr_db']:.1f} dB"
+        for b in held["broke"])
+  else:
+    verdict = "guard held" if guard else "no guard (--no-guard)"
+  return (f"held out ({held['prompts']} prompt(s), not fitted): total error {held['error']:.3g} "
+          f"(uniform {held['uniform_error']:.3g}, {db(held['error'], held['uniform_error']):+.2f}"
+          f" dB); dB vs uniform per layer: {per_layer}; {verdict}")
 
 
 def _head_table(expert: str, r: dict[str, Any]) -> list[str]:

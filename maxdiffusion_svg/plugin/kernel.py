@@ -24,7 +24,7 @@ from maxdiffusion_svg.budgets.schedule import Interval
 from maxdiffusion_svg.call.attention import profile_key
 from maxdiffusion_svg.call.prepared import prepare
 from maxdiffusion_svg.kernels.gradient import residuals_named
-from maxdiffusion_svg.measure.calibration import sharded_rung_errors
+from maxdiffusion_svg.measure.calibration import layer_error, sharded_rung_errors
 from maxdiffusion_svg.parallel.sharding import sharded_svg_attention
 from maxdiffusion_svg.plugin import hooks, run_summary, semantic_store
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, SUPPORTED_MODELS
@@ -43,8 +43,9 @@ def record_rung_errors(rungs: tuple[Rung, ...]) -> Iterator[list[dict[str, Any]]
   """While the block traces, each video self-attention call also measures its error at every
   rung of ``rungs`` (density, compensation) on device
   (:func:`maxdiffusion_svg.measure.calibration.sampled_rung_errors`) and logs ``{"step", "layer",
-  "expert", "active", "errors", "temporal", "head_errors"}``
-  (``active``: the schedule makes the call sparse; ``errors``: per rung, the mean over heads;
+  "expert", "active", "errors", "mean_errors", "temporal", "head_errors", "power"}``
+  (``active``: the schedule makes the call sparse; ``errors``: per rung, the layer's error, its
+  heads' weighted by their output ``power`` [H] (``mean_errors``: their plain mean);
   ``temporal``: per rung, the share of heads whose better layout is temporal; ``head_errors
   [K, H]``: each head's, what per-head budgets allocate). Call ``jax.effects_barrier()`` before
   reading the list."""
@@ -64,20 +65,22 @@ def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings:
   rungs, log = recording
   svg = settings.svg
   # Each device measures its own heads after the exchange, as the kernel runs them.
-  errors, temporal = sharded_rung_errors(
+  errors, temporal, power = sharded_rung_errors(
       q, k, v, mesh=context["mesh"], qkv_spec=qkv_layout(context["axis_names_q"]),
       ulysses_shards=context["ulysses_shards"], per_head=True, grid=call.grid, config=svg,
       rungs=rungs, key=profile_key(svg, step, layer), scale=context["scale"],
       expert=call.expert, target=svg.target(mesh=context["mesh"]))
 
-  def append(step, layer, active, errors, temporal):
+  def append(step, layer, active, errors, temporal, power):
     errors, temporal = np.asarray(errors, np.float64), np.asarray(temporal, np.float64)
+    power = np.asarray(power, np.float64)
     log.append({"step": int(step), "layer": int(layer), "expert": call.expert,
-                "active": bool(active), "errors": errors.mean(axis=1),
-                "temporal": temporal.mean(axis=1), "head_errors": errors})
+                "active": bool(active), "errors": layer_error(errors.T, power),
+                "mean_errors": errors.mean(axis=1), "temporal": temporal.mean(axis=1),
+                "head_errors": errors, "power": power})
 
   jax.debug.callback(append, jnp.asarray(step), jnp.asarray(layer),
-                     jnp.asarray(svg.schedule.is_active(step, layer)), errors, temporal)
+                     jnp.asarray(svg.schedule.is_active(step, layer)), errors, temporal, power)
 
 
 @contextlib.contextmanager

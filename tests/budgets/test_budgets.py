@@ -298,18 +298,29 @@ def test_sampled_rung_errors_equal_the_kernels_over_every_row(monkeypatch):
                                                    seed=3))
   rungs = (Rung(0.2), Rung(0.2, True), Rung(0.5), Rung(1.0))
   config = _config()
-  got, temporal = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
-                                                  rungs=rungs, key=jax.random.key(0))
+  got, temporal, _ = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
+                                                     rungs=rungs, key=jax.random.key(0))
   got, temporal = np.asarray(got), np.asarray(temporal)
-  heads, _ = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config, rungs=rungs,
-                                             key=jax.random.key(0), per_head=True)
+  mean, _, _ = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config, rungs=rungs,
+                                               key=jax.random.key(0), weighting="mean")
+  heads, _, power = calibration.sampled_rung_errors(q, k, v, grid=GRID, config=config,
+                                                    rungs=rungs, key=jax.random.key(0),
+                                                    per_head=True)
   dense = dense_attention(q, k, v)
+  want_power = (np.asarray(dense, np.float64) ** 2).mean((-1, -2))[0]  # each head's output
+  np.testing.assert_allclose(np.asarray(power), want_power, rtol=1e-4)
   for j, (density, on) in enumerate(rungs):
     per_layout = [relative_error(scheduled_svg_attention(
         q, k, v, grid=GRID, config=_config(density=density, layouts=(name,), compensation=on),
         step=0, layer=0), dense)[0] for name in ("spatial", "temporal")]
     mse = np.minimum(*per_layout)  # relative to each head's power: the same rows, all of them
-    assert got[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), rungs[j]
+    assert mean[j] == pytest.approx(mse.mean(), rel=2e-3, abs=1e-9), rungs[j]
+    # the layer's output error over its power: each head's error weighed by its output power
+    absolute = np.minimum(*[((np.asarray(scheduled_svg_attention(
+        q, k, v, grid=GRID, config=_config(density=density, layouts=(name,), compensation=on),
+        step=0, layer=0), np.float64) - np.asarray(dense, np.float64)) ** 2).mean((-1, -2))[0]
+                            for name in ("spatial", "temporal")])
+    assert got[j] == pytest.approx(absolute.sum() / want_power.sum(), rel=2e-3, abs=1e-9)
     np.testing.assert_allclose(np.asarray(heads)[j], mse, rtol=2e-3, atol=1e-9)  # each head
     if j < 3:  # (density 1: both layouts are dense, a tie)
       assert temporal[j] == pytest.approx(np.mean(per_layout[1] < per_layout[0])), rungs[j]

@@ -46,8 +46,10 @@ def dense_video(wan21_checkpoint, run_config, tmp_path_factory):
 @pytest.fixture(scope="module")
 def calibrated(wan21_checkpoint, run_config, tmp_path_factory):
   out = tmp_path_factory.mktemp("calibrate") / "calibrated.yml"
+  prompts = out.parent / "prompts.txt"  # the second is held out: measured, not fitted
+  prompts.write_text("a red fox runs through snow\na lighthouse at dusk, waves breaking\n")
   plan = calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(out),
-                                    ladder=LADDER)
+                                    prompts=str(prompts), ladder=LADDER)
   messages = []
   report, uniform = calibrate.run_calibration(plan, log=messages.append)
   return plan, report, out, messages, uniform
@@ -72,11 +74,20 @@ def test_each_layer_is_measured_and_the_budget_held(calibrated):
   assert (np.diff(compensated, axis=1) <= 1e-9).all()
   costs = np.asarray(model["costs"])
   assert (costs[1::2] >= costs[0::2]).all() and costs[-1] == costs[-2]  # row keys cost
-  assert any("step" in m for m in messages) and any("prompt 1 of 1" in m for m in messages)
+  assert any("step" in m for m in messages) and any("prompt 1 of 2" in m for m in messages)
+  assert any("prompt 2 of 2 (held out: measured, not fitted)" in m for m in messages)
+  assert plan.fitted == plan.prompts[:1] and report["held_out"] == 1
+  held = model["held_out"]  # the fitted choice on the other prompt's calls
+  assert held["prompts"] == 1 and len(held["errors"]) == len(held["uniform_errors"]) == LAYERS
+  assert held["error"] == pytest.approx(sum(held["errors"]))
+  assert held["errors"] != [row[j] for row, j in zip(model["errors"], model["choice"])]
+  assert held["broke"] == [] or all(b["loss_db"] > 3 for b in held["broke"])
   assert str(out) == report["overlay"]
   text = calibrate.format_calibration(report)
   assert "cost per head (key tiles, with compensation's row keys)" in text and str(out) in text
   assert "temporal heads" in text  # the layouts each layer's heads took at its rung
+  assert "held out (1 prompt(s), not fitted): total error" in text
+  assert "dB vs uniform per layer: 0 " in text and ("guard held" in text or "guard broken" in text)
   share = np.asarray(model["temporal_share"])
   assert share.shape == errors.shape and ((share >= 0) & (share <= 1)).all()
   assert model["chosen_temporal_share"] == [share[i, j] for i, j in enumerate(model["choice"])]
@@ -109,7 +120,7 @@ def test_the_overlay_refuses_a_run_on_another_checkpoint_or_video_by_name(
   assert recorded == report["calibrated_on"] == {
       "pretrained_model_name_or_path": str(pathlib.Path(wan21_checkpoint).resolve()),
       "height": 128, "width": 128, "num_frames": 33, "num_inference_steps": STEPS,
-      "svg_dense_kernel": "", "prompts": 1}
+      "svg_dense_kernel": "", "prompts": 2}
   same = _overrides(wan21_checkpoint)
   launcher.checked_config(["generate", str(out), *same])
   other = tmp_path / "other"
