@@ -25,12 +25,16 @@ import numpy as np
 
 from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
-from maxdiffusion_svg.measure.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, calibrate_heads,
-                                                  calibrate_layers, candidate_rungs, layer_errors,
-                                                  rung_costs, uniform_rung)
+from maxdiffusion_svg.measure.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, WEIGHTINGS,
+                                                  calibrate_heads, calibrate_layers,
+                                                  candidate_rungs, head_errors, head_weights,
+                                                  layer_error, rung_costs, uniform_rung)
 from maxdiffusion_svg.plan.geometry import VideoGrid
 
 GAIN_DB = 1.0
+# What a held-out draw is judged by: each layer's output error over its power (every head
+# weighed by its output power, what reaches the residual stream), whichever weighting was fitted.
+JUDGE = "power"
 # Planted layers: each a model layer whose heads share a kind of structure.
 LAYERS = {"local": ("spatial",) * 4, "still": ("temporal",) * 4,
           "moving": ("moving",) * 4, "diffuse": ("weak_spatial", "weak_temporal") * 2,
@@ -51,6 +55,7 @@ class CalibrationBenchConfig:
   calibration_seed: int = 0
   held_out_seeds: tuple[int, ...] = (1, 2, 3)
   compensation: str = "both"  # calibration.COMPENSATION_CHOICES: the rungs' compensation
+  weighting: str = "power"  # calibration.WEIGHTINGS: how the fit weighs a layer's heads
 
   def svg_config(self) -> SvgConfig:
     return SvgConfig(density=self.density, tile_mode="aligned", block_q=self.block_q,
@@ -77,11 +82,15 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   rungs = candidate_rungs(config, cfg.ladder, cfg.compensation)
   uniform = uniform_rung(config)
   costs = rung_costs(config, cfg.grid, rungs)
-  measured_heads = layer_errors(layer_inputs(cfg, cfg.calibration_seed), config, cfg.grid, rungs,
-                                per_head=True)
-  measured = measured_heads.mean(axis=1)
+  measured_heads, measured_power = head_errors(layer_inputs(cfg, cfg.calibration_seed), config,
+                                              cfg.grid, rungs)
+  measured = layer_error(measured_heads, measured_power, cfg.weighting)
+  weights = head_weights(measured_power, cfg.weighting)
   log(f"  calibrated on seed {cfg.calibration_seed}: {time.perf_counter() - start:.0f} s")
   at_budget = calibrate_layers(measured, costs, rungs, uniform)
+  # the same fit with each other weighting of a layer's heads, judged beside it below
+  fits = {w: at_budget if w == cfg.weighting else calibrate_layers(
+      layer_error(measured_heads, measured_power, w), costs, rungs, uniform) for w in WEIGHTINGS}
   # the least tiles whose measured error matches uniform's: the speed-up at matched quality
   matched = calibrate_layers(measured, costs, rungs, uniform,
                              target_error=at_budget.uniform_allocation.error / len(LAYERS))
@@ -91,35 +100,44 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
                                     [rungs[j] for j in alone], uniform)
   # per head: each (layer, head) its own density, compensation as the config has it
   per_head = calibrate_heads(measured_heads[:, :, alone], costs[alone],
-                             [rungs[j].density for j in alone], uniform.density)
+                             [rungs[j].density for j in alone], uniform.density, weights=weights)
   # per head with every call compensated, within the plain uniform call's tiles
   comp = [j for j, r in enumerate(rungs) if r.compensation]
   try:  # (a ladder without a density below uniform's has no compensated choice that fits)
     heads_compensated = calibrate_heads(measured_heads[:, :, comp], costs[comp],
                                         [rungs[j].density for j in comp], uniform.density,
-                                        budget=at_budget.uniform_allocation.cost)
+                                        budget=at_budget.uniform_allocation.cost,
+                                        weights=weights)
   except ValueError:
     heads_compensated = None
   heads_matched = calibrate_heads(measured_heads[:, :, alone], costs[alone],
                                   [rungs[j].density for j in alone], uniform.density,
-                                  target_error=at_budget.uniform_allocation.error / len(LAYERS))
+                                  target_error=at_budget.uniform_allocation.error / len(LAYERS),
+                                  weights=weights)
   u = rungs.index(uniform)
   held = []
   for seed in cfg.held_out_seeds:
-    head_errors = layer_errors(layer_inputs(cfg, seed), config, cfg.grid, rungs, per_head=True)
-    errors = head_errors.mean(axis=1)
-    pick = lambda choice: errors[np.arange(len(LAYERS)), list(choice)]
-    pick_heads = lambda choice: np.take_along_axis(
-        head_errors[:, :, alone], choice[:, :, None], axis=2)[:, :, 0].mean(axis=1)
+    heads_seen, power = head_errors(layer_inputs(cfg, seed), config, cfg.grid, rungs)
+    # judged by what reaches the residual stream: each layer's output error over its power
+    errors = layer_error(heads_seen, power, JUDGE)
+    share = head_weights(power, JUDGE)
+    pick = lambda choice, e=errors: e[np.arange(len(LAYERS)), list(choice)]
+    pick_heads = lambda choice: (np.take_along_axis(
+        heads_seen[:, :, alone], choice[:, :, None], axis=2)[:, :, 0] * share).sum(axis=1)
     held.append({"seed": seed, "uniform": errors[:, u],
                  "calibrated": pick(at_budget.allocation.choice),
                  "matched": pick(matched.allocation.choice),
                  "densities_only": pick(alone[j] for j in densities_only.allocation.choice),
                  "per_head": pick_heads(per_head.choice),
-                 "per_head_compensated": None if heads_compensated is None else np.take_along_axis(
-                     head_errors[:, :, comp], heads_compensated.choice[:, :, None],
-                     axis=2)[:, :, 0].mean(axis=1),
-                 "per_head_matched": pick_heads(heads_matched.choice)})
+                 "per_head_compensated": None if heads_compensated is None else (np.take_along_axis(
+                     heads_seen[:, :, comp], heads_compensated.choice[:, :, None],
+                     axis=2)[:, :, 0] * share).sum(axis=1),
+                 "per_head_matched": pick_heads(heads_matched.choice),
+                 "fits": {(w, judge): pick(fit.allocation.choice,
+                                           layer_error(heads_seen, power, judge))
+                          for w, fit in fits.items() for judge in WEIGHTINGS},
+                 "uniform_by": {judge: layer_error(heads_seen, power, judge)[:, u]
+                                for judge in WEIGHTINGS}})
     log(f"  held-out seed {seed}: {time.perf_counter() - start:.0f} s")
   mean = lambda name: np.mean([h[name] for h in held], axis=0)
   uniform_db, calibrated_db, matched_db = (_psnr(mean(n)) for n in ("uniform", "calibrated", "matched"))
@@ -139,6 +157,8 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
         "vs_calibrated_db": float(np.mean(np.subtract(whole("per_head_compensated"),
                                                       whole("calibrated")))),
         "psnr_db": _psnr(mean("per_head_compensated")).tolist()}
+  weighting = {w: {judge: _judged(held, (w, judge), judge) for judge in WEIGHTINGS}
+               for w in WEIGHTINGS}
   never_worse = all(c >= u_ - 1e-9 for u_, c in totals)
   change = calibrated_db - uniform_db
   worst = int(np.argmin(change))
@@ -162,6 +182,8 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
           "worst_layer": {"layer": list(LAYERS)[worst], "change_db": float(change[worst]),
                           "calibrated_db": float(calibrated_db[worst])},
           "guard": {"max_loss_db": MAX_LOSS_DB, "floor_db": FLOOR_DB},
+          "weighting": {"fit": cfg.weighting, "judge": JUDGE, "fits": weighting,
+                        "rungs": {w: [str(r) for r in fit.chosen] for w, fit in fits.items()}},
           "targets": {"gain_met": gain >= GAIN_DB, "never_worse": never_worse},
           "calibration": at_budget.as_dict(),
           "per_head": {"head_densities": [list(layer) for layer in per_head.chosen],
@@ -174,6 +196,24 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
                        "psnr_db": _psnr(mean("per_head")).tolist(),
                        "compensated": compensated},
           "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _judged(held: list[dict[str, Any]], fit: tuple[str, str], judge: str) -> dict[str, Any]:
+  """A fit judged on the held-out draws by ``judge``: the whole model's gain over uniform (mean
+  over draws), and per draw the layers the guard would not let fall (more than MAX_LOSS_DB below
+  uniform, under FLOOR_DB)."""
+  gains, broke = [], []
+  for h in held:
+    chosen, uniform = h["fits"][fit], h["uniform_by"][judge]
+    gains.append(float(_psnr(chosen.mean()) - _psnr(uniform.mean())))
+    loss = _psnr(uniform) - _psnr(chosen)
+    broke += [{"seed": h["seed"], "layer": list(LAYERS)[i], "loss_db": float(loss[i]),
+               "psnr_db": float(_psnr(chosen[i]))} for i in range(len(LAYERS))
+              if loss[i] > MAX_LOSS_DB + 1e-9 and _psnr(chosen[i]) < FLOOR_DB]
+  change = np.mean([_psnr(h["uniform_by"][judge]) - _psnr(h["fits"][fit]) for h in held], axis=0)
+  worst = int(np.argmax(change))
+  return {"gain_db": float(np.mean(gains)), "guard_broken": broke,
+          "worst_layer": {"layer": list(LAYERS)[worst], "loss_db": float(change[worst])}}
 
 
 def format_calibration_bench(r: dict[str, Any]) -> str:
@@ -199,6 +239,17 @@ def format_calibration_bench(r: dict[str, Any]) -> str:
   lines.append(f"guard: a layer gives tiles away down to {r['guard']['max_loss_db']:g} dB below "
                f"uniform or {r['guard']['floor_db']:g} dB; largest loss {worst['change_db']:+.2f}"
                f" dB ({worst['layer']}, at {worst['calibrated_db']:.2f} dB)")
+  wt = r["weighting"]
+  for w, by in wt["fits"].items():
+    judged = by[wt["judge"]]
+    breaks = "; ".join(f"{b['layer']} (draw {b['seed']}) {b['loss_db']:.2f} dB below uniform at "
+                       f"{b['psnr_db']:.1f} dB" for b in judged["guard_broken"]) or "none"
+    lines.append(f"heads weighed by {w}{' (the fit above)' if w == wt['fit'] else ''}: rungs "
+                 f"{', '.join(wt['rungs'][w])}; held-out whole model {judged['gain_db']:+.2f} dB "
+                 f"over uniform (judged by {wt['judge']}; by the other: "
+                 f"{by[[j for j in by if j != wt['judge']][0]]['gain_db']:+.2f} dB); largest layer "
+                 f"loss {judged['worst_layer']['loss_db']:.2f} dB ({judged['worst_layer']['layer']});"
+                 f" guard broken on held-out draws: {breaks}")
   lines.append(f"densities alone (compensation off in every layer): {r['densities_only']}, "
                f"{tiles['densities_only']:.0f} tiles, mean gain {r['densities_only_gain_db']:+.2f}"
                f" dB: compensation per layer adds "

@@ -175,7 +175,7 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.calibration import (CalibrationBenchConfig,  # pylint: disable=import-outside-toplevel
                                                   format_calibration_bench, run_calibration_bench)
   cfg = CalibrationBenchConfig(density=args.density, held_out_seeds=tuple(args.held_out),
-                               compensation=args.compensation)
+                               compensation=args.compensation, weighting=args.weighting)
   result = run_calibration_bench(cfg, log=_progress)
   _report(args, format_calibration_bench(result), result)
   return 0
@@ -310,6 +310,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                      help="seeds of the held-out draws")
   calib.add_argument("--compensation", choices=("both", "off", "on", "config"), default="both",
                      help="compensation a layer may take (as calibrate's; default both)")
+  calib.add_argument("--weighting", choices=("power", "mean"), default="power",
+                     help="how the fit weighs a layer's heads: by their output power (as "
+                          "calibrate does) or the plain mean; both are judged on the held-out "
+                          "draws")
   _add_json_arg(calib)
   calib.set_defaults(run=_bench_calibrate)
 
