@@ -107,6 +107,30 @@ def test_no_page_points_outside_the_repository_or_leaves_the_seed_undefined():
     text = page.read_text()
     assert "../shared" not in text, page.name
   readme = (ROOT / "README.md").read_text()
-  first = readme.index("seed design")
-  assert "the TPU design this project implements" in readme[first:first + 200]
+  for page in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "expect.md"):
+    text = page.read_text()
+    first = text.index("seed design")  # named for what it is where a reader first meets it
+    assert "an internal design document, not public" in text[first:first + 200], page.name
   assert len(readme.splitlines()) <= 200  # the front door; the rest lives in docs/
+
+
+def test_each_schedule_table_follows_from_the_command_beside_it():
+  """A ``bench schedule`` output in the benchmarks has the tiles its command line gives: the
+  nearest command above it, run as written (optional ``[...]`` parts left out)."""
+  from maxdiffusion_svg.bench.schedule import default_tiles  # pylint: disable=import-outside-toplevel
+  text = (ROOT / "docs" / "benchmarks.md").read_text()
+  command = re.compile(r"`python -m maxdiffusion_svg (bench schedule[^`]*)`")
+  header = re.compile(r"^compiler-static schedule.*\(libtpu [\d.]+, TPU (\w+)\):.* tiles "
+                      r"(\d+)x(\d+), kv step (\d+),", re.M)
+  checked = 0
+  for out in header.finditer(text):
+    *_, last = command.finditer(text, 0, out.start())
+    argv = re.sub(r"\[[^\]]*\]", " ", last.group(1)).split()
+    args, _ = build_parser().parse_known_args(argv)
+    assert args.chip == out.group(1).lower(), (last.group(0), out.group(0))
+    tiles = (args.block_q, args.block_kv, args.block_kv_compute)
+    defaults = default_tiles(args.chip, args.vmem_limit_kib, args.backend)
+    given = tuple(t or d for t, d in zip(tiles, defaults))
+    assert given == tuple(int(g) for g in out.groups()[1:]), (last.group(0), out.group(0))
+    checked += 1
+  assert checked >= 3

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   from maxdiffusion_svg.cli import calibrate as cli_calibrate  # pylint: disable=import-outside-toplevel
   cli_calibrate.add_parser(sub)
+  from maxdiffusion_svg.cli import tiny_checkpoint as cli_tiny  # pylint: disable=import-outside-toplevel
+  cli_tiny.add_parser(sub)
   return parser
 
 

@@ -1,0 +1,75 @@
+"""``python -m maxdiffusion_svg tiny-checkpoint DIR``: a tiny random Wan checkpoint and its config.
+
+A first run without a TPU: the checkpoint (random weights, about 10 MB) and ``tiny_wan_svg.yml``
+beside it, a config that ``tiles``, ``generate``, ``compare`` and ``calibrate`` take as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+COMMAND_HELP = ("write a tiny random-weight Wan 2.1 checkpoint (diffusers layout, about 10 MB) "
+                "and DIR/tiny_wan_svg.yml, a config for it, to try the tools on a CPU (needs "
+                "torch, diffusers, transformers and tokenizers: MaxDiffusion's runtime packages)")
+CONFIG = "tiny_wan_svg.yml"
+NEEDS = ("torch", "diffusers", "transformers", "tokenizers")
+
+# A 33-frame 128x128 video: a 9x8x8 = 576-token grid, 128-token tiles so that SVG has tiles to
+# skip; float32 and one video on one device. MaxDiffusion's base_wan_1_3b.yml holds the rest.
+_KEYS = """\
+attention: svg
+height: 128
+width: 128
+num_frames: 33
+num_inference_steps: 10
+max_sequence_length: 16
+weights_dtype: float32
+activations_dtype: float32
+skip_jax_distributed_system: true
+run_name: tiny
+svg_block_q: 128                # 128-token tiles: the 576-token video has tiles to skip
+svg_block_kv: 128
+svg_min_seq_length: 0           # sparse at any length (the default runs below 4096 tokens dense)
+svg_density: 0.3
+svg_active_steps: [1, -1]       # every step but the first sparse
+svg_active_layers: [1, -1]      # layer 1 of the checkpoint's 2 sparse
+svg_profile_queries: 16         # the router's sampled rows per head (default 64)
+# generate_wan reads these for Wan 2.1 T2V; base_wan_1_3b.yml lacks them (MagCache off).
+use_magcache: false
+magcache_thresh: 0.12
+magcache_K: 2
+retention_ratio: 0.2
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
+  tiny = sub.add_parser("tiny-checkpoint", help=COMMAND_HELP)
+  tiny.add_argument("directory", metavar="DIR", help="folder to write (created if missing)")
+  tiny.add_argument("--family", choices=("wan",), default="wan",
+                    help="the model family: wan (Wan 2.1 T2V: 2 layers, 8 heads of 32)")
+  tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+  tiny.set_defaults(run=run)
+
+
+def config_text(directory: str) -> str:
+  """The config beside the checkpoint: MaxDiffusion's 1.3B base, this checkpoint, a tiny video."""
+  return (f"# A tiny random Wan 2.1 checkpoint ({os.path.abspath(directory)}) at a 576-token "
+          f"video, for CPU runs.\n# Written by python -m maxdiffusion_svg tiny-checkpoint.\n"
+          f"base_config: base_wan_1_3b.yml   # MaxDiffusion's\n"
+          f"pretrained_model_name_or_path: {os.path.abspath(directory)}\n{_KEYS}")
+
+
+def run(args: argparse.Namespace) -> int:
+  missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+  if missing:
+    raise ValueError(f"tiny-checkpoint needs {', '.join(NEEDS)} (missing: {', '.join(missing)}); "
+                     f"MaxDiffusion's runtime environment has them")
+  from maxdiffusion_svg.testing import tiny_checkpoint  # pylint: disable=import-outside-toplevel
+  tiny_checkpoint.write_wan21(args.directory, seed=args.seed)
+  config = os.path.join(args.directory, CONFIG)
+  with open(config, "w", encoding="utf-8") as f:
+    f.write(config_text(args.directory))
+  print(f"tiny Wan 2.1 checkpoint (random weights) in {args.directory}; its config: {config}")
+  return 0
