@@ -32,6 +32,7 @@ run_name: tiny
 svg_block_q: 128                # 128-token tiles: the 576-token video has tiles to skip
 svg_block_kv: 128
 svg_min_seq_length: 0           # sparse at any length (the default runs below 4096 tokens dense)
+svg_backend: xla                # its heads of 32 fit no TPU kernel (128 lanes); the CPU's anyway
 svg_density: 0.3
 svg_active_steps: [1, -1]       # every step but the first sparse
 svg_active_layers: [1, -1]      # layer 1 of the checkpoint's 2 sparse
