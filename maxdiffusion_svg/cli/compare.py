@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
                        help="also LPIPS (AlexNet): needs the lpips, torch and torchvision "
                             "packages and AlexNet's ImageNet weights in torch's hub folder")
   compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  compare.add_argument("--verbose", action="store_true",
+                       help="print what MaxDiffusion prints (each run's config dump and logs); "
+                            "by default it goes to maxdiffusion.log in --out")
   compare.set_defaults(run=run)
 
 
@@ -47,6 +50,6 @@ def run(args: argparse.Namespace) -> int:
   print(f"compare: {len(plan.runs)} runs ({', '.join(r.name for r in plan.runs)}), "
         f"outputs in {plan.out_dir}", file=sys.stderr, flush=True)
   result, _ = run_comparison(plan, log=lambda m: print(m, file=sys.stderr, flush=True),
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, quiet=not args.verbose)
   print(format_comparison(result))
   return 0

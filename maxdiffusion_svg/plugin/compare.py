@@ -21,11 +21,14 @@ the run ends, so an interrupted comparison keeps what finished.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
+import sys
 import tempfile
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -38,6 +41,8 @@ from maxdiffusion_svg.plugin import families, generations, hooks, launcher, over
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import grid_of, video_model
 from maxdiffusion_svg.routing.layouts import check_layouts
+
+MAXDIFFUSION_LOG = "maxdiffusion.log"  # what MaxDiffusion prints during a quiet compare
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -235,13 +240,15 @@ def axis_rules_for(argv: Sequence[str]) -> Any:
   return pyconfig.config.logical_axis_rules
 
 
-def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: bool = False
-                   ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: bool = False,
+                   quiet: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """Generates every run of ``plan`` in this process, writing each run's video, the
   side-by-side video and the JSON as each run ends; returns the JSON's dict and each run's
   frames (uint8, the videos of the batch one after another). ``progress``: a bar over the
-  runs' denoising steps on stderr."""
+  runs' denoising steps on stderr. ``quiet``: what MaxDiffusion prints (each run's config
+  dump, its own progress) goes to ``maxdiffusion.log`` in the output folder."""
   # pylint: disable=import-outside-toplevel
+  import jax
   from maxdiffusion import pyconfig
 
   from maxdiffusion_svg import plugin
@@ -259,7 +266,9 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
       "tokens": grid.tokens, "steps": steps,
       "model": family.name, "time": generation.time,
       "metrics": "mean over frames against the dense video: PSNR (dB), SSIM"
-                 + (", LPIPS (AlexNet)" if plan.lpips else ""), "runs": []}
+                 + (", LPIPS (AlexNet)" if plan.lpips else ""),
+      "platform": jax.default_backend(),
+      "maxdiffusion_log": str(plan.out_dir / MAXDIFFUSION_LOG) if quiet else None, "runs": []}
   scorer = video_metrics.lpips_scorer() if plan.lpips else None
   current: dict[str, Run] = {}
   videos: dict[str, np.ndarray] = {}
@@ -275,8 +284,17 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
     set_run(pipeline, run, plan.settings.get(run.name), rules[run.kernel])
 
   bar = _bar(len(plan.runs) * steps, progress)
+  eta = _Eta()
+  printed = (open(plan.out_dir / MAXDIFFUSION_LOG, "w", encoding="utf-8") if quiet  # pylint: disable=consider-using-with
+             else contextlib.nullcontext(sys.stdout))
+
+  def on_step() -> None:
+    bar.update(1)
+    bar.set_postfix_str(eta.step(bar.total - bar.n), refresh=False)
+
   with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
-      generation.watch(before_call, lambda: bar.update(1)) as seen, bar:
+      generation.watch(before_call, on_step) as seen, bar, printed as out, \
+      contextlib.redirect_stdout(out):
     dense = plan.runs[0].kernel
     rules[dense] = axis_rules_for(launcher.prepare_argv(
         ["compare", plan.config, *plan.overrides, f"attention={dense}"], tmp)[0])
@@ -288,6 +306,7 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
       bar.set_description(f"run {index + 1}/{len(plan.runs)}: {run.name}")
       bar.n = index * per_run
       log(f"compare: run {index + 1} of {len(plan.runs)}: {run.name}")
+      eta.new_run()
       run_dir = plan.out_dir / run_folder(run.name)
       run_dir.mkdir(exist_ok=True)
       seen["frames"].clear()
@@ -327,7 +346,31 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
 
 def _bar(total: int, show: bool) -> Any:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel  # a MaxDiffusion dependency
-  return tqdm(total=total, unit="step", disable=not show, dynamic_ncols=True)
+  # tqdm's own remaining time would count each run's compiling first step: ours (_Eta) does not
+  return tqdm(total=total, unit="step", disable=not show, dynamic_ncols=True, file=sys.stderr,
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+
+class _Eta:
+  """The time left from the steps after each run's first (which compiles): the mean of those
+  steps times the steps left; each remaining run's compilation is not in it."""
+
+  def __init__(self) -> None:
+    self.last: float | None = None
+    self.seconds, self.steps = 0.0, 0
+
+  def new_run(self) -> None:
+    self.last = None  # the next step compiles: not timed
+
+  def step(self, left: int) -> str:
+    now = time.perf_counter()
+    if self.last is not None:
+      self.seconds, self.steps = self.seconds + now - self.last, self.steps + 1
+    self.last = now
+    if not self.steps:
+      return ", ETA after the first compiled step"
+    remaining = round(self.seconds / self.steps * left)
+    return f", ETA {remaining // 60}:{remaining % 60:02d} (+ each run's compile)"
 
 
 def run_folder(name: str) -> str:
@@ -351,8 +394,10 @@ def write_outputs(plan: Plan, result: dict[str, Any], videos: dict[str, np.ndarr
 
 def format_comparison(result: dict[str, Any]) -> str:
   frames, height, width = result["video"]
+  platform = result.get("platform", "tpu")
   lines = [f"compare: {result['checkpoint']}, {frames}x{height}x{width} video "
-           f"({result['tokens']:,} tokens), {result['steps']} steps, seed {result['seed']}",
+           f"({result['tokens']:,} tokens), {result['steps']} steps, seed {result['seed']}, "
+           f"on {platform.upper() if platform in ('tpu', 'cpu', 'gpu') else platform}",
            f"{'run':<32}{'sparse calls':>13}{'temporal':>9}{'s/step':>10}{'speed-up':>10}"
            f"{'PSNR dB':>9}{'SSIM':>8}{'LPIPS':>8}"]
   for row in result["runs"]:
@@ -363,7 +408,14 @@ def format_comparison(result: dict[str, Any]) -> str:
     lpips = "-" if row["lpips"] is None else f"{row['lpips']:.3f}"
     lines.append(f"{row['name']:<32}{share:>13}{temporal:>9}{row['step_s']:>10.3f}"
                  f"{row['speedup_vs_dense']:>9.2f}x{psnr:>9}{row['ssim']:>8.3f}{lpips:>8}")
+  if platform != "tpu":
+    lines.append(f"s/step and speed-up measured on {platform.upper()}: not a TPU figure, and "
+                 f"noise at this size (the same plan's speed-up moves by tens of percent "
+                 f"between reruns); the quality columns hold anywhere")
   lines.append(f"time: {result['time']}; quality: {result['metrics']}")
   lines.append(f"videos: {result['side_by_side']} (left to right: "
                f"{', '.join(result['side_by_side_order'])}); JSON beside it")
+  if result.get("maxdiffusion_log"):
+    lines.append(f"MaxDiffusion's output (each run's config, its logs): "
+                 f"{result['maxdiffusion_log']} (--verbose prints it)")
   return "\n".join(lines)

@@ -54,7 +54,8 @@ def compared(checkpoint, run_config, tmp_path_factory):
   compare.set_run = recording
   try:
     with plugin.record_calls() as log:
-      result, videos = compare.run_comparison(plan, log=lambda m: None)
+      result, videos = compare.run_comparison(plan, log=lambda m: None, progress=True,
+                                              quiet=True)
       jax.effects_barrier()
   finally:
     hooks.prepare_transformer, compare.set_run = prepare, set_run
@@ -84,6 +85,17 @@ def test_runs_share_one_load_and_each_runs_its_kernel(compared):
       == (0, 8)
   assert rows["svg +compensation"]["sparse_calls"] == 2
   assert all(r["step_s"] > 0 for r in rows.values())
+
+
+def test_maxdiffusions_output_goes_to_a_log_and_cpu_seconds_are_marked(compared):
+  """Quiet (compare's default): each run's config dump is in maxdiffusion.log, not the output;
+  the table says its seconds are a CPU's."""
+  _, result, _, _, _, out, _ = compared
+  assert result["maxdiffusion_log"] == str(out / "maxdiffusion.log")
+  assert (out / "maxdiffusion.log").read_text().count("Config param attention:") >= 1
+  text = compare.format_comparison(result)
+  assert "on CPU" in text and "measured on CPU: not a TPU figure" in text
+  assert "maxdiffusion.log (--verbose prints it)" in text
 
 
 def test_dense_run_is_maxdiffusions_own_and_figures_recompute(compared, checkpoint, run_config,
@@ -153,8 +165,8 @@ def test_an_interrupted_comparison_keeps_the_finished_runs(checkpoint, run_confi
     ({"extra": ["aot_cache_dir=/tmp/aot"]}, "aot_cache_dir is '/tmp/aot'"),
     ({"extra": ["prompt= "]}, "prompt is empty"),
     ({"extra": ["svg_density=0"]}, "svg_density"),
-    ({"checkpoint": "/nonexistent/wan"}, "pretrained_model_name_or_path '/nonexistent/wan' does "
-                                         "not load"),
+    ({"checkpoint": "/nonexistent/wan"}, "pretrained_model_name_or_path '/nonexistent/wan' is "
+                                         "not a checkpoint folder"),
     ({"lpips": True}, "--lpips needs"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(checkpoint, run_config, tmp_path, change,
