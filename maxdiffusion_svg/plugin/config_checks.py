@@ -75,15 +75,17 @@ def check_model(config: Mapping[str, Any], path: str = "") -> None:
 
 def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None = None, *,
                          path: str = "", training: bool = False, download: bool = False,
-                         layers: int | None = None,
-                         heads: int | None = None) -> checkpoint.ModelShape:
+                         layers: int | None = None, heads: int | None = None,
+                         by_name: bool = True) -> checkpoint.ModelShape:
   """The checks of a merged config that need its checkpoint, made by every tool (``tiles``,
   the launcher, ``compare``, ``calibrate``) and by the run before weights load: the model
   family (generation), a calibrated overlay's record against the run
   (:func:`calibration_record.check_record`), the checkpoint readable (:func:`checkpoint.model_shape`), a VACE
   checkpoint with a VACE config and only with one, and the per-layer and per-head budgets
   against the transformer's layers and heads (``layers``, ``heads``: ``tiles``' flags, over
-  the checkpoint's). Returns the shape."""
+  the checkpoint's). ``by_name``: check the budgets against a shape by the model's name too
+  (where the checkpoint's config.json is not here to read; the launcher leaves that to the
+  run, which reads it before weights load). Returns the shape."""
   env = os.environ if env is None else env
   if not training:
     check_model(keys, path)
@@ -104,14 +106,22 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
                      f"transformer has no vace_layers) but the config is Wan VACE's (it holds "
                      f"vace_reference_images): give a VACE checkpoint, e.g. "
                      f"Wan-AI/Wan2.1-VACE-14B-diffusers")
-  if keys.get("attention") == KERNEL_NAME:
+  if keys.get("attention") == KERNEL_NAME and (shape.read or by_name):
     svg = PluginSettings.from_mapping(keys).svg
-    for expert in experts_of(keys):
-      budget = svg.budget(expert)
-      for what in PER_LAYER:
-        check_layer_count(budget.per_layer(what), shape.layers, budget.key(what))
-      if budget.head_densities is not None:
-        check_head_shape(budget.head_densities, shape.layers, shape.heads, budget.key("head"))
+    try:
+      for expert in experts_of(keys):
+        budget = svg.budget(expert)
+        for what in PER_LAYER:
+          check_layer_count(budget.per_layer(what), shape.layers, budget.key(what))
+        if budget.head_densities is not None:
+          check_head_shape(budget.head_densities, shape.layers, shape.heads, budget.key("head"))
+    except ValueError as err:
+      if shape.read or "given with --" in shape.source:
+        raise
+      raise ValueError(f"{err} ({shape.described}: give --layers and --heads where the "
+                       f"checkpoint differs, or put its transformer/config.json in the "
+                       f"Hugging Face cache: huggingface-cli download {name} "
+                       f"transformer/config.json)") from None
   return shape
 
 

@@ -109,7 +109,8 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   if entry.training:
     from maxdiffusion_svg.plugin.training import check_training  # pylint: disable=import-outside-toplevel
     check_training(keys)
-  check_before_weights(keys, path=argv[1], training=entry.training)
+  # (a Hub checkpoint's shape not in the cache: the run's own check reads it, before weights)
+  check_before_weights(keys, path=argv[1], training=entry.training, by_name=False)
   if not entry.training and video_model(keys) is WAN_VACE:
     VaceInputs.from_mapping(keys)  # the files, before loading
   return config, chain

@@ -111,3 +111,16 @@ def test_an_ltx_video_config_is_refused_by_name():
   with pytest.raises(ValueError, match="ltx_video.yml is an LTX-Video config: LTX-Video"):
     check_before_weights({"pretrained_model_name_or_path": "Lightricks/LTX-Video"}, {},
                          path="ltx_video.yml")
+
+
+def test_a_shape_by_name_is_checked_by_tiles_and_left_to_the_run_by_the_launcher():
+  """Not in the cache, a Hub checkpoint's layers are its name's guess: tiles refuses a budget
+  against them, saying how to give the real ones; the launcher leaves it to the run's check,
+  which reads the checkpoint's config.json before weights load."""
+  keys = {**WAN, "pretrained_model_name_or_path": "Owner/Wan-finetuned",
+          "svg_layer_densities": [0.3] * 30}
+  with pytest.raises(ValueError, match="the model has 40 layers .*a 14B by its name.*give "
+                                       "--layers and --heads where the checkpoint differs"):
+    check_before_weights(keys, {})
+  assert check_before_weights(keys, {}, layers=30).layers == 30
+  assert not check_before_weights(keys, {}, by_name=False).read
