@@ -35,5 +35,5 @@ OVERRIDES = {
     "svg_low_noise_layer_compensation": "[false, true]", "svg_head_densities": "[0.2, 0.4]",
     "svg_high_noise_head_densities": "[[0.5, 0.3]]",
     "svg_low_noise_head_densities": "{0-1: [0.1, 0.3]}",
-    "svg_calibrated_on": '{"height": 128}', "svg_calibration_check": "false",
+    "svg_calibrated_on": '{"prompts": 3}', "svg_calibration_check": "false",
 }
