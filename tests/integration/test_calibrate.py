@@ -185,6 +185,9 @@ def test_wan22_calibrates_each_expert_and_runs_each_ones_densities(tmp_path):
                                                             report["experts"][expert]["compensation"]))}
 
 
+# CI time: the per-layer calibration above takes the same on-device measurement (each head's
+# errors and power are in every entry); the per-head allocation is tested in tests/budgets.
+@pytest.mark.full
 def test_per_head_calibration_writes_head_densities_that_the_run_uses(
     wan21_checkpoint, run_config, calibrated, dense_video, tmp_path):
   """``--per-head``: each head's error measured through generate_wan, layers x heads allocated

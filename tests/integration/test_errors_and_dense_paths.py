@@ -111,7 +111,7 @@ def test_a_ring_refuses_per_layer_and_per_head_budgets_before_weights_load(tmp_p
   from maxdiffusion import generate_wan  # pylint: disable=import-outside-toplevel
   folder = tmp_path / "checkpoint" / "transformer"
   folder.mkdir(parents=True)
-  (folder / "config.json").write_text(json.dumps({"num_attention_heads": 8}))
+  (folder / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_layers": 2}))
   config = tiny_wan.init_config(tiny_wan.write_config(
       tmp_path, attention="svg", ici_data_parallelism=1, ici_fsdp_parallelism=1,
       ici_context_parallelism=8, ulysses_shards=4,

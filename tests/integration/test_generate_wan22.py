@@ -39,6 +39,9 @@ def test_wan22_pair_uses_its_two_densities(checkpoints, wan22_config, tmp_path):
   assert video.shape == (33, 128, 128, 3)
 
 
+# CI time: each expert's own densities run in the CI tier (test_pipeline), and the AOT cache's
+# key holds the SVG settings (test_errors_and_dense_paths); this joins them end to end.
+@pytest.mark.full
 def test_wan22_experts_keep_their_own_executables_with_the_aot_cache(checkpoints, wan22_config,
                                                                      tmp_path, capfd):
   """MaxDiffusion's AOT cache keys an executable by input paths and shapes; the experts differ

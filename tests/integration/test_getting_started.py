@@ -17,8 +17,9 @@ require_maxdiffusion()
 ROOT = pathlib.Path(__file__).parent.parent.parent
 PAGE = ROOT / "docs" / "getting-started.md"
 HEADING = "## Try it on a CPU"
-# The blocks past which a run is over the CI tier's budget (compare, calibrate: 1-2 min each).
-FAST = 3
+# The blocks past which a run is over the CI tier's budget (generate, compare, calibrate: 1-3
+# min each under the tier's load; the full tier runs them all).
+FAST = 2
 
 
 def blocks() -> list[str]:
@@ -50,14 +51,14 @@ def test_the_section_has_its_commands():
       "maxdiffusion_svg compare", "maxdiffusion_svg calibrate"]
 
 
-def test_checkpoint_tiles_and_generate_run_as_written(tmp_path):
+def test_checkpoint_and_tiles_run_as_written(tmp_path):
   work = run_blocks(tmp_path, blocks()[:FAST])
   assert (work / "tiny" / "tiny_wan_svg.yml").exists()
-  assert (work / "wan_output_0_0.mp4").stat().st_size > 0
 
 
 @pytest.mark.full
 def test_every_block_runs_as_written(tmp_path):
   work = run_blocks(tmp_path, blocks())
+  assert (work / "wan_output_0_0.mp4").stat().st_size > 0
   assert (work / "svg_compare" / "compare.json").exists()
   assert "svg_layer_densities" in (work / "tiny_calibrated.yml").read_text()
