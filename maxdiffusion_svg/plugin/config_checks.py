@@ -80,8 +80,9 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
   """The checks of a merged config that need its checkpoint, made by every tool (``tiles``,
   the launcher, ``compare``, ``calibrate``) and by the run before weights load: the model
   family (generation), a calibrated overlay's record against the run
-  (:func:`calibration_record.check_record`), the checkpoint readable (:func:`checkpoint.model_shape`), a VACE
-  checkpoint with a VACE config and only with one, and the per-layer and per-head budgets
+  (:func:`calibration_record.check_record`), the checkpoint readable
+  (:func:`checkpoint.model_shape`), a VACE checkpoint with a VACE config and only with one, and
+  the per-layer and per-head budgets
   against the transformer's layers and heads (``layers``, ``heads``: ``tiles``' flags, over
   the checkpoint's). ``by_name``: check the budgets against a shape by the model's name too
   (where the checkpoint's config.json is not here to read; the launcher leaves that to the
