@@ -27,8 +27,9 @@ from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.measure.calibration import (FLOOR_DB, LADDER, MAX_LOSS_DB, WEIGHTINGS,
                                                   calibrate_heads, calibrate_layers,
-                                                  candidate_rungs, head_errors, head_weights,
-                                                  layer_error, rung_costs, uniform_rung)
+                                                  candidate_rungs, guard_broken, head_errors,
+                                                  head_weights, layer_error, rung_costs,
+                                                  uniform_rung)
 from maxdiffusion_svg.plan.geometry import VideoGrid
 
 GAIN_DB = 1.0
@@ -208,8 +209,8 @@ def _judged(held: list[dict[str, Any]], fit: tuple[str, str], judge: str) -> dic
     gains.append(float(_psnr(chosen.mean()) - _psnr(uniform.mean())))
     loss = _psnr(uniform) - _psnr(chosen)
     broke += [{"seed": h["seed"], "layer": list(LAYERS)[i], "loss_db": float(loss[i]),
-               "psnr_db": float(_psnr(chosen[i]))} for i in range(len(LAYERS))
-              if loss[i] > MAX_LOSS_DB + 1e-9 and _psnr(chosen[i]) < FLOOR_DB]
+               "psnr_db": float(_psnr(chosen[i]))}
+              for i in np.flatnonzero(guard_broken(chosen, uniform))]
   change = np.mean([_psnr(h["uniform_by"][judge]) - _psnr(h["fits"][fit]) for h in held], axis=0)
   worst = int(np.argmax(change))
   return {"gain_db": float(np.mean(gains)), "guard_broken": broke,

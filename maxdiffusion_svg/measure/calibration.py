@@ -110,12 +110,16 @@ def relative_error(out: Any, dense: Any) -> np.ndarray:
   return ((out - dense) ** 2).sum((-1, -2)) / np.maximum((dense ** 2).sum((-1, -2)), 1e-30)
 
 
+def _check_weighting(weighting: str) -> None:
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+
+
 def layer_error(head_errors: Any, power: Any, weighting: str = "power") -> Any:
   """``[..., K]``: a layer's error from its heads' relative errors ``[..., H, K]`` and their
   dense outputs' power ``[..., H]``: weighted by the power (``"power"``: the layer output's
   squared error over its power, what reaches the residual stream), or the plain mean."""
-  if weighting not in WEIGHTINGS:
-    raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+  _check_weighting(weighting)
   if weighting == "mean":
     return head_errors.mean(axis=-2)
   return (head_errors * power[..., None]).sum(axis=-2) / power.sum(axis=-1)[..., None]
@@ -123,10 +127,10 @@ def layer_error(head_errors: Any, power: Any, weighting: str = "power") -> Any:
 
 def head_weights(power: Any, weighting: str = "power") -> np.ndarray:
   """``[..., H]``: each head's share of its layer's error (:func:`layer_error`), summing to 1."""
+  _check_weighting(weighting)
   power = np.asarray(power, np.float64)
   if weighting == "mean":
     return np.full(power.shape, 1 / power.shape[-1])
-  layer_error(np.zeros((*power.shape, 1)), power, weighting)  # (the name checked)
   return power / np.maximum(power.sum(axis=-1, keepdims=True), 1e-30)
 
 
@@ -246,6 +250,21 @@ def sharded_rung_errors(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Any,
     errors, temporal = (x.reshape(batch, heads, -1) for x in (errors, temporal))
     power = power.reshape(batch, heads)
   return _reduced(errors, temporal, power, per_head, weighting)
+
+
+def psnr_db(error: Any) -> np.ndarray:
+  """PSNR (dB) of a relative squared error: the dense output's power as the peak."""
+  return -10 * np.log10(np.maximum(np.asarray(error, np.float64), 1e-30))
+
+
+def guard_broken(chosen: Any, uniform: Any, max_loss_db: float = MAX_LOSS_DB,
+                 floor_db: float = FLOOR_DB) -> np.ndarray:
+  """``[N]`` bool: the items whose ``chosen`` error the guard would not have allowed (what
+  :func:`_spend`'s caps forbid): more than ``max_loss_db`` below their ``uniform`` PSNR and
+  under ``floor_db``. For judging a choice on inputs it was not fitted to."""
+  chosen = np.asarray(chosen, np.float64)
+  return ((psnr_db(uniform) - psnr_db(chosen) > max_loss_db + 1e-9)
+          & (psnr_db(chosen) < floor_db))
 
 
 @dataclasses.dataclass(frozen=True)

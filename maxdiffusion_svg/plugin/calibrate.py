@@ -32,8 +32,8 @@ from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibration,
                                                   HeadCalibration, calibrate_heads,
                                                   calibrate_layers, candidate_rungs,
-                                                  compensation_choices, head_weights, rung_costs,
-                                                  uniform_rung)
+                                                  compensation_choices, guard_broken,
+                                                  head_weights, psnr_db, rung_costs, uniform_rung)
 from maxdiffusion_svg.plugin import generations, hooks, launcher
 from maxdiffusion_svg.plugin.calibration_record import CHECK_KEY, RECORD_KEY, record
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
@@ -295,12 +295,11 @@ def held_out_errors(entries: Sequence[dict[str, Any]], expert: str | None, layer
     rows = np.arange(errors.shape[0])
     chosen = errors[rows, list(result.allocation.choice)]
     uniform = errors[:, plan.rungs.index(result.uniform)]
-  psnr = lambda e: -10 * np.log10(np.maximum(e, 1e-30))
-  loss = psnr(uniform) - psnr(chosen)
-  broke = [] if plan.max_loss_db is None else [
-      {"layer": int(layer), "loss_db": float(d), "psnr_db": float(psnr(c))}
-      for layer, d, c in zip(np.flatnonzero(active), loss, chosen)
-      if d > plan.max_loss_db + 1e-9 and psnr(c) < plan.floor_db]
+  loss = psnr_db(uniform) - psnr_db(chosen)
+  broken = (np.zeros(len(chosen), bool) if plan.max_loss_db is None
+            else guard_broken(chosen, uniform, plan.max_loss_db, plan.floor_db))
+  broke = [{"layer": int(layer), "loss_db": float(d), "psnr_db": float(psnr_db(c))}
+           for layer, d, c, b in zip(np.flatnonzero(active), loss, chosen, broken) if b]
   return {"prompts": plan.held_out, "errors": chosen.tolist(), "uniform_errors": uniform.tolist(),
           "error": float(chosen.sum()), "uniform_error": float(uniform.sum()), "broke": broke}
 

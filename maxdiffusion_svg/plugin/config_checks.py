@@ -117,7 +117,7 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
         if budget.head_densities is not None:
           check_head_shape(budget.head_densities, shape.layers, shape.heads, budget.key("head"))
     except ValueError as err:
-      if shape.read or "given with --" in shape.source:
+      if shape.read or given:
         raise
       raise ValueError(f"{err} ({shape.described}: give --layers and --heads where the "
                        f"checkpoint differs, or put its transformer/config.json in the "

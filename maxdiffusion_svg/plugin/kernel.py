@@ -43,9 +43,9 @@ def record_rung_errors(rungs: tuple[Rung, ...]) -> Iterator[list[dict[str, Any]]
   """While the block traces, each video self-attention call also measures its error at every
   rung of ``rungs`` (density, compensation) on device
   (:func:`maxdiffusion_svg.measure.calibration.sampled_rung_errors`) and logs ``{"step", "layer",
-  "expert", "active", "errors", "mean_errors", "temporal", "head_errors", "power"}``
+  "expert", "active", "errors", "temporal", "head_errors", "power"}``
   (``active``: the schedule makes the call sparse; ``errors``: per rung, the layer's error, its
-  heads' weighted by their output ``power`` [H] (``mean_errors``: their plain mean);
+  heads' weighted by their output ``power`` [H];
   ``temporal``: per rung, the share of heads whose better layout is temporal; ``head_errors
   [K, H]``: each head's, what per-head budgets allocate). Call ``jax.effects_barrier()`` before
   reading the list."""
@@ -76,7 +76,7 @@ def _record_rungs(q: jax.Array, k: jax.Array, v: jax.Array, call: Any, settings:
     power = np.asarray(power, np.float64)
     log.append({"step": int(step), "layer": int(layer), "expert": call.expert,
                 "active": bool(active), "errors": layer_error(errors.T, power),
-                "mean_errors": errors.mean(axis=1), "temporal": temporal.mean(axis=1),
+                "temporal": temporal.mean(axis=1),
                 "head_errors": errors, "power": power})
 
   jax.debug.callback(append, jnp.asarray(step), jnp.asarray(layer),
