@@ -36,13 +36,13 @@ from maxdiffusion_svg.bench.schedule import dump_env, static_bundles
 from maxdiffusion_svg.bench.schedule_xla import price_program
 from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.tpu.aot import child_result, print_result
-from maxdiffusion_svg.tpu.bundles import FIXED_OFFSET_LAYOUT, ScheduleFormatError, read_dump
+from maxdiffusion_svg.tpu.bundles import OURS_LAYOUT, ScheduleFormatError, read_dump
 
 VMEM_OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements" / \
     "backward_vmem.json"
 _HLO_ENV = "SVG_BACKWARD_HLO"  # where the compile child writes the optimised module's text
 DKV_KERNEL = "dkv"  # tokamax's backward kernel's dumped name contains it
-FORWARD_KERNEL = {"pallas": ("svg_pallas", FIXED_OFFSET_LAYOUT), "splash": ("splash_mha_fwd", None)}
+FORWARD_KERNEL = {"pallas": ("svg_pallas", OURS_LAYOUT), "splash": ("splash_mha_fwd", None)}
 
 
 @dataclasses.dataclass(frozen=True)

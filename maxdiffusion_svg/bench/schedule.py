@@ -25,9 +25,9 @@ from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.plan.tiles import MODES, TilePlan, plan_tiles
 from maxdiffusion_svg.tpu.aot import child_result, libtpu_version, print_result
-from maxdiffusion_svg.tpu.bundles import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, ROW_KEYS_LAYOUT,
-                                          SPLASH_LAYOUT, KernelSchedule, ScheduleFormatError,
-                                          dump_flags, read_dump)
+from maxdiffusion_svg.tpu.bundles import (FIXED_OFFSET_LAYOUT, ONLINE_LAST_LAYOUT, OURS_LAYOUT,
+                                          ROW_KEYS_LAYOUT, SPLASH_LAYOUT, KernelSchedule,
+                                          ScheduleFormatError, dump_flags, read_dump)
 
 # MaxDiffusion's dense flash attention as its Wan users run it on a v6e: the block sizes its
 # base_wan_14b.yml gives for v6e (a commented block, read by maxdiffusion_v6e_blocks where
@@ -183,7 +183,7 @@ def dump_name(case: ScheduleCase) -> tuple[str, tuple[str, ...]]:
   if case.kernel == "svg" and case.backend == "pallas":
     # Compensated, the row's closing step runs the row keys' matmuls (once per row).
     row_keys = case.compensation_blocks and case.density < 1
-    return "svg_pallas", ROW_KEYS_LAYOUT if row_keys else FIXED_OFFSET_LAYOUT
+    return "svg_pallas", ROW_KEYS_LAYOUT if row_keys else OURS_LAYOUT
   return "splash", SPLASH_LAYOUT
 
 
@@ -250,8 +250,11 @@ def static_bundles(kernel: KernelSchedule, full: int, masked: int, rows: int,
                   heads: int = 1, body: str = "full") -> int:
   """Bundles one call issues: every visited tile's body and loop step, every row's init and
   finalisation, for each head. ``body``: the full tiles' body (``online`` prices a
-  fixed-offset kernel's heads that fail its gate)."""
+  fixed-offset kernel's heads that fail its gate; ours rescales on each row's first full tile,
+  and a tile whose maximum jumps past the headroom, not priced, runs both online bodies)."""
   per_head = (full + masked) * kernel.step_overhead + full * kernel.tile_bundles(body)
+  if body == "online":
+    per_head += min(rows, full) * (kernel.tile_bundles("online_rescaled") - kernel.tile_bundles(body))
   if masked:
     per_head += masked * kernel.tile_bundles("masked")
   per_head += rows * sum(r.bundles for r in (kernel.row_init, kernel.row_final) if r is not None)

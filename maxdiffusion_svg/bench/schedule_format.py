@@ -55,7 +55,8 @@ def format_schedule_bench(result: dict[str, Any]) -> str:
                if m.get("ok")), None)
   pallas = result.get("backend") == "pallas"
   bodies = [("full (mask-free)" + (", fixed offset" if pallas else ""), "aligned", "full"),
-            *([("full, online softmax", "aligned", "online")] if pallas else []),
+            *([("full, online, lazy (held)", "aligned", "online"),
+               ("full, online, rescaling", "aligned", "online_rescaled")] if pallas else []),
             ("masked, mask function", "split", "masked"),
             ("masked, " + ("padding keys" if pallas else "stored block"), "aligned", "masked")]
   for label, mode, body in bodies:
@@ -140,6 +141,8 @@ def _against_maxdiffusion_custom(result: dict[str, Any]) -> list[str]:
     parts = [f"full {_per_kpairs(row, 'full'):.2f}"]
     if (row["kernel"].get("online") or None) is not None:
       parts.append(f"online {_per_kpairs(row, 'online'):.2f}")
+    if (row["kernel"].get("online_rescaled") or None) is not None:
+      parts.append(f"online rescaling {_per_kpairs(row, 'online_rescaled'):.2f}")
     lines.append(f"  {label} ({case['block_q']}x{case['block_kv']}/{case['block_kv_compute']}): "
                  + ", ".join(parts))
   lines.append(f"per call against MaxDiffusion's fixed-m kernel at its fast recipe "

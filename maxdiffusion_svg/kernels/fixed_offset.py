@@ -4,9 +4,10 @@ With a fixed offset ``m_i`` each tile adds ``exp2(s - m_i)`` and nothing is resc
 smoothed (``k - mean(k)``, the shift folded into the offset) and ``m_i = ceil(G_i) - 88`` with
 ``G_i = |q_i| max|k|`` (Cauchy-Schwarz): no term exceeds ``2**88``, and sums stay finite while
 ``S max|v| < 2**39``. TPUs flush float32 below ``2**-126``, so a head qualifies only if
-``G <= 203 - log2 S`` (dense plans; half that for sparse ones); the rest run online softmax.
-Computed in XLA on every call, from the activations. Derivation: docs/concepts.md, "A fixed
-softmax offset".
+``G <= 203 - log2 S`` (dense plans; half that for sparse ones); the rest run online softmax,
+whose offset may lag the row's running maximum by a headroom of at most ``HEADROOM`` (terms up
+to ``2**headroom``, no rescale) while sums stay finite. Computed in XLA on every call, from the
+activations. Derivation: docs/concepts.md, "A fixed softmax offset".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ OFFSET = 88.0  # C: no kept term exceeds 2**C
 FLUSH_EXPONENT = 126  # float32 below 2**-126 is flushed to zero on TPUs
 LOSS_EXPONENT = 10  # flushed terms may add at most 2**-10 of the row's largest term
 OVERFLOW_EXPONENT = 127  # float32's largest finite value is below 2**128
+HEADROOM = 64  # an online row keeps its offset while its tiles' maxima stay within 2**64 of it
 
 
 def gate(seq_len: int, every_key_visited: bool) -> float:
@@ -30,11 +32,13 @@ def gate(seq_len: int, every_key_visited: bool) -> float:
 
 
 class FixedOffsets(NamedTuple):
-  """What the kernel reads: base-2 q, ``m [BH, 1, S]``, ``fixed [BH]`` (int32, 1: passed gate)."""
+  """What the kernel reads: base-2 q, ``m [BH, 1, S]``, ``fixed [BH]`` (int32, 1: passed gate),
+  ``headroom [BH]`` (int32: an online row's largest term, base 2, before it rescales)."""
 
   q: jax.Array
   m: jax.Array
   fixed: jax.Array
+  headroom: jax.Array
 
 
 def fixed_offsets(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: float, *,
@@ -51,6 +55,12 @@ def fixed_offsets(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: float, *,
   shift = jnp.einsum("bsd,bod->bs", q32, k_mean, precision=jax.lax.Precision.HIGHEST)
   m = (jnp.ceil(bound) - OFFSET + shift)[:, None, :]
   v_max = jnp.abs(v.astype(jnp.float32)).max(axis=(1, 2))
-  fits = jnp.log2(v_max * s + 1e-30) + OFFSET < OVERFLOW_EXPONENT
+  sums = jnp.log2(v_max * s + 1e-30)  # the largest accumulator, over a term of 1
+  # The kernel casts each term to v's dtype for its matmul: float16 holds none above 2**15.
+  top = min(OVERFLOW_EXPONENT, jnp.finfo(v.dtype).maxexp - 1)
+  fits = (sums + OFFSET < OVERFLOW_EXPONENT) & (OFFSET < top)
   fixed = (bound.max(axis=1) <= gate(s, every_key_visited)) & fits & jnp.isfinite(bound).all(axis=1)
-  return FixedOffsets(qs, m, fixed.astype(jnp.int32))
+  # Headroom 0 (rescale whenever the maximum grows: plain online softmax) where values are huge.
+  room = jnp.clip(jnp.floor(OVERFLOW_EXPONENT - 1 - sums), 0, min(HEADROOM, top - 1))
+  headroom = jnp.where(jnp.isfinite(room), room, 0).astype(jnp.int32)
+  return FixedOffsets(qs, m, fixed.astype(jnp.int32), headroom)

@@ -3,7 +3,10 @@
 Faster than Splash's tile body (docs/benchmarks.md): scores are ``K·Qᵀ`` so a query's softmax
 statistics are one lane; ``log2(e)`` and the scale are folded into q once; heads passing the
 gate (:mod:`maxdiffusion_svg.kernels.fixed_offset`) use a fixed offset, other heads and all
-masked tiles online softmax. The grid walks the packed work list
+masked tiles online softmax. An online head's mask-free tile first runs with the row's offset
+as it stands, no rescale, into a scratch accumulator, and commits it if no query's maximum grew
+past the head's headroom; else (and on a row's first tile) it reruns the tile rescaling. The
+grid walks the packed work list
 (:mod:`maxdiffusion_svg.kernels.worklist`), one output block per row, written when the row
 closes (zeros if it keeps no key); a per-head budget's grid is ragged, ``(cores, steps)``.
 """
@@ -54,22 +57,25 @@ def check_shapes(head_dim: int, dtype, plan: TilePlan, block_kv_compute: int,
                      f"({plan.block_kv}), got {block_kv_compute}")
 
 
+# Scalar-prefetched arrays, in order: the work list, each head's fixed-offset flag and its
+# online tiles' largest lazy sum (2**headroom), then (ragged calls only) each step's head.
+_WORK, _FIXED, _HEADROOM, _HEADS = range(4)
+
+
 def _locator(per_head: int, ragged: int):
   """``locate(i, t, *scalar_refs) -> (bh, word)`` of grid step ``(i, t)``: shared list, per-head
   lists (``per_head`` steps each) or ragged (``ragged`` steps per core, each naming its head)."""
   if ragged:
-    return lambda i, t, work_ref, _, heads_ref: (heads_ref[i * ragged + t],
-                                                 work_ref[i * ragged + t])
+    return lambda i, t, *refs: (refs[_HEADS][i * ragged + t], refs[_WORK][i * ragged + t])
   if per_head:
-    return lambda i, t, work_ref, _: (i, work_ref[i * per_head + t])
-  return lambda i, t, work_ref, _: (i, work_ref[t])
+    return lambda i, t, *refs: (i, refs[_WORK][i * per_head + t])
+  return lambda i, t, *refs: (i, refs[_WORK][t])
 
 
 def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, scalars: int):
-  # ``scalars`` prefetched arrays lead: the work list, each head's fixed-offset flag (and in a
-  # ragged call each step's head). With ``row_keys`` three inputs follow q, k, v and the fixed
-  # offsets: the row's extra keys, values and base-2 logit bias (lane-replicated); with ``lse``
-  # an output follows o: the row's log-sum-exp, lane-major.
+  # ``scalars`` prefetched arrays lead (``_WORK`` ...). With ``row_keys`` three inputs follow q,
+  # k, v and the fixed offsets: the row's extra keys, values and base-2 logit bias
+  # (lane-replicated); with ``lse`` an output follows o: the row's log-sum-exp, lane-major.
   scalar_refs, (q_ref, k_ref, v_ref, mfix_ref, *refs) = refs[:scalars], refs[scalars:]
   rk_ref = rv_ref = rb_ref = lse_ref = None
   if row_keys:
@@ -77,19 +83,20 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
   o_ref, *refs = refs
   if lse:
     lse_ref, *refs = refs
-  m_ref, l_ref, acc_ref = refs
+  m_ref, l_ref, tile_l_ref, accs_ref, slot_ref, kept_ref = refs
   bq, bkv = plan.block_q, plan.block_kv
   chunks = bkv // bkc
   bh, word = locate(pl.program_id(0), pl.program_id(1), *scalar_refs)
   row, col, kind, first, last = unpack_work(word)
-  fixed = scalar_refs[1][bh] > 0
+  fixed = scalar_refs[_FIXED][bh] > 0
 
   rows = m_ref.shape[0]
   wide = lambda x: jnp.broadcast_to(x, (rows, bq))
 
   @pl.when(first == 1)
   def _open_row():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
+    slot_ref[0] = 0
+    accs_ref[0] = jnp.zeros(accs_ref.shape[1:], accs_ref.dtype)
     l_ref[...] = jnp.zeros_like(l_ref)
     m_ref[...] = wide(jnp.where(fixed, mfix_ref[...], _ROW_START))
 
@@ -102,9 +109,11 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
                          preferred_element_type=jnp.float32)
     if alpha is None:
       l_ref[...] += wide(p.sum(axis=0, keepdims=True))
+      acc_ref = accs_ref.at[slot_ref[0]]
       acc_ref[...] += pv
     else:
       l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
+      acc_ref = accs_ref.at[slot_ref[0]]
       acc_ref[...] = alpha[0:1] * acc_ref[...] + pv
 
   def fixed_chunk(c, carry):
@@ -140,7 +149,37 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
   def _full_fixed():
     lax.fori_loop(0, chunks, fixed_chunk, None, unroll=True)
 
-  @pl.when((kind == FULL) & jnp.logical_not(fixed))
+  online_full = (kind == FULL) & jnp.logical_not(fixed)
+
+  @pl.when(online_full & (first == 0))
+  def _full_online_lazy():
+    # Like the fixed path, with the row's offset as it stands: exact while the tile's terms
+    # sum to at most 2**headroom per query (so none exceeds it and the row's sums stay finite),
+    # which the sums tell after the fact. The tile adds into the spare accumulator, which
+    # becomes the row's only if it held: a tile that broke the headroom leaves the row as it
+    # was, one that held cost no copy.
+    live = slot_ref[0]
+    spare_ref = accs_ref.at[1 - live]
+    for c in range(chunks):
+      p = jnp.exp2(scores(c) - m_ref[0:1])
+      pv = lax.dot_general(v_ref[pl.ds(c * bkc, bkc), :], p.astype(v_ref.dtype), _TN,
+                           preferred_element_type=jnp.float32)
+      part = wide(p.sum(axis=0, keepdims=True))
+      if c == 0:
+        spare_ref[...] = accs_ref[live] + pv
+        tile_l_ref[...] = part
+      else:
+        spare_ref[...] += pv
+        tile_l_ref[...] += part
+    # Compared this way round, NaN sums fail and rerun, as online softmax would run them.
+    kept_ref[0] = (jnp.max(tile_l_ref[0:1]) <= scalar_refs[_HEADROOM][bh]).astype(jnp.int32)
+
+    @pl.when(kept_ref[0] == 1)
+    def _commit():
+      l_ref[...] += tile_l_ref[...]
+      slot_ref[0] = 1 - live
+
+  @pl.when(online_full & ((first == 1) | (kept_ref[0] == 0)))
   def _full_online():
     lax.fori_loop(0, chunks, online_chunk, None, unroll=True)
 
@@ -171,6 +210,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
         p = jnp.exp2(s - m_next[0:1])
         alpha = jnp.exp2(m_prev - m_next)
         l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
+        acc_ref = accs_ref.at[slot_ref[0]]
         acc_ref[...] = alpha[0:1] * acc_ref[...] + lax.dot_general(
             rv_ref[pl.ds(c * chunk, chunk), :], p.astype(rv_ref.dtype), _TN,
             preferred_element_type=jnp.float32)
@@ -178,7 +218,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
 
       lax.fori_loop(0, rk_ref.shape[0] // chunk, row_key_chunk, None, unroll=True)
     l = l_ref[0:1]
-    out = acc_ref[...] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    out = accs_ref[slot_ref[0]] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = out.T.astype(o_ref.dtype)
     if lse_ref is not None:
       # Base-2 logits of q prescaled by log2(e): ln sum exp = (m + log2 l) ln 2.
@@ -215,10 +255,12 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   k_pad = _pad(fold(k), plan.num_kv_tiles * bkv)
   v_pad = _pad(fold(v), plan.num_kv_tiles * bkv)
   m_pad = jnp.pad(offsets.m, ((0, 0), (0, 0), (0, plan.num_q_tiles * bq - s)))
+  limits = jnp.exp2(offsets.headroom.astype(jnp.float32))  # an online tile's largest sum
   if head_steps is not None:
     cores = ragged_cores(b * h)
     work, heads = pack_ragged_work(plan, head_tiles, head_steps, cores)
-    grid, locate, scalars = (cores, head_steps), _locator(0, head_steps), (work, offsets.fixed, heads)
+    grid, locate = (cores, head_steps), _locator(0, head_steps)
+    scalars = (work, offsets.fixed, limits, heads)
   else:
     if head_tiles is None:
       work, per_head = jnp.asarray(pack_work(plan)), 0
@@ -226,7 +268,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
       work = pack_head_work(plan, head_tiles)
       per_head = work.size // (b * h)
     grid, locate = (b * h, per_head or work.size), _locator(per_head, 0)
-    scalars = (work, offsets.fixed)
+    scalars = (work, offsets.fixed, limits)
 
   def located(i, t, refs):
     bh, word = locate(i, t, *refs)
@@ -275,7 +317,11 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                  *([pl.BlockSpec((None, 1, bq), at_row_lanes)] if return_lse else [])],
       scratch_shapes=[pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # m: the row's offset
                       pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # l: the row's sum
-                      pltpu.VMEM((dv, bq), jnp.float32)])  # the row's accumulator, transposed
+                      pltpu.VMEM((_STAT_ROWS, bq), jnp.float32),  # an online tile's, lazily
+                      # the row's accumulator, transposed, and a spare an online tile adds into
+                      pltpu.VMEM((2, dv, bq), jnp.float32),
+                      pltpu.SMEM((1,), jnp.int32),  # which of the two is the row's
+                      pltpu.SMEM((1,), jnp.int32)])  # 1: an online tile's lazy pass held
   out_shape = [jax.ShapeDtypeStruct((b * h, plan.num_q_tiles * bq, dv), q.dtype)]
   if return_lse:
     out_shape.append(jax.ShapeDtypeStruct((b * h, 1, plan.num_q_tiles * bq), jnp.float32))

@@ -83,6 +83,12 @@ def _row(row: dict[str, Any], wan22: bool) -> list[str]:
         f" of its call, a dense step {fixed['dense_call'] / vs['fixed_m_call']:.2f}; attention "
         f"speed-up at most {fixed['bound']:.2f}x with dense steps (heads on online softmax: "
         f"{online['bound']:.2f}x)")
+    if online["bound"] < 1:
+      what = "expert" if row["expert"] else "run"
+      lines.append(
+          f"  warning: where its heads fail the fixed-offset gate this {what} is slower than "
+          f"ulysses_custom_fixed_m ({online['bound']:.2f}x): lower its density, or make fewer of "
+          f"its steps and layers sparse")
   elif vs:
     lines.append(f"  against MaxDiffusion's ulysses_custom_fixed_m: not priced ({vs['why']})")
   return lines

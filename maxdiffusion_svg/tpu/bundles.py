@@ -73,9 +73,13 @@ class KernelSchedule:
   capacity: tuple[int, ...]
   body_use: dict[str, tuple[float, ...]]  # per body: each unit's share of its slots
   online: Region | None = None  # a fixed-offset kernel's online-softmax full-tile body
+  # Ours: the online body that rescales (a row's first mask-free tile, or a rerun of a tile
+  # whose lazy pass, ``online``, broke its headroom); MaxDiffusion's online body always does.
+  online_rescaled: Region | None = None
 
   def tile_bundles(self, kind: str) -> int:
-    body = {"full": self.full, "masked": self.masked, "online": self.online}[kind]
+    body = {"full": self.full, "masked": self.masked, "online": self.online,
+            "online_rescaled": self.online_rescaled or self.online}[kind]
     if body is None:
       raise ValueError(f"{self.name} has no {kind} tile body")
     return body.bundles
@@ -85,7 +89,8 @@ class KernelSchedule:
       return None if r is None else {"bundles": r.bundles, "matmuls": r.matmuls, "exps": r.exps,
                                      "matmul_types": dict(r.matmul_types)}
     return {"name": self.name, "total_bundles": self.total_bundles, "full": region(self.full),
-            "masked": region(self.masked), "online": region(self.online), "row_init": region(self.row_init),
+            "masked": region(self.masked), "online": region(self.online),
+            "online_rescaled": region(self.online_rescaled), "row_init": region(self.row_init),
             "row_final": region(self.row_final), "step_overhead": self.step_overhead,
             "units": list(self.units), "capacity": list(self.capacity),
             "body_use": {k: [round(x, 4) for x in v] for k, v in self.body_use.items()}}
@@ -151,13 +156,15 @@ def _utilisation(text: str, path: str) -> tuple[tuple[str, ...], tuple[int, ...]
   return units, capacity, rows
 
 
-# Tile bodies in code order: Splash's (mask-free, then masked, equal matmul counts); a
-# fixed-offset kernel's (ours, MaxDiffusion's fixed-m: fixed full, online full, then masked or
-# ragged-last); MaxDiffusion's online kernel (full, then ragged-last, priced as masked).
+# Tile bodies in code order: Splash's (mask-free, then masked, equal matmul counts);
+# MaxDiffusion's fixed-m kernel (fixed full, online full, ragged-last); ours (fixed full, online
+# lazy, online rescaled, masked); MaxDiffusion's online kernel (full, then ragged-last, priced
+# as masked).
 SPLASH_LAYOUT = ("full", "masked")
 FIXED_OFFSET_LAYOUT = ("full", "online", "masked")
+OURS_LAYOUT = ("full", "online", "online_rescaled", "masked")
 # Ours with row keys (compensation): the row's closing step has matmuls of its own, once per row.
-ROW_KEYS_LAYOUT = ("full", "online", "masked", "row_final")
+ROW_KEYS_LAYOUT = (*OURS_LAYOUT, "row_final")
 ONLINE_LAST_LAYOUT = ("full", "last")
 
 
@@ -217,7 +224,8 @@ def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
     named["masked"] = named.pop("last")
     body_use["masked"] = body_use.pop("last")
   return KernelSchedule(name, bundles[-1][0] + 1, named["full"], named.get("masked"), row_init,
-                        row_final, overhead, units, capacity, body_use, named.get("online"))
+                        row_final, overhead, units, capacity, body_use, named.get("online"),
+                        named.get("online_rescaled"))
 
 
 def read_dump(directory: str, kernel: str = "splash",

@@ -133,6 +133,69 @@ def test_values_too_large_for_the_offset_run_online():
   np.testing.assert_allclose(out / 2.0 ** 30, np.asarray(plan_reference(q, k, v, plan)), atol=2e-5)
 
 
+def _growing_rows(slopes, tokens: int, seed: int = 0):
+  """One head whose q tile ``i``'s base-2 logits grow by ``slopes[i]`` per 128 keys along the
+  sequence (negative: fall), with noise of a few units: online softmax rows whose maximum
+  keeps growing, gently (the lazy pass holds) or past any headroom (the tile reruns)."""
+  rng = np.random.default_rng(seed)
+  d, scale = 128, 128 ** -0.5
+  u = np.zeros(d)
+  u[0] = 1.0
+  per_key = np.repeat(np.asarray(slopes, np.float64) / 128, 128)[:tokens]
+  q = rng.standard_normal((tokens, d)) * 0.3
+  q[:, 0] = per_key / (scale * LOG2E)  # q . k = slope x position (base 2, after the scale)
+  k = rng.standard_normal((tokens, d)) * 0.3
+  k[:, 0] = np.arange(tokens)
+  v = rng.standard_normal((tokens, d))
+  return [jnp.asarray(x[None, None], jnp.float32) for x in (q, k, v)]
+
+
+def _float64_attention(q, k, v, mask, scale=128 ** -0.5):
+  q, k, v = (np.asarray(x, np.float64)[0, 0] for x in (q, k, v))
+  logits = np.where(mask, q @ k.T * scale, -np.inf)
+  weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+  return (weights / weights.sum(axis=1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("density", [1.0, 0.5], ids=["dense", "sparse"])
+def test_online_rows_whose_maximum_keeps_growing_are_exact(density):
+  """The online path's lazy pass (offset kept, no rescale) against float64: gentle growth, a
+  tile's maximum past the headroom (2**64: rerun rescaling), past float32 (inf: rerun), falling."""
+  grid = VideoGrid(4, 8, 16)  # 512 tokens: 4 x 4 tiles of 128
+  plan = plan_tiles(grid, density, 128, 128, "aligned", include_sink=False)
+  slopes = [6.0, 90.0, 300.0, -40.0]  # per q tile, base-2 logit growth per key tile
+  q, k, v = _growing_rows(slopes, grid.tokens)
+  assert flags(q, k, v, plan).tolist() == [0]  # logits in the hundreds: online softmax
+  out = np.asarray(sparse_attention(q, k, v, plan, backend="pallas"), np.float64)[0, 0]
+  want = _float64_attention(q, k, v, np.asarray(plan.dense_mask()))
+  # Logits in the thousands lose digits in float32 whoever computes them: the bar per q tile
+  # is a float32 dense softmax's own error (a tile lost or counted twice errs by ~1e-2).
+  f32 = np.asarray(plan_reference(q, k, v, plan), np.float64)[0, 0]
+  assert np.isfinite(out).all()
+  for tile in range(plan.num_q_tiles):
+    rows = slice(tile * 128, (tile + 1) * 128)
+    bar = np.abs(f32 - want)[rows].max()
+    assert np.abs(out - want)[rows].max() <= 1.5 * bar + 1e-6, (tile, slopes[tile], bar)
+  # The gentle rows weigh every tile they visit: their first tile is 2**-18 of the last.
+  assert 2.0 ** (-slopes[0] * (plan.num_kv_tiles - 1)) > 1e-6
+
+
+def test_online_headroom_leaves_sums_finite():
+  """The most a lazy tile's terms may reach: 4,096 terms of 2**room times max |v| stay below
+  float32's 2**127 with a term to spare, capped at 2**64, and 0 (plain online) for huge values."""
+  q, k, v = (normal((1, 4096, 128), seed) for seed in range(3))
+  for scale in (1.0, 2.0 ** 60, 2.0 ** 120):
+    got = fixed_offsets(q * 40, k, v * scale, 128 ** -0.5 * LOG2E, every_key_visited=True)
+    room = got.headroom.tolist()[0]
+    sums = math.log2(4096 * float(jnp.abs(v).max()) * scale)
+    assert got.fixed.tolist() == [0]
+    assert room == (64 if scale == 1 else 0 if scale == 2.0 ** 120 else room)
+    assert room == 0 or sums + room <= 126 < sums + room + 1 or room == 64
+  half = fixed_offsets(*(x.astype(jnp.float16) for x in (q, k, v)), 128 ** -0.5 * LOG2E,
+                       every_key_visited=True)
+  assert half.fixed.tolist() == [0] and half.headroom.tolist() == [14]  # terms cast to float16
+
+
 def test_inner_kv_step_does_not_change_results():
   plan = plan_tiles(VideoGrid(10, 10, 10), 0.3, 128, 512, "split")
   q, k, v = (normal((1, 2, 1000, 128), seed) for seed in range(3))

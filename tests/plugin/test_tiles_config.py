@@ -176,6 +176,19 @@ def test_an_empty_sparse_window_warns_and_the_bound_is_one(tmp_path, capsys):
   assert result["end_to_end"]["step_speedup_bound"] == 1.0
 
 
+def test_a_worst_case_slower_than_the_dense_kernel_warns(tmp_path, capsys):
+  """At density 1 every head on online softmax costs more than fixed-m's fixed path: the
+  estimate says so; at the shipped density it does not."""
+  code, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "svg_density": 1.0},
+                               "--slice", "v6e-8")
+  online = result["rows"][0]["vs_fixed_m"]["online"]["bound"]
+  assert code == 0 and online < 1
+  assert (f"  warning: where its heads fail the fixed-offset gate this run is slower than "
+          f"ulysses_custom_fixed_m ({online:.2f}x)") in out
+  code, out, _, result = tiles(tmp_path, capsys, WAN14B, "--slice", "v6e-8")
+  assert result["rows"][0]["vs_fixed_m"]["online"]["bound"] >= 1 and "warning" not in out
+
+
 def test_a_sequence_under_svg_min_seq_length_warns(tmp_path, capsys):
   code, out, _, _ = tiles(tmp_path, capsys, WAN14B, "svg_min_seq_length=100000")
   assert code == 0

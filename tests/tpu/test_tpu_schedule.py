@@ -197,29 +197,41 @@ def test_the_walk_tells_the_tile_kinds_apart(hand_case):
   assert difference == kernel.masked.bundles - kernel.full.bundles != 0
 
 
-# Our kernel's loop: the grid step, the row's opening, the fixed-offset and online mask-free
-# bodies, the masked body, the row's closing.
-OUR_ROLES = ("step", "init", "full", "online", "masked", "final")
+# Our kernel's loop: the grid step, the row's opening, the fixed-offset mask-free body, the
+# online one's lazy pass and, inside it, its commit, the online body that rescales, the masked
+# body, the row's closing.
+OUR_ROLES = ("step", "init", "full", "online", "commit", "online_rescaled", "masked", "final")
 
 
-@pytest.mark.parametrize("path", ["full", "online"])
+@pytest.mark.parametrize("path", ["full", "online", "online_rerun"])
 def test_our_kernels_static_total_equals_its_listing_walked(tmp_path, path):
   """The same hand count for our kernel, for a head on the fixed offset and one on online
-  softmax: each row's tiles 0-3 run that mask-free body, tile 4 the masked one."""
+  softmax: each row's tiles 0-3 run that mask-free body, tile 4 the masked one. On online
+  softmax a row's first tile rescales and the next run the lazy pass, which commits; where its
+  maximum jumped past the headroom (``online_rerun``) a tile runs the lazy pass, no commit,
+  then the rescaling body."""
   case = ScheduleCase("v6e", HAND_GRID, 1.0, "aligned", 128, 128, 128, backend="pallas")
   assert compile_case(case, str(tmp_path))["ok"]
   (listing_path,) = [p for p in glob.glob(str(tmp_path / "*svg_pallas*-final_bundles.txt"))
                      if "schedule-analysis" not in p]
   with open(listing_path, encoding="utf-8") as f:
     listing = f.read()
-  steps = [{"step", path, "init"}, {"step", path}, {"step", path}, {"step", path},
-           {"step", "masked", "final"}] * 5
+  later = {"full": {"full"}, "online": {"online", "commit"},
+           "online_rerun": {"online", "online_rescaled"}}[path]
+  first = {"full"} if path == "full" else {"online_rescaled"}
+  steps = [{"step", "init", *first}, *[{"step", *later}] * 3, {"step", "masked", "final"}] * 5
   walked, branches = walk_listing(listing, steps, OUR_ROLES)
   kernel = read_dump(str(tmp_path), *dump_name(case))[-1]
-  assert static_bundles(kernel, 20, 5, 5, body=path) == walked
+  if path == "online_rerun":  # not what a call is priced at: each rerun adds a lazy pass
+    commit = branches[4][1] - branches[4][0] - 1
+    rerun = walked - static_bundles(kernel, 20, 5, 5, body="online_rescaled")
+    assert rerun == 15 * (kernel.online.bundles - commit) and commit > 0
+  else:
+    assert static_bundles(kernel, 20, 5, 5, body=path) == walked
   pushes = [sum("vmatmul" in line for line in _bundle_lines(listing)[b + 1:f]) for b, f in branches]
-  assert pushes[2] == pushes[3] == pushes[4] > 0 and pushes[1] == pushes[5] == 0, pushes
-  assert kernel.online.bundles > kernel.full.bundles  # the fixed offset saves the rescale
+  assert (pushes[2] == pushes[3] == pushes[5] == pushes[6] > 0
+          and pushes[1] == pushes[4] == pushes[7] == 0), pushes
+  assert kernel.online_rescaled.bundles > kernel.online.bundles  # the lazy pass saves the rescale
 
 
 def test_a_case_that_does_not_compile_says_why_in_one_line():
