@@ -93,12 +93,13 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
   fits = {w: at_budget if w == cfg.weighting else calibrate_layers(
       layer_error(measured_heads, measured_power, w), costs, rungs, uniform) for w in WEIGHTINGS}
   # the least tiles whose measured error matches uniform's: the speed-up at matched quality
-  matched = calibrate_layers(measured, costs, rungs, uniform,
-                             target_error=at_budget.uniform_allocation.error / len(LAYERS))
+  matched = calibrate_layers(measured, costs, rungs, uniform, match_uniform=True)
   # densities alone: the rungs at the config's compensation (a subset of those measured)
   alone = [j for j, r in enumerate(rungs) if r.compensation == uniform.compensation]
   densities_only = calibrate_layers(measured[:, alone], costs[alone],
                                     [rungs[j] for j in alone], uniform)
+  densities_matched = calibrate_layers(measured[:, alone], costs[alone],
+                                       [rungs[j] for j in alone], uniform, match_uniform=True)
   # per head: each (layer, head) its own density, compensation as the config has it
   per_head = calibrate_heads(measured_heads[:, :, alone], costs[alone],
                              [rungs[j].density for j in alone], uniform.density, weights=weights)
@@ -113,8 +114,7 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
     heads_compensated = None
   heads_matched = calibrate_heads(measured_heads[:, :, alone], costs[alone],
                                   [rungs[j].density for j in alone], uniform.density,
-                                  target_error=at_budget.uniform_allocation.error / len(LAYERS),
-                                  weights=weights)
+                                  match_uniform=True, weights=weights)
   u = rungs.index(uniform)
   held = []
   for seed in cfg.held_out_seeds:
@@ -128,6 +128,7 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
     held.append({"seed": seed, "uniform": errors[:, u],
                  "calibrated": pick(at_budget.allocation.choice),
                  "matched": pick(matched.allocation.choice),
+                 "densities_matched": pick(alone[j] for j in densities_matched.allocation.choice),
                  "densities_only": pick(alone[j] for j in densities_only.allocation.choice),
                  "per_head": pick_heads(per_head.choice),
                  "per_head_compensated": None if heads_compensated is None else (np.take_along_axis(
@@ -173,7 +174,12 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
           "visited_tiles": {"uniform": at_budget.uniform_allocation.cost,
                             "calibrated": at_budget.allocation.cost,
                             "matched": matched.allocation.cost,
-                            "densities_only": densities_only.allocation.cost},
+                            "densities_only": densities_only.allocation.cost,
+                            "densities_matched": densities_matched.allocation.cost},
+          # at uniform's error on the fitted draw: the whole model's PSNR on the held-out ones
+          "matched_db": {name: whole(key) for name, key in (
+              ("uniform", "uniform"), ("per_layer", "matched"),
+              ("densities_per_layer", "densities_matched"), ("per_head", "per_head_matched"))},
           "psnr_db": {"uniform": uniform_db.tolist(), "calibrated": calibrated_db.tolist(),
                       "matched": matched_db.tolist()},
           "whole_model_db": [{"seed": h["seed"], "uniform": u_, "calibrated": c}
@@ -197,6 +203,24 @@ def run_calibration_bench(cfg: CalibrationBenchConfig = CalibrationBenchConfig()
                        "psnr_db": _psnr(mean("per_head")).tolist(),
                        "compensated": compensated},
           "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _matched_lines(r: dict[str, Any]) -> list[str]:
+  """The speed at matched quality: each way of spending, fitted to uniform's error on the
+  calibration draw, its tiles and its sparse calls' bound from them (uniform's tiles over its
+  own), and the whole model's PSNR on the held-out draws beside uniform's."""
+  tiles, db = r["visited_tiles"], r["matched_db"]
+  mean = lambda name: float(np.mean(db[name]))
+  rows = (("per layer, compensation chosen per layer", tiles["matched"], "per_layer"),
+          ("per layer, densities alone", tiles["densities_matched"], "densities_per_layer"),
+          ("per head, densities alone", r["per_head"]["matched_tiles"], "per_head"))
+  lines = [f"at uniform {r['density']}'s whole-model error (fitted on the calibration draw; "
+           f"tiles per head over the layers; bound: the sparse calls' tiles, computed): uniform "
+           f"{tiles['uniform']:.0f} tiles, held-out {mean('uniform'):.2f} dB"]
+  for label, count, name in rows:
+    lines.append(f"  {label:<42}{count:>7.0f} tiles  {tiles['uniform'] / count:>5.2f}x  "
+                 f"held-out {mean(name):.2f} dB ({mean(name) - mean('uniform'):+.2f})")
+  return lines
 
 
 def _judged(held: list[dict[str, Any]], fit: tuple[str, str], judge: str) -> dict[str, Any]:
@@ -258,6 +282,7 @@ def format_calibration_bench(r: dict[str, Any]) -> str:
   lines.append(f"at uniform's measured error: {tiles['matched']:.0f} tiles "
                f"({tiles['uniform'] / max(tiles['matched'], 1):.2f}x fewer), rungs "
                f"{', '.join(r['matched_rungs'])}")
+  lines += _matched_lines(r)
   h = r["per_head"]
   spread = ", ".join(f"{name} {min(d):g}-{max(d):g}" for name, d in
                      zip(r["layers"], h["head_densities"]))

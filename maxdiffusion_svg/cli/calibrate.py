@@ -55,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   calibrate.add_argument("--target-error", type=float, metavar="E",
                          help="instead of the uniform density's tiles: the fewest tiles whose "
                               "mean relative error per layer is at most E")
+  calibrate.add_argument("--match-uniform", action="store_true",
+                         help="instead of the uniform density's tiles: the fewest tiles whose "
+                              "measured error is the uniform density's own (the speed at "
+                              "matched quality)")
   calibrate.add_argument("--max-layer-loss-db", type=float, default=3.0, metavar="DB",
                          help="how far below its uniform PSNR a layer may fall when it gives "
                               "tiles away, unless it stays above --floor-db (default 3)")
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
   # pylint: enable=import-outside-toplevel
   plan = plan_calibration(args.config, args.overrides, args.out, args.prompts, args.ladder,
                           args.target_error, None if args.no_guard else args.max_layer_loss_db,
-                          args.floor_db, args.compensation, args.per_head, args.held_out)
+                          args.floor_db, args.compensation, args.per_head, args.held_out,
+                          args.match_uniform)
   report, _ = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
   print(format_calibration(report))
   if args.json:

@@ -299,10 +299,11 @@ class Calibration:
 
 def calibrate_layers(errors: Any, costs: Any, rungs: Sequence[Rung], uniform: Rung,
                      target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
-                     floor_db: float = FLOOR_DB) -> Calibration:
+                     floor_db: float = FLOOR_DB, match_uniform: bool = False) -> Calibration:
   """Rungs per layer from measured ``errors [L, K]`` at ``rungs`` (which holds ``uniform``):
   the least total error within the uniform rung's cost, or with
-  ``target_error`` (a mean relative error per layer) the fewest tiles that meet it. No layer
+  ``target_error`` (a mean relative error per layer) the fewest tiles that meet it
+  (``match_uniform``: the uniform rung's own measured error is the target). No layer
   ends more than ``max_loss_db`` below its uniform PSNR unless it stays above ``floor_db``
   (None: no guard, the total error alone)."""
   errors, costs = np.asarray(errors, np.float64), np.asarray(costs, np.float64)
@@ -311,7 +312,7 @@ def calibrate_layers(errors: Any, costs: Any, rungs: Sequence[Rung], uniform: Ru
     raise ValueError(f"the rungs {[str(r) for r in rungs]} must hold the uniform rung {uniform}")
   u = rungs.index(uniform)
   chosen, uniform_allocation = _spend(errors, costs, u, target_error, errors.shape[0],
-                                      max_loss_db, floor_db)
+                                      max_loss_db, floor_db, match_uniform=match_uniform)
   return Calibration(rungs, tuple(costs.tolist()), tuple(map(tuple, errors.tolist())),
                      tuple(rungs[i] for i in chosen.choice), uniform, chosen, uniform_allocation)
 
@@ -360,7 +361,7 @@ class HeadCalibration:
 def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform: float,
                     target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
                     floor_db: float = FLOOR_DB, budget: float | None = None,
-                    weights: Any = None) -> HeadCalibration:
+                    weights: Any = None, match_uniform: bool = False) -> HeadCalibration:
   """Densities per (layer, head) from measured ``errors [L, H, K]`` (each head's relative error
   at ``densities``, which holds ``uniform``): the least total error within the uniform
   density's cost (every head at it), or with ``target_error`` (a mean relative error per layer)
@@ -369,7 +370,7 @@ def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform
   :func:`calibrate_layers`' per layer. ``budget``: key tiles per head over the layers to spend
   instead of the uniform density's (e.g. a plain call's, for compensated candidates).
   ``weights [L, H]``: each head's share of its layer's error (:func:`head_weights`; default
-  alike, ``1 / H``)."""
+  alike, ``1 / H``). ``match_uniform``: as :func:`calibrate_layers`'."""
   errors, costs = np.asarray(errors, np.float64), np.asarray(costs, np.float64)
   densities = tuple(float(d) for d in densities)
   if float(uniform) not in densities:
@@ -382,7 +383,8 @@ def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform
   items = shares.reshape(layers * heads, -1)
   chosen, uniform_allocation = _spend(items, costs, u, target_error, layers, max_loss_db,
                                       floor_db, floor_share=weights.reshape(-1), exact=False,
-                                      budget=None if budget is None else budget * heads)
+                                      budget=None if budget is None else budget * heads,
+                                      match_uniform=match_uniform)
   choice = np.asarray(chosen.choice).reshape(layers, heads)
   return HeadCalibration(densities, tuple(costs.tolist()), shares,
                          tuple(tuple(densities[k] for k in row) for row in choice), choice,
@@ -391,16 +393,22 @@ def calibrate_heads(errors: Any, costs: Any, densities: Sequence[float], uniform
 
 def _spend(items: np.ndarray, costs: np.ndarray, u: int, target_error: float | None,
            layers: int, max_loss_db: float | None, floor_db: float, floor_share: Any = 1.0,
-           exact: bool = True, budget: float | None = None) -> tuple[Allocation, Allocation]:
+           exact: bool = True, budget: float | None = None,
+           match_uniform: bool = False) -> tuple[Allocation, Allocation]:
   """``(chosen, uniform)``: the allocation of ``items [N, K]`` (layers, or layers x heads) within
   the uniform rung ``u``'s cost, or with ``target_error`` (per layer) the least cost meeting it;
   each item capped by the guard (``floor_share``: an item's share of the floor, one or
   ``[N]``). ``exact``: the multiple-choice front, else the greedy (many items). ``budget``: the
-  cost to spend in place of the uniform rung's."""
+  cost to spend in place of the uniform rung's. ``match_uniform``: the target is the uniform
+  allocation's own error (which it meets, so some allocation always does)."""
   n = items.shape[0]
   uniform = Allocation((u,) * n, float(costs[u] * n), float(items[:, u].sum()))
   caps = None if max_loss_db is None else np.maximum(
       items[:, u] * 10 ** (max_loss_db / 10), 10 ** (-floor_db / 10) * floor_share)
+  if match_uniform:
+    if target_error is not None:
+      raise ValueError("give --target-error or --match-uniform, not both")
+    target_error = uniform.error / layers
   if target_error is None:
     spend = uniform.cost if budget is None else budget
     return (allocate if exact else allocate_greedy)(items, costs, spend, caps), uniform

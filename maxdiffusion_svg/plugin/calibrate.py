@@ -36,6 +36,7 @@ from maxdiffusion_svg.measure.calibration import (FLOOR_DB, MAX_LOSS_DB, Calibra
                                                   head_weights, psnr_db, rung_costs, uniform_rung)
 from maxdiffusion_svg.plugin import generations, hooks, launcher
 from maxdiffusion_svg.plugin.calibration_record import CHECK_KEY, RECORD_KEY, record
+from maxdiffusion_svg.plugin.estimate import estimate_config
 from maxdiffusion_svg.plugin.kernel import record_rung_errors
 from maxdiffusion_svg.plugin.overlay import BASE_KEY
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
@@ -60,6 +61,7 @@ class CalibrationPlan:
   compensation: str = "both"  # calibration.COMPENSATION_CHOICES
   per_head: bool = False  # a density per (layer, head): svg_head_densities
   held_out: int = 0  # the last prompts, not fitted: the budget judged on them
+  match_uniform: bool = False  # the fewest tiles at the uniform budget's own measured error
 
   @property
   def fitted(self) -> tuple[str, ...]:
@@ -94,11 +96,13 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
                      ladder: Sequence[float] | None = None,
                      target_error: float | None = None, max_loss_db: float | None = MAX_LOSS_DB,
                      floor_db: float = FLOOR_DB, compensation: str | None = None,
-                     per_head: bool = False, held_out: int | None = None) -> CalibrationPlan:
+                     per_head: bool = False, held_out: int | None = None,
+                     match_uniform: bool = False) -> CalibrationPlan:
   """Every check ``calibrate`` can make before weights load. ``compensation`` (``--compensation``)
   defaults to ``both``, and to ``config`` with ``per_head`` (``--per-head``), whose heads all
   compensate as ``svg_compensation`` says. ``held_out`` (``--held-out``): the last prompts,
-  measured but not fitted (default: half of them, rounded down)."""
+  measured but not fitted (default: half of them, rounded down). ``match_uniform``
+  (``--match-uniform``): the fewest tiles whose measured error is the uniform budget's."""
   from maxdiffusion_svg.measure.calibration import LADDER  # pylint: disable=import-outside-toplevel
   argv = ["calibrate", config, *overrides, f"attention={KERNEL_NAME}"]
   keys = launcher.with_overrides(launcher.checked_config(argv)[0], argv[2:])
@@ -107,6 +111,8 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
   compensation = compensation or ("config" if per_head else "both")
   if per_head:
     _check_per_head(settings, compensation)
+  if match_uniform and target_error is not None:
+    raise ValueError("give --target-error or --match-uniform, not both")
   if target_error is not None and not target_error > 0:
     raise ValueError(f"--target-error must be > 0 (a mean relative error per layer), got "
                      f"{target_error}")
@@ -130,7 +136,8 @@ def plan_calibration(config: str, overrides: Sequence[str], out: str, prompts: s
     raise ValueError(f"--held-out {held_out}: give 0 to {len(texts) - 1} of the {len(texts)} "
                      f"prompt(s) (at least one is fitted; more with --prompts FILE)")
   return CalibrationPlan(config, tuple(overrides), keys, settings, texts, rungs, target_error,
-                         path.resolve(), max_loss_db, floor_db, compensation, per_head, held_out)
+                         path.resolve(), max_loss_db, floor_db, compensation, per_head, held_out,
+                         match_uniform)
 
 
 def _check_per_head(settings: PluginSettings, compensation: str) -> None:
@@ -232,10 +239,12 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
       results[expert] = calibrate_heads(np.swapaxes(heads, 1, 2), costs,
                                         [r.density for r in plan.rungs], svg.budget(expert).density,
                                         plan.target_error, plan.max_loss_db, plan.floor_db,
-                                        weights=head_weights(power))
+                                        weights=head_weights(power),
+                                        match_uniform=plan.match_uniform)
     else:
       results[expert] = calibrate_layers(errors, costs, plan.rungs, uniform_rung(svg, expert),
-                                         plan.target_error, plan.max_loss_db, plan.floor_db)
+                                         plan.target_error, plan.max_loss_db, plan.floor_db,
+                                         plan.match_uniform)
     measured[expert] = np.flatnonzero(active).tolist()
     temporal[expert] = layer_table(fitted, expert, layers, len(plan.rungs), "temporal")[0][active]
     if held_entries:
@@ -272,8 +281,29 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
                                       "held_out": held.get(expert)}
   overlay[RECORD_KEY] = record(plan.keys, len(plan.prompts))
   report["calibrated_on"] = overlay[RECORD_KEY]
+  if plan.match_uniform:
+    report["matched"] = priced_runs(plan.keys, overlay, target)
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
+
+
+def priced_runs(keys: dict[str, Any], overlay: dict[str, Any], target: Any) -> dict[str, Any]:
+  """The run at the overlay's budgets and at the config's uniform one, as ``tiles CONFIG``
+  prices them on ``target``: self-attention's work against dense over the run, and its bound
+  against ``ulysses_custom_fixed_m`` by libtpu's static schedule where figures exist."""
+  own = {key: value for key, value in overlay.items() if key.startswith("svg_")}
+  out: dict[str, Any] = {"target": target.describe()}
+  for name, config in (("calibrated", {**keys, **own}), ("uniform", keys)):
+    try:
+      result = estimate_config(config, target)
+    except ValueError as err:
+      return {**out, "priced": False, "why": str(err)}
+    combined, row = result["combined"], result["rows"][0]
+    out[name] = {"work_vs_dense": combined["work_vs_dense"],
+                 "vs_fixed_m": combined.get("vs_fixed_m")}
+    out["why"] = row["vs_fixed_m"].get("why", "")
+  out["priced"] = out["calibrated"]["vs_fixed_m"] is not None
+  return out
 
 
 def held_out_errors(entries: Sequence[dict[str, Any]], expert: str | None, layers: int,
@@ -360,8 +390,35 @@ def format_calibration(report: dict[str, Any]) -> str:
                  f"(uniform {r['uniform_tiles']:.0f}); total error {r['error']:.3g} (uniform "
                  f"{r['uniform_error']:.3g})")
     lines.append(_held_out_line(r["held_out"], r["measured"], report))
+  if report.get("matched"):
+    lines.append(_matched_line(report))
   lines.append(f"overlay written: {report['overlay']}")
   return "\n".join(lines)
+
+
+def _matched_line(report: dict[str, Any]) -> str:
+  """``--match-uniform``: the tiles saved at uniform's measured error, and the run priced."""
+  saved = "; ".join(
+      f"{'expert ' + e + ': ' if e != 'None' else ''}{r['tiles']:.0f} key tiles per head "
+      f"against uniform's {r['uniform_tiles']:.0f} ({1 - r['tiles'] / r['uniform_tiles']:.1%} "
+      f"fewer)" for e, r in report["experts"].items())
+  m = report["matched"]
+  if "calibrated" not in m:
+    return f"at uniform's measured error: {saved}; the run not priced ({m['why']})"
+  work = (f"self-attention work vs dense over the run {m['calibrated']['work_vs_dense']:.3f} "
+          f"(uniform {m['uniform']['work_vs_dense']:.3f}: "
+          f"{m['uniform']['work_vs_dense'] / m['calibrated']['work_vs_dense']:.2f}x fewer tiles)")
+  if m["priced"]:
+    mine, theirs = m["calibrated"]["vs_fixed_m"], m["uniform"]["vs_fixed_m"]
+    against = (f"against ulysses_custom_fixed_m on {m['target']} at most "
+               f"{mine['fixed']['bound']:.2f}x (uniform {theirs['fixed']['bound']:.2f}x; every "
+               f"head on online softmax {mine['online']['bound']:.2f}x, uniform "
+               f"{theirs['online']['bound']:.2f}x)")
+  else:
+    against = (f"not priced against ulysses_custom_fixed_m ({m['why']}): price the overlay for "
+               f"a slice with python -m maxdiffusion_svg tiles {pathlib.Path(report['overlay']).name}"
+               f" --slice v6e-8")
+  return f"at uniform's measured error (--match-uniform): {saved}; {work}; {against}"
 
 
 def _held_out_line(held: dict[str, Any] | None, layers: Sequence[int],

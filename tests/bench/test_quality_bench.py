@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from maxdiffusion_svg.bench.calibration import CalibrationBenchConfig
+from maxdiffusion_svg.bench.calibration import CalibrationBenchConfig, format_calibration_bench
 from maxdiffusion_svg.bench.quality import (QualityBenchConfig, format_quality_bench, psnr, rel_l2,
                                             run_quality_bench)
 from maxdiffusion_svg.bench.synthetic import planted_qkv
@@ -138,6 +138,16 @@ def _check_calibration(cal, cfg):
   assert {f"{d:g}{'+compensation' if c else ''}" for d, c in zip(
       cal["densities"], cal["compensation"])} <= set(cal["rungs"])
   assert tiles["densities_only"] <= tiles["uniform"]
+  # at matched quality (uniform's error on the calibration draw): no more tiles, each spending
+  # judged on the held-out draws beside uniform
+  for count in (tiles["matched"], tiles["densities_matched"], cal["per_head"]["matched_tiles"]):
+    assert count <= tiles["uniform"] + 1e-9
+  assert set(cal["matched_db"]) == {"uniform", "per_layer", "densities_per_layer", "per_head"}
+  assert all(len(v) == len(cfg.held_out_seeds) for v in cal["matched_db"].values())
+  text = format_calibration_bench(cal)
+  assert f"at uniform {cfg.density}'s whole-model error" in text
+  assert (f"  per layer, densities alone{' ' * 16}{tiles['densities_matched']:>7.0f} tiles  "
+          f"{tiles['uniform'] / tiles['densities_matched']:>5.2f}x") in text
   (q, k, v), = layer_inputs(cfg, cfg.held_out_seeds[0])[2]  # the moving layer
   out = svg_attention(q, k, v, grid=cfg.grid,
                       config=dataclasses.replace(cfg.svg_config(), density=cal["densities"][2],

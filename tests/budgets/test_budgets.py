@@ -116,6 +116,30 @@ def test_calibration_never_exceeds_uniform_tiles_nor_its_error():
     calibrate_layers(errors, costs, rungs, Rung(0.2, False), target_error=-1.0)
 
 
+def test_matching_uniform_spends_the_fewest_tiles_at_uniforms_own_error():
+  """--match-uniform: brute force over every choice finds no cheaper one at uniform's error or
+  below; per head, the greedy bisection meets it too."""
+  rng = np.random.default_rng(11)
+  rungs = tuple(Rung(d, False) for d in (0.1, 0.2, 0.4, 1.0))
+  costs = np.array([10.0, 20.0, 40.0, 100.0])
+  # layers that lose little below the uniform rung, and one that gains much above it
+  errors = np.array([[0.11, 0.1, 0.05, 0.0], [0.02, 0.015, 0.01, 0.0], [0.9, 0.5, 0.1, 0.0],
+                     [0.5, 0.4, 0.3, 0.0]])
+  matched = calibrate_layers(errors, costs, rungs, Rung(0.2, False), match_uniform=True,
+                             max_loss_db=None)
+  uniform = errors[:, 1].sum()
+  want = min(costs[list(c)].sum() for c in itertools.product(range(4), repeat=4)
+             if errors[np.arange(4), list(c)].sum() <= uniform + 1e-12)
+  assert matched.allocation.error <= uniform + 1e-12 and matched.allocation.cost == want
+  assert matched.allocation.cost < matched.uniform_allocation.cost == 80.0
+  with pytest.raises(ValueError, match="--target-error or --match-uniform, not both"):
+    calibrate_layers(errors, costs, rungs, Rung(0.2, False), target_error=0.1, match_uniform=True)
+  heads = np.sort(rng.random((3, 4, 4)), axis=2)[:, :, ::-1]
+  met = calibrate_heads(heads, costs, (0.1, 0.2, 0.4, 1.0), 0.2, match_uniform=True)
+  assert met.allocation.error <= met.uniform_allocation.error + 1e-12
+  assert met.tiles <= met.uniform_tiles
+
+
 def test_candidate_rungs_hold_every_uniform_choice():
   config = SvgConfig(density=0.25, high_noise_density=0.35)
   both = candidate_rungs(config, (0.1, 0.5), "both", (None, "high_noise"))

@@ -153,6 +153,35 @@ def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoin
   assert calibrated_db >= uniform_db - 1e-9
 
 
+@pytest.mark.full  # one more generation; the allocation's rule is tested in tests/budgets
+def test_match_uniform_spends_fewer_tiles_at_uniforms_error_from_the_command_line(
+    wan21_checkpoint, run_config, tmp_path, capsys):
+  """``calibrate --match-uniform`` through the CLI: the fewest tiles whose measured error is
+  the uniform density's, the tiles saved and the run's work printed, and why it is not priced
+  against fixed-m here (a CPU's devices, the XLA executor)."""
+  import json  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.cli.main import main  # pylint: disable=import-outside-toplevel
+  out, report_path = tmp_path / "matched.yml", tmp_path / "matched.json"
+  code = main(["calibrate", str(run_config), *_overrides(wan21_checkpoint), "--out", str(out),
+               "--ladder", ",".join(map(str, LADDER)), "--match-uniform", "--json",
+               str(report_path)])
+  text = capsys.readouterr().out
+  assert code == 0 and out.is_file()
+  report = json.loads(report_path.read_text())
+  model, matched = report["experts"]["None"], report["matched"]
+  assert model["error"] <= model["uniform_error"] + 1e-12
+  assert model["tiles"] <= model["uniform_tiles"]
+  saved = 1 - model["tiles"] / model["uniform_tiles"]
+  assert (f"at uniform's measured error (--match-uniform): {model['tiles']:.0f} key tiles per "
+          f"head against uniform's {model['uniform_tiles']:.0f} ({saved:.1%} fewer)") in text
+  # the run's self-attention work over its steps and layers, from the overlay; no static
+  # schedule prices the XLA executor on a CPU
+  assert matched["calibrated"]["work_vs_dense"] <= matched["uniform"]["work_vs_dense"] + 1e-9
+  assert not matched["priced"] and "no static-schedule figures for xla" in matched["why"]
+  assert (f"self-attention work vs dense over the run {matched['calibrated']['work_vs_dense']:.3f}"
+          in text and "not priced against ulysses_custom_fixed_m" in text)
+
+
 @pytest.mark.full  # a second checkpoint and two more generations
 def test_wan22_calibrates_each_expert_and_runs_each_ones_densities(tmp_path):
   """Wan 2.2's two experts in one run: each its own layers' errors over the steps it runs, its
