@@ -282,20 +282,22 @@ def run_calibration(plan: CalibrationPlan, log: Callable[[str], None] = print
   overlay[RECORD_KEY] = record(plan.keys, len(plan.prompts))
   report["calibrated_on"] = overlay[RECORD_KEY]
   if plan.match_uniform:
-    report["matched"] = priced_runs(plan.keys, overlay, target)
+    report["matched"] = priced_runs(plan.keys, overlay, target, max(experts.values()))
   plan.out.write_text(_overlay_text(plan, overlay), encoding="utf-8")
   return report, frames
 
 
-def priced_runs(keys: dict[str, Any], overlay: dict[str, Any], target: Any) -> dict[str, Any]:
+def priced_runs(keys: dict[str, Any], overlay: dict[str, Any], target: Any,
+                layers: int | None = None) -> dict[str, Any]:
   """The run at the overlay's budgets and at the config's uniform one, as ``tiles CONFIG``
-  prices them on ``target``: self-attention's work against dense over the run, and its bound
-  against ``ulysses_custom_fixed_m`` by libtpu's static schedule where figures exist."""
+  prices them on ``target`` (``layers``: the model's, as the run built it): self-attention's
+  work against dense over the run, and its bound against ``ulysses_custom_fixed_m`` by
+  libtpu's static schedule where figures exist."""
   own = {key: value for key, value in overlay.items() if key.startswith("svg_")}
   out: dict[str, Any] = {"target": target.describe()}
   for name, config in (("calibrated", {**keys, **own}), ("uniform", keys)):
     try:
-      result = estimate_config(config, target)
+      result = estimate_config(config, target, layers=layers)
     except ValueError as err:
       return {**out, "priced": False, "why": str(err)}
     combined, row = result["combined"], result["rows"][0]

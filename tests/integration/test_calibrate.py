@@ -153,6 +153,34 @@ def test_the_calibrated_run_is_no_further_from_dense(calibrated, wan21_checkpoin
   assert calibrated_db >= uniform_db - 1e-9
 
 
+def test_a_matched_run_is_priced_against_fixed_m_on_a_tpu():
+  """What --match-uniform prints on a v6e: the run at the overlay's per-layer densities and at
+  the uniform one, each as `tiles` prices it (work and the bound against fixed-m)."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.target import tpu_target
+  from maxdiffusion_svg.plugin import overlay
+  from maxdiffusion_svg.plugin.estimate import estimate_config
+  from tiny_runs import ROOT
+  # pylint: enable=import-outside-toplevel
+  keys, _ = overlay.load_config(ROOT / "configs" / "wan_svg.yml")
+  v6e = tpu_target("v6e")
+  cheaper = {"svg_layer_densities": [0.2] * 40, "base_config": "ignored"}
+  priced = calibrate.priced_runs(keys, cheaper, v6e, layers=40)
+  assert priced["priced"]
+  want = estimate_config({**keys, "svg_layer_densities": [0.2] * 40}, v6e, layers=40)["combined"]
+  assert priced["calibrated"]["work_vs_dense"] == pytest.approx(want["work_vs_dense"])
+  assert priced["calibrated"]["vs_fixed_m"] == want["vs_fixed_m"]
+  mine, uniform = priced["calibrated"]["vs_fixed_m"], priced["uniform"]["vs_fixed_m"]
+  assert mine["fixed"]["bound"] > uniform["fixed"]["bound"] > 1
+  report = {"overlay": "/x/matched.yml", "matched": priced,
+            "experts": {"None": {"tiles": 80.0, "uniform_tiles": 100.0}}}
+  line = calibrate._matched_line(report)  # pylint: disable=protected-access
+  assert line.startswith("at uniform's measured error (--match-uniform): 80 key tiles per head "
+                         "against uniform's 100 (20.0% fewer)")
+  assert (f"against ulysses_custom_fixed_m on {priced['target']} at most "
+          f"{mine['fixed']['bound']:.2f}x (uniform {uniform['fixed']['bound']:.2f}x") in line
+
+
 @pytest.mark.full  # one more generation; the allocation's rule is tested in tests/budgets
 def test_match_uniform_spends_fewer_tiles_at_uniforms_error_from_the_command_line(
     wan21_checkpoint, run_config, tmp_path, capsys):
