@@ -203,7 +203,8 @@ def test_the_walk_tells_the_tile_kinds_apart(hand_case):
 OUR_ROLES = ("step", "init", "full", "online", "commit", "online_rescaled", "masked", "final")
 
 
-@pytest.mark.parametrize("path", ["full", "online", "online_rerun"])
+@pytest.mark.parametrize("path", ["full", "online",
+                                  pytest.param("online_rerun", marks=pytest.mark.full)])
 def test_our_kernels_static_total_equals_its_listing_walked(tmp_path, path):
   """The same hand count for our kernel, for a head on the fixed offset and one on online
   softmax: each row's tiles 0-3 run that mask-free body, tile 4 the masked one. On online
