@@ -22,7 +22,7 @@ OFFSET = 88.0  # C: no kept term exceeds 2**C
 FLUSH_EXPONENT = 126  # float32 below 2**-126 is flushed to zero on TPUs
 LOSS_EXPONENT = 10  # flushed terms may add at most 2**-10 of the row's largest term
 OVERFLOW_EXPONENT = 127  # float32's largest finite value is below 2**128
-HEADROOM = 64  # an online row keeps its offset while its tiles' maxima stay within 2**64 of it
+HEADROOM = 64  # an online row keeps its offset while each tile's sums stay within 2**64 of it
 
 
 def gate(seq_len: int, every_key_visited: bool) -> float:

@@ -4,9 +4,9 @@ Faster than Splash's tile body (docs/benchmarks.md): scores are ``K·Qᵀ`` so a
 statistics are one lane; ``log2(e)`` and the scale are folded into q once; heads passing the
 gate (:mod:`maxdiffusion_svg.kernels.fixed_offset`) use a fixed offset, other heads and all
 masked tiles online softmax. An online head's mask-free tile first runs with the row's offset
-as it stands, no rescale, into a scratch accumulator, and commits it if no query's maximum grew
-past the head's headroom; else (and on a row's first tile) it reruns the tile rescaling. The
-grid walks the packed work list
+as it stands, no rescale, into a spare accumulator, and keeps it if no query's tile sum passed
+``2**headroom``; else (and on a row's first tile) it reruns the tile rescaling. The grid walks
+the packed work list
 (:mod:`maxdiffusion_svg.kernels.worklist`), one output block per row, written when the row
 closes (zeros if it keeps no key); a per-head budget's grid is ragged, ``(cores, steps)``.
 """
@@ -92,6 +92,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
 
   rows = m_ref.shape[0]
   wide = lambda x: jnp.broadcast_to(x, (rows, bq))
+  live_acc = lambda: accs_ref.at[slot_ref[0]]  # the row's accumulator (the other is the spare)
 
   @pl.when(first == 1)
   def _open_row():
@@ -109,11 +110,11 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
                          preferred_element_type=jnp.float32)
     if alpha is None:
       l_ref[...] += wide(p.sum(axis=0, keepdims=True))
-      acc_ref = accs_ref.at[slot_ref[0]]
+      acc_ref = live_acc()
       acc_ref[...] += pv
     else:
       l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
-      acc_ref = accs_ref.at[slot_ref[0]]
+      acc_ref = live_acc()
       acc_ref[...] = alpha[0:1] * acc_ref[...] + pv
 
   def fixed_chunk(c, carry):
@@ -210,7 +211,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
         p = jnp.exp2(s - m_next[0:1])
         alpha = jnp.exp2(m_prev - m_next)
         l_ref[...] = alpha * l_ref[...] + wide(p.sum(axis=0, keepdims=True))
-        acc_ref = accs_ref.at[slot_ref[0]]
+        acc_ref = live_acc()
         acc_ref[...] = alpha[0:1] * acc_ref[...] + lax.dot_general(
             rv_ref[pl.ds(c * chunk, chunk), :], p.astype(rv_ref.dtype), _TN,
             preferred_element_type=jnp.float32)
@@ -218,7 +219,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
 
       lax.fori_loop(0, rk_ref.shape[0] // chunk, row_key_chunk, None, unroll=True)
     l = l_ref[0:1]
-    out = accs_ref[slot_ref[0]] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    out = live_acc()[...] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = out.T.astype(o_ref.dtype)
     if lse_ref is not None:
       # Base-2 logits of q prescaled by log2(e): ln sum exp = (m + log2 l) ln 2.

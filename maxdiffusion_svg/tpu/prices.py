@@ -37,8 +37,9 @@ class KernelPrices:
     out = masked * self.masked + rows * self.row + (full + masked) * self.step
     if not online:
       return out + full * self.full
-    first = min(rows, full) if self.online_rescaled is not None else 0
-    return out + (full - first) * self.online + first * (self.online_rescaled or 0)
+    first = min(rows, full)  # MaxDiffusion's online body rescales on every tile: no other
+    rescaled = self.online if self.online_rescaled is None else self.online_rescaled
+    return out + (full - first) * self.online + first * rescaled
 
   def dense_call(self, tokens: int, online: bool = False) -> int:
     """A dense call over every tile, its last kv column priced as the masked body."""
