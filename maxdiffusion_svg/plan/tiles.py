@@ -204,7 +204,26 @@ class ComputedMask(Mask):
     xp, table = (np, self.visited) if numpy else (jnp, jnp.asarray(self.visited))
     rows = xp.minimum(q // plan.block_q, plan.num_q_tiles - 1)
     cols = xp.minimum(k // plan.block_kv, plan.num_kv_tiles - 1)
-    return table[rows, cols]
+    return table[rows, cols] if numpy else lookup(table, rows, cols)
+
+
+def lookup(table: Any, rows: Any, cols: Any) -> Any:
+  """``table[rows, cols]`` (broadcasting) for a 0/1 table, by one-hot products instead of a
+  gather: libtpu runs a gather one vector of 128 elements at a time, and the router's lookup of
+  sampled rows against every key cost more than the sparse kernel it routes
+  (docs/benchmarks.md, "A denoising step"). Exact: each product sums one 0/1 term."""
+  rows, cols = jnp.asarray(rows), jnp.asarray(cols)
+  num_rows, num_cols = table.shape
+  one_hot = lambda i, n: (i[..., None] == jnp.arange(n, dtype=i.dtype)).astype(jnp.bfloat16)
+  by_row = jnp.matmul(one_hot(rows, num_rows), table.astype(jnp.bfloat16))  # rows.shape + (nkv,)
+  hot = one_hot(cols, num_cols)  # cols.shape + (nkv,)
+  if rows.ndim >= 2 and cols.ndim >= 2 and rows.shape[-1] == 1 and cols.shape[-2] == 1:
+    # an outer product ([..., R, 1] by [..., 1, S]): one matrix product
+    hits = jnp.matmul(by_row[..., 0, :], jnp.swapaxes(hot[..., 0, :, :], -1, -2),
+                      preferred_element_type=jnp.float32)
+  else:
+    hits = jnp.sum(by_row * hot, axis=-1, dtype=jnp.float32)
+  return hits > 0.5
 
 
 def plan_tiles(grid: VideoGrid, density: float, block_q: int, block_kv: int,

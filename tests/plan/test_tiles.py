@@ -1,11 +1,13 @@
 """Tile plans against brute-force tile classification of the dense mask on small grids."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from maxdiffusion_svg.plan.geometry import TokenOrder, VideoGrid, grid_for_resolution
 from maxdiffusion_svg.plan.masks import PlacedMask, SvgMask, svg_mask
-from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, TileMode, plan_mask_tiles, plan_tiles
+from maxdiffusion_svg.plan.tiles import (EMPTY, FULL, MASKED, TileMode, lookup, plan_mask_tiles,
+                                          plan_tiles)
 
 # (grid, density, block_q, block_kv, include_sink): odd sizes leave padding in both dims.
 CASES = [
@@ -211,3 +213,21 @@ def test_plan_for_a_bare_mask_without_sink_or_band():
   np.testing.assert_array_equal(plan.tile_map(), np.diag([MASKED] * 3))
   aligned = plan_mask_tiles(SvgMask(300, 0), 128, 128, "aligned")
   assert aligned.dense_mask().any(axis=1).all()
+
+
+@pytest.mark.parametrize("rows_shape,cols_shape", [((5, 1), (1, 13)), ((2, 5, 1), (2, 1, 13)),
+                                                   ((2, 5, 1), (1, 13)), ((6,), (6,)),
+                                                   ((3, 4), (1, 4))])
+def test_lookup_is_the_tables_entries(rows_shape, cols_shape):
+  rng = np.random.default_rng(0)
+  table = rng.random((7, 11)) < 0.4
+  rows, cols = rng.integers(0, 7, rows_shape), rng.integers(0, 11, cols_shape)
+  got = np.asarray(lookup(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(cols)))
+  np.testing.assert_array_equal(got, table[rows, cols])
+
+
+def test_computed_mask_on_device_is_the_numpy_one():
+  plan = plan_tiles(VideoGrid(5, 8, 16), 0.3, 128, 256, "aligned")
+  q, k = np.arange(plan.seq_len)[:, None], np.arange(plan.seq_len)[None, :]
+  np.testing.assert_array_equal(np.asarray(plan.computed_mask.contains(jnp.asarray(q), jnp.asarray(k))),
+                                plan.computed_mask.contains(q, k))
