@@ -52,6 +52,17 @@ WAN_14B = {
     "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": None,
     "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
 }
+# Wan 2.1 T2V 1.3B's: 12 heads of 128 (width 1536), its feed-forward and depth.
+WAN_1_3B = {**WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+
+
+def architecture_for(config) -> dict[str, Any]:
+  """The Wan transformer a MaxDiffusion config loads: the 1.3B by its checkpoint's name, else
+  the 14B's (Wan 2.1 14B, and each expert of Wan 2.2 A14B)."""
+  name = str(getattr(config, "pretrained_model_name_or_path", "") or "")
+  return WAN_1_3B if "1.3b" in name.lower() else WAN_14B
+
+
 # Wan's VAE: 4x temporal (the first frame alone), 8x spatial compression; 16 channels.
 VAE_TEMPORAL, VAE_SPATIAL, LATENT_CHANNELS = 4, 8, 16
 NUM_STEPS = 50  # the schedule written into the svg transformer (wan_svg.yml's run)
@@ -147,16 +158,17 @@ def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
 
 
 @contextlib.contextmanager
-def weightless_loaders(num_layers: int):
-  """``create_sharded_logical_transformer`` without weights: Wan 14B's architecture with
-  ``num_layers`` layers, each parameter a ``ShapeDtypeStruct`` with its final dtype and the
-  ``NamedSharding`` the pipeline computed for it."""
+def weightless_loaders(num_layers: int, architecture: dict[str, Any] | None = None):
+  """``create_sharded_logical_transformer`` without weights: ``architecture`` (Wan 14B's by
+  default) with ``num_layers`` layers, each parameter a ``ShapeDtypeStruct`` with its final dtype
+  and the ``NamedSharding`` the pipeline computed for it."""
   # pylint: disable=import-outside-toplevel
   import flax
   import jax
   from maxdiffusion.pipelines.wan import wan_pipeline
   # pylint: enable=import-outside-toplevel
-  load_config, load_weights = abstract_loaders({**WAN_14B, "num_layers": num_layers})
+  load_config, load_weights = abstract_loaders({**(architecture or WAN_14B),
+                                                "num_layers": num_layers})
 
   def place(state, params, shardings, mesh, restored_checkpoint=None, subfolder=""):
     del mesh, restored_checkpoint, subfolder
@@ -180,7 +192,7 @@ def weightless_transformer(config, mesh_devices, num_layers: int, subfolder: str
   from maxdiffusion.pipelines.wan import wan_pipeline
   # pylint: enable=import-outside-toplevel
   array, mesh = mesh_devices
-  with weightless_loaders(num_layers), mesh:
+  with weightless_loaders(num_layers, architecture_for(config)), mesh:
     return wan_pipeline.create_sharded_logical_transformer(
         devices_array=array, mesh=mesh, rngs=nnx.Rngs(0), config=config,
         subfolder=subfolder)
@@ -256,7 +268,7 @@ def compile_forward(kernel: str, config_path: str | pathlib.Path = DEFAULT_CONFI
   # pylint: enable=import-outside-toplevel
   plugin.register()
   config = init_config(config_path, kernel, **(overrides or {}))
-  layers = num_layers or WAN_14B["num_layers"]
+  layers = num_layers or architecture_for(config)["num_layers"]
   mesh_devices = topology_mesh(config, topology)
   mesh = mesh_devices[1]
   row: dict[str, Any] = {"kernel": kernel, "ok": False, "error": "", "memory": {},

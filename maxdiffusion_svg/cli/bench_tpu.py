@@ -55,6 +55,38 @@ def _bench_wan_forward(args: argparse.Namespace) -> int:
   return 0
 
 
+def _tile_choices(text: str) -> list[tuple[int, int, int]]:
+  out = []
+  for item in text.split(","):
+    match = re.fullmatch(r"(\d+)x(\d+)/(\d+)", item.strip())
+    if match is None:
+      raise argparse.ArgumentTypeError(f"{item!r}: expected QxKV/STEP, e.g. 3328x1536/512")
+    out.append(tuple(int(g) for g in match.groups()))
+  return out
+
+
+def _bench_step(args: argparse.Namespace) -> int:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+  from maxdiffusion_svg.bench.step import format_step, run_step_bench  # pylint: disable=import-outside-toplevel
+  import yaml  # pylint: disable=import-outside-toplevel
+  overrides = {}
+  for item in args.set or []:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set height=1440")
+    overrides[key] = yaml.safe_load(value)
+  if args.tiles:
+    from maxdiffusion_svg.bench.step import format_tile_choices, run_tile_choices  # pylint: disable=import-outside-toplevel
+    result = run_tile_choices(args.config, args.slice, args.tiles, layers=args.layers,
+                              log=_progress)
+    _report(args, format_tile_choices(result), result)
+    return 0
+  result = run_step_bench(args.config, args.slice, layers=args.layers, subfolder=args.subfolder,
+                          overrides=overrides, log=_progress)
+  _report(args, format_step(result), result)
+  return 0
+
+
 def _bench_wan_train(args: argparse.Namespace) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
   import yaml  # pylint: disable=import-outside-toplevel
@@ -226,6 +258,28 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
                         "transformer_2 (low noise)")
   _add_json_arg(wan)
   wan.set_defaults(run=_bench_wan_forward)
+
+  step = bench_sub.add_parser(
+      "step", help="one denoising step of the configured Wan model compiled by libtpu for a "
+                   "slice (no weights, no TPU), priced from the compiled program by class: svg "
+                   "against ulysses_custom_fixed_m, the step's and the run's bound (needs "
+                   "MaxDiffusion on PYTHONPATH)")
+  step.add_argument("--config", default="configs/wan_svg.yml", help="the run's config")
+  step.add_argument("--slice", default="v6e-8", help="the TPU slice, e.g. v6e-8, v6e-32")
+  step.add_argument("--layers", type=_positive_int, default=2,
+                    help="scanned layers compiled (the step prices one layer times the model's "
+                         "depth; default 2)")
+  step.add_argument("--subfolder", default="transformer", choices=["transformer", "transformer_2"],
+                    help="with a Wan 2.2 config, the expert: transformer (high noise) or "
+                         "transformer_2 (low noise)")
+  step.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="a config key (YAML value), e.g. --set height=1440 --set width=2560")
+  step.add_argument("--tiles", type=_tile_choices, metavar="QxKV/STEP,...",
+                    help="instead: each tile choice's whole step (its kernel's bodies and its "
+                         "svg forward compiled), against the stored baseline step, e.g. "
+                         "3328x1536/512,2048x1024/512")
+  _add_json_arg(step)
+  step.set_defaults(run=_bench_step)
 
   train = bench_sub.add_parser(
       "wan-train", help="compile MaxDiffusion's Wan 2.1 14B training step (loss, gradients, "

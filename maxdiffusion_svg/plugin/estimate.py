@@ -30,6 +30,7 @@ from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.routing.compensation import plan_row_keys
 from maxdiffusion_svg.routing.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES
+from maxdiffusion_svg.tpu.step_prices import step_prices
 
 # Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
 # 2.1 14B, eight v6e chips): "full attention's share of per-layer latency" grows "from 55.5% to
@@ -196,8 +197,10 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
     priced.append(_weighted({r: _against_fixed_m(by_rung[r], rows[-1].sparse_call_share,
                                                  tiles, target, backend, dense_rows)
                              for r in weights}, weights))
-  combined = _combined(rows, priced, *dense_blocks_of(keys, shape))
+  blocks_count, blocks_source = dense_blocks_of(keys, shape)
+  combined = _combined(rows, priced, blocks_count, blocks_source)
   share, source = attention_share(grid.tokens, given_share, video_model(keys))
+  mesh = checks["slice"]
   # checked by check_config above; per-layer compensation: what its compensated layers add
   compensated = any(svg.budget(e).layer_compensation is not None for e in experts) and any(
       r.compensation for weights in rungs.values() for r in weights)
@@ -220,8 +223,52 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
           "combined": combined,
           "compensation": _compensation(blocks, next(iter(plans.values())),
                                         per_layer=compensated),
-          "end_to_end": {"attention_share": share, "source": source,
+          "end_to_end": {"priced": _priced_step(rows, priced, target, grid.tokens, heads, mesh,
+                                                keys, blocks_count),
+                         "attention_share": share, "source": source,
                          "step_speedup_bound": amdahl(share, combined["work_vs_dense"])}}
+
+
+def _priced_step(rows: list[Estimate], priced: list[dict[str, Any]], target: Target,
+                 tokens: int, heads: int, mesh: dict[str, Any] | None, keys: Mapping[str, Any],
+                 blocks: int) -> dict[str, Any]:
+  """A sparse step's and the whole run's bound against ``ulysses_custom_fixed_m`` from the
+  compiled Wan forward (:data:`~maxdiffusion_svg.tpu.step_prices.STEP_PRICES`: the XLA around
+  the kernels) and the kernels' plans, per expert; or why it cannot be priced (``mesh``: the
+  slice's checks, None without one)."""
+  if mesh is None:
+    return {"priced": False, "why": "no slice given (--slice)"}
+  family, data = video_model(keys), mesh["mesh"].get("data", 1)
+  chip = target.generation.name if target.known else ""
+  key = (chip, tokens, heads, mesh["heads_per_device"], 2 // data if 2 % data == 0 else 0,
+         mesh["ring"])
+  t2v = family is WAN and str(keys.get("model_type", "T2V")).upper() == "T2V" and not blocks
+  prices = step_prices(key) if t2v else None
+  if prices is None or not all(vs.get("priced") for vs in priced):
+    why = (f"no compiled step for {family.name} {keys.get('model_type', 'T2V')}, {tokens:,} "
+           f"tokens, {heads} heads, {key[3]} per device, batch {key[4]} per device, ring "
+           f"{key[5]} on {target.chip}: `python -m maxdiffusion_svg bench step --config CONFIG "
+           f"--slice SLICE` compiles and prices one")
+    return {"priced": False, "why": why}
+  launches = key[3] * key[4]  # the device's heads of its share of the CFG pair, one launch a layer
+  out: dict[str, Any] = {"priced": True, "source": prices.source, "libtpu": LIBTPU,
+                         "experts": {}}
+  for path in ("fixed", "online"):
+    run = base = 0.0
+    for row, vs in zip(rows, priced):
+      calls = vs[path]
+      sparse = prices.step(row.layers, row.sparse_layers, calls["sparse_call"],
+                           calls["dense_call"], launches)
+      dense = prices.step(row.layers, 0, calls["sparse_call"], calls["dense_call"], launches)
+      theirs = prices.baseline_step(row.layers, vs["fixed_m_call"], launches)
+      run += row.sparse_steps * sparse + (row.steps - row.sparse_steps) * dense
+      base += row.steps * theirs
+      expert = out["experts"].setdefault(row.expert or "", {})
+      expert[path] = {"sparse_step": theirs / sparse, "dense_step": theirs / dense}
+      expert["attention_share"] = 1 - (prices.baseline_outside + row.layers * (
+          prices.baseline_layer_rest)) / theirs
+    out[path] = {"run": base / run}
+  return out
 
 
 def _compensation(blocks: int, plan, per_layer: bool = False) -> dict[str, Any] | None:

@@ -155,9 +155,28 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"({sem['cold_iterations']} iterations, {warm}; computed); what a semantic head costs is "
         f"its placement gathers: {SEMANTIC_CALL_NOTE}; not in the bounds here")
   e2e = result["end_to_end"]
+  lines.append(_end_to_end(e2e))
   lines.append(
-      f"end to end: a denoising step at most {e2e['step_speedup_bound']:.2f}x faster (Amdahl: "
-      f"self-attention {e2e['attention_share']:.1%} of a dense step's time, {e2e['source']})")
+      f"  cross-check, Amdahl's law: a step at most {e2e['step_speedup_bound']:.2f}x faster if "
+      f"self-attention were {e2e['attention_share']:.1%} of a dense step ({e2e['source']})")
   if result.get("libtpu_note"):
     lines.append(f"note: {result['libtpu_note']}")
   return "\n".join(lines)
+
+
+def _end_to_end(e2e: dict[str, Any]) -> str:
+  """The step's and the run's bound from the compiled program, or why there is none."""
+  step = e2e.get("priced") or {"priced": False, "why": "not priced"}
+  if not step["priced"]:
+    return f"end to end: not priced from a compiled program ({step['why']})"
+  parts = []
+  for expert, row in step["experts"].items():
+    name = f"{expert}: " if expert else ""
+    parts.append(f"{name}a sparse step at most {row['fixed']['sparse_step']:.2f}x "
+                 f"({row['online']['sparse_step']:.2f}x with every head on online softmax), a "
+                 f"dense one {row['fixed']['dense_step']:.2f}x; self-attention "
+                 f"{row['attention_share']:.1%} of the baseline's step")
+  return (f"end to end, against ulysses_custom_fixed_m's step (libtpu {step['libtpu']}'s static "
+          f"schedule of the compiled Wan forward, {step['source']}; the kernels from their "
+          f"plans): {'; '.join(parts)}; the run at most {step['fixed']['run']:.2f}x "
+          f"({step['online']['run']:.2f}x)")

@@ -51,18 +51,20 @@ class KernelPrices:
 def prices_from_schedule(result: dict[str, Any]) -> dict[str, KernelPrices]:
   """``{"ours", "maxdiffusion_fixed_m"}`` prices from a ``bench schedule --maxdiffusion --json``
   result (our aligned mode and MaxDiffusion's fixed-m kernel at its fast recipe)."""
-  out = {}
-  for name, mode in (("ours", "aligned"), ("maxdiffusion_fixed_m",
-                                            "maxdiffusion_custom_fixed_m fast recipe")):
-    row = result["modes"][mode]
-    kernel, case = row["kernel"], row["case"]
-    region = lambda key: (kernel.get(key) or {}).get("bundles", 0)
-    out[name] = KernelPrices(
-        tiles=(case["block_q"], case["block_kv"], case["block_kv_compute"]),
-        full=region("full"), online=region("online"), masked=region("masked"),
-        row=region("row_init") + region("row_final"), step=kernel["step_overhead"],
-        online_rescaled=region("online_rescaled") or None)
-  return out
+  return {name: kernel_prices(result["modes"][mode])
+          for name, mode in (("ours", "aligned"), ("maxdiffusion_fixed_m",
+                                                   "maxdiffusion_custom_fixed_m fast recipe"))}
+
+
+def kernel_prices(row: dict[str, Any]) -> KernelPrices:
+  """One compiled case's prices (a ``bench schedule`` row: its case and its bodies' bundles)."""
+  kernel, case = row["kernel"], row["case"]
+  region = lambda key: (kernel.get(key) or {}).get("bundles", 0)
+  return KernelPrices(
+      tiles=(case["block_q"], case["block_kv"], case["block_kv_compute"]),
+      full=region("full"), online=region("online"), masked=region("masked"),
+      row=region("row_init") + region("row_final"), step=kernel["step_overhead"],
+      online_rescaled=region("online_rescaled") or None)
 
 
 # From docs/measurements/schedule_<chip>_720p.json (libtpu 0.0.50.1; tests/tpu/test_schedule_costs.py

@@ -16,6 +16,7 @@ from maxdiffusion_svg.plan.target import tpu_target
 from maxdiffusion_svg.plan.tiles import plan_tiles
 from maxdiffusion_svg.plugin import preflight
 from maxdiffusion_svg.plugin.wan22 import expert_steps
+from maxdiffusion_svg.tpu.step_prices import STEP_PRICES
 
 WAN14B = {"model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,
           "width": 1280, "num_inference_steps": 50, "activations_dtype": "bfloat16",
@@ -270,9 +271,45 @@ def test_wan22_experts_run_their_own_steps_and_the_run_combines_them(tmp_path, c
   # Amdahl at the given share.
   step = 1 / (0.5 + 0.5 * work)
   assert result["end_to_end"] == {"attention_share": 0.5, "source": "given with --attention-share",
-                                  "step_speedup_bound": pytest.approx(step)}
-  assert (f"end to end: a denoising step at most {step:.2f}x faster (Amdahl: self-attention "
-          f"50.0% of a dense step's time, given with --attention-share)") in out
+                                  "step_speedup_bound": pytest.approx(step),
+                                  "priced": {"priced": False, "why": "no slice given (--slice)"}}
+  assert (f"cross-check, Amdahl's law: a step at most {step:.2f}x faster if self-attention were "
+          f"50.0% of a dense step (given with --attention-share)") in out
+  assert "end to end: not priced from a compiled program (no slice given (--slice))" in out
+
+
+def test_a_step_is_priced_from_the_compiled_forward_for_each_expert(tmp_path, capsys):
+  """On a v6e-8 at 720p the step is the compiled forward's XLA (STEP_PRICES) plus each layer's
+  kernel calls from its plan, the run both experts' steps (by hand, against fixed-m's)."""
+  prices = STEP_PRICES[("v6e", 75_600, 40, 5, 2, 1)]
+  code, out, _, result = tiles(tmp_path, capsys, WAN22, "--slice", "v6e-8")
+  step = result["end_to_end"]["priced"]
+  assert code == 0 and step["priced"] and step["source"] == prices.source
+  for path in ("fixed", "online"):
+    ours = theirs = 0.0
+    for row in result["rows"]:
+      vs = row["vs_fixed_m"]
+      layer_xla = prices.layer_rest
+      sparse = (prices.outside + 40 * layer_xla + 39 * (prices.sparse_attention
+                                                        + 10 * vs[path]["sparse_call"])
+                + 1 * (prices.dense_attention + 10 * vs[path]["dense_call"]))
+      dense = prices.outside + 40 * (layer_xla + prices.dense_attention + 10 * vs[path]["dense_call"])
+      base = prices.baseline_outside + 40 * (prices.baseline_layer_rest + prices.baseline_attention
+                                             + 10 * vs["fixed_m_call"])
+      assert step["experts"][row["expert"]][path]["sparse_step"] == pytest.approx(base / sparse)
+      ours += row["sparse_steps"] * sparse + (row["steps"] - row["sparse_steps"]) * dense
+      theirs += row["steps"] * base
+    assert step[path]["run"] == pytest.approx(theirs / ours)
+  assert f"the run at most {step['fixed']['run']:.2f}x" in out and "high_noise: a sparse step" in out
+  # A video no compiled step holds names the command that prices one.
+  _, out, _, result = tiles(tmp_path, capsys, {**WAN14B, "height": 480, "width": 832},
+                            "--slice", "v6e-8")
+  assert not result["end_to_end"]["priced"]["priced"] and "bench step --config" in out
+  # Nor one on another mesh (the CFG pair split over data: a device's batch of 1), nor I2V's.
+  for config, slice_type in (({**WAN14B, "ici_data_parallelism": 2}, "v6e-16"),
+                             ({**WAN14B, "model_type": "I2V"}, "v6e-8")):
+    code, _, _, result = tiles(tmp_path, capsys, config, "--slice", slice_type)
+    assert code == 0 and not result["end_to_end"]["priced"]["priced"]
 
 
 def test_vace_counts_its_references_in_the_grid_and_its_control_blocks_dense(tmp_path, capsys):

@@ -10,6 +10,7 @@ from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.plan.target import tpu_target
 from maxdiffusion_svg.plugin.estimate import _against_fixed_m
 from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES, KernelPrices, prices_from_schedule
+from maxdiffusion_svg.tpu.step_prices import STEP_PRICES, prices_from_step, step_key
 
 MEASUREMENTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements"
 
@@ -83,3 +84,26 @@ def test_a_call_is_its_tiles_rows_and_steps():
   assert lazy.call(2, 0, 3, online=True) == 2 * 20 + 3 * 3 + 2  # a row with no full tile
   # 600 tokens: 3 rows of 3 kv tiles, the last column ragged.
   assert prices.dense_call(600) == prices.call(6, 3, 3)
+
+
+@pytest.mark.parametrize("key", sorted(STEP_PRICES))
+def test_step_prices_are_the_stored_step_and_price_it_again(key):
+  prices = STEP_PRICES[key]
+  result = json.loads((MEASUREMENTS.parent.parent / prices.source).read_text())
+  assert step_key(result) == key and prices_from_step(result, prices.source) == prices
+  calls, launches = result["kernel_calls_per_head"], key[3] * key[4]
+  for path in ("fixed", "online"):
+    sparse = result[path]["sparse_step"]
+    ours = prices.step(result["depth"], result["sparse_layers"], calls[path]["sparse"],
+                       calls[path]["dense"], launches)
+    assert ours == pytest.approx(sparse["svg"]["total"])
+    assert prices.baseline_step(result["depth"], calls["fixed_m"], launches) == pytest.approx(
+        sparse["baseline"]["total"])
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in MEASUREMENTS.glob("step_wan*.json")))
+def test_every_stored_step_prices_as_its_entry(path):
+  """Wan 2.2's experts compile to the same XLA as Wan 2.1 14B's, to the bundle."""
+  result = json.loads((MEASUREMENTS / path).read_text())
+  prices = STEP_PRICES[step_key(result)]
+  assert prices_from_step(result, prices.source) == prices

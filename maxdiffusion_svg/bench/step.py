@@ -1,0 +1,469 @@
+"""One denoising step priced from its compiled program (``bench step``), not an assumed share.
+
+The configured Wan model's forward (the CFG pair in, guided noise out: one step) is compiled by
+libtpu for the slice, at ``layers`` layers in MaxDiffusion's scan, once with ``svg`` and once with
+the dense baseline (``ulysses_custom_fixed_m`` at its fast recipe), each in a child whose libtpu
+dumps its final schedules. Every computation the program calls is priced by
+:func:`~maxdiffusion_svg.bench.schedule_xla.price_program` and put in one class by its HLO
+instruction (:func:`classify`). The Mosaic kernels are priced from their plans
+(:mod:`maxdiffusion_svg.tpu.prices`: ours per visited tile, fixed-m's per tile of its recipe).
+
+The scan's body is one layer: a step is the program outside the scan plus the model's depth times
+one layer (priced from ``layers`` compiled layers, so two suffice). svg's program holds both
+branches of the schedule's ``lax.cond``: a sparse layer is priced without the dense branch's
+computations, a dense one without the sparse branch's. Collectives: each one's result bytes per
+device, and their time at the chip's ICI bandwidth (:data:`ICI`). Static bundles, not time: no
+memory stall shows, and a collective's transfer is not a bundle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+from typing import Any, Callable, Mapping, Sequence
+
+from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
+from maxdiffusion_svg.tpu.aot import child_result, print_result
+from maxdiffusion_svg.tpu.bundles import dump_flags
+
+SELF, CROSS, PROJECTIONS, COLLECTIVES, REST = (
+    "self-attention", "cross-attention", "projections and MLP", "collectives", "norms and the rest")
+CLASSES = (SELF, CROSS, PROJECTIONS, COLLECTIVES, REST)
+KERNEL = "self-attention kernel"  # the Mosaic kernels' share of SELF, priced from plans
+COLLECTIVE_OPS = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+# Bidirectional ICI bandwidth per chip, bytes/s, as Google Cloud's TPU pages state it.
+ICI = {"v5e": (400e9, "cloud.google.com/tpu/docs/v5e"),
+       "v6e": (800e9, "cloud.google.com/tpu/docs/v6e")}
+# Module names MaxDiffusion's Wan gives its projections and feed-forward (in HLO op_name paths).
+_PROJECTION = re.compile(r"/(?:\w*_proj|proj_\w+|gelu|ffn|net_\d|linear_?\d*|to_out\w*|\w*embed\w*)/")
+_BRANCH = re.compile(r"apply_attention/.*?cond/branch_(\d+)_fun")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
+_SHAPE = re.compile(r"\b(?:bf16|f16|f32|f64|s8|u8|s16|u16|s32|u32|s64|u64|pred)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+BASELINES = {"wan": "ulysses_custom_fixed_m"}
+_TOPOLOGIES = {8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: its opcode, op_name (metadata) and text."""
+
+  opcode: str
+  op_name: str
+  line: str
+
+
+def instructions(hlo: str) -> dict[str, Instruction]:
+  """Each instruction of an optimised HLO module by name."""
+  out = {}
+  for line in hlo.splitlines():
+    match = _INSTRUCTION.match(line)
+    if match:
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      out[match.group(1)] = Instruction(match.group(3), op_name.group(1) if op_name else "", line)
+  return out
+
+
+def _dims(line: str) -> set[int]:
+  return {int(d) for dims in _SHAPE.findall(line) for d in dims.split(",") if d}
+
+
+def classify(inst: Instruction, text_len: int) -> str:
+  """The class of the step an instruction belongs to: a collective by its opcode; attention by
+  MaxDiffusion's ``apply_attention`` scope (video self-attention runs in a ``shard_map``;
+  cross-attention outside it, over ``text_len`` keys); projections and the feed-forward by their
+  modules' names; the rest (norms, modulation, embeddings, copies) otherwise."""
+  if re.sub(r"-(start|done)$", "", inst.opcode) in COLLECTIVE_OPS:
+    return COLLECTIVES
+  if "apply_attention" in inst.op_name:
+    if "shard_map" in inst.op_name or text_len not in _dims(inst.line):
+      return SELF
+    return CROSS
+  return PROJECTIONS if _PROJECTION.search(inst.op_name + "/") else REST
+
+
+def branch(inst: Instruction) -> int | None:
+  """Which branch of svg's schedule ``lax.cond`` runs the instruction (0: dense, 1: sparse)."""
+  match = _BRANCH.search(inst.op_name)
+  return int(match.group(1)) if match else None
+
+
+def in_layer(inst: Instruction) -> bool:
+  """Whether the instruction is in the scanned layers' body."""
+  return "/while/body/" in inst.op_name
+
+
+def collective_bytes(hlo: str) -> list[dict[str, Any]]:
+  """Each collective of a module: ``{name, opcode, bytes, layer, branch}``, ``bytes`` its result's
+  per device (an async pair's ``-done``, whose result is the transfer's)."""
+  out = []
+  for name, inst in instructions(hlo).items():
+    base = re.sub(r"-(start|done)$", "", inst.opcode)
+    if base not in COLLECTIVE_OPS or inst.opcode.endswith("-start"):
+      continue
+    result = inst.line.split("=", 1)[1].split(f" {inst.opcode}(", 1)[0]
+    size = 0
+    for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", result):
+      if dtype in _BYTES:
+        count = 1
+        for d in (int(x) for x in dims.split(",") if x):
+          count *= d
+        size += count * _BYTES[dtype]
+    out.append({"name": name, "opcode": base, "bytes": size, "layer": in_layer(inst),
+                "branch": branch(inst)})
+  return out
+
+
+def price_classes(directory: str, skip: Sequence[str], layers: int,
+                  text_len: int) -> dict[str, Any]:
+  """A dumped program's bundles by class: ``outside`` (once per step) and ``layer`` (one layer
+  of the scan, ``layer[b]`` without the other branch's computations for cond branch ``b``; key
+  ``None``: a program with no cond), each ``{class: bundles}``, and ``total`` (the program as
+  compiled, ``layers`` layers, both branches) equal to the classes' sum."""
+  priced = price_program(directory, tuple(skip), loop_trips=layers)
+  with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
+    table = instructions(f.read())
+  outside = {c: 0 for c in CLASSES}
+  outside[REST] = priced["top_level"]  # the program's own bundles: control, the loop, waits
+  by_branch: dict[int | None, dict[str, float]] = {}
+  shared = {c: 0.0 for c in CLASSES}
+  for name, bundles in priced["computations"].items():
+    inst = table.get(name, Instruction("", "", ""))
+    cls = classify(inst, text_len)
+    if not in_layer(inst):
+      outside[cls] += bundles
+      continue
+    b = branch(inst)
+    target = shared if b is None else by_branch.setdefault(b, {c: 0.0 for c in CLASSES})
+    target[cls] += bundles / layers
+  layer = {None: shared} if not by_branch else {
+      b: {c: shared[c] + own[c] for c in CLASSES} for b, own in by_branch.items()}
+  return {"total": priced["bundles"], "outside": outside, "layer": layer,
+          "branches": {b: own for b, own in by_branch.items()}, "shared": shared,
+          "unpriced": priced["unpriced"], "priced_as": priced["priced_as"]}
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+def topology_of(slice_type: str) -> str:
+  """``v6e-8`` -> ``v6e:2x4``."""
+  chip, _, count = slice_type.partition("-")
+  if not count.isdigit() or int(count) not in _TOPOLOGIES:
+    raise ValueError(f"--slice {slice_type!r}: expected <chip>-<chips> with {sorted(_TOPOLOGIES)} "
+                     f"chips, e.g. v6e-8")
+  return f"{chip}:{_TOPOLOGIES[int(count)]}"
+
+
+def compile_dumped(kernel: str, config: str, topology: str, video: Sequence[int], layers: int,
+                   directory: str, subfolder: str = "transformer",
+                   overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """Compiles the Wan forward with ``kernel`` in a child dumping its schedules and HLO into
+  ``directory``: the compile's row (``ok``, ``error``, ``seconds``, Mosaic kernel names)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "LIBTPU_INIT_ARGS": " ".join(f for f in (os.environ.get("LIBTPU_INIT_ARGS", ""),
+                                                   dump_flags(directory)) if f)}
+  args = json.dumps({"kernel": kernel, "config": config, "topology": topology,
+                     "video": list(video), "layers": layers, "directory": directory,
+                     "subfolder": subfolder, "overrides": dict(overrides or {})})
+  result, error = child_result(__name__, [args], env)
+  return result if result is not None else {"ok": False, "error": error}
+
+
+def _compile_here(fields: Mapping[str, Any]) -> dict[str, Any]:
+  from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards  # pylint: disable=import-outside-toplevel
+  frames, height, width = fields["video"]
+  with tempfile.TemporaryDirectory() as hlo_dir:
+    result = compile_wan_forwards(
+        kernels=(fields["kernel"],), config_path=fields["config"], topology=fields["topology"],
+        frames=frames, height=height, width=width, num_layers=fields["layers"],
+        hlo_dir=hlo_dir, subfolder=fields["subfolder"], overrides=fields.get("overrides") or None,
+        log=lambda line: print(line, file=sys.stderr))
+    row = result["kernels"][fields["kernel"]]
+    if row["ok"]:
+      os.replace(row.pop("hlo"), os.path.join(fields["directory"], HLO_FILE))
+  return {k: row[k] for k in ("ok", "error", "seconds", "mosaic_kernel_names", "mesh", "memory")
+          if k in row}
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def kernel_prices(estimate: Mapping[str, Any], expert_row: int = 0) -> dict[str, Any]:
+  """Per-head Mosaic calls of one layer from ``tiles --config``'s estimate (libtpu's figures):
+  our sparse and dense calls (fixed-offset and online paths) and fixed-m's."""
+  priced = estimate["rows"][expert_row]["vs_fixed_m"]
+  if not priced.get("priced"):
+    raise ValueError(f"the kernels cannot be priced: {priced.get('why')}")
+  return {"fixed_m": priced["fixed_m_call"],
+          **{path: {"sparse": priced[path]["sparse_call"], "dense": priced[path]["dense_call"]}
+             for path in ("fixed", "online")}}
+
+
+def step_row(svg: dict[str, Any], base: dict[str, Any], calls: dict[str, Any], heads: int,
+             batch: int, depth: int, sparse_layers: int, path: str = "fixed") -> dict[str, Any]:
+  """Bundles of one step at ``depth`` layers by class, svg's at ``sparse_layers`` sparse ones
+  (the rest dense) against the baseline's; ``heads`` per device, ``batch`` (CFG's 2)."""
+  per_call = heads * batch  # one kernel launch runs every local head of the batch
+
+  def step(program: dict[str, Any], layers: dict[Any, float]) -> dict[str, float]:
+    out = {c: float(program["outside"][c]) for c in CLASSES}
+    out[KERNEL] = 0.0
+    for key, (count, kernel) in layers.items():
+      layer = program["layer"][key]
+      for c in CLASSES:
+        out[c] += count * layer[c]
+      out[KERNEL] += count * kernel * per_call
+    out[SELF] += out[KERNEL]
+    out["total"] = sum(out[c] for c in CLASSES)
+    return out
+
+  dense_key, sparse_key = (0, 1) if 1 in svg["layer"] else (None, None)
+  ours = step(svg, {sparse_key: (sparse_layers, calls[path]["sparse"]),
+                    **({dense_key: (depth - sparse_layers, calls[path]["dense"])}
+                       if depth > sparse_layers else {})}
+              if sparse_key is not None else {None: (depth, calls[path]["dense"])})
+  theirs = step(base, {None: (depth, calls["fixed_m"])})
+  return {"svg": ours, "baseline": theirs, "bound": theirs["total"] / ours["total"],
+          "baseline_self_attention_share": theirs[SELF] / theirs["total"]}
+
+
+def collectives_row(hlo: str, layers: int, depth: int, chip: str,
+                    sparse: bool = True) -> dict[str, Any]:
+  """One step's collective bytes per device (the scan's at ``depth`` layers; svg's cond: the
+  ``sparse`` or dense branch) and their time at the chip's ICI bandwidth."""
+  total = 0.0
+  by_op: dict[str, float] = {}
+  for c in collective_bytes(hlo):
+    if c["branch"] is not None and c["branch"] != int(sparse):
+      continue
+    size = c["bytes"] * (depth / layers if c["layer"] else 1)
+    by_op[c["opcode"]] = by_op.get(c["opcode"], 0.0) + size
+    total += size
+  bandwidth, source = ICI.get(chip, (None, ""))
+  return {"bytes": total, "by_op": by_op,
+          "ici_seconds": total / bandwidth if bandwidth else None,
+          "ici_bytes_per_s": bandwidth, "ici_source": source}
+
+
+def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str = "transformer",
+                   overrides: Mapping[str, Any] | None = None,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+  """``bench step``: the configured Wan model's step and run priced from its compiled programs
+  (svg's and the baseline's), by class, with ``overrides`` (config keys) on the config; see the
+  module's docstring."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin.config_checks import slice_chip
+  from maxdiffusion_svg.plugin.estimate import estimate_config
+  from maxdiffusion_svg.plugin.overlay import load_config
+  from maxdiffusion_svg.plan.target import generation_named, tpu_target
+  # pylint: enable=import-outside-toplevel
+  keys, chain = load_config(config)
+  keys.update(overrides or {})
+  chip = slice_chip(slice_type, None)
+  estimate = estimate_config(keys, tpu_target(generation_named(chip, "--slice")),
+                             slice_type=slice_type, path=chain[0])
+  experts = [row["expert"] for row in estimate["rows"]]
+  expert = {"transformer": "high_noise", "transformer_2": "low_noise"}.get(subfolder)
+  index = experts.index(expert) if expert in experts else 0
+  row = estimate["rows"][index]
+  calls = kernel_prices(estimate, index)
+  video = estimate["video"]
+  text_len = 512
+  heads = estimate["checks"]["slice"]["heads_per_device"]
+  topology = topology_of(slice_type)
+  out: dict[str, Any] = {
+      "kind": "compiled (libtpu's static schedule of the whole program)", "config": config,
+      "overrides": dict(overrides or {}),
+      "slice": slice_type, "topology": topology, "chip": chip, "video": video,
+      "tokens": estimate["tokens"], "layers_compiled": layers, "depth": row["layers"],
+      "expert": row["expert"], "steps": row["steps"], "sparse_steps": row["sparse_steps"],
+      "sparse_layers": row["sparse_layers"], "kernel_calls_per_head": calls, "programs": {}}
+  hlo: dict[str, str] = {}
+  for name, kernel in (("svg", "svg"), ("baseline", BASELINES["wan"])):
+    with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_step_") as directory:
+      log(f"compiling the forward with attention={kernel}, {layers} layers, for {topology}...")
+      compiled = compile_dumped(kernel, config, topology, video, layers, directory, subfolder,
+                                overrides)
+      if not compiled.get("ok"):
+        raise RuntimeError(f"{kernel}: the forward did not compile: {compiled.get('error')}")
+      skip = (*sorted(set(compiled["mosaic_kernel_names"])), "custom-call")
+      program = price_classes(directory, skip, layers, text_len)
+      with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
+        hlo[name] = f.read()
+    program["kernel"] = kernel
+    program["mosaic_kernels"] = compiled["mosaic_kernel_names"]
+    program["compile_seconds"] = compiled.get("seconds")
+    out["programs"][name] = program
+  batch = 2 // estimate["checks"]["slice"]["mesh"].get("data", 1)  # CFG's pair over the data axis
+  depth, svg, base = row["layers"], out["programs"]["svg"], out["programs"]["baseline"]
+  out["heads_per_device"], out["batch"] = heads, batch
+  out["heads"] = estimate["checks"]["heads"]
+  out["ring"] = estimate["checks"]["slice"]["ring"]
+  for path in ("fixed", "online"):
+    sparse = step_row(svg, base, calls, heads, batch, depth, row["sparse_layers"], path)
+    dense = step_row(svg, base, calls, heads, batch, depth, 0, path)
+    run = row["sparse_steps"] * sparse["svg"]["total"] + (
+        row["steps"] - row["sparse_steps"]) * dense["svg"]["total"]
+    out[path] = {"sparse_step": sparse, "dense_step": dense,
+                 "run_bound": row["steps"] * sparse["baseline"]["total"] / run}
+  out["collectives"] = {
+      "svg_sparse": collectives_row(hlo["svg"], layers, depth, chip, sparse=True),
+      "svg_dense": collectives_row(hlo["svg"], layers, depth, chip, sparse=False),
+      "baseline": collectives_row(hlo["baseline"], layers, depth, chip)}
+  assumed = estimate["end_to_end"]
+  out["amdahl"] = {"assumed_share": assumed["attention_share"], "source": assumed["source"],
+                   "assumed_step_bound": assumed["step_speedup_bound"],
+                   "priced_share": out["fixed"]["sparse_step"]["baseline_self_attention_share"]}
+  for program in out["programs"].values():  # JSON keys: the cond's branches by number
+    program["layer"] = {str(k): v for k, v in program["layer"].items()}
+    program["branches"] = {str(k): v for k, v in program["branches"].items()}
+  return out
+
+
+def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, int, int]],
+                     layers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Each tile choice's whole step and run against the baseline (the stored step's, STEP_PRICES):
+  its kernel's bodies compiled (``bench schedule``'s case), its svg forward compiled and priced
+  (the XLA around the kernel changes with the tiles too), the calls from the config's plan."""
+  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case
+  from maxdiffusion_svg.plugin.config_checks import slice_chip
+  from maxdiffusion_svg.plugin.estimate import estimate_config
+  from maxdiffusion_svg.plugin.overlay import load_config
+  from maxdiffusion_svg.plan.target import generation_named, tpu_target
+  from maxdiffusion_svg.tpu.prices import kernel_prices as prices_of
+  from maxdiffusion_svg.tpu.step_prices import StepPrices, step_prices
+  # pylint: enable=import-outside-toplevel
+  keys, chain = load_config(config)
+  chip, topology = slice_chip(slice_type, None), topology_of(slice_type)
+  target = tpu_target(generation_named(chip, "--slice"))
+  out: dict[str, Any] = {"kind": "compiled (libtpu's static schedule of the whole program)",
+                         "config": config, "slice": slice_type, "choices": []}
+  for block_q, block_kv, block_kv_compute in choices:
+    tiles = {"svg_block_q": block_q, "svg_block_kv": block_kv,
+             "svg_block_kv_compute": block_kv_compute}
+    estimate = estimate_config({**keys, **tiles}, target, slice_type=slice_type, path=chain[0])
+    mesh, row = estimate["checks"]["slice"], estimate["rows"][0]
+    key = (chip, estimate["tokens"], estimate["checks"]["heads"], mesh["heads_per_device"],
+           2 // mesh["mesh"].get("data", 1), mesh["ring"])
+    stored = step_prices(key)
+    if stored is None:
+      raise ValueError(f"no stored step for {key}: run bench step on this config first")
+    case = ScheduleCase(chip, tuple(estimate["grid"]), 0.35, "aligned", block_q, block_kv,
+                        block_kv_compute, backend="pallas")
+    kernel = run_case(case, log)
+    if not kernel["ok"]:
+      raise RuntimeError(f"{block_q}x{block_kv}/{block_kv_compute}: {kernel['error']}")
+    prices = prices_of(kernel)
+    with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_step_") as directory:
+      log(f"compiling the svg forward at tiles {block_q}x{block_kv}/{block_kv_compute}...")
+      compiled = compile_dumped("svg", config, topology, estimate["video"], layers, directory,
+                                overrides=tiles)
+      if not compiled.get("ok"):
+        raise RuntimeError(f"svg at {block_q}x{block_kv}: {compiled.get('error')}")
+      program = price_classes(directory, (*sorted(set(compiled["mosaic_kernel_names"])),
+                                          "custom-call"), layers, 512)
+    rest = lambda layer: sum(v for c, v in layer.items() if c != SELF)
+    step = StepPrices(round(sum(program["outside"].values())), round(rest(program["layer"][1])),
+                      round(program["layer"][1][SELF]), round(program["layer"][0][SELF]),
+                      stored.baseline_outside, stored.baseline_layer_rest,
+                      stored.baseline_attention, stored.source)
+    tokens, launches = estimate["tokens"], key[3] * key[4]
+    sparse = prices.call(row["full_tiles"], row["masked_tiles"], -(-tokens // block_q))
+    dense = prices.dense_call(tokens)
+    fixed_m = row["vs_fixed_m"]["fixed_m_call"] if row["vs_fixed_m"].get("priced") else (
+        estimate["rows"][0]["vs_fixed_m"].get("fixed_m_call"))
+    if fixed_m is None:
+      from maxdiffusion_svg.tpu.prices import PRICES  # pylint: disable=import-outside-toplevel
+      fixed_m = PRICES[chip]["maxdiffusion_fixed_m"].dense_call(tokens)
+    ours_sparse = step.step(row["layers"], row["sparse_layers"], sparse, dense, launches)
+    ours_dense = step.step(row["layers"], 0, sparse, dense, launches)
+    theirs = step.baseline_step(row["layers"], fixed_m, launches)
+    run = row["sparse_steps"] * ours_sparse + (row["steps"] - row["sparse_steps"]) * ours_dense
+    out["choices"].append({
+        "tiles": [block_q, block_kv, block_kv_compute], "kernel": dataclasses.asdict(prices),
+        "sparse_call": sparse, "dense_call": dense, "visited_tiles": row["full_tiles"] + row[
+            "masked_tiles"], "xla_sparse_attention": step.sparse_attention,
+        "xla_dense_attention": step.dense_attention, "xla_layer_rest": step.layer_rest,
+        "sparse_layer": step.sparse_attention + launches * sparse,
+        "sparse_step": ours_sparse, "dense_step": ours_dense, "baseline_step": theirs,
+        "step_bound": theirs / ours_sparse,
+        "run_bound": row["steps"] * theirs / run})
+  return out
+
+
+def format_tile_choices(result: dict[str, Any]) -> str:
+  """One row per tile choice: the sparse layer's kernel and XLA, the step and the run."""
+  m = lambda x: f"{x / 1e6:,.1f}"
+  lines = [f"Tiles by the whole step, {result['config']} on {result['slice']} (Mbundles per "
+           f"device, libtpu's static schedule of the compiled forward; kernels from their bodies "
+           f"and the config's plan):", "",
+           "| tiles | tiles visited | sparse call (one head) | kernel per sparse layer | XLA "
+           "around it | sparse layer | sparse step | step bound | run bound |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for c in result["choices"]:
+    bq, bkv, bkvc = c["tiles"]
+    kernel = c["sparse_layer"] - c["xla_sparse_attention"]
+    lines.append(f"| {bq}x{bkv}/{bkvc} | {c['visited_tiles']} | {m(c['sparse_call'])} "
+                 f"| {m(kernel)} | {m(c['xla_sparse_attention'])} | {m(c['sparse_layer'])} "
+                 f"| {m(c['sparse_step'])} | {c['step_bound']:.3f}x | {c['run_bound']:.3f}x |")
+  return "\n".join(lines)
+
+
+def format_step(result: dict[str, Any]) -> str:
+  """The step's table: bundles per class, svg (a sparse and a dense step) against the baseline."""
+  m = lambda x: f"{x / 1e6:,.1f}"
+  fixed = result["fixed"]
+  sparse, dense = fixed["sparse_step"], fixed["dense_step"]
+  base = sparse["baseline"]
+  lines = [f"One denoising step, compiled by libtpu for {result['slice']} ({result['topology']}), "
+           f"static bundles per device (Mbundles, not time): {result['config']}"
+           + (f", expert {result['expert']}" if result["expert"] else "")
+           + f"; video {'x'.join(map(str, result['video']))} ({result['tokens']:,} tokens); "
+           f"{result['layers_compiled']} scanned layers compiled, priced as the program outside "
+           f"the scan plus {result['depth']} x one layer; Mosaic kernels priced from their plans",
+           "",
+           f"| class | baseline ({result['programs']['baseline']['kernel']}) | svg, sparse step "
+           f"({result['sparse_layers']} of {result['depth']} layers sparse) | svg, dense step |",
+           "|---|---:|---:|---:|"]
+  for cls in (*CLASSES, KERNEL):
+    label = f"  of which the kernel" if cls == KERNEL else cls
+    lines.append(f"| {label} | {m(base[cls])} | {m(sparse['svg'][cls])} | {m(dense['svg'][cls])} |")
+  lines.append(f"| **step** | {m(base['total'])} | {m(sparse['svg']['total'])} "
+               f"| {m(dense['svg']['total'])} |")
+  online = result["online"]
+  lines += ["",
+            f"step bound against the baseline: sparse step {sparse['bound']:.2f}x (every head on "
+            f"online softmax: {online['sparse_step']['bound']:.2f}x), dense step "
+            f"{dense['bound']:.2f}x; the run ({result['sparse_steps']} of {result['steps']} steps "
+            f"sparse): {fixed['run_bound']:.2f}x (online: {online['run_bound']:.2f}x)"]
+  coll = result["collectives"]
+  ici = coll["baseline"]["ici_bytes_per_s"]
+  where = (f"at {ici / 1e9:,.0f} GB/s bidirectional ICI per chip ({coll['baseline']['ici_source']})"
+           if ici else "no ICI bandwidth stated for this chip")
+  lines.append("collectives per step and device (result bytes): baseline "
+               f"{coll['baseline']['bytes'] / 2**20:,.0f} MiB, svg sparse step "
+               f"{coll['svg_sparse']['bytes'] / 2**20:,.0f} MiB, dense step "
+               f"{coll['svg_dense']['bytes'] / 2**20:,.0f} MiB; {where}"
+               + (f": {coll['baseline']['ici_seconds'] * 1e3:,.1f} / "
+                  f"{coll['svg_sparse']['ici_seconds'] * 1e3:,.1f} / "
+                  f"{coll['svg_dense']['ici_seconds'] * 1e3:,.1f} ms, not in the bundles" if ici else ""))
+  amdahl = result["amdahl"]
+  lines.append(f"cross-check: the baseline's self-attention is {amdahl['priced_share']:.1%} of its "
+               f"step's bundles; Amdahl's law had assumed {amdahl['assumed_share']:.1%} "
+               f"({amdahl['source']}), a step bound of {amdahl['assumed_step_bound']:.2f}x")
+  return "\n".join(lines)
+
+
+def _main(argv: Sequence[str]) -> None:
+  print_result(_compile_here(json.loads(argv[1])))
+
+
+if __name__ == "__main__":
+  _main(sys.argv)

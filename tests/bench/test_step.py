@@ -1,0 +1,156 @@
+"""``bench step``: the step's classes sum to the program, the cond's branches are priced apart,
+collectives' bytes are their HLO's, and the step's arithmetic (no compile here: a synthetic dump,
+and one small CPU program for the collectives)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxdiffusion_svg.bench import step as step_bench
+from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, issued_bundles
+from maxdiffusion_svg.bench.step import (CLASSES, COLLECTIVES, CROSS, KERNEL, PROJECTIONS, REST,
+                                         SELF, Instruction, classify, collective_bytes,
+                                         price_classes, step_row, topology_of)
+from maxdiffusion_svg.cli import main as cli
+
+# A loop of 4 bundles (its back edge's delay slot included) run 5 times: 7 + 4 * 4 = 23 bundles.
+FUSION = """  0x0   :  { %1 = smov 0 }
+  0x1   :  { %2 = smov 0 }
+  0x2 LB: > { %3 = sadd.s32 1, %2 }
+  0x3   : > { %p4 = scmp.ge.s32.totalorder %3, 5 /* loop exit test */ }
+  0x4   :  { %5 = sbr.rel (!%p4) target = $region7 }
+  0x5   :  {}
+  0x6   :  {} /* exit bundle: %f = fusion() */
+"""
+SHORT = "  0x0   :  { %1 = smov 0 }\n  0x1   :  {}\n"  # 2 bundles
+# The embedding outside the scan, then the scan (no literal trip count) calling one computation
+# of each kind, then the kernel (priced from its plan, skipped here).
+TLP = """  0x0   :  { %1 = inlined_call %s1 /* %embed = fusion() */ }
+  0x1 LB: > { %2 = inlined_call %s2 /* %qkv = fusion() */ }
+  0x2   : > { %3 = inlined_call %s2 /* %sparse_glue = fusion() */ }
+  0x3   : > { %4 = inlined_call %s2 /* %dense_glue = fusion() */ }
+  0x4   : > { %5 = inlined_call %s2 /* %cross = fusion() */ }
+  0x5   : > { %6 = inlined_call %s2 /* %norm = fusion() */ }
+  0x6   : > { %7 = inlined_call %s2 /* %exchange = all-to-all() */ }
+  0x7   : > { %8 = inlined_call %s3 /* %kernel_call = custom-call() */ }
+  0x8   : > { %p9 = scmp.lt.s32.totalorder %s9, %s8 }
+  0x9   : > { %10 = sbr.rel (%p9) target = $region2 }
+"""
+_BODY = "jit(f)/WanModel/while/body/eval_jaxpr"
+HLO = f"""HloModule m
+ENTRY %main () -> f32[] {{
+  %embed = f32[2,64]{{1,0}} fusion(f32[2,64]{{1,0}} %p), kind=kLoop, calls=%c0, metadata={{op_name="jit(f)/WanModel/patch_embedding/conv_general_dilated"}}
+  %qkv = bf16[2,64,5120]{{2,1,0}} fusion(%x), kind=kOutput, calls=%c1, metadata={{op_name="{_BODY}/query_proj/dot_general"}}
+  %sparse_glue = bf16[10,640,128]{{2,1,0}} fusion(%x), kind=kLoop, calls=%c2, metadata={{op_name="{_BODY}/apply_attention/shard_map/cond/branch_1_fun/transpose"}}
+  %dense_glue = bf16[10,640,128]{{2,1,0}} fusion(%x), kind=kLoop, calls=%c3, metadata={{op_name="{_BODY}/apply_attention/shard_map/cond/branch_0_fun/convert_element_type"}}
+  %cross = bf16[80,64,512]{{2,1,0}} fusion(%x), kind=kLoop, calls=%c4, metadata={{op_name="{_BODY}/apply_attention/div"}}
+  %norm = f32[2,64]{{1,0}} fusion(%x), kind=kLoop, calls=%c5, metadata={{op_name="{_BODY}/rsqrt"}}
+  %exchange = bf16[1,10,640,128]{{3,2,1,0}} all-to-all(%x), channel_id=1, dimensions={{1}}, metadata={{op_name="{_BODY}/apply_attention/shard_map/all_to_all"}}
+  ROOT %kernel_call = bf16[10,640,128]{{2,1,0}} custom-call(%x), custom_call_target="tpu_custom_call"
+}}
+"""
+
+
+def write_dump(directory):
+  listings = {"TLP": TLP, "embed": SHORT, "qkv": FUSION, "sparse_glue": FUSION,
+              "dense_glue": SHORT, "cross": FUSION, "norm": SHORT, "exchange": SHORT,
+              "kernel_call": FUSION}
+  for name, text in listings.items():
+    (directory / f"1-{name}-02-final_bundles.txt").write_text(text)
+  (directory / HLO_FILE).write_text(HLO)
+
+
+def test_the_classes_sum_to_the_program_and_the_branches_are_apart(tmp_path):
+  write_dump(tmp_path)
+  layers = 3
+  priced = price_classes(str(tmp_path), ("kernel",), layers, text_len=512)
+  top = 10 + 9 * (layers - 1)  # the TLP's own: its 10 bundles and the loop's 9 twice more
+  assert priced["outside"] == {SELF: 0, CROSS: 0, PROJECTIONS: 2, COLLECTIVES: 0, REST: top}
+  assert priced["shared"] == {SELF: 0, CROSS: 23, PROJECTIONS: 23, COLLECTIVES: 2, REST: 2}
+  assert priced["layer"][1][SELF] == 23 and priced["layer"][0][SELF] == 2
+  assert priced["layer"][1][CROSS] == priced["layer"][0][CROSS] == 23
+  # Every priced bundle lands in one class: outside + layers x (shared + each branch's own).
+  classes = sum(priced["outside"].values()) + layers * (
+      sum(priced["shared"].values()) + sum(sum(b.values()) for b in priced["branches"].values()))
+  assert classes == priced["total"] == top + 2 + layers * (23 + 23 + 2 + 23 + 2 + 2)
+  assert issued_bundles(FUSION) == 23
+
+
+@pytest.mark.parametrize("op_name,line,expected", [
+    ("x/while/body/eval_jaxpr/apply_attention/shard_map/cond/branch_1_fun/gather", "", SELF),
+    ("x/while/body/eval_jaxpr/apply_attention/b i d, b j d->b i j/dot_general",
+     "f32[80,9450,512]", CROSS),
+    ("x/while/body/eval_jaxpr/apply_attention/reshape", "bf16[2,9450,5120]", SELF),
+    ("x/while/body/eval_jaxpr/key_proj/dot_general", "", PROJECTIONS),
+    ("x/while/body/eval_jaxpr/proj_out/dot_general", "", PROJECTIONS),
+    ("x/while/body/eval_jaxpr/gelu/dot_general", "", PROJECTIONS),
+    ("x/while/body/eval_jaxpr/rsqrt", "", REST),
+    ("x/WanModel/concatenate", "", REST)])
+def test_an_instruction_is_classed_by_its_scope(op_name, line, expected):
+  assert classify(Instruction("fusion", op_name, line), 512) == expected
+  assert classify(Instruction("all-gather-done", op_name, line), 512) == COLLECTIVES
+
+
+def test_a_collectives_bytes_are_its_hlos_on_a_small_mesh():
+  mesh = Mesh(np.array(jax.devices()[:8]), ("context",))
+  x = jnp.ones((2, 8 * 16, 8, 32), jnp.float32)  # batch, tokens (sharded), heads, head_dim
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "context"),
+                     out_specs=P(None, None, "context"))
+  def exchange(x):  # Ulysses: tokens whole, heads split
+    return jax.lax.all_to_all(x, "context", 2, 1, tiled=True)
+
+  sharded = jax.device_put(x, NamedSharding(mesh, P(None, "context")))
+  hlo = jax.jit(exchange).lower(sharded).compile().as_text()
+  found = [c for c in collective_bytes(hlo) if c["opcode"] == "all-to-all"]
+  # Each device's result: every token of its one head, float32.
+  assert sum(c["bytes"] for c in found) == 2 * (8 * 16) * 1 * 32 * 4
+  assert all(not c["layer"] and c["branch"] is None for c in found)
+
+
+def program(outside_rest, layer):
+  return {"outside": {**{c: 0 for c in CLASSES}, REST: outside_rest}, "layer": layer}
+
+
+def test_a_step_is_the_outside_plus_its_layers_and_their_kernels():
+  row = {c: 0 for c in CLASSES}
+  svg = program(100, {1: {**row, SELF: 30, PROJECTIONS: 50}, 0: {**row, SELF: 10, PROJECTIONS: 50}})
+  base = program(100, {None: {**row, SELF: 5, PROJECTIONS: 50}})
+  calls = {"fixed_m": 40, "fixed": {"sparse": 10, "dense": 30}}
+  out = step_row(svg, base, calls, heads=2, batch=2, depth=4, sparse_layers=3)
+  # svg: 100 + 3 x (30 + 50 + 4 x 10) + 1 x (10 + 50 + 4 x 30); baseline: 100 + 4 x (5 + 50 + 160)
+  assert out["svg"]["total"] == 100 + 3 * 120 + 180 and out["svg"][KERNEL] == 3 * 40 + 120
+  assert out["baseline"]["total"] == 100 + 4 * 215
+  assert out["bound"] == pytest.approx(960 / 640)
+  assert out["baseline_self_attention_share"] == pytest.approx(4 * 165 / 960)
+
+
+def test_the_slice_names_its_topology_and_the_cli_its_defaults():
+  assert topology_of("v6e-8") == "v6e:2x4" and topology_of("v6e-32") == "v6e:4x8"
+  with pytest.raises(ValueError, match="--slice"):
+    topology_of("v6e-3")
+  args = cli.build_parser().parse_args(["bench", "step"])
+  assert (args.config, args.slice, args.layers) == ("configs/wan_svg.yml", "v6e-8", 2)
+  assert args.run.__name__ == "_bench_step" and step_bench.BASELINES["wan"] == (
+      "ulysses_custom_fixed_m")
+
+
+def test_tile_choices_are_parsed_and_a_bad_one_refused(capsys):
+  args = cli.build_parser().parse_args(["bench", "step", "--tiles", "3328x1536/512,2048x1024/512"])
+  assert args.tiles == [(3328, 1536, 512), (2048, 1024, 512)]
+  with pytest.raises(SystemExit):
+    cli.build_parser().parse_args(["bench", "step", "--tiles", "3328x1536"])
+  assert "QxKV/STEP" in capsys.readouterr().err
+
+
+def test_a_tile_choices_row_shows_its_kernel_and_the_xla_around_it():
+  choice = {"tiles": [2048, 1024, 512], "visited_tiles": 700, "sparse_call": 3e6,
+            "sparse_layer": 38e6, "xla_sparse_attention": 8e6, "sparse_step": 2.4e9,
+            "step_bound": 1.9, "run_bound": 1.6}
+  text = step_bench.format_tile_choices({"config": "c.yml", "slice": "v6e-8",
+                                         "choices": [choice]})
+  assert "| 2048x1024/512 | 700 | 3.0 | 30.0 | 8.0 | 38.0 | 2,400.0 | 1.900x | 1.600x |" in text

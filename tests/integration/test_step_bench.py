@@ -1,0 +1,48 @@
+"""``bench step`` on MaxDiffusion's Wan 2.1 14B forward for a v6e-8 (libtpu, no TPU needed; two
+2-layer compiles, full tier): each program's classes sum to its priced total, the router leaves
+no computation larger than the sparse kernel in a sparse layer, and the step is the stored one."""
+
+import pytest
+from md_required import require_maxdiffusion
+
+require_maxdiffusion()
+
+# pylint: disable=wrong-import-position
+from maxdiffusion_svg.tpu.aot import libtpu_available
+
+if not libtpu_available():
+  pytest.skip("libtpu is not installed (pip install 'jax[tpu]'): nothing can compile for a TPU",
+              allow_module_level=True)
+
+from maxdiffusion_svg.bench.step import CLASSES, format_step, run_step_bench
+from maxdiffusion_svg.tpu.step_prices import STEP_PRICES, prices_from_step, step_key
+
+pytestmark = pytest.mark.full
+
+
+@pytest.fixture(scope="module")
+def result():
+  out = run_step_bench("configs/wan_svg.yml", "v6e-8", layers=2, log=lambda _: None)
+  print(format_step(out))
+  return out
+
+
+def test_each_programs_classes_sum_to_its_total(result):
+  for program in result["programs"].values():
+    layers = result["layers_compiled"]
+    own = sum(sum(b.values()) for b in program["branches"].values())
+    classed = sum(program["outside"].values()) + layers * (sum(program["shared"].values()) + own)
+    assert classed == pytest.approx(program["total"])
+    assert set(program["outside"]) == set(CLASSES)
+
+
+def test_no_xla_in_a_sparse_layer_outweighs_its_kernel(result):
+  svg = result["programs"]["svg"]
+  kernel = result["kernel_calls_per_head"]["fixed"]["sparse"] * result["heads_per_device"] * (
+      result["batch"])
+  assert svg["layer"]["1"]["self-attention"] < 0.5 * kernel
+
+
+def test_the_step_is_the_stored_one(result):
+  key = step_key(result)
+  assert prices_from_step(result, STEP_PRICES[key].source) == STEP_PRICES[key]
