@@ -5,8 +5,8 @@ the XLA around it (fusions, dots, copies) has no plan. libtpu dumps one final sc
 computation: the top-level program (``TLP``) ``call``s each fusion in order, and a fusion walks
 its data in at most a few flat loops whose exit test compares an iteration counter (from 0,
 step 1) with a literal trip count. A computation's bundles as issued are its listing's length
-plus ``(trips - 1)`` times each loop's; the program's are the TLP's plus each called
-computation's, times the trip count of any TLP loop around the call.
+plus ``(trips - 1)`` times each loop's, for every run of the loops around it; the program's are
+the TLP's plus each called computation's, times the trip count of any TLP loop around the call.
 
 Not exact either way: a predicated region (a software-pipelined loop's first and last steps, a
 bounds check) is counted as if it always ran (too many), and a loop nested in another (a gather's
@@ -42,37 +42,57 @@ def _depth(line: str) -> int:
 def loops(text: str, path: str = "listing", unknown: list[tuple[int, int]] | None = None
           ) -> list[tuple[int, int, int]]:
   """``(first, last, trips)`` of each loop in a listing: from its ``LB`` bundle through its back
-  edge and the empty delay slots after it, run ``trips`` times. A loop whose exit test compares
-  addresses, not a counter with a literal (libtpu's fills and copies of a buffer), ends where
-  its bundles' loop depth falls back to 0: with ``unknown`` (a list) it is appended there as
-  ``(first, last)`` and priced as run once, else it is refused."""
+  edge and the empty delay slots after it, run ``trips`` times per run of the loop around it, if
+  any (an exit test closes the open loop of its own depth, the ``>`` marks libtpu prints). A loop
+  whose exit test compares addresses, not a counter with a literal (libtpu's fills and copies of
+  a buffer), ends where its bundles' loop depth falls back to its own: with ``unknown`` (a list)
+  an outermost one is appended there as ``(first, last)`` and priced as run once, else it is
+  refused; one inside a counted loop runs once per step of it."""
   bundles, _ = _bundles(text)
-  out, start = [], None
+  out: list[tuple[int, int, int]] = []
+  open_: list[tuple[int, int]] = []  # (depth, first) of the loops entered and not yet closed
   for i, (address, label, line) in enumerate(bundles):
-    if (start is not None and unknown is not None and _depth(line) == 0
+    depth = _depth(line)
+    if (open_ and unknown is not None and depth == 0
         and not _EMPTY.search(line) and not _EXIT_TEST.search(line)):
       last = max(j for j in range(i) if _depth(bundles[j][2]) > 0)
-      unknown.append((start, bundles[last][0]))  # left without a literal exit test
-      start = None
-    if label == "LB" and start is None:
-      start = address  # a loop inside it (a gather's copy, trips not literal) runs once per step
+      unknown.append((open_[0][1], bundles[last][0]))  # left without a literal exit test
+      open_ = []
+    if label == "LB":
+      open_.append((depth, address))
     match = _EXIT_TEST.search(line)
     if match is None:
       continue
-    if start is None:
+    while open_ and open_[-1][0] > depth:
+      open_.pop()  # an inner loop with no literal exit test: once per step of this one
+    if not open_:
       raise ScheduleFormatError(f"{path}: a loop exit test at {address:#x} outside any loop")
+    first = open_.pop()[1]
     j = i + 1
     while j < len(bundles) and "sbr.rel" not in bundles[j - 1][2]:
       j += 1  # the back edge, at or after the exit test
     while j < len(bundles) and _EMPTY.search(bundles[j][2]) and "exit bundle" not in bundles[j][2]:
       j += 1  # its delay slots
-    out.append((start, bundles[j - 1][0], int(match.group(1))))
-    start = None
-  if start is not None and unknown is not None:
-    unknown.append((start, bundles[-1][0]))
-  elif start is not None:
-    raise ScheduleFormatError(f"{path}: the loop at {start:#x} has no exit test this reader knows")
+    out.append((first, bundles[j - 1][0], int(match.group(1))))
+  if open_ and unknown is not None:
+    unknown.append((open_[0][1], bundles[-1][0]))
+  elif open_:
+    raise ScheduleFormatError(f"{path}: the loop at {open_[0][1]:#x} has no exit test this "
+                              f"reader knows")
   return out
+
+
+def _extra_runs(spans: list[tuple[int, int, int]]) -> int:
+  """Bundles the loops add to one pass of a listing: each loop's body ``trips - 1`` more times,
+  for every run of the loops around it."""
+  extra = 0
+  for first, last, trips in spans:
+    around = 1
+    for other in spans:
+      if other != (first, last, trips) and other[0] <= first and last <= other[1]:
+        around *= other[2]
+    extra += around * (trips - 1) * (last - first + 1)
+  return extra
 
 
 def issued_bundles(text: str, path: str = "listing",
@@ -82,9 +102,7 @@ def issued_bundles(text: str, path: str = "listing",
   bundles, _ = _bundles(text)
   if not bundles:
     raise ScheduleFormatError(f"{path}: no bundles")
-  total = bundles[-1][0] + 1
-  return total + sum((trips - 1) * (last - first + 1)
-                     for first, last, trips in loops(text, path, unknown))
+  return bundles[-1][0] + 1 + _extra_runs(loops(text, path, unknown))
 
 
 def calls(text: str, path: str = "TLP", loop_trips: int | None = None) -> dict[str, int]:
@@ -200,9 +218,8 @@ def price_program(directory: str, skip: str | tuple[str, ...],
   if loop_trips is None:
     top_level = price("TLP")
   else:
-    total = _bundles(tlp)[0][-1][0] + 1
-    top_level = total + sum((trips - 1) * (last - first + 1)
-                            for first, last, trips in scan_loops(tlp, listings["TLP"], loop_trips))
+    top_level = _bundles(tlp)[0][-1][0] + 1 + _extra_runs(
+        scan_loops(tlp, listings["TLP"], loop_trips))
   unpriced, priced_as = [], {}
   for name, times in calls(tlp, listings["TLP"], loop_trips).items():
     if any(s in name for s in skips) or name in priced and name.startswith("<"):

@@ -46,7 +46,12 @@ _SHAPE = re.compile(r"\b(?:bf16|f16|f32|f64|s8|u8|s16|u16|s32|u32|s64|u64|pred)\
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 BASELINES = {"wan": "ulysses_custom_fixed_m"}
+# The Mosaic kernels a step is priced with, by their HLO names: ours and fixed-m's (its vmap'd
+# kernel). Any other (MaxDiffusion's flash for cross-attention where flash_min_seq_length lets
+# it) has no plan to price it by: the step is refused, naming it.
+PRICED_KERNELS = {"svg": ("svg_pallas",), "ulysses_custom_fixed_m": ("vmap__",)}
 _TOPOLOGIES = {8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}
+TEXT_LEN = 512  # the text tokens the forward is compiled with (Wan's max_sequence_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +279,6 @@ def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str
   row = estimate["rows"][index]
   calls = kernel_prices(estimate, index)
   video = estimate["video"]
-  text_len = 512
   heads = estimate["checks"]["slice"]["heads_per_device"]
   topology = topology_of(slice_type)
   out: dict[str, Any] = {
@@ -292,8 +296,15 @@ def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str
                                 overrides)
       if not compiled.get("ok"):
         raise RuntimeError(f"{kernel}: the forward did not compile: {compiled.get('error')}")
-      skip = (*sorted(set(compiled["mosaic_kernel_names"])), "custom-call")
-      program = price_classes(directory, skip, layers, text_len)
+      names = sorted(set(compiled["mosaic_kernel_names"]))
+      other = [n for n in names if not n.startswith(PRICED_KERNELS[kernel])]
+      if other:
+        raise ValueError(f"{kernel}'s program calls Mosaic kernels bench step cannot price: "
+                         f"{', '.join(other)} (only ours and fixed-m's have per-tile prices; "
+                         f"e.g. MaxDiffusion's flash for cross-attention below "
+                         f"flash_min_seq_length)")
+      skip = (*names, "custom-call")
+      program = price_classes(directory, skip, layers, TEXT_LEN)
       with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
         hlo[name] = f.read()
     program["kernel"] = kernel
@@ -368,7 +379,7 @@ def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, 
       if not compiled.get("ok"):
         raise RuntimeError(f"svg at {block_q}x{block_kv}: {compiled.get('error')}")
       program = price_classes(directory, (*sorted(set(compiled["mosaic_kernel_names"])),
-                                          "custom-call"), layers, 512)
+                                          "custom-call"), layers, TEXT_LEN)
     rest = lambda layer: sum(v for c, v in layer.items() if c != SELF)
     step = StepPrices(round(sum(program["outside"].values())), round(rest(program["layer"][1])),
                       round(program["layer"][1][SELF]), round(program["layer"][0][SELF]),

@@ -67,7 +67,7 @@ def prices_from_step(result: dict[str, Any], source: str = "") -> StepPrices:
 StepKey = tuple[str, int, int, int, int, int]
 STEP_PRICES: dict[StepKey, StepPrices] = {
     ("v6e", 75_600, 40, 5, 2, 1): StepPrices(
-        2_275_038, 18_656_900, 7_690_484, 4_719_295, 2_217_066, 18_545_954, 3_476_596,
+        2_275_003, 18_656_760, 7_690_484, 4_719_295, 2_217_031, 18_545_814, 3_476_596,
         "docs/measurements/step_wan_svg_v6e8_720p.json"),
 }
 

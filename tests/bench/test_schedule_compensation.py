@@ -134,3 +134,23 @@ def test_a_small_compensated_call_is_priced_whole(tmp_path_factory):
                                     "tiles": [256, 256, 128], "compensation_blocks": 4,
                                     "caveat": "c", "modes": {"aligned": row}})
   assert f"{row['ratio_to_plain']:.3f}" in text
+
+
+# Two loops, one inside the other (libtpu marks the depth with '>'): the inner body of 2 bundles
+# runs 3 times per step of the outer one, which runs 4 times.
+NESTED = """  0x0   :  { %1 = smov 0 }
+  0x1 LB: > { %2 = sadd.s32 1, %1 }
+  0x2 LB: >> { %3 = sadd.s32 1, %2 }
+  0x3   : >> { %p4 = scmp.ge.s32.totalorder %3, 3 /* loop exit test */ }
+  0x4   : > { %5 = sbr.rel (!%p4) target = $region3 }
+  0x5   : > { %p6 = scmp.ge.s32.totalorder %2, 4 /* loop exit test */ }
+  0x6   :  { %7 = sbr.rel (!%p6) target = $region2 }
+  0x7   :  {} /* exit bundle: %f = fusion() */
+"""
+
+
+def test_a_loop_inside_a_loop_runs_its_trips_each_outer_step():
+  assert loops(NESTED) == [(2, 4, 3), (1, 6, 4)]
+  # 8 bundles; the outer body (0x1-0x6, 6) 3 more times; the inner (0x2-0x4, 3) twice more in
+  # each of the outer's 4 steps.
+  assert issued_bundles(NESTED) == 8 + 3 * 6 + 4 * 2 * 3
