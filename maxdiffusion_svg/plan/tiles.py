@@ -214,8 +214,8 @@ def lookup(table: Any, rows: Any, cols: Any) -> Any:
   (docs/benchmarks.md, "A denoising step"). Exact: each product sums one 0/1 term."""
   rows, cols = jnp.asarray(rows), jnp.asarray(cols)
   num_rows, num_cols = table.shape
-  one_hot = lambda i, n: (i[..., None] == jnp.arange(n, dtype=i.dtype)).astype(jnp.bfloat16)
-  by_row = jnp.matmul(one_hot(rows, num_rows), table.astype(jnp.bfloat16))  # rows.shape + (nkv,)
+  one_hot = lambda i, n: (i[..., None] == jnp.arange(n, dtype=i.dtype)).astype(jnp.float32)
+  by_row = jnp.matmul(one_hot(rows, num_rows), table.astype(jnp.float32))  # rows.shape + (nkv,)
   hot = one_hot(cols, num_cols)  # cols.shape + (nkv,)
   if rows.ndim >= 2 and cols.ndim >= 2 and rows.shape[-1] == 1 and cols.shape[-2] == 1:
     # an outer product ([..., R, 1] by [..., 1, S]): one matrix product
