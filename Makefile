@@ -35,7 +35,7 @@ $(XPK_BIN):
 # The test suite (what .ci/run calls): one worker per core (the TPU compiles are single-threaded).
 # Tests marked full (slow duplicates: more chips, modes and cases of what the suite checks) are
 # left out; make test-full runs everything.
-PYTEST_ARGS ?= -n auto --dist loadscope
+PYTEST_ARGS ?= -n auto --dist loadscope --durations=20
 test: venv $(XPK_BIN)
 	MDSVG_XPK="$(abspath $(XPK_BIN))" $(PY) -m pytest -q -m "not full" $(PYTEST_ARGS)
 
@@ -69,7 +69,7 @@ $(MD_STAMP): pyproject.toml requirements-maxdiffusion.txt
 	$(MD_PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-MD_PYTEST_ARGS ?= -n auto --dist loadscope
+MD_PYTEST_ARGS ?= -n auto --dist loadscope --durations=20
 test-maxdiffusion-ci: $(MD_STAMP)
 	MD_PY=$(MD_PY) scripts/test_maxdiffusion.sh ci $(MD_PYTEST_ARGS)
 
