@@ -61,7 +61,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict[str, object]]:
   """Every collective instruction: ``{"op", "bytes"}`` (sent per device, as in
-  :func:`collective_stats`), ``"axes"`` (the mesh axes of its replica group where printed as
+  :func:`collective_stats`), ``"result_bytes"`` (its result's per device), ``"axes"`` (the mesh axes of its replica group where printed as
   a mesh, else ``[]``) and ``"op_name"`` (the JAX operation it came from, from the metadata;
   a collective XLA inserted to reshard has no ``shard_map`` in it)."""
   ops = []
@@ -79,7 +79,7 @@ def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict[str, object
             "collective-permute": result}[op]
     group = _MESH_GROUP.search(rest)
     name = _OP_NAME.search(rest)
-    ops.append({"op": op, "bytes": sent,
+    ops.append({"op": op, "bytes": sent, "result_bytes": result,
                 "axes": re.findall(r"'([^']+)'", group.group(1)) if group else [],
                 "op_name": name.group(1) if name else ""})
   return ops

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Mapping, Sequence
 
+from maxdiffusion_svg.bench.hlo import collective_ops
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
 from maxdiffusion_svg.tpu.aot import child_result, print_result
 from maxdiffusion_svg.tpu.bundles import dump_flags
@@ -43,8 +44,6 @@ _PROJECTION = re.compile(r"/(?:\w*_proj|proj_\w+|gelu|ffn|net_\d|linear_?\d*|to_
 _BRANCH = re.compile(r"apply_attention/.*?cond/branch_(\d+)_fun")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _SHAPE = re.compile(r"\b(?:bf16|f16|f32|f64|s8|u8|s16|u16|s32|u32|s64|u64|pred)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 BASELINES = {"wan": "ulysses_custom_fixed_m"}
 # The Mosaic kernels a step is priced with, by their HLO names: ours and fixed-m's (its vmap'd
 # kernel). Any other (MaxDiffusion's flash for cross-attention where flash_min_seq_length lets
@@ -104,22 +103,12 @@ def in_layer(inst: Instruction) -> bool:
 
 
 def collective_bytes(hlo: str) -> list[dict[str, Any]]:
-  """Each collective of a module: ``{name, opcode, bytes, layer, branch}``, ``bytes`` its result's
-  per device (an async pair's ``-done``, whose result is the transfer's)."""
+  """Each collective of a module (:func:`~maxdiffusion_svg.bench.hlo.collective_ops`):
+  ``{opcode, bytes, layer, branch}``, ``bytes`` its result's per device."""
   out = []
-  for name, inst in instructions(hlo).items():
-    base = re.sub(r"-(start|done)$", "", inst.opcode)
-    if base not in COLLECTIVE_OPS or inst.opcode.endswith("-start"):
-      continue
-    result = inst.line.split("=", 1)[1].split(f" {inst.opcode}(", 1)[0]
-    size = 0
-    for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", result):
-      if dtype in _BYTES:
-        count = 1
-        for d in (int(x) for x in dims.split(",") if x):
-          count *= d
-        size += count * _BYTES[dtype]
-    out.append({"name": name, "opcode": base, "bytes": size, "layer": in_layer(inst),
+  for op in collective_ops(hlo):
+    inst = Instruction(str(op["op"]), str(op["op_name"]), "")
+    out.append({"opcode": inst.opcode, "bytes": op["result_bytes"], "layer": in_layer(inst),
                 "branch": branch(inst)})
   return out
 
@@ -348,7 +337,7 @@ def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, 
   from maxdiffusion_svg.plugin.estimate import estimate_config
   from maxdiffusion_svg.plugin.overlay import load_config
   from maxdiffusion_svg.plan.target import generation_named, tpu_target
-  from maxdiffusion_svg.tpu.prices import kernel_prices as prices_of
+  from maxdiffusion_svg.tpu.prices import PRICES, kernel_prices as prices_of
   from maxdiffusion_svg.tpu.step_prices import StepPrices, step_prices
   # pylint: enable=import-outside-toplevel
   keys, chain = load_config(config)
@@ -388,11 +377,7 @@ def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, 
     tokens, launches = estimate["tokens"], key[3] * key[4]
     sparse = prices.call(row["full_tiles"], row["masked_tiles"], -(-tokens // block_q))
     dense = prices.dense_call(tokens)
-    fixed_m = row["vs_fixed_m"]["fixed_m_call"] if row["vs_fixed_m"].get("priced") else (
-        estimate["rows"][0]["vs_fixed_m"].get("fixed_m_call"))
-    if fixed_m is None:
-      from maxdiffusion_svg.tpu.prices import PRICES  # pylint: disable=import-outside-toplevel
-      fixed_m = PRICES[chip]["maxdiffusion_fixed_m"].dense_call(tokens)
+    fixed_m = PRICES[chip]["maxdiffusion_fixed_m"].dense_call(tokens)  # as tiles prices it
     ours_sparse = step.step(row["layers"], row["sparse_layers"], sparse, dense, launches)
     ours_dense = step.step(row["layers"], 0, sparse, dense, launches)
     theirs = step.baseline_step(row["layers"], fixed_m, launches)

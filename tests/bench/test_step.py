@@ -16,16 +16,8 @@ from maxdiffusion_svg.bench.step import (CLASSES, COLLECTIVES, CROSS, KERNEL, PR
                                          SELF, Instruction, classify, collective_bytes,
                                          price_classes, step_row, topology_of)
 from maxdiffusion_svg.cli import main as cli
+from test_schedule_compensation import FUSION  # 23 bundles: a loop of 4 run 5 times
 
-# A loop of 4 bundles (its back edge's delay slot included) run 5 times: 7 + 4 * 4 = 23 bundles.
-FUSION = """  0x0   :  { %1 = smov 0 }
-  0x1   :  { %2 = smov 0 }
-  0x2 LB: > { %3 = sadd.s32 1, %2 }
-  0x3   : > { %p4 = scmp.ge.s32.totalorder %3, 5 /* loop exit test */ }
-  0x4   :  { %5 = sbr.rel (!%p4) target = $region7 }
-  0x5   :  {}
-  0x6   :  {} /* exit bundle: %f = fusion() */
-"""
 SHORT = "  0x0   :  { %1 = smov 0 }\n  0x1   :  {}\n"  # 2 bundles
 # The embedding outside the scan, then the scan (no literal trip count) calling one computation
 # of each kind, then the kernel (priced from its plan, skipped here).
