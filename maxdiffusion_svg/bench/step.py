@@ -5,8 +5,10 @@ libtpu for the slice, at ``layers`` layers in MaxDiffusion's scan, once with ``s
 the dense baseline (``ulysses_custom_fixed_m`` at its fast recipe), each in a child whose libtpu
 dumps its final schedules. Every computation the program calls is priced by
 :func:`~maxdiffusion_svg.bench.schedule_xla.price_program` and put in one class by its HLO
-instruction (:func:`classify`). The Mosaic kernels are priced from their plans
-(:mod:`maxdiffusion_svg.tpu.prices`: ours per visited tile, fixed-m's per tile of its recipe).
+instruction (:func:`classify`). The self-attention kernels are priced from their plans
+(:mod:`maxdiffusion_svg.tpu.prices`: ours per visited tile, fixed-m's per tile of its recipe);
+MaxDiffusion's flash (cross-attention where ``flash_min_seq_length`` lets it) from its own
+schedule in the dump, every tile of its grid visited (:func:`flash_prices`).
 
 The scan's body is one layer: a step is the program outside the scan plus the model's depth times
 one layer (priced from ``layers`` compiled layers, so two suffice). svg's program holds both
@@ -27,9 +29,10 @@ import tempfile
 from typing import Any, Callable, Mapping, Sequence
 
 from maxdiffusion_svg.bench.hlo import collective_ops
+from maxdiffusion_svg.bench.schedule import static_bundles
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
 from maxdiffusion_svg.tpu.aot import child_result, print_result
-from maxdiffusion_svg.tpu.bundles import dump_flags
+from maxdiffusion_svg.tpu.bundles import SPLASH_LAYOUT, dump_flags, read_dump
 
 SELF, CROSS, PROJECTIONS, COLLECTIVES, REST = (
     "self-attention", "cross-attention", "projections and MLP", "collectives", "norms and the rest")
@@ -42,53 +45,125 @@ ICI = {"v5e": (400e9, "cloud.google.com/tpu/docs/v5e"),
 # Module names MaxDiffusion's Wan gives its projections and feed-forward (in HLO op_name paths).
 _PROJECTION = re.compile(r"/(?:\w*_proj|proj_\w+|gelu|ffn|net_\d|linear_?\d*|to_out\w*|\w*embed\w*)/")
 _BRANCH = re.compile(r"apply_attention/.*?cond/branch_(\d+)_fun")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _SHAPE = re.compile(r"\b(?:bf16|f16|f32|f64|s8|u8|s16|u16|s32|u32|s64|u64|pred)\[([\d,]*)\]")
 BASELINES = {"wan": "ulysses_custom_fixed_m"}
-# The Mosaic kernels a step is priced with, by their HLO names: ours and fixed-m's (its vmap'd
-# kernel). Any other (MaxDiffusion's flash for cross-attention where flash_min_seq_length lets
-# it) has no plan to price it by: the step is refused, naming it.
+# The self-attention kernels a step is priced with from their plans, by their HLO names: ours
+# and fixed-m's (its vmap'd kernel). MaxDiffusion's flash (jax's Splash, FLASH) is priced from its
+# own dumped schedule; a program calling any other Mosaic kernel is refused, naming it.
 PRICED_KERNELS = {"svg": ("svg_pallas",), "ulysses_custom_fixed_m": ("vmap__",)}
+FLASH = "splash_mha"
+_FLASH_BLOCKS = re.compile(r'\\"block_q\\": (\d+), \\"block_kv\\": (\d+)')
+_FLOAT_SHAPE = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
+_LAYOUT_OPS = ("bitcast", "copy", "copy-start", "copy-done", "reshape", "transpose")
 _TOPOLOGIES = {8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}
 TEXT_LEN = 512  # the text tokens the forward is compiled with (Wan's max_sequence_length)
 
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
-  """One HLO instruction: its opcode, op_name (metadata) and text."""
+  """One HLO instruction: its opcode, op_name (metadata), text, operands' names and the
+  computation holding it."""
 
   opcode: str
   op_name: str
   line: str
+  operands: tuple[str, ...] = ()
+  computation: str = ""
+
+
+def _operands(line: str, start: int) -> tuple[str, ...]:
+  """The instruction names inside the parentheses opening at ``line[start]``."""
+  depth = 0
+  for end in range(start, len(line)):
+    depth += {"(": 1, ")": -1}.get(line[end], 0)
+    if depth == 0:
+      return tuple(re.findall(r"%([\w.\-]+)", line[start:end]))
+  return ()
 
 
 def instructions(hlo: str) -> dict[str, Instruction]:
-  """Each instruction of an optimised HLO module by name."""
-  out = {}
-  for line in hlo.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match:
+  """Each instruction of an optimised HLO module by name (a Mosaic call's kernel metadata runs
+  over several lines: they are one instruction)."""
+  out, computation, lines = {}, "", []
+
+  def close() -> None:
+    if lines:
+      line = " ".join(lines)
+      match = _INSTRUCTION.match(line)
       op_name = re.search(r'op_name="([^"]*)"', line)
-      out[match.group(1)] = Instruction(match.group(3), op_name.group(1) if op_name else "", line)
+      out[match.group(1)] = Instruction(match.group(3), op_name.group(1) if op_name else "", line,
+                                        _operands(line, match.end() - 1), computation)
+      lines.clear()
+
+  for line in hlo.splitlines():
+    header = _COMPUTATION.match(line)
+    if header or _INSTRUCTION.match(line) or line.strip() == "}":
+      close()
+      if header:
+        computation = header.group(1)
+      elif line.strip() != "}":
+        lines.append(line)
+    elif lines:
+      lines.append(line.strip())
+  close()
   return out
+
+
+def scan_bodies(table: Mapping[str, Instruction]) -> frozenset[str]:
+  """The computations that are a while loop's body (the scanned layers')."""
+  return frozenset(m for i in table.values() if i.opcode == "while"
+                   for m in re.findall(r"body=%([\w.\-]+)", i.line))
 
 
 def _dims(line: str) -> set[int]:
   return {int(d) for dims in _SHAPE.findall(line) for d in dims.split(",") if d}
 
 
-def classify(inst: Instruction, text_len: int) -> str:
+def classify(inst: Instruction, text_len: int, cross: bool = False) -> str:
   """The class of the step an instruction belongs to: a collective by its opcode; attention by
-  MaxDiffusion's ``apply_attention`` scope (video self-attention runs in a ``shard_map``;
-  cross-attention outside it, over ``text_len`` keys); projections and the feed-forward by their
-  modules' names; the rest (norms, modulation, embeddings, copies) otherwise."""
+  MaxDiffusion's ``apply_attention`` scope, cross-attention where ``cross``
+  (:func:`cross_attention`) or outside the ``shard_map`` over ``text_len`` keys; projections and
+  the feed-forward by their modules' names; the rest (norms, modulation, embeddings, copies)
+  otherwise."""
   if re.sub(r"-(start|done)$", "", inst.opcode) in COLLECTIVE_OPS:
     return COLLECTIVES
-  if "apply_attention" in inst.op_name:
-    if "shard_map" in inst.op_name or text_len not in _dims(inst.line):
-      return SELF
+  if cross:
     return CROSS
+  if "apply_attention" in inst.op_name:
+    return CROSS if _text_keys(inst, text_len) else SELF
   return PROJECTIONS if _PROJECTION.search(inst.op_name + "/") else REST
+
+
+def _text_keys(inst: Instruction, text_len: int) -> bool:
+  # Outside the shard_map: ours (and Ulysses') runs inside it, where a tile can be 512 long.
+  return "shard_map" not in inst.op_name and text_len in _dims(inst.line)
+
+
+def cross_attention(table: Mapping[str, Instruction], text_len: int) -> frozenset[str]:
+  """Cross-attention's instructions: in MaxDiffusion's ``apply_attention`` scope (outside svg's
+  cond), the ones over the text's keys outside a ``shard_map``, every one that uses their
+  results, and every one those use. The scan's op_names do not say ``attn2``: the data path
+  does (MaxDiffusion's flash runs cross-attention inside a ``shard_map`` of its own)."""
+  scope = {n for n, i in table.items() if ("apply_attention" in i.op_name and branch(i) is None)
+           or (not i.op_name and i.opcode in _LAYOUT_OPS)}  # layout ops libtpu added
+  users: dict[str, list[str]] = {}
+  for name in scope:
+    for operand in table[name].operands:
+      users.setdefault(operand, []).append(name)
+
+  def reach(start: set[str], step: Callable[[str], Sequence[str]]) -> set[str]:
+    seen, todo = set(start), list(start)
+    while todo:
+      for n in step(todo.pop()):
+        if n in scope and n not in seen:
+          seen.add(n)
+          todo.append(n)
+    return seen
+
+  down = reach({n for n in scope if _text_keys(table[n], text_len)}, lambda n: users.get(n, ()))
+  return frozenset(reach(down, lambda n: table[n].operands))
 
 
 def branch(inst: Instruction) -> int | None:
@@ -113,23 +188,62 @@ def collective_bytes(hlo: str) -> list[dict[str, Any]]:
   return out
 
 
-def price_classes(directory: str, skip: Sequence[str], layers: int,
-                  text_len: int) -> dict[str, Any]:
+def flash_calls(hlo: str) -> dict[str, tuple[int, int, int]]:
+  """Each call of MaxDiffusion's flash kernel by instruction name: its grid, (heads x batch,
+  q rows, kv columns), from its q's and k's shapes and the block sizes in its kernel metadata."""
+  out = {}
+  for name, inst in instructions(hlo).items():
+    if not (name.startswith(FLASH) and inst.opcode == "custom-call"):
+      continue
+    blocks = _FLASH_BLOCKS.search(inst.line)
+    operands = inst.line.partition("operand_layout_constraints=")[2]
+    shapes = [[int(d) for d in s.split(",")] for s in _FLOAT_SHAPE.findall(operands)]
+    if blocks is None or len(shapes) < 2:
+      raise ValueError(f"{name}: no block sizes or q and k shapes to read its grid from")
+    (block_q, block_kv), (q, k) = map(int, blocks.groups()), shapes[:2]
+    heads = 1
+    for d in q[:-2]:
+      heads *= d
+    out[name] = (heads, -(-q[-2] // block_q), -(-k[-2] // block_kv))
+  return out
+
+
+def flash_prices(directory: str, hlo: str) -> dict[str, int]:
+  """Bundles of each call of MaxDiffusion's flash kernel, from its own schedule in the dump:
+  every tile of its grid runs the mask-free body (a ``FullMask``; the text's padding is its
+  segment ids, applied in every tile), every row opens and closes."""
+  schedules = {k.name.split("-", 1)[-1]: k for k in read_dump(directory, FLASH, SPLASH_LAYOUT)}
+  out = {}
+  for name, (heads, rows, cols) in flash_calls(hlo).items():
+    if name not in schedules:
+      raise ValueError(f"{name}: no schedule dumped for MaxDiffusion's flash call")
+    out[name] = static_bundles(schedules[name], rows * cols, 0, rows, heads)
+  return out
+
+
+def price_classes(directory: str, skip: Sequence[str], layers: int, text_len: int,
+                  kernels: Mapping[str, int] | None = None) -> dict[str, Any]:
   """A dumped program's bundles by class: ``outside`` (once per step) and ``layer`` (one layer
   of the scan, ``layer[b]`` without the other branch's computations for cond branch ``b``; key
   ``None``: a program with no cond), each ``{class: bundles}``, and ``total`` (the program as
-  compiled, ``layers`` layers, both branches) equal to the classes' sum."""
+  compiled, ``layers`` layers, both branches) equal to the classes' sum. ``kernels``: bundles
+  per call of skipped Mosaic calls priced elsewhere (:func:`flash_prices`), by instruction."""
   priced = price_program(directory, tuple(skip), loop_trips=layers)
   with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
     table = instructions(f.read())
+  cross, bodies = cross_attention(table, text_len), scan_bodies(table)
+  layer_of = lambda inst: in_layer(inst) or inst.computation in bodies
+  computations = dict(priced["computations"])
+  for name, bundles in (kernels or {}).items():
+    computations[name] = bundles * (layers if layer_of(table[name]) else 1)
   outside = {c: 0 for c in CLASSES}
   outside[REST] = priced["top_level"]  # the program's own bundles: control, the loop, waits
   by_branch: dict[int | None, dict[str, float]] = {}
   shared = {c: 0.0 for c in CLASSES}
-  for name, bundles in priced["computations"].items():
+  for name, bundles in computations.items():
     inst = table.get(name, Instruction("", "", ""))
-    cls = classify(inst, text_len)
-    if not in_layer(inst):
+    cls = classify(inst, text_len, name in cross)
+    if not layer_of(inst):
       outside[cls] += bundles
       continue
     b = branch(inst)
@@ -137,7 +251,8 @@ def price_classes(directory: str, skip: Sequence[str], layers: int,
     target[cls] += bundles / layers
   layer = {None: shared} if not by_branch else {
       b: {c: shared[c] + own[c] for c in CLASSES} for b, own in by_branch.items()}
-  return {"total": priced["bundles"], "outside": outside, "layer": layer,
+  return {"total": priced["bundles"] + sum(computations.values()) - sum(
+              priced["computations"].values()), "outside": outside, "layer": layer,
           "branches": {b: own for b, own in by_branch.items()}, "shared": shared,
           "unpriced": priced["unpriced"], "priced_as": priced["priced_as"]}
 
@@ -286,16 +401,16 @@ def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str
       if not compiled.get("ok"):
         raise RuntimeError(f"{kernel}: the forward did not compile: {compiled.get('error')}")
       names = sorted(set(compiled["mosaic_kernel_names"]))
-      other = [n for n in names if not n.startswith(PRICED_KERNELS[kernel])]
+      other = [n for n in names if not n.startswith((*PRICED_KERNELS[kernel], FLASH))]
       if other:
         raise ValueError(f"{kernel}'s program calls Mosaic kernels bench step cannot price: "
-                         f"{', '.join(other)} (only ours and fixed-m's have per-tile prices; "
-                         f"e.g. MaxDiffusion's flash for cross-attention below "
-                         f"flash_min_seq_length)")
-      skip = (*names, "custom-call")
-      program = price_classes(directory, skip, layers, TEXT_LEN)
+                         f"{', '.join(other)} (it prices ours, fixed-m's and MaxDiffusion's "
+                         f"flash)")
       with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
         hlo[name] = f.read()
+      flash = flash_prices(directory, hlo[name]) if any(n.startswith(FLASH) for n in names) else {}
+      program = price_classes(directory, (*names, "custom-call"), layers, TEXT_LEN, flash)
+      program["flash_calls"] = flash
     program["kernel"] = kernel
     program["mosaic_kernels"] = compiled["mosaic_kernel_names"]
     program["compile_seconds"] = compiled.get("seconds")
@@ -423,12 +538,14 @@ def format_step(result: dict[str, Any]) -> str:
            + (f", expert {result['expert']}" if result["expert"] else "")
            + f"; video {'x'.join(map(str, result['video']))} ({result['tokens']:,} tokens); "
            f"{result['layers_compiled']} scanned layers compiled, priced as the program outside "
-           f"the scan plus {result['depth']} x one layer; Mosaic kernels priced from their plans",
+           f"the scan plus {result['depth']} x one layer; self-attention kernels priced from their "
+           f"plans" + (", MaxDiffusion's flash from its schedule" if any(
+               p.get("flash_calls") for p in result["programs"].values()) else ""),
            "",
            f"| class | baseline ({result['programs']['baseline']['kernel']}) | svg, sparse step "
            f"({result['sparse_layers']} of {result['depth']} layers sparse) | svg, dense step |",
            "|---|---:|---:|---:|"]
-  for cls in (*CLASSES, KERNEL):
+  for cls in (SELF, KERNEL, *CLASSES[1:]):
     label = f"  of which the kernel" if cls == KERNEL else cls
     lines.append(f"| {label} | {m(base[cls])} | {m(sparse['svg'][cls])} | {m(dense['svg'][cls])} |")
   lines.append(f"| **step** | {m(base['total'])} | {m(sparse['svg']['total'])} "

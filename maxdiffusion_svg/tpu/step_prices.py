@@ -20,7 +20,8 @@ from maxdiffusion_svg.tpu.prices import LIBTPU
 
 @dataclasses.dataclass(frozen=True)
 class StepPrices:
-  """Bundles per device of one Wan step's XLA (the Mosaic kernels' not included)."""
+  """Bundles per device of one Wan step's XLA (the self-attention kernels' not included;
+  MaxDiffusion's flash, where cross-attention runs it, is in ``layer_rest``)."""
 
   outside: int  # svg's program outside the scanned layers, once per step
   layer_rest: int  # one layer besides self-attention: cross-attention, projections, MLP, norms
@@ -69,6 +70,9 @@ STEP_PRICES: dict[StepKey, StepPrices] = {
     ("v6e", 75_600, 40, 5, 2, 1): StepPrices(
         2_275_003, 18_656_760, 7_690_484, 4_719_295, 2_217_031, 18_545_814, 3_476_596,
         "docs/measurements/step_wan_svg_v6e8_720p.json"),
+    ("v6e", 32_760, 12, 3, 1, 1): StepPrices(  # Wan 2.1 1.3B, 480p, 2-way data x 4-way context
+        667_655, 3_193_772, 1_495_537, 918_439, 662_647, 3_059_968, 633_213,
+        "docs/measurements/step_wan_svg_1_3b_v6e8_480p.json"),
 }
 
 

@@ -14,7 +14,8 @@ from maxdiffusion_svg.bench import step as step_bench
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, issued_bundles
 from maxdiffusion_svg.bench.step import (CLASSES, COLLECTIVES, CROSS, KERNEL, PROJECTIONS, REST,
                                          SELF, Instruction, classify, collective_bytes,
-                                         price_classes, step_row, topology_of)
+                                         cross_attention, flash_calls, instructions,
+                                         price_classes, scan_bodies, step_row, topology_of)
 from maxdiffusion_svg.cli import main as cli
 from test_schedule_compensation import FUSION  # 23 bundles: a loop of 4 run 5 times
 
@@ -70,6 +71,55 @@ def test_the_classes_sum_to_the_program_and_the_branches_are_apart(tmp_path):
       sum(priced["shared"].values()) + sum(sum(b.values()) for b in priced["branches"].values()))
   assert classes == priced["total"] == top + 2 + layers * (23 + 23 + 2 + 23 + 2 + 2)
   assert issued_bundles(FUSION) == 23
+
+
+def test_mosaic_calls_priced_elsewhere_land_in_their_class_and_the_total(tmp_path):
+  write_dump(tmp_path)
+  plain = price_classes(str(tmp_path), ("kernel",), 3, text_len=512)
+  priced = price_classes(str(tmp_path), ("kernel",), 3, 512, kernels={"kernel_call": 100})
+  assert priced["total"] == plain["total"] + 100  # ENTRY's: outside the scan, run once
+  assert priced["outside"][REST] == plain["outside"][REST] + 100
+
+
+# A scanned layer as MaxDiffusion's 1.3B compiles it: cross-attention by MaxDiffusion's flash in a
+# shard_map of its own, libtpu's bitcasts without an op_name; ours beside it,
+# with a 512-long tile shape inside its shard_map.
+_ATTN = "jit(f)/WanModel/while/body/eval_jaxpr/apply_attention"
+SCAN = f"""HloModule m
+%body.3 (p: (s32[], bf16[1,18944,1536])) -> (s32[], bf16[1,18944,1536]) {{
+  %p = (s32[], bf16[1,18944,1536]) parameter(0)
+  %x = bf16[1,18944,1536]{{2,1,0}} get-tuple-element(%p), index=1
+  %ours = bf16[3,75600,128]{{2,1,0}} fusion(bf16[1,18944,1536]{{2,1,0}} %x), kind=kLoop, calls=%f1, metadata={{op_name="{_ATTN}/shard_map/cond/branch_1_fun/transpose"}}
+  %tile = bf16[3,148,512,128]{{3,2,1,0}} fusion(%ours), kind=kLoop, calls=%f2, metadata={{op_name="{_ATTN}/shard_map/reshape"}}
+  %q = bf16[12,18944,128]{{2,1,0:T(8,128)(2,1)}} fusion(%x), kind=kLoop, calls=%f3, metadata={{op_name="{_ATTN}/shard_map/jit(_pad)/pad"}}
+  %k = bf16[1,512,12,128]{{3,2,1,0}} all-gather(%x), channel_id=1, dimensions={{1}}, metadata={{op_name="{_ATTN}/reshape"}}
+  %kb = bf16[12,512,128]{{2,1,0}} bitcast(%k)
+  %splash_mha_fwd_segmented_no_residuals.1 = bf16[12,18944,128]{{2,1,0:T(8,128)(2,1)}} custom-call(%q, %kb), custom_call_target="tpu_custom_call", operand_layout_constraints={{s8[1,37,1]{{2,1,0}}, bf16[12,18944,128]{{2,1,0}}, bf16[12,512,128]{{2,1,0}}}}, frontend_attributes={{kernel_metadata={{
+"xprof_metadata":"{{\\"block_q\\": 512, \\"block_kv\\": 256, \\"block_kv_compute\\": 256}}"
+}}}}, metadata={{op_name="{_ATTN}/shard_map/vmap(jit(_splash_attention))/splash_mha_fwd/pallas_call"}}
+  %out = bf16[1,18944,1536]{{2,1,0}} fusion(%splash_mha_fwd_segmented_no_residuals.1), kind=kLoop, calls=%f4, metadata={{op_name="{_ATTN}/transpose"}}
+  %proj = bf16[1,18944,1536]{{2,1,0}} fusion(%out, %tile), kind=kOutput, calls=%f5, metadata={{op_name="jit(f)/WanModel/while/body/eval_jaxpr/proj_attn/dot_general"}}
+  ROOT %t = (s32[], bf16[1,18944,1536]) tuple(%p, %proj)
+}}
+
+ENTRY %main (a: bf16[1,18944,1536]) -> bf16[1,18944,1536] {{
+  %w = (s32[], bf16[1,18944,1536]) while(%a), condition=%cond.2, body=%body.3
+}}
+"""
+
+
+def test_cross_attention_is_found_by_its_data_path_and_flash_by_its_grid():
+  table = instructions(SCAN)
+  assert scan_bodies(table) == {"body.3"} and table["kb"].computation == "body.3"
+  assert cross_attention(table, 512) == {"q", "k", "kb", "splash_mha_fwd_segmented_no_residuals.1",
+                                         "out"}
+  # Ours keeps its 512-long tiles: inside its shard_map, not on the text's path.
+  assert classify(table["tile"], 512) == SELF
+  # Its kernel metadata runs over three lines: one instruction, its op_name on the last.
+  assert table["splash_mha_fwd_segmented_no_residuals.1"].op_name.endswith("/pallas_call")
+  assert table["out"].operands == ("splash_mha_fwd_segmented_no_residuals.1",)
+  # 18,944 queries in 512-row blocks, 512 keys in 256-long ones, for 12 heads.
+  assert flash_calls(SCAN) == {"splash_mha_fwd_segmented_no_residuals.1": (12, 37, 2)}
 
 
 @pytest.mark.parametrize("op_name,line,expected", [

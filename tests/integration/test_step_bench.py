@@ -1,6 +1,8 @@
-"""``bench step`` on MaxDiffusion's Wan 2.1 14B forward for a v6e-8 (libtpu, no TPU needed; two
-2-layer compiles, full tier): each program's classes sum to its priced total, the router leaves
-no computation larger than the sparse kernel in a sparse layer, and the step is the stored one."""
+"""``bench step`` on MaxDiffusion's Wan 2.1 14B (720p) and 1.3B (480p, its cross-attention on
+MaxDiffusion's flash) forwards for a v6e-8 (libtpu, no TPU needed; two 2-layer compiles each,
+full tier): each program's classes sum to its priced total, the router leaves no computation
+larger than the sparse kernel in a sparse layer, the flash calls are cross-attention's, and the
+step is the stored one."""
 
 import pytest
 from md_required import require_maxdiffusion
@@ -20,9 +22,9 @@ from maxdiffusion_svg.tpu.step_prices import STEP_PRICES, prices_from_step, step
 pytestmark = pytest.mark.full
 
 
-@pytest.fixture(scope="module")
-def result():
-  out = run_step_bench("configs/wan_svg.yml", "v6e-8", layers=2, log=lambda _: None)
+@pytest.fixture(scope="module", params=["configs/wan_svg.yml", "configs/wan_svg_1_3b.yml"])
+def result(request):
+  out = run_step_bench(request.param, "v6e-8", layers=2, log=lambda _: None)
   print(format_step(out))
   return out
 
@@ -41,6 +43,14 @@ def test_no_xla_in_a_sparse_layer_outweighs_its_kernel(result):
   kernel = result["kernel_calls_per_head"]["fixed"]["sparse"] * result["heads_per_device"] * (
       result["batch"])
   assert svg["layer"]["1"]["self-attention"] < 0.5 * kernel
+
+
+def test_flash_runs_cross_attention_where_the_config_sends_it(result):
+  for program in result["programs"].values():
+    flash = sum(program["flash_calls"].values())
+    assert bool(flash) == ("1_3b" in result["config"])
+    # Each flash call is one per layer, in cross-attention (its XLA beside it).
+    assert program["shared"]["cross-attention"] >= flash
 
 
 def test_the_step_is_the_stored_one(result):
