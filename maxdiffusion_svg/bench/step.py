@@ -33,6 +33,7 @@ from maxdiffusion_svg.bench.schedule import static_bundles
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
 from maxdiffusion_svg.tpu.aot import child_result, print_result
 from maxdiffusion_svg.tpu.bundles import SPLASH_LAYOUT, dump_flags, read_dump
+from maxdiffusion_svg.tpu.step_prices import StepPrices, slice_key, step_prices
 
 SELF, CROSS, PROJECTIONS, COLLECTIVES, REST = (
     "self-attention", "cross-attention", "projections and MLP", "collectives", "norms and the rest")
@@ -383,7 +384,8 @@ def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str
   row = estimate["rows"][index]
   calls = kernel_prices(estimate, index)
   video = estimate["video"]
-  heads = estimate["checks"]["slice"]["heads_per_device"]
+  _, _, _, heads, batch, ring = slice_key(chip, estimate["tokens"], estimate["checks"]["heads"],
+                                          estimate["checks"]["slice"])
   topology = topology_of(slice_type)
   out: dict[str, Any] = {
       "kind": "compiled (libtpu's static schedule of the whole program)", "config": config,
@@ -415,11 +417,10 @@ def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str
     program["mosaic_kernels"] = compiled["mosaic_kernel_names"]
     program["compile_seconds"] = compiled.get("seconds")
     out["programs"][name] = program
-  batch = 2 // estimate["checks"]["slice"]["mesh"].get("data", 1)  # CFG's pair over the data axis
   depth, svg, base = row["layers"], out["programs"]["svg"], out["programs"]["baseline"]
   out["heads_per_device"], out["batch"] = heads, batch
   out["heads"] = estimate["checks"]["heads"]
-  out["ring"] = estimate["checks"]["slice"]["ring"]
+  out["ring"] = ring
   for path in ("fixed", "online"):
     sparse = step_row(svg, base, calls, heads, batch, depth, row["sparse_layers"], path)
     dense = step_row(svg, base, calls, heads, batch, depth, 0, path)
@@ -453,7 +454,6 @@ def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, 
   from maxdiffusion_svg.plugin.overlay import load_config
   from maxdiffusion_svg.plan.target import generation_named, tpu_target
   from maxdiffusion_svg.tpu.prices import PRICES, kernel_prices as prices_of
-  from maxdiffusion_svg.tpu.step_prices import StepPrices, step_prices
   # pylint: enable=import-outside-toplevel
   keys, chain = load_config(config)
   chip, topology = slice_chip(slice_type, None), topology_of(slice_type)
@@ -464,9 +464,9 @@ def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, 
     tiles = {"svg_block_q": block_q, "svg_block_kv": block_kv,
              "svg_block_kv_compute": block_kv_compute}
     estimate = estimate_config({**keys, **tiles}, target, slice_type=slice_type, path=chain[0])
-    mesh, row = estimate["checks"]["slice"], estimate["rows"][0]
-    key = (chip, estimate["tokens"], estimate["checks"]["heads"], mesh["heads_per_device"],
-           2 // mesh["mesh"].get("data", 1), mesh["ring"])
+    row = estimate["rows"][0]
+    key = slice_key(chip, estimate["tokens"], estimate["checks"]["heads"],
+                    estimate["checks"]["slice"])
     stored = step_prices(key)
     if stored is None:
       raise ValueError(f"no stored step for {key}: run bench step on this config first")

@@ -30,7 +30,7 @@ from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.routing.compensation import plan_row_keys
 from maxdiffusion_svg.routing.semantic import SAMPLE_PER_CLUSTER, group_size
 from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES
-from maxdiffusion_svg.tpu.step_prices import step_prices
+from maxdiffusion_svg.tpu.step_prices import slice_key, step_prices
 
 # Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
 # 2.1 14B, eight v6e chips): "full attention's share of per-layer latency" grows "from 55.5% to
@@ -238,10 +238,8 @@ def _priced_step(rows: list[Estimate], priced: list[dict[str, Any]], target: Tar
   slice's checks, None without one)."""
   if mesh is None:
     return {"priced": False, "why": "no slice given (--slice)"}
-  family, data = video_model(keys), mesh["mesh"].get("data", 1)
-  chip = target.generation.name if target.known else ""
-  key = (chip, tokens, heads, mesh["heads_per_device"], 2 // data if 2 % data == 0 else 0,
-         mesh["ring"])
+  family = video_model(keys)
+  key = slice_key(target.generation.name if target.known else "", tokens, heads, mesh)
   t2v = family is WAN and str(keys.get("model_type", "T2V")).upper() == "T2V" and not blocks
   prices = step_prices(key) if t2v else None
   if prices is None or not all(vs.get("priced") for vs in priced):

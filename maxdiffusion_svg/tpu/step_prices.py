@@ -68,12 +68,20 @@ def prices_from_step(result: dict[str, Any], source: str = "") -> StepPrices:
 StepKey = tuple[str, int, int, int, int, int]
 STEP_PRICES: dict[StepKey, StepPrices] = {
     ("v6e", 75_600, 40, 5, 2, 1): StepPrices(
-        2_275_003, 18_656_760, 7_690_484, 4_719_295, 2_217_031, 18_545_814, 3_476_596,
+        2_176_183, 19_505_787, 6_890_867, 3_919_678, 2_118_211, 19_393_584, 2_678_236,
         "docs/measurements/step_wan_svg_v6e8_720p.json"),
     ("v6e", 32_760, 12, 3, 1, 1): StepPrices(  # Wan 2.1 1.3B, 480p, 2-way data x 4-way context
         667_655, 3_193_772, 1_495_537, 918_439, 662_647, 3_059_968, 633_213,
         "docs/measurements/step_wan_svg_1_3b_v6e8_480p.json"),
 }
+
+
+def slice_key(chip: str, tokens: int, heads: int, mesh: dict[str, Any]) -> StepKey:
+  """The key of a video on a slice: ``mesh`` as the slice's checks give it (heads per device,
+  the mesh's axes, the ring); the CFG pair splits over the data axis (0: it does not divide)."""
+  data = mesh["mesh"].get("data", 1)
+  return (chip, tokens, heads, mesh["heads_per_device"], 2 // data if 2 % data == 0 else 0,
+          mesh["ring"])
 
 
 def step_key(result: dict[str, Any]) -> StepKey:

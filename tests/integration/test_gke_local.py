@@ -94,7 +94,8 @@ def decoded_psnr(mp4, reference):
 # way, by one level, and a dense kernel's run does the same (12; test_multihost_e2e.py checks
 # both): the MP4s then match to 65 dB, not byte for byte (docs/gke.md).
 @pytest.mark.parametrize("manifest,exact", [
-    ("jobset_v6e16.yaml", True),  # the multi-host JobSet: 4 pods of 4 chips
+    # the multi-host JobSet: 4 pods of 4 chips (CI runs its two processes alone, below)
+    pytest.param("jobset_v6e16.yaml", True, marks=pytest.mark.full),
     # 8 pods of 4 chips; its config's ulysses_shards 8 leaves a ring of 2 over the context axis
     pytest.param("jobset_v6e32.yaml", True, marks=pytest.mark.full),
     pytest.param("jobset_v6e8.yaml", False, marks=pytest.mark.full),  # one 8-chip host
@@ -117,6 +118,19 @@ def test_manifest_command_runs_in_one_and_two_processes(manifest, exact, checkpo
       assert pathlib.Path(video).read_bytes() == reference
     else:
       assert decoded_psnr(video, mp4) > 55
+
+
+def test_the_multi_host_jobset_runs_in_two_processes(checkpoint, tmp_path):
+  """The v6e-16 JobSet's command in 2 processes (hosts): both join one job of the slice and
+  export the same video (against 1 process holding every device: the full tier, above)."""
+  two, devices = run_container("jobset_v6e16.yaml", 2, tmp_path, checkpoint, ["vae_spatial=1"],
+                               timeout=1200)
+  videos = []
+  for info in two:
+    assert info["num_devices"] == [devices]
+    (video,) = info["videos"]
+    videos.append(pathlib.Path(video).read_bytes())
+  assert len(videos) == 2 and videos[0] == videos[1] and videos[0]
 
 
 def failures(manifest, checkpoint, workdir, extra=(), env=None):
