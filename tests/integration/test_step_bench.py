@@ -42,7 +42,11 @@ def test_no_xla_in_a_sparse_layer_outweighs_its_kernel(result):
   svg = result["programs"]["svg"]
   kernel = result["kernel_calls_per_head"]["fixed"]["sparse"] * result["heads_per_device"] * (
       result["batch"])
-  assert svg["layer"]["1"]["self-attention"] < 0.5 * kernel
+  # The XLA around the kernel grows with the tokens, the kernel with their square: 22% of it for
+  # the 14B at 720p, 85% for the 1.3B at 480p (docs/benchmarks.md); the router's gather had
+  # made it twice the kernel.
+  share = 1.0 if "1_3b" in result["config"] else 0.5
+  assert svg["layer"]["1"]["self-attention"] < share * kernel
 
 
 def test_flash_runs_cross_attention_where_the_config_sends_it(result):
