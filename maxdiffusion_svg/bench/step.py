@@ -189,11 +189,11 @@ def collective_bytes(hlo: str) -> list[dict[str, Any]]:
   return out
 
 
-def flash_calls(hlo: str) -> dict[str, tuple[int, int, int]]:
+def flash_calls(table: Mapping[str, Instruction]) -> dict[str, tuple[int, int, int]]:
   """Each call of MaxDiffusion's flash kernel by instruction name: its grid, (heads x batch,
   q rows, kv columns), from its q's and k's shapes and the block sizes in its kernel metadata."""
   out = {}
-  for name, inst in instructions(hlo).items():
+  for name, inst in table.items():
     if not (name.startswith(FLASH) and inst.opcode == "custom-call"):
       continue
     blocks = _FLASH_BLOCKS.search(inst.line)
@@ -209,13 +209,16 @@ def flash_calls(hlo: str) -> dict[str, tuple[int, int, int]]:
   return out
 
 
-def flash_prices(directory: str, hlo: str) -> dict[str, int]:
+def flash_prices(directory: str, table: Mapping[str, Instruction]) -> dict[str, int]:
   """Bundles of each call of MaxDiffusion's flash kernel, from its own schedule in the dump:
   every tile of its grid runs the mask-free body (a ``FullMask``; the text's padding is its
   segment ids, applied in every tile), every row opens and closes."""
+  calls = flash_calls(table)
+  if not calls:
+    return {}
   schedules = {k.name.split("-", 1)[-1]: k for k in read_dump(directory, FLASH, SPLASH_LAYOUT)}
   out = {}
-  for name, (heads, rows, cols) in flash_calls(hlo).items():
+  for name, (heads, rows, cols) in calls.items():
     if name not in schedules:
       raise ValueError(f"{name}: no schedule dumped for MaxDiffusion's flash call")
     out[name] = static_bundles(schedules[name], rows * cols, 0, rows, heads)
@@ -227,15 +230,17 @@ def price_classes(directory: str, skip: Sequence[str], layers: int, text_len: in
   """A dumped program's bundles by class: ``outside`` (once per step) and ``layer`` (one layer
   of the scan, ``layer[b]`` without the other branch's computations for cond branch ``b``; key
   ``None``: a program with no cond), each ``{class: bundles}``, and ``total`` (the program as
-  compiled, ``layers`` layers, both branches) equal to the classes' sum. ``kernels``: bundles
-  per call of skipped Mosaic calls priced elsewhere (:func:`flash_prices`), by instruction."""
+  compiled, ``layers`` layers, both branches) equal to the classes' sum. MaxDiffusion's flash
+  calls are priced from their schedules (:func:`flash_prices`; ``flash_calls``: bundles per
+  call); ``kernels``: bundles per call of other skipped Mosaic calls, by instruction."""
   priced = price_program(directory, tuple(skip), loop_trips=layers)
   with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
     table = instructions(f.read())
   cross, bodies = cross_attention(table, text_len), scan_bodies(table)
   layer_of = lambda inst: in_layer(inst) or inst.computation in bodies
   computations = dict(priced["computations"])
-  for name, bundles in (kernels or {}).items():
+  flash = flash_prices(directory, table)
+  for name, bundles in {**flash, **(kernels or {})}.items():
     computations[name] = bundles * (layers if layer_of(table[name]) else 1)
   outside = {c: 0 for c in CLASSES}
   outside[REST] = priced["top_level"]  # the program's own bundles: control, the loop, waits
@@ -255,7 +260,7 @@ def price_classes(directory: str, skip: Sequence[str], layers: int, text_len: in
   return {"total": priced["bundles"] + sum(computations.values()) - sum(
               priced["computations"].values()), "outside": outside, "layer": layer,
           "branches": {b: own for b, own in by_branch.items()}, "shared": shared,
-          "unpriced": priced["unpriced"], "priced_as": priced["priced_as"]}
+          "unpriced": priced["unpriced"], "priced_as": priced["priced_as"], "flash_calls": flash}
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -410,9 +415,7 @@ def run_step_bench(config: str, slice_type: str, layers: int = 2, subfolder: str
                          f"flash)")
       with open(os.path.join(directory, HLO_FILE), encoding="utf-8") as f:
         hlo[name] = f.read()
-      flash = flash_prices(directory, hlo[name]) if any(n.startswith(FLASH) for n in names) else {}
-      program = price_classes(directory, (*names, "custom-call"), layers, TEXT_LEN, flash)
-      program["flash_calls"] = flash
+      program = price_classes(directory, (*names, "custom-call"), layers, TEXT_LEN)
     program["kernel"] = kernel
     program["mosaic_kernels"] = compiled["mosaic_kernel_names"]
     program["compile_seconds"] = compiled.get("seconds")

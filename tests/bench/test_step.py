@@ -119,7 +119,7 @@ def test_cross_attention_is_found_by_its_data_path_and_flash_by_its_grid():
   assert table["splash_mha_fwd_segmented_no_residuals.1"].op_name.endswith("/pallas_call")
   assert table["out"].operands == ("splash_mha_fwd_segmented_no_residuals.1",)
   # 18,944 queries in 512-row blocks, 512 keys in 256-long ones, for 12 heads.
-  assert flash_calls(SCAN) == {"splash_mha_fwd_segmented_no_residuals.1": (12, 37, 2)}
+  assert flash_calls(table) == {"splash_mha_fwd_segmented_no_residuals.1": (12, 37, 2)}
 
 
 @pytest.mark.parametrize("op_name,line,expected", [
