@@ -28,9 +28,9 @@ import numpy as np
 from maxdiffusion_svg.bench.hlo import collective_ops
 from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.parallel.ring_placement import ring_placement
-from maxdiffusion_svg.parallel.ring_plan import (check_ulysses_shards, key_fetch, ring_split,
-                                                 window_plan)
+from maxdiffusion_svg.parallel.ring_plan import check_ulysses_shards, key_fetch, ring_split
 from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
+from maxdiffusion_svg.tpu.prices import ring_kernel_prices
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 AGAINST = ("ulysses_ring", "ulysses_ring_custom")
@@ -241,26 +241,8 @@ def schedule_figures(cfg: RingBenchConfig, ulysses: int, plan: Any, chip: str | 
   """One device's kernel work per call by libtpu's static schedule (``PRICES``): svg's
   slowest and fastest ring shard (fixed-offset heads), against MaxDiffusion's custom kernel
   run as ``ulysses_ring_custom`` does (``R`` chunk x chunk calls, online or fixed-m)."""
-  from maxdiffusion_svg.tpu.prices import PRICES  # pylint: disable=import-outside-toplevel
-  prices = PRICES.get(chip or "")
-  if not prices:
-    return None
-  ours, theirs = prices["ours"], prices["maxdiffusion_fixed_m"]
-  ring = cfg.context // ulysses
-  split = ring_split(cfg.grid.tokens, ring, ulysses, plan.block_q)
-  heads = cfg.batch // cfg.data * cfg.heads // ulysses
-  shards = []
-  for r in range(ring):
-    stats = window_plan(plan, split, r).stats
-    shards.append(heads * ours.call(stats.full_tiles, stats.masked_tiles,
-                                    split.chunk // plan.block_q))
-  chunk = -(-cfg.grid.tokens // cfg.context) * ulysses
-  ring_online = heads * ring * theirs.dense_call(chunk, online=True)
-  ring_fixed = heads * ring * theirs.dense_call(chunk)
-  single = heads * ring * ours.dense_call(chunk)  # our dense branch over the same pairs
-  return {"chip": chip, "svg_shards": shards, "svg_max": max(shards), "svg_min": min(shards),
-          "ours_dense": single, "ring_custom_online": ring_online,
-          "ring_custom_fixed_m": ring_fixed}
+  return ring_kernel_prices(plan, cfg.grid.tokens, cfg.context, ulysses,
+                            cfg.batch // cfg.data * cfg.heads // ulysses, chip)
 
 
 def run_ring_bench(cfg: RingBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:

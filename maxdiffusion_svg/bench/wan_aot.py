@@ -36,12 +36,13 @@ from maxdiffusion_svg.testing.stand_ins import config_loader
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "wan_svg.yml"
 KERNELS = ("svg", "flash", "ulysses", "ulysses_custom_fixed_m")
-# Keys a kernel's row sets on top of the config: MaxDiffusion's own dense kernel runs at its fast
-# Wan recipe (run_wan_fast_inference.sh: these blocks, 64 MiB of scoped VMEM), the fastest dense
-# attention a Wan user of MaxDiffusion can pick.
-KERNEL_KEYS = {"ulysses_custom_fixed_m": {"flash_block_sizes": {
+# Keys a kernel's row sets on top of the config: MaxDiffusion's own dense kernel (and its ring)
+# runs at its fast Wan recipe (run_wan_fast_inference.sh: these blocks, 64 MiB of scoped VMEM),
+# the fastest dense attention a Wan user of MaxDiffusion can pick.
+_FAST_RECIPE = {"flash_block_sizes": {
     "block_q": 6400, "block_kv": 2048, "block_kv_compute": 2048, "block_kv_compute_in": 1024,
-    "vmem_limit_bytes": 64 * MIB}}}
+    "vmem_limit_bytes": 64 * MIB}}
+KERNEL_KEYS = {"ulysses_custom_fixed_m": _FAST_RECIPE, "ulysses_ring_custom_fixed_m": _FAST_RECIPE}
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
 
 # Wan 2.1 T2V 14B's transformer, as its published Hugging Face config gives it.

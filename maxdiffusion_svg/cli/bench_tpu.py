@@ -260,9 +260,10 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
   wan.set_defaults(run=_bench_wan_forward)
 
   step = bench_sub.add_parser(
-      "step", help="one denoising step of the configured Wan model compiled by libtpu for a "
-                   "slice (no weights, no TPU), priced from the compiled program by class: svg "
-                   "against ulysses_custom_fixed_m, the step's and the run's bound (needs "
+      "step", help="one denoising step of the configured Wan or LTX-2 model compiled by libtpu "
+                   "for a slice (no weights, no TPU), priced from the compiled program by class: "
+                   "svg against the dense baseline (Wan: ulysses_custom_fixed_m, its ring "
+                   "variant on a ring; LTX-2: flash), the step's and the run's bound (needs "
                    "MaxDiffusion on PYTHONPATH)")
   step.add_argument("--config", default="configs/wan_svg.yml", help="the run's config")
   step.add_argument("--slice", default="v6e-8", help="the TPU slice, e.g. v6e-8, v6e-32")

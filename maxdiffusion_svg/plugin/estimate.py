@@ -24,12 +24,12 @@ from maxdiffusion_svg.plugin.checkpoint import ModelShape
 from maxdiffusion_svg.plugin.config_checks import (check_attention, check_before_weights,
                                                    check_config)
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
-from maxdiffusion_svg.plugin.video_models import (WAN, WAN_VACE, VideoModel, experts_of,
+from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_VACE, VideoModel, experts_of,
                                                   grid_of, video_model)
 from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.routing.compensation import plan_row_keys
 from maxdiffusion_svg.routing.semantic import SAMPLE_PER_CLUSTER, group_size
-from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES
+from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES, ring_kernel_prices
 from maxdiffusion_svg.tpu.step_prices import slice_key, step_prices
 
 # Self-attention's share of a dense Wan step's time on TPU, as the seed design states it (Wan
@@ -224,41 +224,53 @@ def estimate_config(config: Mapping[str, Any], target: Target, layers: int | Non
           "compensation": _compensation(blocks, next(iter(plans.values())),
                                         per_layer=compensated),
           "end_to_end": {"priced": _priced_step(rows, priced, target, grid.tokens, heads, mesh,
-                                                keys, blocks_count),
+                                                keys, blocks_count, plans),
                          "attention_share": share, "source": source,
                          "step_speedup_bound": amdahl(share, combined["work_vs_dense"])}}
 
 
 def _priced_step(rows: list[Estimate], priced: list[dict[str, Any]], target: Target,
                  tokens: int, heads: int, mesh: dict[str, Any] | None, keys: Mapping[str, Any],
-                 blocks: int) -> dict[str, Any]:
-  """A sparse step's and the whole run's bound against ``ulysses_custom_fixed_m`` from the
-  compiled Wan forward (:data:`~maxdiffusion_svg.tpu.step_prices.STEP_PRICES`: the XLA around
-  the kernels) and the kernels' plans, per expert; or why it cannot be priced (``mesh``: the
-  slice's checks, None without one)."""
+                 blocks: int, plans: Mapping[str | None, Any]) -> dict[str, Any]:
+  """A sparse step's and the whole run's bound against the dense baseline's step (Wan:
+  ``ulysses_custom_fixed_m``, its ring variant on a ring mesh; LTX-2: ``flash``) from the
+  compiled forward (:data:`~maxdiffusion_svg.tpu.step_prices.STEP_PRICES`: the XLA around the
+  kernels) and the kernels' plans (``plans``: each expert's), per expert; or why it cannot be
+  priced (``mesh``: the slice's checks, None without one)."""
   if mesh is None:
     return {"priced": False, "why": "no slice given (--slice)"}
   family = video_model(keys)
-  key = slice_key(target.generation.name if target.known else "", tokens, heads, mesh)
-  t2v = family is WAN and str(keys.get("model_type", "T2V")).upper() == "T2V" and not blocks
+  key = slice_key(family.name, target.generation.name if target.known else "", tokens, heads,
+                  mesh)
+  t2v = family in (WAN, LTX2) and str(keys.get("model_type", "T2V")).upper() == "T2V" and (
+      not blocks)
   prices = step_prices(key) if t2v else None
+  ring = key[6] > 1  # per-layer and per-head budgets do not run on a ring (checked): one plan
   if prices is None or not all(vs.get("priced") for vs in priced):
     why = (f"no compiled step for {family.name} {keys.get('model_type', 'T2V')}, {tokens:,} "
-           f"tokens, {heads} heads, {key[3]} per device, batch {key[4]} per device, ring "
-           f"{key[5]} on {target.chip}: `python -m maxdiffusion_svg bench step --config CONFIG "
+           f"tokens, {heads} heads, {key[4]} per device, batch {key[5]} per device, ring "
+           f"{key[6]} on {target.chip}: `python -m maxdiffusion_svg bench step --config CONFIG "
            f"--slice SLICE` compiles and prices one")
     return {"priced": False, "why": why}
-  launches = key[3] * key[4]  # the device's heads of its share of the CFG pair, one launch a layer
+  launches = key[4] * key[5]  # the device's heads of its share of the CFG pair, one launch a layer
   out: dict[str, Any] = {"priced": True, "source": prices.source, "libtpu": LIBTPU,
-                         "experts": {}}
+                         "family": family.name, "baseline": (
+                             "flash" if prices.baseline_kernel_in_program else
+                             "ulysses_ring_custom_fixed_m" if ring
+                             else "ulysses_custom_fixed_m"), "experts": {}}
   for path in ("fixed", "online"):
     run = base = 0.0
     for row, vs in zip(rows, priced):
-      calls = vs[path]
+      calls, n, fixed_m = vs[path], launches, vs["fixed_m_call"]
+      if ring:  # a device's kernels a layer: its shard's share of each head (the slowest's)
+        shards = ring_kernel_prices(plans[row.expert], tokens, mesh["context_shards"],
+                                    mesh["ulysses_shards"], launches, key[1], path == "online")
+        calls = {"sparse_call": shards["svg_max"], "dense_call": shards["ours_dense"]}
+        n, fixed_m = 1, shards["ring_custom_fixed_m"]
       sparse = prices.step(row.layers, row.sparse_layers, calls["sparse_call"],
-                           calls["dense_call"], launches)
-      dense = prices.step(row.layers, 0, calls["sparse_call"], calls["dense_call"], launches)
-      theirs = prices.baseline_step(row.layers, vs["fixed_m_call"], launches)
+                           calls["dense_call"], n)
+      dense = prices.step(row.layers, 0, calls["sparse_call"], calls["dense_call"], n)
+      theirs = prices.baseline_step(row.layers, fixed_m, n)
       run += row.sparse_steps * sparse + (row.steps - row.sparse_steps) * dense
       base += row.steps * theirs
       expert = out["experts"].setdefault(row.expert or "", {})

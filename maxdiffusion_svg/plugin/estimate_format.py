@@ -176,7 +176,12 @@ def _end_to_end(e2e: dict[str, Any]) -> str:
                  f"({row['online']['sparse_step']:.2f}x with every head on online softmax), a "
                  f"dense one {row['fixed']['dense_step']:.2f}x; self-attention "
                  f"{row['attention_share']:.1%} of the baseline's step")
-  return (f"end to end, against ulysses_custom_fixed_m's step (libtpu {step['libtpu']}'s static "
-          f"schedule of the compiled Wan forward, {step['source']}; the kernels from their "
-          f"plans): {'; '.join(parts)}; the run at most {step['fixed']['run']:.2f}x "
+  baseline = step.get("baseline", "ulysses_custom_fixed_m")
+  kernels = {"flash": "ours from its plans, flash from its schedule there",
+             "ulysses_ring_custom_fixed_m": "the kernels from their plans, per device (svg's "
+                                            "slowest ring shard)"}.get(
+                                                baseline, "the kernels from their plans")
+  return (f"end to end, against {baseline}'s step (libtpu {step['libtpu']}'s static "
+          f"schedule of the compiled {step.get('family', 'Wan')} forward, {step['source']}; "
+          f"{kernels}): {'; '.join(parts)}; the run at most {step['fixed']['run']:.2f}x "
           f"({step['online']['run']:.2f}x)")

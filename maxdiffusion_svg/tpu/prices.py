@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from maxdiffusion_svg.parallel.ring_plan import ring_split, window_plan
+
 LIBTPU = "0.0.50.1"  # the compiler the figures below come from
 
 
@@ -79,3 +81,28 @@ PRICES: dict[str, dict[str, KernelPrices]] = {
     "v5e": {"ours": KernelPrices(_OURS, 18389, 19123, 8062, 1171, 60, 22006),
             "maxdiffusion_fixed_m": KernelPrices(_FAST_RECIPE, 46844, 55350, 50936, 4975, 93)},
 }
+
+
+def ring_kernel_prices(plan: Any, tokens: int, context: int, ulysses: int, launches: int,
+                       chip: str | None, online: bool = False) -> dict[str, Any] | None:
+  """One device's kernel bundles per call on a ring (a plan over ``tokens`` on ``context``
+  devices split ``ulysses`` x ring; ``launches`` heads x items a device): svg's slowest and
+  fastest ring shard (its window of the plan), our dense branch over the same pairs, and
+  MaxDiffusion's custom kernel as ``ulysses_ring_custom`` runs it (``R`` chunk x chunk calls,
+  fixed-m or online). ``online``: our heads on online softmax. None where PRICES lacks the chip."""
+  prices = PRICES.get(chip or "")
+  if not prices:
+    return None
+  ours, theirs = prices["ours"], prices["maxdiffusion_fixed_m"]
+  ring = context // ulysses
+  split = ring_split(tokens, ring, ulysses, plan.block_q)
+  shards = []
+  for r in range(ring):
+    stats = window_plan(plan, split, r).stats
+    shards.append(launches * ours.call(stats.full_tiles, stats.masked_tiles,
+                                       split.chunk // plan.block_q, online))
+  chunk = -(-tokens // context) * ulysses
+  return {"chip": chip, "svg_shards": shards, "svg_max": max(shards), "svg_min": min(shards),
+          "ours_dense": launches * ring * ours.dense_call(chunk, online),
+          "ring_custom_online": launches * ring * theirs.dense_call(chunk, online=True),
+          "ring_custom_fixed_m": launches * ring * theirs.dense_call(chunk)}

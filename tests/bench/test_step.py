@@ -12,8 +12,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxdiffusion_svg.bench import step as step_bench
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, issued_bundles
-from maxdiffusion_svg.bench.step import (CLASSES, COLLECTIVES, CROSS, KERNEL, PROJECTIONS, REST,
-                                         SELF, Instruction, classify, collective_bytes,
+from maxdiffusion_svg.bench.step import (AUDIO, CLASSES, COLLECTIVES, CROSS, KERNEL, PROJECTIONS,
+                                         REST, SELF, Instruction, classify, classify_ltx2,
+                                         collective_bytes,
                                          cross_attention, flash_calls, instructions,
                                          price_classes, scan_bodies, step_row, topology_of)
 from maxdiffusion_svg.cli import main as cli
@@ -137,6 +138,33 @@ def test_an_instruction_is_classed_by_its_scope(op_name, line, expected):
   assert classify(Instruction("all-gather-done", op_name, line), 512) == COLLECTIVES
 
 
+_LAYER = "jit(transformer_forward_pass)/Transformer Blocks/while/body/eval_jaxpr/Transformer Layer"
+
+
+@pytest.mark.parametrize("op_name,expected", [
+    (f"{_LAYER}/Video Self-Attention/Attention and Output Project/shard_map/cond/branch_1_fun/"
+     "gather", SELF),
+    (f"{_LAYER}/Video Self-Attention/Attention and Output Project/shard_map/pallas_call", SELF),
+    (f"{_LAYER}/Video Self-Attention/Attention and Output Project/dot_general", PROJECTIONS),
+    (f"{_LAYER}/Video Self-Attention/QKV Projection/dot_general", PROJECTIONS),
+    (f"{_LAYER}/Video Self-Attention/QKV Norm/rsqrt", REST),
+    (f"{_LAYER}/Audio Self-Attention/Attention and Output Project/reduce_max", AUDIO),
+    (f"{_LAYER}/Audio-to-Video Cross-Attention/Attention and Output Project/"
+     "b n f t, b t n h -> b f n h/dot_general", CROSS),
+    (f"{_LAYER}/Video-to-Audio Cross-Attention/Attention and Output Project/sub", CROSS),
+    (f"{_LAYER}/Attention and Output Project/jit(_where)/select_n", CROSS),  # text: attn2
+    (f"{_LAYER}/dot_general", PROJECTIONS),  # the feed-forward
+    (f"{_LAYER}/add", REST),
+    ("jit(transformer_forward_pass)/Input Projection/dot_general", PROJECTIONS),
+    ("", REST)])
+def test_an_ltx2_instruction_is_classed_by_its_named_scopes(op_name, expected):
+  assert classify_ltx2(Instruction("fusion", op_name, "")) == expected
+  assert classify_ltx2(Instruction("all-to-all", op_name, "")) == COLLECTIVES
+  # svg's schedule cond, under LTX-2's video self-attention scope as under Wan's apply_attention.
+  assert step_bench.branch(Instruction("fusion", op_name, "")) == (1 if "branch_1" in op_name
+                                                                     else None)
+
+
 def test_a_collectives_bytes_are_its_hlos_on_a_small_mesh():
   mesh = Mesh(np.array(jax.devices()[:8]), ("context",))
   x = jnp.ones((2, 8 * 16, 8, 32), jnp.float32)  # batch, tokens (sharded), heads, head_dim
@@ -169,6 +197,16 @@ def test_a_step_is_the_outside_plus_its_layers_and_their_kernels():
   assert out["baseline"]["total"] == 100 + 4 * 215
   assert out["bound"] == pytest.approx(960 / 640)
   assert out["baseline_self_attention_share"] == pytest.approx(4 * 165 / 960)
+  # A baseline whose kernel its program holds (LTX-2's flash, 25 of its 5 + 25 a layer): the
+  # step is its program's, the kernel named within its self-attention, not added to it.
+  base = program(100, {None: {**row, SELF: 30, PROJECTIONS: 50}})
+  out = step_row(svg, base, calls, heads=2, batch=2, depth=4, sparse_layers=3, base_kernel=25)
+  assert out["baseline"]["total"] == 100 + 4 * 80 and out["baseline"][KERNEL] == 4 * 25
+  assert out["baseline"][SELF] == 4 * 30 and out["bound"] == pytest.approx(420 / 640)
+  # The ring fixed-m's cond: a layer priced on its every-head-fixed branch (1), not both.
+  base = program(100, {0: {**row, SELF: 90, PROJECTIONS: 50}, 1: {**row, SELF: 5, PROJECTIONS: 50}})
+  out = step_row(svg, base, calls, heads=2, batch=2, depth=4, sparse_layers=3)
+  assert out["baseline"]["total"] == 100 + 4 * 215
 
 
 def test_the_slice_names_its_topology_and_the_cli_its_defaults():
@@ -177,8 +215,17 @@ def test_the_slice_names_its_topology_and_the_cli_its_defaults():
     topology_of("v6e-3")
   args = cli.build_parser().parse_args(["bench", "step"])
   assert (args.config, args.slice, args.layers) == ("configs/wan_svg.yml", "v6e-8", 2)
-  assert args.run.__name__ == "_bench_step" and step_bench.BASELINES["wan"] == (
-      "ulysses_custom_fixed_m")
+  assert args.run.__name__ == "_bench_step"
+  # Each family against the dense kernel its users run: Wan's fastest, LTX-2's default.
+  assert {f: m.baseline for f, m in step_bench.STEP_MODELS.items()} == {
+      "Wan": "ulysses_custom_fixed_m", "LTX-2": "flash"}
+
+
+def test_a_family_bench_step_cannot_compile_is_refused_before_compiling(tmp_path):
+  config = tmp_path / "vace.yml"
+  config.write_text("model_name: wan2.1\nattention: svg\nvace_reference_images: [a.png]\n")
+  with pytest.raises(ValueError, match="prices Wan and LTX-2 steps, not Wan VACE's"):
+    step_bench.run_step_bench(str(config), "v6e-8", log=lambda _: None)
 
 
 def test_tile_choices_are_parsed_and_a_bad_one_refused(capsys):

@@ -4,6 +4,7 @@ split the steps; the whole-run and end-to-end figures equal a hand computation."
 
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -281,7 +282,7 @@ def test_wan22_experts_run_their_own_steps_and_the_run_combines_them(tmp_path, c
 def test_a_step_is_priced_from_the_compiled_forward_for_each_expert(tmp_path, capsys):
   """On a v6e-8 at 720p the step is the compiled forward's XLA (STEP_PRICES) plus each layer's
   kernel calls from its plan, the run both experts' steps (by hand, against fixed-m's)."""
-  prices = STEP_PRICES[("v6e", 75_600, 40, 5, 2, 1)]
+  prices = STEP_PRICES[("Wan", "v6e", 75_600, 40, 5, 2, 1)]
   code, out, _, result = tiles(tmp_path, capsys, WAN22, "--slice", "v6e-8")
   step = result["end_to_end"]["priced"]
   assert code == 0 and step["priced"] and step["source"] == prices.source
@@ -310,6 +311,52 @@ def test_a_step_is_priced_from_the_compiled_forward_for_each_expert(tmp_path, ca
                              ({**WAN14B, "model_type": "I2V"}, "v6e-8")):
     code, _, _, result = tiles(tmp_path, capsys, config, "--slice", slice_type)
     assert code == 0 and not result["end_to_end"]["priced"]["priced"]
+
+
+# LTX-2 19B as ltx2_svg.yml runs it on a v6e-8 (ltx2_video.yml's mesh: 8-way context).
+LTX2_704 = {"model_name": "ltx2_video", "attention": "svg", "num_frames": 121, "height": 704,
+            "width": 1280, "num_inference_steps": 40, "flash_min_seq_length": 4096,
+            "ici_data_parallelism": 1, "ici_fsdp_parallelism": 1, "ici_context_parallelism": -1,
+            "ici_tensor_parallelism": 1, "dcn_context_parallelism": 1}
+
+
+@pytest.mark.parametrize("height,width", [(704, 1280), (1088, 1920)])
+def test_an_ltx2_step_is_priced_against_flash_from_its_compiled_forward(tmp_path, capsys,
+                                                                       height, width):
+  """LTX-2's step against its default flash, whose kernel is in its compiled program: the
+  bounds `tiles` prints are the ones bench step printed from the two programs."""
+  code, out, _, result = tiles(tmp_path, capsys, {**LTX2_704, "height": height, "width": width},
+                               "--slice", "v6e-8")
+  step = result["end_to_end"]["priced"]
+  stored = json.loads((pathlib.Path(__file__).resolve().parents[2] / step["source"]).read_text())
+  assert code == 0 and step["priced"] and step["baseline"] == "flash"
+  assert stored["video"] == [121, height, width]
+  (expert,) = step["experts"].values()
+  for path in ("fixed", "online"):
+    assert expert[path]["sparse_step"] == pytest.approx(stored[path]["sparse_step"]["bound"])
+    assert expert[path]["dense_step"] == pytest.approx(stored[path]["dense_step"]["bound"])
+    assert step[path]["run"] == pytest.approx(stored[path]["run_bound"])
+  assert expert["attention_share"] == pytest.approx(stored["amdahl"]["priced_share"])
+  assert "end to end, against flash's step" in out and "compiled LTX-2 forward" in out
+
+
+def test_a_ring_step_is_priced_per_device_against_the_ring_fixed_m(tmp_path, capsys):
+  """One 1440p video on a v6e-32 (8 Ulysses x a ring of 2): each device's kernels are its ring
+  shard's (svg: the slowest shard), against ulysses_ring_custom_fixed_m's ring calls; the
+  bounds `tiles` prints are the ones bench step printed from the two programs."""
+  config = {**WAN14B, "height": 1440, "width": 2560, "ici_data_parallelism": 2,
+            "ulysses_shards": 8, "per_device_batch_size": 0.03125,
+            "allow_split_physical_axes": True}
+  code, out, _, result = tiles(tmp_path, capsys, config, "--slice", "v6e-32")
+  step = result["end_to_end"]["priced"]
+  stored = json.loads((pathlib.Path(__file__).resolve().parents[2] / step["source"]).read_text())
+  assert code == 0 and step["priced"] and step["baseline"] == "ulysses_ring_custom_fixed_m"
+  assert stored["video"] == [81, 1440, 2560] and "kernel_per_device" in stored
+  (expert,) = step["experts"].values()
+  for path in ("fixed", "online"):
+    assert expert[path]["sparse_step"] == pytest.approx(stored[path]["sparse_step"]["bound"])
+    assert step[path]["run"] == pytest.approx(stored[path]["run_bound"])
+  assert "per device (svg's slowest ring shard)" in out
 
 
 def test_vace_counts_its_references_in_the_grid_and_its_control_blocks_dense(tmp_path, capsys):

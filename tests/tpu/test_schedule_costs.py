@@ -9,7 +9,9 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.plan.target import tpu_target
 from maxdiffusion_svg.plugin.estimate import _against_fixed_m
-from maxdiffusion_svg.tpu.prices import LIBTPU, PRICES, KernelPrices, prices_from_schedule
+from maxdiffusion_svg.parallel.ring_plan import ring_split, window_plan
+from maxdiffusion_svg.tpu.prices import (LIBTPU, PRICES, KernelPrices, prices_from_schedule,
+                                         ring_kernel_prices)
 from maxdiffusion_svg.tpu.step_prices import STEP_PRICES, prices_from_step, step_key
 
 MEASUREMENTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements"
@@ -56,6 +58,28 @@ def test_the_issue_targets_hold_on_a_v6e():
   assert ours.online <= 1.10 * ours.full < ours.online_rescaled
 
 
+def test_a_ring_prices_each_devices_shard_of_the_plan():
+  """On a ring each device runs its shard's rows against its window of keys: the shards' tiles
+  are the plan's, each visited once; the ring fixed-m runs R chunk x chunk calls a device."""
+  grid = grid_for_resolution("720p")
+  svg = SvgConfig(density=0.35, tile_mode="aligned")
+  target = tpu_target("v6e")
+  plan = svg.plan(grid, None, target, "pallas")
+  ours, theirs = PRICES["v6e"]["ours"], PRICES["v6e"]["maxdiffusion_fixed_m"]
+  split = ring_split(grid.tokens, 2, 8, plan.block_q)
+  windows = [window_plan(plan, split, r).stats for r in range(2)]
+  assert sum(w.full_tiles + w.masked_tiles for w in windows) == plan.stats.visited_tiles
+  for online in (False, True):
+    priced = ring_kernel_prices(plan, grid.tokens, 16, 8, 5, "v6e", online)
+    assert priced["svg_shards"] == [5 * ours.call(w.full_tiles, w.masked_tiles,
+                                                  split.chunk // plan.block_q, online)
+                                    for w in windows]
+    assert priced["svg_max"] == max(priced["svg_shards"])
+    chunk = -(-grid.tokens // 16) * 8  # a ring shard's tokens
+    assert priced["ring_custom_fixed_m"] == 5 * 2 * theirs.dense_call(chunk)
+  assert ring_kernel_prices(plan, grid.tokens, 16, 8, 5, "v4x") is None
+
+
 def test_a_config_is_priced_only_where_figures_exist():
   grid = grid_for_resolution("720p")
   svg = SvgConfig(density=0.3)
@@ -91,7 +115,10 @@ def test_step_prices_are_the_stored_step_and_price_it_again(key):
   prices = STEP_PRICES[key]
   result = json.loads((MEASUREMENTS.parent.parent / prices.source).read_text())
   assert step_key(result) == key and prices_from_step(result, prices.source) == prices
-  calls, launches = result["kernel_calls_per_head"], key[3] * key[4]
+  # On a ring mesh the kernels come per device (a launch each), else per head.
+  calls, launches = result.get("kernel_calls_per_head"), key[4] * key[5]
+  if calls is None:
+    calls, launches = result["kernel_per_device"], 1
   for path in ("fixed", "online"):
     sparse = result[path]["sparse_step"]
     ours = prices.step(result["depth"], result["sparse_layers"], calls[path]["sparse"],
@@ -101,7 +128,8 @@ def test_step_prices_are_the_stored_step_and_price_it_again(key):
         sparse["baseline"]["total"])
 
 
-@pytest.mark.parametrize("path", sorted(p.name for p in MEASUREMENTS.glob("step_wan*.json")))
+@pytest.mark.parametrize("path", sorted(p.name for p in MEASUREMENTS.glob("step_*.json")
+                                         if not p.name.startswith("step_tiles")))
 def test_every_stored_step_prices_as_its_entry(path):
   """Wan 2.2's experts compile to the same XLA as Wan 2.1 14B's, to the bundle."""
   result = json.loads((MEASUREMENTS / path).read_text())
