@@ -313,6 +313,9 @@ def price_classes(directory: str, skip: Sequence[str], layers: int, text_len: in
 def topology_of(slice_type: str) -> str:
   """``v6e-8`` -> ``v6e:2x4``."""
   chip, _, count = slice_type.partition("-")
+  if chip not in ("v5e", "v6e"):  # the others' slice names count TensorCores, not chips
+    raise ValueError(f"--slice {slice_type!r}: bench step compiles v5e and v6e slices (a device "
+                     f"per chip), e.g. v6e-8")
   if not count.isdigit() or int(count) not in _TOPOLOGIES:
     raise ValueError(f"--slice {slice_type!r}: expected <chip>-<chips> with {sorted(_TOPOLOGIES)} "
                      f"chips, e.g. v6e-8")
@@ -604,10 +607,12 @@ def run_tile_choices(config: str, slice_type: str, choices: Sequence[tuple[int, 
   target = tpu_target(generation_named(chip, "--slice"))
   out: dict[str, Any] = {"kind": "compiled (libtpu's static schedule of the whole program)",
                          "config": config, "slice": slice_type, "choices": []}
-  for block_q, block_kv, block_kv_compute in choices:
-    tiles = {"svg_block_q": block_q, "svg_block_kv": block_kv,
-             "svg_block_kv_compute": block_kv_compute}
-    estimate = estimate_config({**keys, **tiles}, target, slice_type=slice_type, path=chain[0])
+  tiled = [{"svg_block_q": q, "svg_block_kv": kv, "svg_block_kv_compute": step}
+           for q, kv, step in choices]
+  # Every choice checked (the run's own checks) before the first compile.
+  estimates = [estimate_config({**keys, **tiles}, target, slice_type=slice_type, path=chain[0])
+               for tiles in tiled]
+  for (block_q, block_kv, block_kv_compute), tiles, estimate in zip(choices, tiled, estimates):
     row = estimate["rows"][0]
     key = slice_key("Wan", chip, estimate["tokens"], estimate["checks"]["heads"],
                     estimate["checks"]["slice"])

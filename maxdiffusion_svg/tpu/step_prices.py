@@ -84,6 +84,9 @@ STEP_PRICES: dict[StepKey, StepPrices] = {
     ("Wan", "v6e", 75_600, 40, 5, 2, 1): StepPrices(
         2_176_183, 19_505_787, 6_890_867, 3_919_678, 2_118_211, 19_393_584, 2_678_236,
         "docs/measurements/step_wan_svg_v6e8_720p.json"),
+    ("Wan", "v5e", 75_600, 40, 5, 2, 1): StepPrices(  # the 14B at 720p on a v5e-8
+        2_902_077, 48_315_312, 8_449_306, 4_653_930, 2_907_537, 47_753_685, 3_750_726,
+        "docs/measurements/step_wan_svg_v5e8_720p.json"),
     ("Wan", "v6e", 32_760, 12, 3, 1, 1): StepPrices(  # Wan 2.1 1.3B, 480p, 2-way data x 4-way context
         667_655, 3_193_772, 1_495_537, 918_439, 662_647, 3_059_968, 633_213,
         "docs/measurements/step_wan_svg_1_3b_v6e8_480p.json"),

@@ -213,6 +213,8 @@ def test_the_slice_names_its_topology_and_the_cli_its_defaults():
   assert topology_of("v6e-8") == "v6e:2x4" and topology_of("v6e-32") == "v6e:4x8"
   with pytest.raises(ValueError, match="--slice"):
     topology_of("v6e-3")
+  with pytest.raises(ValueError, match="compiles v5e and v6e slices"):
+    topology_of("tpu7x-8")  # 8 TensorCores, 4 chips: not a 2x4
   args = cli.build_parser().parse_args(["bench", "step"])
   assert (args.config, args.slice, args.layers) == ("configs/wan_svg.yml", "v6e-8", 2)
   assert args.run.__name__ == "_bench_step"
@@ -234,6 +236,26 @@ def test_tile_choices_are_parsed_and_a_bad_one_refused(capsys):
   with pytest.raises(SystemExit):
     cli.build_parser().parse_args(["bench", "step", "--tiles", "3328x1536"])
   assert "QxKV/STEP" in capsys.readouterr().err
+
+
+def test_every_tile_choice_is_checked_before_the_first_compile(tmp_path, monkeypatch):
+  """A choice the run would refuse (its VMEM over a v5e's 16 MiB) stops bench step --tiles
+  before it compiles any other choice's kernel or forward."""
+  import json  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench import schedule  # pylint: disable=import-outside-toplevel
+  config = tmp_path / "wan.yml"
+  config.write_text(json.dumps({
+      "model_name": "wan2.1", "attention": "svg", "num_frames": 81, "height": 720,
+      "width": 1280, "num_inference_steps": 50, "mesh_axes": ["data", "fsdp", "context", "tensor"],
+      "ici_data_parallelism": 1, "ici_fsdp_parallelism": 1, "ici_context_parallelism": -1,
+      "ici_tensor_parallelism": 1, "dcn_context_parallelism": -1}))
+  compiled = []
+  monkeypatch.setattr(schedule, "run_case", lambda *a, **k: compiled.append(a))
+  monkeypatch.setattr(step_bench, "compile_dumped", lambda *a, **k: compiled.append(a))
+  with pytest.raises(ValueError, match="block_kv_compute 768 need about"):
+    step_bench.run_tile_choices(str(config), "v5e-8", [(3328, 1536, 512), (3328, 1536, 768)],
+                                log=lambda _: None)
+  assert not compiled
 
 
 def test_a_tile_choices_row_shows_its_kernel_and_the_xla_around_it():
