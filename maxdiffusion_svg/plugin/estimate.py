@@ -24,7 +24,7 @@ from maxdiffusion_svg.plugin.checkpoint import ModelShape
 from maxdiffusion_svg.plugin.config_checks import (check_attention, check_before_weights,
                                                    check_config)
 from maxdiffusion_svg.plugin.settings import PluginSettings, config_defaults
-from maxdiffusion_svg.plugin.video_models import (LTX2, WAN, WAN_VACE, VideoModel, experts_of,
+from maxdiffusion_svg.plugin.video_models import (WAN, WAN_VACE, VideoModel, experts_of,
                                                   grid_of, video_model)
 from maxdiffusion_svg.plugin.wan22 import expert_steps
 from maxdiffusion_svg.routing.compensation import plan_row_keys
@@ -242,8 +242,8 @@ def _priced_step(rows: list[Estimate], priced: list[dict[str, Any]], target: Tar
   family = video_model(keys)
   key = slice_key(family.name, target.generation.name if target.known else "", tokens, heads,
                   mesh)
-  t2v = family in (WAN, LTX2) and str(keys.get("model_type", "T2V")).upper() == "T2V" and (
-      not blocks)
+  # STEP_PRICES is keyed by the family's name: a family none was compiled for finds no step.
+  t2v = str(keys.get("model_type", "T2V")).upper() == "T2V" and not blocks
   prices = step_prices(key) if t2v else None
   ring = key[6] > 1  # per-layer and per-head budgets do not run on a ring (checked): one plan
   if prices is None or not all(vs.get("priced") for vs in priced):
