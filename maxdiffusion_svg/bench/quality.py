@@ -254,8 +254,9 @@ def run_quality_bench(cfg: QualityBenchConfig = QualityBenchConfig(),
 
 
 def format_quality_bench(r: dict[str, Any]) -> str:
+  kinds = ", ".join(f"{r['heads'].count(t)} {t}" for t in dict.fromkeys(r["heads"]))
   lines = [f"grid {'x'.join(map(str, r['grid']))} = {r['tokens']:,} tokens, {len(r['heads'])} heads "
-           f"({', '.join(f'{r['heads'].count(t)} {t}' for t in dict.fromkeys(r['heads']))}), "
+           f"({kinds}), "
            f"D={r['head_dim']}, tiles {r['tiles'][0]}x{r['tiles'][1]}, "
            f"prefix pool = first {r['prefix_rows']} tokens",
            "",

@@ -14,12 +14,10 @@ from maxdiffusion_svg.kernels import refusal
 from maxdiffusion_svg.kernels.gradient import differentiable
 from maxdiffusion_svg.kernels.pallas import check_shapes, pallas_sparse_attention
 from maxdiffusion_svg.kernels.row_keys import RowKeys, check_row_keys, with_row_keys
-# Imported with the package, not on the first call: tokamax registers JAX config values when
-# it loads, and a first trace that loaded it would leave later calls tracing in a different
-# context, so everything would compile twice.
 from maxdiffusion_svg.kernels.splash import splash_sparse_attention
 from maxdiffusion_svg.kernels.splash_backward import (backward_tiles, check_backward_fits,
                                                       splash_sparse_attention_backward)
+from maxdiffusion_svg.kernels.tokamax_splash import load as load_tokamax
 from maxdiffusion_svg.kernels.tpu_memory import check_fits
 from maxdiffusion_svg.kernels.worklist import ragged_tables
 from maxdiffusion_svg.kernels.xla import xla_sparse_attention
@@ -44,6 +42,8 @@ def check_tpu_call(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: 
   ``row_keys``: extra keys per row; ``tables``: heads walking their own tile tables, else 1."""
   if backend == "pallas":
     check_shapes(head_dim, dtype, plan, block_kv_compute, value_dim)
+  else:
+    load_tokamax()
   check_fits(plan, head_dim, dtype, block_kv_compute, target, backend, row_keys, tables)
 
 

@@ -13,10 +13,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tokamax._src.ops.experimental.tpu.splash_attention import base as splash_base
-from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
-from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
+from maxdiffusion_svg.kernels.tokamax_splash import load as load_tokamax
 from maxdiffusion_svg.kernels.tpu_memory import LANES, mask_strategy
 from maxdiffusion_svg.plan.tiles import MASKED, TilePlan
 from maxdiffusion_svg.plan.tiling import default_kv_compute
@@ -57,7 +55,7 @@ def _smallest_int(a: np.ndarray) -> np.ndarray:
   return a.astype(np.int32)
 
 
-def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]:
+def plan_mask_info(plan: TilePlan) -> tuple[Any, Callable[..., Any] | None]:
   """Splash's forward MaskInfo (and in-kernel mask function) for ``plan``."""
   rows, cols, kinds = plan.work_list()
   strategy = mask_strategy(plan)
@@ -74,7 +72,7 @@ def plan_mask_info(plan: TilePlan) -> tuple[MaskInfo, Callable[..., Any] | None]
     q_sequence = jnp.arange(plan.num_q_tiles * plan.block_q, dtype=jnp.int32)
     # A bound method of the frozen mask: hashable, as Splash keys compilation on it.
     mask_fn = plan.mask.contains
-  info = MaskInfo(
+  info = load_tokamax().MaskInfo(
       mask_next=mask_next,
       active_rows=_smallest_int(rows),
       active_cols=_smallest_int(cols),
@@ -100,16 +98,17 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   :func:`maxdiffusion_svg.kernels.sparse_attention` checks VMEM and SMEM first."""
   if plan.q_len is not None:
     raise ValueError(RING_REFUSAL)
+  tk = load_tokamax()
   s = q.shape[2]
   info, mask_fn = plan_mask_info(plan)
   # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale
   # here rounds a bfloat16 q once instead of twice.
-  config = splash.SplashConfig(block_q=plan.block_q, block_kv=plan.block_kv,
+  config = tk.kernel.SplashConfig(block_q=plan.block_q, block_kv=plan.block_kv,
                                block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
                                interpret=interpret, q_prescaled_log2e=True)
-  kernel = splash.SplashAttentionKernel(
+  kernel = tk.kernel.SplashAttentionKernel(
       jax.tree.map(jnp.asarray, info), None, config=config, is_mqa=False, save_residuals=return_lse,
-      mask_value=splash_base.DEFAULT_MASK_VALUE, mask_function=mask_fn,
+      mask_value=tk.base.DEFAULT_MASK_VALUE, mask_function=mask_fn,
       fwd_mask_sparsity=plan.stats.visited_tile_fraction, dkv_mask_sparsity=1.0)
   pad_q = plan.num_q_tiles * plan.block_q - s
   pad_kv = plan.num_kv_tiles * plan.block_kv - s

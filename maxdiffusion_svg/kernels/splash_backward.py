@@ -14,17 +14,17 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tokamax._src.ops.experimental.tpu.splash_attention import base as splash_base
-from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
-from tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from maxdiffusion_svg.kernels.splash import RING_REFUSAL, _smallest_int
+from maxdiffusion_svg.kernels.tokamax_splash import load as load_tokamax
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.plan.target import VMEM_FLAG, VMEM_KEY, Target
 from maxdiffusion_svg.plan.tiles import EMPTY, FULL, MASKED, TilePlan
 from maxdiffusion_svg.plan.tiling import default_kv_compute
 
 LOG2E = math.log2(math.e)
+# What asks for tokamax when a TPU call is differentiated (the forward may be ours).
+BACKWARD = "the TPU backward (a gradient of svg attention)"
 # A log-sum-exp at or below this (natural log) marks a row that kept no key (Splash's is about
 # its mask value, -0.7 * float32 max; others give -inf): it gets +inf, so its p is 0.
 _EMPTY_ROW_LSE = -1e30
@@ -66,7 +66,7 @@ def backward_mask_strategy(plan: TilePlan, stored: bool = False) -> str | None:
 
 
 def plan_dkv_mask_info(plan: TilePlan, bq: int, bkv: int, stored: bool = False
-                       ) -> tuple[MaskInfo, Callable[..., Any] | None]:
+                       ) -> tuple[Any, Callable[..., Any] | None]:
   """Splash's kv-major backward MaskInfo and mask function for backward tiles ``bq x bkv``."""
   a, b = plan.block_q // bq, plan.block_kv // bkv
   rows, cols, kinds = plan.visited_tiles()
@@ -104,7 +104,7 @@ def plan_dkv_mask_info(plan: TilePlan, bq: int, bkv: int, stored: bool = False
     mask_next = np.concatenate([mask_next, np.zeros(unvisited.size, np.int64)])
   cols = np.concatenate([cols, unvisited])
   order = np.lexsort((rows, cols))
-  info = MaskInfo(
+  info = load_tokamax(BACKWARD).MaskInfo(
       mask_next=None if mask_next is None else _smallest_int(mask_next[order]),
       active_rows=_smallest_int(cols[order]),  # kv tiles
       active_cols=_smallest_int(rows[order]),  # q tiles
@@ -178,6 +178,7 @@ def check_backward_fits(plan: TilePlan, bwd_blocks: tuple[int, int, int], head_d
   """Refuses, before compiling, a backward over ``target``'s scoped VMEM or SMEM."""
   if not target.is_tpu:
     return
+  load_tokamax(BACKWARD)
   bq, bkv, bkc = bwd_blocks
   where = (f"the backward kernel's (tokamax's Splash dkv) tiles {bq}x{bkv}/{bkc} for forward "
            f"tiles {plan.block_q}x{plan.block_kv}")
@@ -209,10 +210,11 @@ def splash_sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, l
   (None: the forward's). ``stored_mask``: :func:`backward_mask_strategy`. Unchecked, like Splash."""
   if plan.q_len is not None:
     raise ValueError(RING_REFUSAL)
+  tk = load_tokamax(BACKWARD)
   s = q.shape[2]
   bq, bkv, bkv_compute = backward_blocks(plan, block_kv_compute, bwd_blocks)
   info, mask_fn = plan_dkv_mask_info(plan, bq, bkv, stored_mask)
-  config = splash.SplashConfig(
+  config = tk.kernel.SplashConfig(
       block_q=plan.block_q, block_kv=plan.block_kv,
       block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
       block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv_compute,
@@ -232,9 +234,9 @@ def splash_sparse_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, l
   info = jax.tree.map(jnp.asarray, info)
 
   def one(q1, k1, v1, lse1, do1, di1):
-    return splash._splash_attention_bwd_dkv(
+    return tk.kernel._splash_attention_bwd_dkv(  # pylint: disable=protected-access
         q1, k1, v1, None, lse1, do1, di1, bq=bq, bkv=bkv, bkv_compute=bkv_compute,
-        is_mqa=False, mask_info=info, mask_value=splash_base.DEFAULT_MASK_VALUE,
+        is_mqa=False, mask_info=info, mask_value=tk.base.DEFAULT_MASK_VALUE,
         mask_function=mask_fn, config=config,
         dkv_mask_sparsity=plan.stats.visited_tile_fraction)
 
