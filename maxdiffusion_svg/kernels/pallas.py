@@ -39,6 +39,12 @@ _ROW_START = -1e30
 # (libtpu schedules the online body shorter than with (1, block_q) rows: docs/benchmarks.md,
 # "Figures behind choices in the code").
 _STAT_ROWS = 8
+# A tile's kv steps are unrolled while its float32 scores (block_q x block_kv) stay under this:
+# on a v5e, unrolled tiles at or over 16 MiB ran 2.3x to 2.8x slower, rolled ones at full
+# speed (docs/benchmarks.md, "Timed on a TPU"); libtpu's static schedule does not see it.
+UNROLL_SCORE_BYTES = 16 * 2**20
+# pallas_call compiler parameters beyond the grid's semantics (kept for timing experiments).
+COMPILER_PARAMS: dict = {}
 _NT = (((1,), (1,)), ((), ()))  # k (kv, d) x q (q, d) -> (kv, q)
 _TN = (((0,), (0,)), ((), ()))  # v (kv, dv) x p (kv, q) -> (dv, q)
 
@@ -86,6 +92,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
   m_ref, l_ref, tile_l_ref, accs_ref, slot_ref, kept_ref = refs
   bq, bkv = plan.block_q, plan.block_kv
   chunks = bkv // bkc
+  unroll = unrolled(plan)
   bh, word = locate(pl.program_id(0), pl.program_id(1), *scalar_refs)
   row, col, kind, first, last = unpack_work(word)
   fixed = scalar_refs[_FIXED][bh] > 0
@@ -148,7 +155,7 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
 
   @pl.when((kind == FULL) & fixed)
   def _full_fixed():
-    lax.fori_loop(0, chunks, fixed_chunk, None, unroll=True)
+    lax.fori_loop(0, chunks, fixed_chunk, None, unroll=unroll)
 
   online_full = (kind == FULL) & jnp.logical_not(fixed)
 
@@ -161,17 +168,27 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
     # was, one that held cost no copy.
     live = slot_ref[0]
     spare_ref = accs_ref.at[1 - live]
-    for c in range(chunks):
+
+    def lazy_chunk(c, carry):
       p = jnp.exp2(scores(c) - m_ref[0:1])
       pv = lax.dot_general(v_ref[pl.ds(c * bkc, bkc), :], p.astype(v_ref.dtype), _TN,
                            preferred_element_type=jnp.float32)
       part = wide(p.sum(axis=0, keepdims=True))
-      if c == 0:
+      if isinstance(c, int) and c == 0:
         spare_ref[...] = accs_ref[live] + pv
         tile_l_ref[...] = part
       else:
         spare_ref[...] += pv
         tile_l_ref[...] += part
+      return carry
+
+    if unroll:
+      for c in range(chunks):
+        lazy_chunk(c, None)
+    else:  # the spare starts as the row's accumulator, then the loop adds every chunk
+      spare_ref[...] = accs_ref[live]
+      tile_l_ref[...] = jnp.zeros_like(tile_l_ref)
+      lax.fori_loop(0, chunks, lazy_chunk, None)
     # Compared this way round, NaN sums fail and rerun, as online softmax would run them.
     kept_ref[0] = (jnp.max(tile_l_ref[0:1]) <= scalar_refs[_HEADROOM][bh]).astype(jnp.int32)
 
@@ -182,17 +199,17 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
 
   @pl.when(online_full & ((first == 1) | (kept_ref[0] == 0)))
   def _full_online():
-    lax.fori_loop(0, chunks, online_chunk, None, unroll=True)
+    lax.fori_loop(0, chunks, online_chunk, None, unroll=unroll)
 
   @pl.when(kind == MASKED)
   def _masked():
     if plan.masks_exact:
-      lax.fori_loop(0, chunks, masked_chunk, None, unroll=True)
+      lax.fori_loop(0, chunks, masked_chunk, None, unroll=unroll)
       return
     # Aligned plans mask only the padding keys of the last kv column: whole chunks of real
     # keys run unmasked, the chunk the sequence ends in is masked, padding chunks are skipped.
     real = plan.seq_len - (plan.num_kv_tiles - 1) * bkv
-    lax.fori_loop(0, real // bkc, online_chunk, None, unroll=True)
+    lax.fori_loop(0, real // bkc, online_chunk, None, unroll=unroll)
     if real % bkc:
       masked_chunk(real // bkc, None)
 
@@ -225,6 +242,11 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
       # Base-2 logits of q prescaled by log2(e): ln sum exp = (m + log2 l) ln 2.
       lse = (m_ref[0:1] + jnp.log2(jnp.where(l > 0, l, 1.0))) * math.log(2.0)
       lse_ref[...] = jnp.where(l > 0, lse, -jnp.inf)
+
+
+def unrolled(plan: TilePlan) -> bool:
+  """Whether a tile's kv steps are unrolled (see :data:`UNROLL_SCORE_BYTES`)."""
+  return 4 * plan.block_q * plan.block_kv < UNROLL_SCORE_BYTES
 
 
 def _pad(x: jax.Array, length: int) -> jax.Array:
@@ -331,7 +353,8 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                         lse=return_lse, locate=locate, scalars=len(scalars)),
       grid_spec=grid_spec,
       out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                           **COMPILER_PARAMS),
       interpret=interpret,
       name="svg_pallas_sparse",
   )(*scalars, q_pad, k_pad, v_pad, m_pad, *extra_args)

@@ -26,17 +26,20 @@ class TpuGeneration:
   default_scoped_vmem: int  # bytes, the limit without --xla_tpu_scoped_vmem_limit_kib
   vmem: int  # physical VMEM: the most a raised limit can give
   smem: int  # scalar memory, where Splash keeps its tile tables
+  # bf16 matrix FLOP/s per JAX device, as Google Cloud's TPU pages state them (TPU7x: half a
+  # chip's): the MXU floor a timed call is set beside.
+  peak_flops: float = 0.0
 
 
 # Limits are the compiler's own: its CompileTimeScopedVmemOom and SMEM messages name them
 # (tests/tpu/test_tpu_compile.py checks them against libtpu; docs/reference.md lists them).
 GENERATIONS: dict[str, TpuGeneration] = {g.name: g for g in (
-    TpuGeneration("v4", ("TPU v4",), 16 * MIB, 16 * MIB, 1 * MIB),
-    TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 16 * MIB, 128 * MIB, 1 * MIB),
-    TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 16 * MIB, 96 * MIB, 1 * MIB),
-    TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 32 * MIB, 128 * MIB, 1 * MIB),
+    TpuGeneration("v4", ("TPU v4",), 16 * MIB, 16 * MIB, 1 * MIB, 275e12),
+    TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 16 * MIB, 128 * MIB, 1 * MIB, 197e12),
+    TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 16 * MIB, 96 * MIB, 1 * MIB, 459e12),
+    TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 32 * MIB, 128 * MIB, 1 * MIB, 918e12),
     # Two TensorCores per chip, each its own JAX device with its own VMEM.
-    TpuGeneration("tpu7x", ("TPU7x",), 32 * MIB, 64 * MIB, 1 * MIB),
+    TpuGeneration("tpu7x", ("TPU7x",), 32 * MIB, 64 * MIB, 1 * MIB, 1153.5e12),
 )}
 # A TPU whose generation nothing names (only the lowering platform says TPU), or a newer one:
 # held to the smallest limits of the known ones, so what passes for it compiles on all.

@@ -35,12 +35,17 @@ SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
 # of unknown generation gets it too: it compiles on every known generation.
 V4_TILES = SplashTiles(1536, 1024, 256)
 UNKNOWN_TPU_TILES = V4_TILES
-# Our Pallas kernel (the TPU default): its VMEM need is well under every default limit
-# (kernels/tpu_memory.py), so the limit never decides its tile; libtpu's static schedule of the
-# aligned call at 720p does (docs/benchmarks.md, "Our kernel's tiles"); a kv step of 768 would
-# leave v5e and v5p (128x128 MXUs) too little VMEM for what it saves ("Figures behind choices
-# in the code").
+# Our Pallas kernel (the TPU default), per generation. Timed on a v5e (``bench chip``,
+# docs/benchmarks.md "Timed on a TPU"): 2048x1536/512 is its fastest at densities 1 and 0.35,
+# within 2% of every tile from 1024 to 3072 x 1024 to 1536; v4 and v5p take it untimed (the same
+# 128-wide MXUs and 16 MiB default scoped VMEM). v6e and TPU7x keep the tile libtpu's static
+# schedule of the whole step ranked first ("Our kernel's tiles"), not timed on a chip; its kv
+# steps run rolled (kernels/pallas.py, UNROLL_SCORE_BYTES), as the v5e's clock asked.
 PALLAS_TILES = SplashTiles(3328, 1536, 512)
+PALLAS_TIMED_TILES = SplashTiles(2048, 1536, 512)
+PALLAS_TILES_BY_GENERATION = {"v4": PALLAS_TIMED_TILES, "v5e": PALLAS_TIMED_TILES,
+                              "v5p": PALLAS_TIMED_TILES, "v6e": PALLAS_TILES,
+                              "tpu7x": PALLAS_TILES}
 # The inner kv step when block_kv is the user's: the widest of these dividing it (ours takes
 # wider steps: its per-step accumulator update is amortised over more keys).
 KV_COMPUTE_CHOICES = {"splash": (256, 128), "pallas": (512, 256, 128)}
@@ -58,7 +63,10 @@ def default_tiles(target: Target, backend: str = "auto") -> SplashTiles:
   if backend == "xla":
     return XLA_TILES
   if backend == "pallas":
-    return PALLAS_TILES
+    if not target.is_tpu:  # an interpreted or exported call: the static schedule's pick
+      return PALLAS_TILES
+    # A TPU of unknown generation gets the tile timed under the strictest limits.
+    return PALLAS_TILES_BY_GENERATION.get(target.generation.name, PALLAS_TIMED_TILES)
   if not target.known:
     return UNKNOWN_TPU_TILES
   if target.generation.name == "v4":
@@ -93,6 +101,6 @@ def tiles_help(backend: str = "splash") -> str:
   from maxdiffusion_svg.plan.target import GENERATIONS  # pylint: disable=import-outside-toplevel
   parts = [f"{name} {default_tiles(Target('tpu', g, g.default_scoped_vmem), backend).label()}"
            for name, g in GENERATIONS.items()]
-  return (f"xla {XLA_TILES.block_q}x{XLA_TILES.block_kv}; pallas (the TPU default) "
-          f"{PALLAS_TILES.label()} on every generation; splash at the default VMEM limit: "
-          + ", ".join(parts))
+  ours = ", ".join(f"{name} {t.label()}" for name, t in PALLAS_TILES_BY_GENERATION.items())
+  return (f"xla {XLA_TILES.block_q}x{XLA_TILES.block_kv}; pallas (the TPU default) {ours}; "
+          f"splash at the default VMEM limit: " + ", ".join(parts))

@@ -218,3 +218,24 @@ def test_shapes_it_cannot_take_are_refused_naming_the_key():
     sparse_attention(ints, ints, ints, plan, backend="pallas")
 
 
+
+
+@pytest.mark.parametrize("mode", ["split", "aligned"])
+def test_rolled_kv_steps_give_the_unrolled_results(mode, monkeypatch):
+  """Tiles whose scores reach UNROLL_SCORE_BYTES walk their kv steps in a loop: fixed, online
+  (lazy pass and rescaling) and masked bodies equal the unrolled kernel's and the reference."""
+  from maxdiffusion_svg.kernels import pallas  # pylint: disable=import-outside-toplevel
+  grid = VideoGrid(6, 10, 10)  # 600 tokens: 3 x 2 tiles of 256 x 512, kv steps of 128
+  plan = plan_tiles(grid, 0.4, 256, 512, mode)
+  q, k, v = (normal((1, 2, grid.tokens, 128), seed) for seed in range(3))
+  q = q * jnp.asarray([1.0, 40.0])[None, :, None, None]  # one fixed head, one online
+  assert flags(q, k, v, plan).tolist() == [1, 0]
+  run = lambda: np.asarray(sparse_attention(q, k, v, plan, backend="pallas",
+                                            block_kv_compute=128))
+  assert pallas.unrolled(plan)
+  unrolled = run()
+  monkeypatch.setattr(pallas, "UNROLL_SCORE_BYTES", 0)
+  assert not pallas.unrolled(plan)
+  rolled = run()
+  np.testing.assert_allclose(rolled, unrolled, atol=1e-6)
+  np.testing.assert_allclose(rolled, np.asarray(plan_reference(q, k, v, plan)), atol=2e-4)

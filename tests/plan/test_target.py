@@ -11,7 +11,8 @@ from maxdiffusion_svg.kernels.tpu_memory import check_fits, smem_estimate, vmem_
 from maxdiffusion_svg.plan.target import (GENERATIONS, GENERIC_TPU, MIB, Target,
                                           generation_for_kind, generation_named, target_for_devices,
                                           target_of, tpu_target, vmem_limit_from_flags)
-from maxdiffusion_svg.plan.tiling import (PALLAS_TILES, SPLASH_TILES, UNKNOWN_TPU_TILES,
+from maxdiffusion_svg.plan.tiling import (PALLAS_TILES, PALLAS_TILES_BY_GENERATION,
+                                          PALLAS_TIMED_TILES, SPLASH_TILES, UNKNOWN_TPU_TILES,
                                           SplashTiles, default_tiles)
 from maxdiffusion_svg.tpu.aot import abstract, chip_mesh, libtpu_available
 
@@ -61,9 +62,13 @@ def test_default_tiles_follow_the_limit_and_user_keys_win(monkeypatch):
   assert SvgConfig(vmem_limit_kib=65536, backend="splash").tiles(tpu_target("v6e")) == \
       SPLASH_TILES[0][1]
   assert splash.tiles(tpu_target()) == UNKNOWN_TPU_TILES
-  # Our kernel (auto on a TPU): one tile on every generation, whatever the limit.
-  for target in (tpu_target("v5e"), tpu_target("v6e", 65536), tpu_target("v4"), tpu_target()):
+  # Our kernel (auto on a TPU): the tile timed on a v5e where the MXU is 128 wide (and on a TPU
+  # of unknown generation), the static schedule's pick on v6e and TPU7x, whatever the limit.
+  for target in (tpu_target("v5e"), tpu_target("v4"), tpu_target("v5p"), tpu_target()):
+    assert SvgConfig().tiles(target) == PALLAS_TIMED_TILES == SplashTiles(2048, 1536, 512)
+  for target in (tpu_target("v6e"), tpu_target("v6e", 65536), tpu_target("tpu7x")):
     assert SvgConfig().tiles(target) == PALLAS_TILES == SplashTiles(3328, 1536, 512)
+  assert set(PALLAS_TILES_BY_GENERATION) == set(GENERATIONS)
   assert tiles(SvgConfig(block_kv=1024), "v6e").block_kv_compute == 512
   assert tiles(SvgConfig(block_kv=1280), "v6e").block_kv_compute == 256
   assert tiles(SvgConfig(block_q=1024), "v6e").block_q == 1024
