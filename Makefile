@@ -11,7 +11,7 @@ MD_VENV ?= .venv-maxdiffusion
 MD_PY := $(MD_VENV)/bin/python
 MD_STAMP := $(MD_VENV)/.installed-stamp
 
-.PHONY: test test-full bench tiles venv clean test-maxdiffusion test-maxdiffusion-ci venv-maxdiffusion compile-tpu xpk
+.PHONY: test test-full test-tpu bench bench-chip tiles venv clean test-maxdiffusion test-maxdiffusion-ci venv-maxdiffusion compile-tpu xpk
 
 # The xpk CLI for tests/test_gke.py's dry runs, in its own venv (it pins protobuf and packaging).
 XPK_VENV ?= .venv-xpk
@@ -41,6 +41,16 @@ test: venv $(XPK_BIN)
 
 test-full: venv $(XPK_BIN)
 	MDSVG_XPK="$(abspath $(XPK_BIN))" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a TPU VM (or the chip a developer borrows), with the Python that has JAX for the TPU: the
+# kernels' exactness on the chip (tests/chip, one process: one program holds a TPU at a time)
+# and every kernel timed there (bench chip). CI has no TPU: make test skips tests/chip, saying so.
+TPU_PY ?= python3
+test-tpu:
+	JAX_PLATFORMS=tpu $(TPU_PY) -m pytest -q -m chip -p no:cacheprovider tests/chip
+
+bench-chip:
+	JAX_PLATFORMS=tpu $(TPU_PY) -m maxdiffusion_svg bench chip $(ARGS)
 
 # The main job on its default: the quality benchmark.
 bench: venv

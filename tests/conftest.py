@@ -15,3 +15,5 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "full: a slow duplicate left out of make test (CI); make test-full runs it")
+  config.addinivalue_line(
+      "markers", "chip: runs on a real TPU (make test-tpu); skipped, with the reason, elsewhere")

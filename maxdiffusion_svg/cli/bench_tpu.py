@@ -39,6 +39,19 @@ def _bench_compile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_chip(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.chip import (CASES, ChipBenchConfig, format_chip_bench,  # pylint: disable=import-outside-toplevel
+                                           run_chip_bench)
+  cases = tuple(c for c in args.cases.split(",") if c)
+  unknown = [c for c in cases if c not in CASES]
+  if unknown:
+    raise ValueError(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
+  cfg = ChipBenchConfig(cases=cases, calls=args.calls, budget_s=args.budget_s)
+  result = run_chip_bench(cfg, out=args.json, log=_progress)
+  print(format_chip_bench(result))
+  return 0
+
+
 def _bench_wan_forward(args: argparse.Namespace) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
   from maxdiffusion_svg.bench.wan_aot import compile_wan_forwards, format_wan_forwards  # pylint: disable=import-outside-toplevel
@@ -238,6 +251,19 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
                              "svg, flash and ulysses (needs MaxDiffusion on PYTHONPATH)")
   _add_json_arg(compile_)
   compile_.set_defaults(run=_bench_compile)
+
+  chip = bench_sub.add_parser(
+      "chip", help="every kernel timed on the TPU this runs on, in one process: ours (densities, "
+                   "modes, online heads, compensated), MaxDiffusion's fixed-m, online and flash "
+                   "(its config blocks and a search), at the shipped configs' per-chip shapes")
+  chip.add_argument("--cases", default="wan14b_720p,wan1.3b_480p,ltx2_1280x704",
+                    help="comma-separated per-chip shapes (bench/chip.py CASES)")
+  chip.add_argument("--calls", type=_positive_int, default=5, help="timed calls per kernel")
+  chip.add_argument("--budget-s", type=float, default=480.0,
+                    help="seconds after which further rows are left out (and listed)")
+  chip.add_argument("--json", metavar="FILE",
+                    help="write the rows as JSON to FILE, after each row (a cut run keeps them)")
+  chip.set_defaults(run=_bench_chip)
 
   wan = bench_sub.add_parser(
       "wan-forward", help="compile MaxDiffusion's Wan 2.1 14B forward for a TPU slice with libtpu "
