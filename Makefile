@@ -43,11 +43,11 @@ test-full: venv $(XPK_BIN)
 	MDSVG_XPK="$(abspath $(XPK_BIN))" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # On a TPU VM (or the chip a developer borrows), with the Python that has JAX for the TPU: the
-# kernels' exactness on the chip (tests/chip, one process: one program holds a TPU at a time)
-# and every kernel timed there (bench chip). CI has no TPU: make test skips tests/chip, saying so.
+# kernels' exactness on the chip (one process: one program holds a TPU at a time) and every
+# kernel timed there (bench chip). CI has no TPU: make test skips the chip tests, saying so.
 TPU_PY ?= python3
 test-tpu:
-	JAX_PLATFORMS=tpu $(TPU_PY) -m pytest -q -m chip -p no:cacheprovider tests/chip
+	JAX_PLATFORMS=tpu $(TPU_PY) -m pytest -q -m chip -p no:cacheprovider tests/tpu/test_kernels_on_chip.py
 
 bench-chip:
 	JAX_PLATFORMS=tpu $(TPU_PY) -m maxdiffusion_svg bench chip $(ARGS)

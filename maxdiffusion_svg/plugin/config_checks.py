@@ -5,6 +5,8 @@ when the run would pass it, and a refusal or warning carries the run's words:
 
 * ``attention``: the hooks prepare a transformer only under ``attention: svg``;
 * the ``svg_*`` keys: :meth:`PluginSettings.from_mapping` (``generate_wan.run``, each build);
+* with ``enable_tile_search`` on, ``tile_search_mode``, ``tile_search_iters`` and
+  ``tile_search_out``: :func:`tile_search_keys.check_tile_search` (``generate_wan.run``);
 * the run name: :func:`preflight.check_run_name` (``generate_wan.run``; a warning here, since
   ``JOBSET_NAME`` is the job's to set);
 * heads over the mesh's context axis and ``ulysses_shards``: :func:`preflight.mesh_shape`
@@ -35,7 +37,7 @@ from maxdiffusion_svg.plan.target import MIB, TPU_BACKENDS, Target, generation_n
 from maxdiffusion_svg.budgets.budget import PER_LAYER
 from maxdiffusion_svg.budgets.per_head import check_head_shape
 from maxdiffusion_svg.budgets.per_layer import check_layer_count
-from maxdiffusion_svg.plugin import checkpoint, preflight
+from maxdiffusion_svg.plugin import checkpoint, preflight, tile_search_keys
 from maxdiffusion_svg.plugin.calibration_record import check_record
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import FAMILIES, WAN_VACE, experts_of, video_model
@@ -80,7 +82,9 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
   """The checks of a merged config that need its checkpoint, made by every tool (``tiles``,
   the launcher, ``compare``, ``calibrate``) and by the run before weights load: the model
   family (generation), a calibrated overlay's record against the run
-  (:func:`calibration_record.check_record`), the checkpoint readable
+  (:func:`calibration_record.check_record`), with ``enable_tile_search`` on (generation, under
+  ``attention: svg``) its ``tile_search_*`` keys (:func:`tile_search_keys.check_tile_search`), the
+  checkpoint readable
   (:func:`checkpoint.model_shape`), a VACE checkpoint with a VACE config and only with one, and
   the per-layer and per-head budgets
   against the transformer's layers and heads (``layers``, ``heads``: ``tiles``' flags, over
@@ -90,6 +94,8 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
   env = os.environ if env is None else env
   if not training:
     check_model(keys, path)
+    if keys.get("attention") == KERNEL_NAME:  # enable_tile_search and its keys (generation only)
+      tile_search_keys.check_tile_search(keys)
   check_record(keys)
   shape = checkpoint.model_shape(keys, env, download)
   given = {k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None}

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from maxdiffusion_svg.plugin import hooks_entry
+from maxdiffusion_svg.plugin import hooks_entry, tile_tuning
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
 from maxdiffusion_svg.plugin.video_models import VACE_REFERENCES, WAN_VACE, video_model
 
@@ -123,6 +123,7 @@ def run(config: Any, pipeline: Any = None, filename_prefix: str = "",
     max_logging.log(f"MaxDiffusion commit: {commit_hash}")
   load_time = 0.0
   if pipeline is None:
+    tile_tuning.tune_for_run(config)  # enable_tile_search, as generate_wan's run does it
     start = time.perf_counter()
     pipeline = load_pipeline(config)
     load_time = time.perf_counter() - start

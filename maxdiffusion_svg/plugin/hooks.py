@@ -23,6 +23,8 @@ by :func:`installer.install` (MaxDiffusion's files are not modified):
 * ``generate_wan.run``: the job's checks (:mod:`preflight`: run name, processes joined,
   context shards against heads), after ``jax.distributed`` starts and before weights load; a
   Wan VACE config goes on to our VACE main (these two: :mod:`hooks_entry`).
+* ``generate_wan.maybe_tune_block_sizes``: with ``enable_tile_search``, our kernel's tiles
+  searched on the chip instead of MaxDiffusion's ``flash_block_sizes`` (:mod:`tile_tuning`).
 * the same for Wan VACE and Wan Animate (their model calls and factories; what is their own,
   with their generate drivers, in their modules :mod:`wan_vace` and :mod:`wan_animate`) and
   for LTX-2 (its module, :mod:`ltx2`); which family a model is and where its self-attention

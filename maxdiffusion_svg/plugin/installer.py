@@ -1,14 +1,14 @@
 """Installs every hook once: Wan's (:mod:`hooks`), each family module's own (its record's
 :attr:`~video_models.VideoModel.module`: :mod:`ltx2`, :mod:`wan_animate`, :mod:`wan_vace`)
 and the entry points' (:mod:`hooks_entry`; Wan VACE's hand-over from ``generate_wan`` in
-:mod:`generate_vace`)."""
+:mod:`generate_vace`; the tile search in :mod:`tile_tuning`)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Iterator
 
-from maxdiffusion_svg.plugin import contract, generate_vace, hooks, hooks_entry
+from maxdiffusion_svg.plugin import contract, generate_vace, hooks, hooks_entry, tile_tuning
 from maxdiffusion_svg.plugin.video_models import EVERY_FAMILY
 
 
@@ -47,3 +47,4 @@ def install() -> None:
   wrap(aot_cache, "install", hooks_entry.aot_install)
   wrap(generate_wan, "run",
        lambda run: generate_vace.vace_to_our_main(hooks_entry.preflight_run(run)))
+  wrap(generate_wan, "maybe_tune_block_sizes", tile_tuning.tune_block_sizes_hook)

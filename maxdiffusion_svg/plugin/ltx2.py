@@ -18,7 +18,8 @@ cross-attentions) is untagged and runs dense, counted as such.
   ``timestep`` against the run's schedule, traced, as for Wan.
 * ``LTX2Pipeline.__call__`` and ``FlaxFlowMatchScheduler.set_timesteps_ltx2``: the run's
   timesteps written into the transformer before the pipeline splits it; the run summary.
-* ``generate_ltx2.run``: the job's pre-flight checks.
+* ``generate_ltx2.run``: the job's pre-flight checks; its ``maybe_tune_block_sizes``: our
+  tile search instead of MaxDiffusion's (:mod:`tile_tuning`).
 
 ``compare`` and ``calibrate`` drive ``generate_ltx2`` through :data:`GENERATION`: its
 ``call_pipeline`` (the output's ``timings`` give the denoising seconds; the steps run in one
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 from maxdiffusion_svg.measure import video_metrics
 from maxdiffusion_svg.plan.geometry import VideoGrid
-from maxdiffusion_svg.plugin import generations, hooks, hooks_entry
+from maxdiffusion_svg.plugin import generations, hooks, hooks_entry, tile_tuning
 from maxdiffusion_svg.plugin.video_models import LTX2
 
 LTX2_MODEL = LTX2.model_class
@@ -86,6 +87,7 @@ def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   wrap(scheduling_flow_match_flax.FlaxFlowMatchScheduler, "set_timesteps_ltx2",
        hooks.set_timesteps_hook)
   wrap(generate_ltx2, "run", hooks_entry.preflight_run)
+  wrap(generate_ltx2, "maybe_tune_block_sizes", tile_tuning.tune_block_sizes_hook)
 
 
 @contextlib.contextmanager

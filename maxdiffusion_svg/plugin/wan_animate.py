@@ -18,7 +18,7 @@ import functools
 import inspect
 from typing import Any, Callable, Iterator
 
-from maxdiffusion_svg.plugin import generations, hooks, hooks_entry
+from maxdiffusion_svg.plugin import generations, hooks, hooks_entry, tile_tuning
 from maxdiffusion_svg.plugin.video_models import WAN_ANIMATE
 
 
@@ -52,7 +52,9 @@ def install(wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
   wrap(wan_pipeline_animate, "create_sharded_animate_transformer", hooks.create_transformer_hook)
   wrap(transformer_wan_animate.WanAnimateTransformer3DModel, "__call__", hooks.model_call_hook)
   wrap(wan_pipeline_animate.WanAnimatePipeline, "__call__", pipeline_call)
-  wrap(generate_wan_animate, "run", hooks_entry.preflight_run)
+  # its main has no tile search: ours runs after the checks, before the pipeline loads
+  wrap(generate_wan_animate, "run",
+       lambda run: hooks_entry.preflight_run(tile_tuning.tuning_first(run)))
 
 
 class _KeptCheckpointer:

@@ -136,11 +136,13 @@ def random_qkv(shape: CallShape, seed: int = 0, q_gain: float = 1.0) -> tuple[An
 
 
 def software() -> dict[str, str]:
-  """What a timing depends on besides the chip: jax, jaxlib, libtpu, the plugin."""
+  """What a timing depends on besides the chip: jax, jaxlib, libtpu, the plugin and its kernel's
+  source (a kernel changed within a version is searched again)."""
   from importlib import metadata  # pylint: disable=import-outside-toplevel
-  import maxdiffusion_svg  # pylint: disable=import-outside-toplevel
-  out = {"plugin": maxdiffusion_svg.__version__}
-  for name in ("jax", "jaxlib", "libtpu"):
+  from maxdiffusion_svg.kernels import pallas  # pylint: disable=import-outside-toplevel
+  with open(pallas.__file__, "rb") as f:
+    out = {"kernel": hashlib.sha256(f.read()).hexdigest()[:12]}
+  for name in ("maxdiffusion-svg", "jax", "jaxlib", "libtpu"):
     try:
       out[name] = metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -199,7 +201,8 @@ class SearchResult:
 
   def line(self) -> str:
     """The one line a run prints."""
-    source = "cached" if self.cached else f"searched {len(self.rows)} tiles"
+    timed = sum(1 for r in self.rows if r.get("seconds") is not None)
+    source = "cached" if self.cached else f"timed {timed} of {len(self.rows)} candidate tiles"
     if self.default_s is None:
       gain = f"the default {self.default.label()} does not fit"
     elif self.picked == self.default:

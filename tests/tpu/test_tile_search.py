@@ -52,7 +52,7 @@ def test_the_fastest_candidate_is_picked_cached_and_read_back(tmp_path):
   assert not first.cached
   assert first.picked == SplashTiles(2048, 1024, 512) and len(calls) == len(timed)
   assert first.default_s > first.picked_s
-  assert "searched" in first.line() and "faster than the default 2048x1536/512" in first.line()
+  assert "timed" in first.line() and "faster than the default 2048x1536/512" in first.line()
   stored = json.load(open(cache, encoding="utf-8"))
   assert list(stored) == [first.key] and stored[first.key]["device_kind"] == "TPU v5 lite"
   again = ts.search_tiles(SHAPE, tpu_target("v5e"), DEFAULT, cache_path=cache,
