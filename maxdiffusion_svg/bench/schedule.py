@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from maxdiffusion_svg.bench.schedule_xla import HLO_FILE, price_program
+from maxdiffusion_svg.kernels.pallas import unrolled
 from maxdiffusion_svg.kernels.tpu_memory import mask_strategy
 from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.plan.tiles import MODES, TilePlan, plan_tiles
@@ -284,6 +285,15 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print,
   full, masked, rows = _tiles(case)
   row: dict[str, Any] = {"case": dataclasses.asdict(case), "tiles_full": full,
                          "tiles_masked": masked, "tiles_visited": full + masked, "rows": rows}
+  if case.kernel == "svg" and case.backend == "pallas" and not unrolled(case.plan()):
+    # The reader prices a region once; a rolled loop's body runs once per kv step.
+    row.update(ok=False, seconds=0.0, error=(
+        f"not priced: {case.block_q}x{case.block_kv} tiles walk their kv steps in a loop "
+        f"(kernels/pallas.py UNROLL_SCORE_BYTES), which the schedule reader counts once; time "
+        f"them on a chip (bench chip)"))
+    log(f"{case.chip} {case.mode} density {case.density} tiles {case.block_q}x{case.block_kv}/"
+        f"{case.block_kv_compute}: {row['error']}")
+    return row
   with tempfile.TemporaryDirectory(prefix="svg_schedule_") as directory:
     row.update(compile_case(case, directory))
     if row["ok"]:

@@ -250,3 +250,13 @@ def test_an_unknown_dump_layout_is_named(tmp_path):
             "  0x2 PF: > { %3 = sadd } /* Start/End empty region 2 */\n"
   with pytest.raises(ScheduleFormatError, match="b.txt: not a per-bundle utilisation table"):
     parse_kernel(listing, "garbage", paths=("a.txt", "b.txt"))
+
+
+def test_tiles_our_kernel_rolls_are_refused_not_mispriced():
+  """The reader counts a region once; a rolled kv-step loop runs once per step: no figure."""
+  from maxdiffusion_svg.bench.schedule import ScheduleCase, run_case  # pylint: disable=import-outside-toplevel
+  logged = []
+  row = run_case(ScheduleCase("v6e", (21, 45, 80), 0.35, "aligned", 3328, 1536, 512,
+                              backend="pallas"), log=logged.append)
+  assert not row["ok"] and "walk their kv steps in a loop" in row["error"]
+  assert "static_bundles" not in row and logged == [logged[0]] and "bench chip" in logged[0]
