@@ -6,6 +6,7 @@ and settings to change. Tests compile against libtpu to hold both sides of that 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -58,26 +59,64 @@ def vmem_need(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int |
              for generation in GENERATIONS.values())
 
 
-# Our Pallas kernel (kernels/pallas.py): libtpu's scoped-VMEM need grows with the score chunk
-# (block_q x block_kv_compute, float32, plus its exponent and bfloat16 copy), a little with the
-# heads and the video, barely with block_kv. The bound sits above every need libtpu reported
-# (docs/benchmarks.md, "Figures behind choices in the code").
-PALLAS_VMEM_BASE = 6 * MIB
-PALLAS_VMEM_PER_SCORE = 5.0
+# Our Pallas kernel (kernels/pallas.py): an upper bound on libtpu's scoped-VMEM need, from the
+# kernel's buffers, with the compiler's own share fitted to what libtpu allocated
+# (docs/benchmarks.md, "Our kernel's VMEM bound"; the points:
+# docs/measurements/pallas_vmem_points.json). Per byte of each buffer (itemsize: q's dtype):
+#   q and output blocks (block_q, D), k and v blocks (block_kv, D): double-buffered, 4 each
+#   (exact: libtpu's need moves by 4 x block_kv x D x itemsize with block_kv);
+#   the row's accumulator and the lazy pass's spare, (Dv, block_q) float32, and the transposed
+#   output: ``acc`` per accumulator;
+#   the score chunk (block_kv_compute, block_q) float32, with its exponent and bfloat16 copy:
+#   ``score``; a tile of PALLAS_OVERLAP_CHUNKS chunks or more may hold a second chunk beside it,
+#   ``second_score`` more (libtpu overlaps consecutive chunks: 1.6x to 1.9x a chunk measured
+#   there, at most 1.17x with fewer; not every such tile does, which is libtpu's choice);
+#   per query, the softmax rows (m, l and the lazy sum: (8, block_q) float32 each), the fixed
+#   offset and the share of what grows with the heads (below) that grows with block_q:
+#   ``per_query`` bytes.
+# libtpu's need also grows with the heads (and video) one call walks, up to a ceiling by about 8
+# heads at 720p (v5e 4096x2048/512: 19.56 MiB at 1 head, 23.56 at 2 and 5, 25.56 at 10, 16 and
+# 40): the points are at 16 heads, so the bound holds for any call, and lies up to ~2x above a
+# call of one head. Fitted above every point by at least 3%.
+@dataclasses.dataclass(frozen=True)
+class PallasVmemTerms:
+  base: float  # bytes
+  score: float  # per byte of one float32 score chunk
+  second_score: float  # more per score byte, for tiles of PALLAS_OVERLAP_CHUNKS chunks or more
+  acc: float  # per byte of one (Dv, block_q) float32 accumulator
+  per_query: float  # bytes per query of the tile
+
+
+PALLAS_OVERLAP_CHUNKS = 4
+_V5E_TERMS = PallasVmemTerms(0.0, 1.00, 0.80, 2.19, 407.0)
+_V6E_TERMS = PallasVmemTerms(0.0, 1.05, 0.70, 2.19, 160.0)
+# v5p allocates as a v5e does, v4 up to 0.2 MiB more (its points), TPU7x as a v6e (its
+# 256-wide MXU).
+PALLAS_VMEM_TERMS: dict[str, PallasVmemTerms] = {
+    "v4": dataclasses.replace(_V5E_TERMS, base=0.2 * MIB), "v5e": _V5E_TERMS,
+    "v5p": _V5E_TERMS, "v6e": _V6E_TERMS, "tpu7x": _V6E_TERMS}
 # With row keys (compensation) the kernel reads three more blocks per query tile row, each
 # double-buffered: the row's keys and values ``(m, D)`` and their logit bias ``(m, 128)``
-# float32; their scores run in chunks no larger than a tile's, inside the bound above.
+# float32; their scores run in chunks no larger than a tile's, inside the score terms.
 PALLAS_ROW_KEY_BIAS_BYTES = 128 * 4
 
 
 def pallas_vmem_bound(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int,
-                      row_keys: int = 0) -> int:
-  """Upper bound on our kernel's scoped VMEM (figures above); ``row_keys``: extra keys per row."""
+                      row_keys: int = 0, generation: str | None = None) -> int:
+  """Upper bound on our kernel's scoped VMEM (terms above) on ``generation`` (``v5e``, ...;
+  None or unknown: the largest of them); ``row_keys``: extra keys per row."""
+  if generation not in PALLAS_VMEM_TERMS:
+    return max(pallas_vmem_bound(plan, head_dim, dtype, block_kv_compute, row_keys, name)
+               for name in PALLAS_VMEM_TERMS)
+  terms = PALLAS_VMEM_TERMS[generation]
   itemsize = jnp.dtype(dtype).itemsize
-  wide = max(1.0, itemsize / 2) * max(1.0, head_dim / 128)
+  bq, bkv = plan.block_q, plan.block_kv
+  overlap = bkv // block_kv_compute >= PALLAS_OVERLAP_CHUNKS
+  scores = (terms.score + (terms.second_score if overlap else 0.0)) * bq * block_kv_compute * 4
+  blocks = 4 * (bq + bkv) * head_dim * itemsize
   slots = row_key_slots(row_keys, block_kv_compute)
   extra = 2 * slots * (2 * head_dim * itemsize + PALLAS_ROW_KEY_BIAS_BYTES)
-  return int(PALLAS_VMEM_BASE + PALLAS_VMEM_PER_SCORE * wide * plan.block_q * block_kv_compute
+  return int(terms.base + scores + terms.acc * bq * head_dim * 4 + terms.per_query * bq + blocks
              + extra)
 
 
@@ -91,7 +130,8 @@ def kernel_vmem(plan: TilePlan, head_dim: int, dtype: Any, block_kv_compute: int
   """Scoped VMEM ``backend``'s kernel is held to (``row_keys``: ours only; Splash merges after)."""
   bkc = block_kv_compute or default_kv_compute(plan.block_kv, backend)
   if backend == "pallas":
-    return pallas_vmem_bound(plan, head_dim, dtype, bkc, row_keys)
+    return pallas_vmem_bound(plan, head_dim, dtype, bkc, row_keys,
+                             target.generation.name if target.known else None)
   return vmem_need(plan, head_dim, dtype, bkc, target)
 
 
