@@ -100,17 +100,6 @@ def test_no_schedule_no_step():
 # ------------------------------------------------ the transformer factory hook: the expert
 
 
-@pytest.fixture
-def max_logging(monkeypatch):
-  """MaxDiffusion's logger, stood in (the hook logs the settings it applied)."""
-  lines = []
-  package = types.ModuleType("maxdiffusion")
-  package.max_logging = types.SimpleNamespace(log=lines.append)
-  monkeypatch.setitem(sys.modules, "maxdiffusion", package)
-  monkeypatch.setitem(sys.modules, "maxdiffusion.max_logging", package.max_logging)
-  return lines
-
-
 class StandInConfig:
 
   def __init__(self, model_name="wan2.2", attention="svg", **keys):

@@ -6,7 +6,6 @@ tiles, the chip a v6e target."""
 
 import subprocess
 import sys
-import types
 
 import pytest
 import yaml
@@ -61,17 +60,6 @@ class StandInConfig:
 
   def get_keys(self):
     return self.keys
-
-
-@pytest.fixture
-def max_logging(monkeypatch):
-  """MaxDiffusion's logger, stood in: the lines the run logs."""
-  lines = []
-  package = types.ModuleType("maxdiffusion")
-  package.max_logging = types.SimpleNamespace(log=lines.append)
-  monkeypatch.setitem(sys.modules, "maxdiffusion", package)
-  monkeypatch.setitem(sys.modules, "maxdiffusion.max_logging", package.max_logging)
-  return lines
 
 
 def on_v6e(config, clock, **options):
