@@ -1,10 +1,14 @@
 """``bench backward``: its flags, its table, and the backward kernel's steps it prices (no
 compile; the compiled figures are in docs/benchmarks.md)."""
 
+import jax.numpy as jnp
+
 from maxdiffusion_svg.bench import backward as bench
 from maxdiffusion_svg.cli import main as cli
-from maxdiffusion_svg.kernels.splash_backward import dkv_table_entries
+from maxdiffusion_svg.kernels.splash_backward import backward_tiles, dkv_table_entries
+from maxdiffusion_svg.plan.geometry import grid_for_resolution
 from maxdiffusion_svg.plan.target import tpu_target
+from maxdiffusion_svg.plan.tiles import plan_tiles
 
 
 def test_the_flags_and_their_defaults():
@@ -25,14 +29,17 @@ def test_the_backward_kernels_steps_are_its_table():
 
 
 def test_the_tiles_are_the_calls():
-  # On a v5e (16 MiB) the call takes a smaller query tile than its forward's; the bench prices
-  # the same tiles.
+  # The bench prices the tiles the call's backward takes: on a v5e (16 MiB) its forward's
+  # 2048x1536 with Splash's kv step; a forward tile too large for the backward there
+  # (3328x1536) gets a smaller query tile dividing it.
   case = bench.BackwardCase(chip="v5e")
   target, plan, _ = case.setup()
   assert target == tpu_target("v5e")
   blocks = bench.backward_blocks_of(case, plan, target)
-  assert blocks[0] < plan.block_q and plan.block_q % blocks[0] == 0 and blocks[1:] == (
-      plan.block_kv, 256)
+  assert blocks == (plan.block_q, plan.block_kv, 256)
+  big = plan_tiles(grid_for_resolution("720p"), 0.3, 3328, 1536, "aligned")
+  smaller = backward_tiles(big, 256, 128, jnp.bfloat16, target)
+  assert smaller[0] < big.block_q and big.block_q % smaller[0] == 0 and smaller[1:] == (1536, 256)
 
 
 def test_the_table_names_each_backward():

@@ -252,8 +252,8 @@ def test_every_tile_choice_is_checked_before_the_first_compile(tmp_path, monkeyp
   compiled = []
   monkeypatch.setattr(schedule, "run_case", lambda *a, **k: compiled.append(a))
   monkeypatch.setattr(step_bench, "compile_dumped", lambda *a, **k: compiled.append(a))
-  with pytest.raises(ValueError, match="block_kv_compute 768 need about"):
-    step_bench.run_tile_choices(str(config), "v5e-8", [(3328, 1536, 512), (3328, 1536, 768)],
+  with pytest.raises(ValueError, match="Pallas tiles 4096x2048 with block_kv_compute 512 need about"):
+    step_bench.run_tile_choices(str(config), "v5e-8", [(2048, 1536, 512), (4096, 2048, 512)],
                                 log=lambda _: None)
   assert not compiled
 
