@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from maxdiffusion_svg.plan.geometry import VideoGrid, grid_for_resolution
 from maxdiffusion_svg.plan.tiling import SplashTiles
-from maxdiffusion_svg.tpu.tile_search import (CallShape, Timing, fitting_tiles, our_call,
+from maxdiffusion_svg.tpu.tile_search import (CallShape, our_call,
                                               random_qkv, software, time_compiled)
 
 LOG2E = math.log2(math.e)
@@ -213,14 +213,6 @@ class ChipBench:
     row = {"case": case.name, "kernel": "flash", "tiles": f"{blocks[0]}x{blocks[1]}/{blocks[2]}",
            "blocks_from": label}
     return self.record(row, flash_call(case, blocks), self.inputs(case), self.dense_flops(case))
-
-  def fitting(self, case: ChipCase, tiles: list[SplashTiles], density: float,
-              mode: str = "aligned") -> list[SplashTiles]:
-    fit, refused = fitting_tiles(self.shape(case, density, mode), self.target, tiles)
-    for label, why in refused.items():
-      self.result["rows"].append({"case": case.name, "kernel": "svg", "tiles": label,
-                                  "density": density, "mode": mode, "refused": why})
-    return fit
 
 
 def best_of(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:

@@ -43,8 +43,6 @@ _STAT_ROWS = 8
 # on a v5e, unrolled tiles at or over 16 MiB ran 2.3x to 2.8x slower, rolled ones at full
 # speed (docs/benchmarks.md, "Timed on a TPU"); libtpu's static schedule does not see it.
 UNROLL_SCORE_BYTES = 16 * 2**20
-# pallas_call compiler parameters beyond the grid's semantics (kept for timing experiments).
-COMPILER_PARAMS: dict = {}
 _NT = (((1,), (1,)), ((), ()))  # k (kv, d) x q (q, d) -> (kv, q)
 _TN = (((0,), (0,)), ((), ()))  # v (kv, dv) x p (kv, q) -> (dv, q)
 
@@ -353,8 +351,7 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                         lse=return_lse, locate=locate, scalars=len(scalars)),
       grid_spec=grid_spec,
       out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                           **COMPILER_PARAMS),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="svg_pallas_sparse",
   )(*scalars, q_pad, k_pad, v_pad, m_pad, *extra_args)

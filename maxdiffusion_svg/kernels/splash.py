@@ -103,9 +103,10 @@ def splash_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
   info, mask_fn = plan_mask_info(plan)
   # q_prescaled_log2e: the kernel works in base 2; folding log2(e) into the softmax scale
   # here rounds a bfloat16 q once instead of twice.
-  config = tk.kernel.SplashConfig(block_q=plan.block_q, block_kv=plan.block_kv,
-                               block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
-                               interpret=interpret, q_prescaled_log2e=True)
+  config = tk.kernel.SplashConfig(
+      block_q=plan.block_q, block_kv=plan.block_kv,
+      block_kv_compute=block_kv_compute or default_kv_compute(plan.block_kv),
+      interpret=interpret, q_prescaled_log2e=True)
   kernel = tk.kernel.SplashAttentionKernel(
       jax.tree.map(jnp.asarray, info), None, config=config, is_mqa=False, save_residuals=return_lse,
       mask_value=tk.base.DEFAULT_MASK_VALUE, mask_function=mask_fn,

@@ -13,8 +13,14 @@ import hashlib
 import json
 import os
 import time
+from importlib import metadata
 from typing import Any, Callable, Iterable, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from maxdiffusion_svg.kernels import pallas, sparse_attention
+from maxdiffusion_svg.kernels.api import check_tpu_call
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target
 from maxdiffusion_svg.plan.tiles import TileMode, plan_tiles
@@ -66,12 +72,8 @@ def fitting_tiles(shape: CallShape, target: Target,
                   tiles: Iterable[SplashTiles]) -> tuple[list[SplashTiles], dict[str, str]]:
   """``tiles`` our kernel's checks accept on ``target`` (VMEM, SMEM, shapes), and the refused
   ones with the check's first words."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.kernels.api import check_tpu_call  # pylint: disable=import-outside-toplevel
   fit, refused = [], {}
   for t in tiles:
-    if t.block_kv % t.block_kv_compute:
-      continue
     try:
       check_tpu_call(shape.plan(t), shape.head_dim, jnp.dtype(shape.dtype), t.block_kv_compute,
                      target, "pallas")
@@ -100,7 +102,6 @@ def time_compiled(fn: Callable[..., Any], args: Sequence[Any], calls: int = 5,
                   options: dict[str, str] | None = None) -> Timing:
   """``fn`` jitted and compiled for ``args`` (timed apart), one warm-up call, then ``calls``
   timed calls, each to completion."""
-  import jax  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile(compiler_options=options or {})
   compile_s = time.perf_counter() - start
@@ -117,7 +118,6 @@ def time_compiled(fn: Callable[..., Any], args: Sequence[Any], calls: int = 5,
 def our_call(shape: CallShape, tiles: SplashTiles, target: Target,
              backend: str = "pallas") -> Callable[..., Any]:
   """The run's kernel call on ``tiles`` (offsets, padding and the kernel; no routing)."""
-  from maxdiffusion_svg.kernels import sparse_attention  # pylint: disable=import-outside-toplevel
   plan = shape.plan(tiles)
   return lambda q, k, v: sparse_attention(q, k, v, plan, block_kv_compute=tiles.block_kv_compute,
                                           target=target, backend=backend)
@@ -126,8 +126,6 @@ def our_call(shape: CallShape, tiles: SplashTiles, target: Target,
 def random_qkv(shape: CallShape, seed: int = 0, q_gain: float = 1.0) -> tuple[Any, Any, Any]:
   """Normal q, k, v on the default device; ``q_gain`` > ~8 sends every head to online softmax
   (past the fixed offset's gate)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   dims = (shape.batch, shape.heads, shape.grid.tokens, shape.head_dim)
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
   dtype = jnp.dtype(shape.dtype)
@@ -138,8 +136,6 @@ def random_qkv(shape: CallShape, seed: int = 0, q_gain: float = 1.0) -> tuple[An
 def software() -> dict[str, str]:
   """What a timing depends on besides the chip: jax, jaxlib, libtpu, the plugin and its kernel's
   source (a kernel changed within a version is searched again)."""
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-  from maxdiffusion_svg.kernels import pallas  # pylint: disable=import-outside-toplevel
   with open(pallas.__file__, "rb") as f:
     out = {"kernel": hashlib.sha256(f.read()).hexdigest()[:12]}
   for name in ("maxdiffusion-svg", "jax", "jaxlib", "libtpu"):
@@ -233,7 +229,6 @@ def search_tiles(shape: CallShape, target: Target, default: SplashTiles, *, mode
   """Times our kernel on the chip over the candidates of ``mode`` that fit ``target`` (and
   ``default``), at ``shape``; returns the fastest, from the cache when this chip, shape and
   software were searched before. ``timer(tiles) -> seconds`` replaces the chip's clock (tests)."""
-  import jax  # pylint: disable=import-outside-toplevel
   kind = device_kind or jax.devices()[0].device_kind
   key = cache_key(kind, shape, mode, target.vmem_limit)
   path = cache_path or default_cache_path()
