@@ -239,9 +239,12 @@ def _reference(grid_shape, batch, seed):
 
 
 @pytest.mark.parametrize("grid_shape,cases,processes", [
-    # make test: rings of 2 and 4 (batch 2) and the batch on data, in 1 and 4 processes (a ring
-    # of 8 in the 480-token case below); the other cases in the full tier
-    ((6, 8, 16), [CASES[1], CASES[3], CASES[6]], (1, 4)),
+    # make test: the 480-token case below (rings of 2, 4 and 8 on 16 devices, batch 1 and 2); the
+    # 768-token cases, in 1 and 4 processes, in the full tier (CI time). make test keeps 2
+    # processes (test_multiprocess.py) and the batch on data with a ring (the 2x1x4x1 case of
+    # test_equals_single_device_with_the_same_routing)
+    pytest.param((6, 8, 16), [CASES[1], CASES[3], CASES[6]], (1, 4),
+                 marks=pytest.mark.full),  # CI: grid_shape2 below; test_multiprocess.py
     pytest.param((6, 8, 16), [CASES[0], CASES[2], CASES[4], CASES[5]], (1, 4),
                  marks=pytest.mark.full),
     # 480 tokens: frames of 96 cross the 128-token tiles, and every split pads the ring

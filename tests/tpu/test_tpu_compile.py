@@ -41,10 +41,9 @@ def compile_ok(fn, args, options=None):
 
 def _tile_cases():
   """Every chip, executor, resolution and tile mode; make test keeps the default (our kernel,
-  aligned) on both chips at 720p and on a v6e at 1440p, and Splash aligned on a v6e at 720p; the
-  rest are in the full tier (CI time)."""
-  core_cases = {("v5e", "pallas", "720p"), ("v6e", "pallas", "720p"), ("v6e", "pallas", "1440p"),
-                ("v6e", "splash", "720p")}
+  aligned) on both chips at 720p and on a v6e at 1440p; the rest are in the full tier (CI time)."""
+  # Splash's default tiles: full tier; CI: test_the_gradient_of_a_call_compiles[v5e-splash]
+  core_cases = {("v5e", "pallas", "720p"), ("v6e", "pallas", "720p"), ("v6e", "pallas", "1440p")}
   for chip in ("v5e", "v6e"):
     for backend, resolution in (("pallas", "720p"), ("pallas", "1440p"), ("splash", "720p"),
                                 ("splash", "1440p")):
@@ -68,10 +67,13 @@ def test_default_tiles_compile_under_the_default_vmem_limit(chip, backend, resol
   assert kernel in result.executable.as_text()
 
 
-@pytest.mark.parametrize("chip", [pytest.param("v4", marks=pytest.mark.full),
-                                  pytest.param("v5p", marks=pytest.mark.full), "tpu7x"])
+@pytest.mark.parametrize("chip", [
+    pytest.param("v4", marks=pytest.mark.full), pytest.param("v5p", marks=pytest.mark.full),
+    # TPU7x: CI compiles our kernel there in test_tpu7x_is_two_devices_per_chip_with_its_own_limits
+    pytest.param("tpu7x", marks=pytest.mark.full)])
 def test_our_kernel_compiles_on_the_other_generations(chip):
-  """make compile-tpu covers every generation, resolution and mode; CI the rest of the matrix."""
+  """make compile-tpu covers every generation, resolution and mode; make test compiles our kernel
+  on TPU7x in test_tpu7x_is_two_devices_per_chip_with_its_own_limits."""
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat)
   grid = grid_for_resolution("720p")
@@ -251,7 +253,12 @@ def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backen
   assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
-@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.full), "v6e"])
+@pytest.mark.parametrize("chip", [
+    pytest.param("v5e", marks=pytest.mark.full),
+    # the v6e fits these tiles under its default limit too; CI: tests/plan/test_target.py's
+    # test_default_tiles_follow_the_limit_and_user_keys_win holds the tiles, Splash compiles on a
+    # v6e in test_tile_tables_over_smem_are_refused_and_the_compiler_agrees
+    pytest.param("v6e", marks=pytest.mark.full)])
 def test_raised_vmem_limit_tiles_compile_under_that_limit(chip):
   mesh = chip_mesh(chip)
   target = target_for_devices(mesh.devices.flat, vmem_limit_kib=65536)
@@ -271,6 +278,9 @@ def test_raised_vmem_limit_tiles_compile_under_that_limit(chip):
         mesh.devices.flat), backend="splash"), qkv(mesh, grid))
 
 
+# CI: test_a_call_over_the_vmem_limit_is_refused_before_compiling_and_by_the_compiler (our check
+# and libtpu refusing together on a v5e); tests/plan/test_target.py refuses these tiles on a v5e
+@pytest.mark.full
 def test_v5e_refuses_the_seed_tiles_before_compiling_and_the_compiler_agrees():
   mesh = chip_mesh("v5e")
   grid = grid_for_resolution("720p")
