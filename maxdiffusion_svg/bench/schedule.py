@@ -285,7 +285,7 @@ def run_case(case: ScheduleCase, log: Callable[[str], None] = print,
   full, masked, rows = _tiles(case)
   row: dict[str, Any] = {"case": dataclasses.asdict(case), "tiles_full": full,
                          "tiles_masked": masked, "tiles_visited": full + masked, "rows": rows}
-  if case.kernel == "svg" and case.backend == "pallas" and not unrolled(case.plan()):
+  if case.kernel == "svg" and case.backend == "pallas" and not unrolled(case.plan(), case.block_kv_compute):
     # The reader prices a region once; a rolled loop's body runs once per kv step.
     row.update(ok=False, seconds=0.0, error=(
         f"not priced: {case.block_q}x{case.block_kv} tiles walk their kv steps in a loop "

@@ -39,9 +39,10 @@ _ROW_START = -1e30
 # (libtpu schedules the online body shorter than with (1, block_q) rows: docs/benchmarks.md,
 # "Figures behind choices in the code").
 _STAT_ROWS = 8
-# A tile's kv steps are unrolled while its float32 scores (block_q x block_kv) stay under this:
-# on a v5e, unrolled tiles at or over 16 MiB ran 2.3x to 2.8x slower, rolled ones at full
-# speed (docs/benchmarks.md, "Timed on a TPU"); libtpu's static schedule does not see it.
+# A tile's kv steps are unrolled in groups whose float32 scores (block_q x the group's keys)
+# stay under this, the groups in a loop: on a v5e, fully unrolled tiles at or over 16 MiB ran
+# 2.3x to 2.8x slower, rolled ones at full speed, groups of three 4 MiB steps 3% faster than
+# rolled (docs/benchmarks.md, "Timed on a TPU"); libtpu's static schedule does not see it.
 UNROLL_SCORE_BYTES = 16 * 2**20
 _NT = (((1,), (1,)), ((), ()))  # k (kv, d) x q (q, d) -> (kv, q)
 _TN = (((0,), (0,)), ((), ()))  # v (kv, dv) x p (kv, q) -> (dv, q)
@@ -76,10 +77,14 @@ def _locator(per_head: int, ragged: int):
   return lambda i, t, *refs: (i, refs[_WORK][t])
 
 
-def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, scalars: int):
+def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, scalars: int,
+            unpadded: bool):
   # ``scalars`` prefetched arrays lead (``_WORK`` ...). With ``row_keys`` three inputs follow q,
   # k, v and the fixed offsets: the row's extra keys, values and base-2 logit bias
   # (lane-replicated); with ``lse`` an output follows o: the row's log-sum-exp, lane-major.
+  # ``unpadded``: q, k and v are not padded to whole tiles, so the last blocks read past the
+  # arrays (undefined values): padding keys are masked and their values zeroed (0 * NaN is NaN),
+  # padding queries' lanes are left out of the lazy pass's test; their outputs are not written.
   scalar_refs, (q_ref, k_ref, v_ref, mfix_ref, *refs) = refs[:scalars], refs[scalars:]
   rk_ref = rv_ref = rb_ref = lse_ref = None
   if row_keys:
@@ -89,8 +94,10 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
     lse_ref, *refs = refs
   m_ref, l_ref, tile_l_ref, accs_ref, slot_ref, kept_ref = refs
   bq, bkv = plan.block_q, plan.block_kv
+  q_len = plan.q_len or plan.seq_len
   chunks = bkv // bkc
-  unroll = unrolled(plan)
+  unroll = kv_unroll(plan, bkc)
+  loop_unroll = True if unroll == chunks else unroll  # True: no loop at all
   bh, word = locate(pl.program_id(0), pl.program_id(1), *scalar_refs)
   row, col, kind, first, last = unpack_work(word)
   fixed = scalar_refs[_FIXED][bh] > 0
@@ -110,9 +117,9 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
     k = k_ref[pl.ds(c * bkc, bkc), :]
     return lax.dot_general(k, q_ref[...], _NT, preferred_element_type=jnp.float32)
 
-  def accumulate(c, p, alpha=None):
-    pv = lax.dot_general(v_ref[pl.ds(c * bkc, bkc), :], p.astype(v_ref.dtype), _TN,
-                         preferred_element_type=jnp.float32)
+  def accumulate(c, p, alpha=None, v=None):
+    v = v_ref[pl.ds(c * bkc, bkc), :] if v is None else v
+    pv = lax.dot_general(v, p.astype(v_ref.dtype), _TN, preferred_element_type=jnp.float32)
     if alpha is None:
       l_ref[...] += wide(p.sum(axis=0, keepdims=True))
       acc_ref = live_acc()
@@ -126,19 +133,24 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
     accumulate(c, jnp.exp2(scores(c) - m_ref[0:1]))
     return carry
 
-  def online_chunk(c, carry, keep=None):
+  def online_chunk(c, carry, keep=None, v=None):
     s = scores(c)
     if keep is not None:
       s = jnp.where(keep, s, _MASK_VALUE)
     m_prev = m_ref[...]
     m_next = jnp.maximum(m_prev, s.max(axis=0, keepdims=True))
     m_ref[...] = m_next
-    accumulate(c, jnp.exp2(s - m_next[0:1]), jnp.exp2(m_prev - m_next))
+    accumulate(c, jnp.exp2(s - m_next[0:1]), jnp.exp2(m_prev - m_next), v)
     return carry
 
   def masked_chunk(c, carry):
     q_pos = row * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
     k_pos = col * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, (bkc, 1), 0)
+    if unpadded and plan.seq_len % bkv:
+      # Only a chunk reading past the keys needs it; a select of (bkc, dv) per masked chunk.
+      v = jnp.where(k_pos < plan.seq_len, v_ref[pl.ds(c * bkc, bkc), :], 0)
+    else:
+      v = None
     if isinstance(plan.mask, SvgMask) and plan.masks_exact:
       # The band |q - k| <= w as one unsigned compare of (k + w) - q <= 2w, with padding keys
       # moved out of every band and the sink as a per-key flag: three operations per logit.
@@ -149,11 +161,13 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
       keep = band | (k_pos < plan.mask.sink) if plan.mask.sink else band
     else:
       keep = plan.masked_tile_rule(q_pos, k_pos)
-    return online_chunk(c, carry, keep)
+      if unpadded and plan.seq_len % bkv:
+        keep = keep & (k_pos < plan.seq_len)
+    return online_chunk(c, carry, keep, v)
 
   @pl.when((kind == FULL) & fixed)
   def _full_fixed():
-    lax.fori_loop(0, chunks, fixed_chunk, None, unroll=unroll)
+    lax.fori_loop(0, chunks, fixed_chunk, None, unroll=loop_unroll)
 
   online_full = (kind == FULL) & jnp.logical_not(fixed)
 
@@ -180,15 +194,18 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
         tile_l_ref[...] += part
       return carry
 
-    if unroll:
+    if unroll == chunks:
       for c in range(chunks):
         lazy_chunk(c, None)
     else:  # the spare starts as the row's accumulator, then the loop adds every chunk
       spare_ref[...] = accs_ref[live]
       tile_l_ref[...] = jnp.zeros_like(tile_l_ref)
-      lax.fori_loop(0, chunks, lazy_chunk, None)
+      lax.fori_loop(0, chunks, lazy_chunk, None, unroll=unroll)
     # Compared this way round, NaN sums fail and rerun, as online softmax would run them.
-    kept_ref[0] = (jnp.max(tile_l_ref[0:1]) <= scalar_refs[_HEADROOM][bh]).astype(jnp.int32)
+    sums = tile_l_ref[0:1]
+    if unpadded and q_len % bq:
+      sums = jnp.where(row * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1) < q_len, sums, 0.0)
+    kept_ref[0] = (jnp.max(sums) <= scalar_refs[_HEADROOM][bh]).astype(jnp.int32)
 
     @pl.when(kept_ref[0] == 1)
     def _commit():
@@ -197,17 +214,17 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
 
   @pl.when(online_full & ((first == 1) | (kept_ref[0] == 0)))
   def _full_online():
-    lax.fori_loop(0, chunks, online_chunk, None, unroll=unroll)
+    lax.fori_loop(0, chunks, online_chunk, None, unroll=loop_unroll)
 
   @pl.when(kind == MASKED)
   def _masked():
     if plan.masks_exact:
-      lax.fori_loop(0, chunks, masked_chunk, None, unroll=unroll)
+      lax.fori_loop(0, chunks, masked_chunk, None, unroll=loop_unroll)
       return
     # Aligned plans mask only the padding keys of the last kv column: whole chunks of real
     # keys run unmasked, the chunk the sequence ends in is masked, padding chunks are skipped.
     real = plan.seq_len - (plan.num_kv_tiles - 1) * bkv
-    lax.fori_loop(0, real // bkc, online_chunk, None, unroll=unroll)
+    lax.fori_loop(0, real // bkc, online_chunk, None, unroll=loop_unroll)
     if real % bkc:
       masked_chunk(real // bkc, None)
 
@@ -242,9 +259,16 @@ def _kernel(*refs, plan: TilePlan, bkc: int, row_keys: bool, lse: bool, locate, 
       lse_ref[...] = jnp.where(l > 0, lse, -jnp.inf)
 
 
-def unrolled(plan: TilePlan) -> bool:
-  """Whether a tile's kv steps are unrolled (see :data:`UNROLL_SCORE_BYTES`)."""
-  return 4 * plan.block_q * plan.block_kv < UNROLL_SCORE_BYTES
+def kv_unroll(plan: TilePlan, block_kv_compute: int) -> int:
+  """How many of a tile's kv steps run unrolled together (all of them: no loop; see
+  :data:`UNROLL_SCORE_BYTES`)."""
+  step_bytes = 4 * plan.block_q * block_kv_compute
+  return max(1, min(plan.block_kv // block_kv_compute, -(-UNROLL_SCORE_BYTES // step_bytes) - 1))
+
+
+def unrolled(plan: TilePlan, block_kv_compute: int) -> bool:
+  """Whether a tile's kv steps are all unrolled (no loop in the kernel's body)."""
+  return kv_unroll(plan, block_kv_compute) == plan.block_kv // block_kv_compute
 
 
 def _pad(x: jax.Array, length: int) -> jax.Array:
@@ -272,10 +296,15 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                        and plan.stats.kept_pairs == s * s)
   offsets: FixedOffsets = fixed_offsets(fold(q), fold(k), fold(v), scale * math.log2(math.e),
                                         every_key_visited=every_key_visited)
-  q_pad = _pad(offsets.q, plan.num_q_tiles * bq)
-  k_pad = _pad(fold(k), plan.num_kv_tiles * bkv)
-  v_pad = _pad(fold(v), plan.num_kv_tiles * bkv)
-  m_pad = jnp.pad(offsets.m, ((0, 0), (0, 0), (0, plan.num_q_tiles * bq - s)))
+  # Where q and k are the plan's own lengths the last blocks read past them (the kernel masks
+  # what they read) and write only the real rows: no padded copies of q, k, v and the output.
+  unpadded = s == (plan.q_len or plan.seq_len) and k.shape[2] == plan.seq_len
+  q_rows = s if unpadded else plan.num_q_tiles * bq
+  kv_rows = k.shape[2] if unpadded else plan.num_kv_tiles * bkv
+  q_pad = _pad(offsets.q, q_rows)
+  k_pad = _pad(fold(k), kv_rows)
+  v_pad = _pad(fold(v), kv_rows)
+  m_pad = jnp.pad(offsets.m, ((0, 0), (0, 0), (0, q_rows - s)))
   limits = jnp.exp2(offsets.headroom.astype(jnp.float32))  # an online tile's largest sum
   if head_steps is not None:
     cores = ragged_cores(b * h)
@@ -343,15 +372,19 @@ def pallas_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, plan: Tile
                       pltpu.VMEM((2, dv, bq), jnp.float32),
                       pltpu.SMEM((1,), jnp.int32),  # which of the two is the row's
                       pltpu.SMEM((1,), jnp.int32)])  # 1: an online tile's lazy pass held
-  out_shape = [jax.ShapeDtypeStruct((b * h, plan.num_q_tiles * bq, dv), q.dtype)]
+  out_shape = [jax.ShapeDtypeStruct((b * h, q_rows, dv), q.dtype)]
   if return_lse:
-    out_shape.append(jax.ShapeDtypeStruct((b * h, 1, plan.num_q_tiles * bq), jnp.float32))
+    out_shape.append(jax.ShapeDtypeStruct((b * h, 1, q_rows), jnp.float32))
   outs = pl.pallas_call(
       functools.partial(_kernel, plan=plan, bkc=block_kv_compute, row_keys=row_keys is not None,
-                        lse=return_lse, locate=locate, scalars=len(scalars)),
+                        lse=return_lse, locate=locate, scalars=len(scalars),
+                        unpadded=unpadded),
       grid_spec=grid_spec,
       out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      # Every block index comes from the work list and every kv step from the static tile: the
+      # checks guard nothing and cost 0.4% on a v5e (docs/benchmarks.md, "Timed on a TPU").
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                           disable_bounds_checks=True),
       interpret=interpret,
       name="svg_pallas_sparse",
   )(*scalars, q_pad, k_pad, v_pad, m_pad, *extra_args)

@@ -222,8 +222,9 @@ def test_shapes_it_cannot_take_are_refused_naming_the_key():
 
 @pytest.mark.parametrize("mode", ["split", "aligned"])
 def test_rolled_kv_steps_give_the_unrolled_results(mode, monkeypatch):
-  """Tiles whose scores reach UNROLL_SCORE_BYTES walk their kv steps in a loop: fixed, online
-  (lazy pass and rescaling) and masked bodies equal the unrolled kernel's and the reference."""
+  """Tiles whose scores reach UNROLL_SCORE_BYTES walk their kv steps in a loop, one step or a
+  group a turn: fixed, online (lazy pass and rescaling) and masked bodies equal the unrolled
+  kernel's and the reference."""
   from maxdiffusion_svg.kernels import pallas  # pylint: disable=import-outside-toplevel
   grid = VideoGrid(6, 10, 10)  # 600 tokens: 3 x 2 tiles of 256 x 512, kv steps of 128
   plan = plan_tiles(grid, 0.4, 256, 512, mode)
@@ -232,10 +233,13 @@ def test_rolled_kv_steps_give_the_unrolled_results(mode, monkeypatch):
   assert flags(q, k, v, plan).tolist() == [1, 0]
   run = lambda: np.asarray(sparse_attention(q, k, v, plan, backend="pallas",
                                             block_kv_compute=128))
-  assert pallas.unrolled(plan)
+  assert pallas.unrolled(plan, 128)
   unrolled = run()
-  monkeypatch.setattr(pallas, "UNROLL_SCORE_BYTES", 0)
-  assert not pallas.unrolled(plan)
-  rolled = run()
-  np.testing.assert_allclose(rolled, unrolled, atol=1e-6)
-  np.testing.assert_allclose(rolled, np.asarray(plan_reference(q, k, v, plan)), atol=2e-4)
+  step = 4 * 256 * 128  # one kv step's float32 scores
+  # rolled; groups of 2 of the 4 steps; groups of 3 (a group of 1 left over)
+  for limit, group in ((0, 1), (5 * step // 2, 2), (7 * step // 2, 3)):
+    monkeypatch.setattr(pallas, "UNROLL_SCORE_BYTES", limit)
+    assert pallas.kv_unroll(plan, 128) == group and not pallas.unrolled(plan, 128)
+    rolled = run()
+    np.testing.assert_allclose(rolled, unrolled, atol=1e-6)
+    np.testing.assert_allclose(rolled, np.asarray(plan_reference(q, k, v, plan)), atol=2e-4)
