@@ -36,13 +36,14 @@ SPLASH_TILES: tuple[tuple[int, SplashTiles], ...] = (
 V4_TILES = SplashTiles(1536, 1024, 256)
 UNKNOWN_TPU_TILES = V4_TILES
 # Our Pallas kernel (the TPU default), per generation. Timed on a v5e (``bench chip``,
-# docs/benchmarks.md "Timed on a TPU"): 2048x1536/512 is its fastest at densities 1 and 0.35,
-# within 2% of every tile from 1024 to 3072 x 1024 to 1536; v4 and v5p take it untimed (the same
-# 128-wide MXUs and 16 MiB default scoped VMEM). v6e and TPU7x keep the tile libtpu's static
-# schedule of the whole step ranked first ("Our kernel's tiles"), not timed on a chip; its kv
-# steps run rolled (kernels/pallas.py, UNROLL_SCORE_BYTES), as the v5e's clock asked.
+# docs/benchmarks.md "Timed on a TPU"): 2048x3072/512 (its six kv steps in two groups of
+# three) is its fastest at densities 1 and 0.35, within 2% of every tile from 1024 to 3072 x
+# 1024 to 3072; v4 and v5p take it untimed (the same 128-wide MXUs and 16 MiB default scoped
+# VMEM). v6e and TPU7x keep the tile libtpu's static schedule of the whole step ranked first
+# ("Our kernel's tiles"), not timed on a chip; its kv steps run in groups (kernels/pallas.py,
+# UNROLL_SCORE_BYTES), as the v5e's clock asked.
 PALLAS_TILES = SplashTiles(3328, 1536, 512)
-PALLAS_TIMED_TILES = SplashTiles(2048, 1536, 512)
+PALLAS_TIMED_TILES = SplashTiles(2048, 3072, 512)
 PALLAS_TILES_BY_GENERATION = {"v4": PALLAS_TIMED_TILES, "v5e": PALLAS_TIMED_TILES,
                               "v5p": PALLAS_TIMED_TILES, "v6e": PALLAS_TILES,
                               "tpu7x": PALLAS_TILES}

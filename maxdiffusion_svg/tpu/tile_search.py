@@ -28,9 +28,9 @@ from maxdiffusion_svg.plan.tiling import SplashTiles
 
 # Candidate ladders: multiples of 256 (the v6e/TPU7x MXU; v5e's 128 divides them). ``smart``:
 # the region that ran within 2% of the fastest on a v5e (q blocks 1024 to 3072, kv 1024 to
-# 2048: smaller tiles pay per-step overhead), 12 tiles; ``full``: a wider sweep.
+# 3072: smaller tiles pay per-step overhead), 16 tiles; ``full``: a wider sweep.
 SMART_Q = (1024, 2048, 2560, 3072)
-SMART_KV = ((1024, 512), (1536, 512), (2048, 1024))
+SMART_KV = ((1024, 512), (1536, 512), (2048, 1024), (3072, 512))
 FULL_Q = (512, 1024, 1536, 2048, 2560, 3072, 3328, 3584, 4096, 5120)
 FULL_KV = ((512, 256), (512, 512), (1024, 256), (1024, 512), (1024, 1024), (1536, 512),
            (2048, 512), (2048, 1024), (3072, 1024))
@@ -39,7 +39,7 @@ CACHE_ENV = "MAXDIFFUSION_SVG_TILE_CACHE"
 
 
 def candidate_tiles(mode: str = "smart") -> tuple[SplashTiles, ...]:
-  """Every tile a search of ``mode`` (``smart``: 12, ``full``: 90) may try, before fitting."""
+  """Every tile a search of ``mode`` (``smart``: 16, ``full``: 90) may try, before fitting."""
   if mode not in SEARCH_MODES:
     raise ValueError(f"tile_search_mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
   qs, kvs = (SMART_Q, SMART_KV) if mode == "smart" else (FULL_Q, FULL_KV)

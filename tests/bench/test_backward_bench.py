@@ -29,17 +29,21 @@ def test_the_backward_kernels_steps_are_its_table():
 
 
 def test_the_tiles_are_the_calls():
-  # The bench prices the tiles the call's backward takes: on a v5e (16 MiB) its forward's
-  # 2048x1536 with Splash's kv step; a forward tile too large for the backward there
-  # (3328x1536) gets a smaller query tile dividing it.
+  # The bench prices the tiles the call's backward takes: on a v5e (16 MiB) a forward tile too
+  # large for the backward there (its default 2048x3072, 3328x1536) gets a smaller query tile
+  # dividing it, with Splash's kv step; one that fits (2048x1536) is the forward's.
   case = bench.BackwardCase(chip="v5e")
   target, plan, _ = case.setup()
   assert target == tpu_target("v5e")
   blocks = bench.backward_blocks_of(case, plan, target)
-  assert blocks == (plan.block_q, plan.block_kv, 256)
-  big = plan_tiles(grid_for_resolution("720p"), 0.3, 3328, 1536, "aligned")
-  smaller = backward_tiles(big, 256, 128, jnp.bfloat16, target)
-  assert smaller[0] < big.block_q and big.block_q % smaller[0] == 0 and smaller[1:] == (1536, 256)
+  assert blocks == backward_tiles(plan, 256, 128, jnp.bfloat16, target)
+  grid = grid_for_resolution("720p")
+  for bq, bkv in ((2048, 3072), (3328, 1536)):
+    big = plan_tiles(grid, 0.3, bq, bkv, "aligned")
+    smaller = backward_tiles(big, 256, 128, jnp.bfloat16, target)
+    assert smaller[0] < bq and bq % smaller[0] == 0 and smaller[1:] == (bkv, 256)
+  fits = plan_tiles(grid, 0.3, 2048, 1536, "aligned")
+  assert backward_tiles(fits, 256, 128, jnp.bfloat16, target) == (2048, 1536, 256)
 
 
 def test_the_table_names_each_backward():

@@ -65,7 +65,7 @@ def test_default_tiles_follow_the_limit_and_user_keys_win(monkeypatch):
   # Our kernel (auto on a TPU): the tile timed on a v5e where the MXU is 128 wide (and on a TPU
   # of unknown generation), the static schedule's pick on v6e and TPU7x, whatever the limit.
   for target in (tpu_target("v5e"), tpu_target("v4"), tpu_target("v5p"), tpu_target()):
-    assert SvgConfig().tiles(target) == PALLAS_TIMED_TILES == SplashTiles(2048, 1536, 512)
+    assert SvgConfig().tiles(target) == PALLAS_TIMED_TILES == SplashTiles(2048, 3072, 512)
   for target in (tpu_target("v6e"), tpu_target("v6e", 65536), tpu_target("tpu7x")):
     assert SvgConfig().tiles(target) == PALLAS_TILES == SplashTiles(3328, 1536, 512)
   assert set(PALLAS_TILES_BY_GENERATION) == set(GENERATIONS)

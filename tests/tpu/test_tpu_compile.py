@@ -80,7 +80,7 @@ def test_our_kernel_compiles_on_the_other_generations(chip):
   for mode, density in (("split", 0.3), ("aligned", 1.0)):
     config = SvgConfig(tile_mode=mode, density=density)
     plan, tiles = config.plan(grid, target=target), config.tiles(target)
-    assert tiles.label() == ("3328x1536/512" if chip == "tpu7x" else "2048x1536/512")
+    assert tiles.label() == ("3328x1536/512" if chip == "tpu7x" else "2048x3072/512")
     compile_ok(lambda q, k, v: sparse_attention(
         q, k, v, plan, block_kv_compute=tiles.block_kv_compute, target=target), qkv(mesh, grid))
 
