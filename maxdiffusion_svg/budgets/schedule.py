@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 
@@ -92,7 +93,23 @@ PRESETS: Mapping[str, Preset] = {
 }
 
 
+def preset_hint(name: Any) -> str:
+  """``"; did you mean 'aggressive'?"`` for a near miss of a preset's name, else ``""``."""
+  close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+  return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def get_preset(name: str) -> Preset:
   if name not in PRESETS:
-    raise ValueError(f"svg_schedule must be one of {', '.join(PRESETS)}, got {name!r}")
+    raise ValueError(f"svg_schedule must be one of {', '.join(PRESETS)}, got {name!r}"
+                     f"{preset_hint(name)}")
   return PRESETS[name]
+
+
+def check_preset_overrides(overrides: Sequence[str]) -> None:
+  """Each ``svg_schedule=NAME`` among ``key=value`` overrides names a preset: a typo is refused
+  (with the nearest name) before a config, JAX's backend or MaxDiffusion loads."""
+  for item in overrides:
+    key, _, value = item.partition("=")
+    if key == "svg_schedule":
+      get_preset(value)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from maxdiffusion_svg.budgets.schedule import check_preset_overrides
 from maxdiffusion_svg.cli.args import add_config_args, require_maxdiffusion
 
 COMMAND_HELP = ("per-layer budgets for your checkpoint: runs the config's prompt(s) through "
@@ -71,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
 
 
 def run(args: argparse.Namespace) -> int:
+  check_preset_overrides(args.overrides)  # a typo'd svg_schedule named before anything loads
   require_maxdiffusion("calibrate")
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.calibrate import (format_calibration, plan_calibration,

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Sequence
 
+from maxdiffusion_svg.budgets.schedule import PRESETS, check_preset_overrides, preset_hint
 from maxdiffusion_svg.cli.args import add_config_args, require_maxdiffusion
+
+CONFIG_RUN = "config"  # plugin.compare.CONFIG_RUN, not imported: that module loads for seconds
 
 COMMAND_HELP = ("the config's dense kernel and SVG on the same prompt and seed, weights loaded "
                 "once: seconds per step, sparse calls, PSNR/SSIM(/LPIPS) against the dense video, "
@@ -40,12 +44,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   compare.set_defaults(run=run)
 
 
+def check_svg_runs(runs: Sequence[str]) -> None:
+  """Each ``--svg`` run's name (before its ``+options``) is config, a preset or a number: a
+  typo is refused at once, with the nearest preset, not after MaxDiffusion and the config have
+  loaded (:func:`maxdiffusion_svg.plugin.compare.svg_run` checks the rest of each run)."""
+  for spec in runs:
+    base = spec.split("+", 1)[0]
+    if base == CONFIG_RUN or base in PRESETS:
+      continue
+    try:
+      float(base)
+    except ValueError:
+      raise ValueError(f"--svg {base!r} is not a run: give {CONFIG_RUN}, a preset "
+                       f"({', '.join(PRESETS)}) or a band density in (0, 1]"
+                       f"{preset_hint(base)}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+  runs = [r.strip() for r in args.svg.split(",") if r.strip()]
+  check_svg_runs(runs)
+  check_preset_overrides(args.overrides)
   require_maxdiffusion("compare")
   # pylint: disable=import-outside-toplevel
   from maxdiffusion_svg.plugin.compare import format_comparison, plan_comparison, run_comparison
   # pylint: enable=import-outside-toplevel
-  runs = [r.strip() for r in args.svg.split(",") if r.strip()]
   plan = plan_comparison(args.config, args.overrides, args.dense, runs, args.out, args.lpips)
   print(f"compare: {len(plan.runs)} runs ({', '.join(r.name for r in plan.runs)}), "
         f"outputs in {plan.out_dir}", file=sys.stderr, flush=True)

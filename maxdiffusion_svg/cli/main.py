@@ -74,9 +74,30 @@ def version() -> str:
     return found.group(1) if found else "unknown"
 
 
+def version_report() -> str:
+  """``--version``'s lines: the plugin, MaxDiffusion, the JAX stack, Python, the devices."""
+  from maxdiffusion_svg.cli import about  # pylint: disable=import-outside-toplevel
+  return about.report(version())
+
+
+class _Version(argparse.Action):
+  """``--version``, computed only when asked for (it starts JAX's backend)."""
+
+  def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+               help=None):  # pylint: disable=redefined-builtin
+    super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    print(version_report())
+    parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog=PROG, description="Sparse VideoGen attention for MaxDiffusion: tools.")
-  parser.add_argument("--version", action="version", version=f"maxdiffusion-svg {version()}")
+  parser.add_argument("--version", action=_Version,
+                      help="print the versions a bug report needs (this plugin, MaxDiffusion, "
+                           "jax, jaxlib, libtpu, tokamax, flax, Python) and the devices JAX "
+                           "sees, and exit")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   for name, (_, what) in LAUNCHED.items():  # listed here; main hands them to the launcher
     sub.add_parser(name, help=what, add_help=False)
@@ -111,6 +132,9 @@ def launch(command: str, argv: Sequence[str]) -> int:
 @quiet_on_broken_pipe  # `python -m maxdiffusion_svg tiles | head -1` ends quietly
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv == ["--version"]:  # before the parser, whose subcommands import JAX: never fails
+    print(version_report())
+    return 0
   if argv and argv[0] in LAUNCHED:  # unparsed: the launcher reads its own arguments
     return launch(argv[0], argv[1:])
   parser = build_parser()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import pathlib
 
 COMMAND_HELP = ("write a tiny random-weight Wan 2.1 checkpoint (diffusers layout, about 10 MB) "
                 "and DIR/tiny_wan_svg.yml, a config for it, to try the tools on a CPU (needs "
@@ -62,11 +63,24 @@ def config_text(directory: str) -> str:
           f"pretrained_model_name_or_path: {os.path.abspath(directory)}\n{_KEYS}")
 
 
+def install_hint(root: pathlib.Path = pathlib.Path(__file__).resolve().parents[2]) -> str:
+  """How to get MaxDiffusion's runtime packages: the checkout's requirements file by its path
+  where this package runs from a checkout (a wheel does not carry it), else by name."""
+  requirements = root / "requirements-maxdiffusion.txt"
+  make = ("make venv-maxdiffusion{where} (a new .venv-maxdiffusion with them and this package, "
+          "about 9 GB; then run its bin/python)")
+  if requirements.is_file():
+    return (f"pip install -r {requirements} into this environment, or "
+            f"{make.format(where=f' in {root}')}")
+  return (f"pip install -r requirements-maxdiffusion.txt from a maxdiffusion-svg checkout, or "
+          f"{make.format(where=' there')}")
+
+
 def run(args: argparse.Namespace) -> int:
   missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
   if missing:
-    raise ValueError(f"tiny-checkpoint needs {', '.join(NEEDS)} (missing: {', '.join(missing)}); "
-                     f"MaxDiffusion's runtime environment has them")
+    raise ValueError(f"tiny-checkpoint needs MaxDiffusion's runtime packages {', '.join(NEEDS)} "
+                     f"(missing: {', '.join(missing)}); get them with {install_hint()}")
   from maxdiffusion_svg.testing import tiny_checkpoint  # pylint: disable=import-outside-toplevel
   tiny_checkpoint.write_wan21(args.directory, seed=args.seed)
   config = os.path.join(args.directory, CONFIG)

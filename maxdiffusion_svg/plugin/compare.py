@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import yaml
 
-from maxdiffusion_svg.budgets.schedule import PRESETS
+from maxdiffusion_svg.budgets.schedule import PRESETS, preset_hint
 from maxdiffusion_svg.measure import video_metrics
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import families, generations, hooks, launcher, overlay, run_summary
@@ -107,7 +107,7 @@ def _base_run(spec: str) -> Run:
   except ValueError:
     raise ValueError(f"--svg takes {CONFIG_RUN}, a preset ({', '.join(PRESETS)}) or a band "
                      f"density in (0, 1], each optionally +compensation[=N|off], got "
-                     f"{spec!r}") from None
+                     f"{spec!r}{preset_hint(spec)}") from None
   if not 0.0 < density <= 1.0:
     raise ValueError(f"--svg density must be in (0, 1], got {spec}")
   return Run(f"svg density {density:g}", KERNEL_NAME, (f"svg_density={density:g}",))

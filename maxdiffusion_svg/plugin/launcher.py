@@ -14,6 +14,7 @@ the arguments) every mistake it can see is refused in one line with exit status 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -36,7 +37,7 @@ class Entry:
 
   name: str  # our module: python -m maxdiffusion_svg.<name>
   maxdiffusion_main: str  # for training: MaxDiffusion's module whose main it runs
-  what: str  # the sentence of the usage text
+  what: str  # the help's first sentence
   example: str  # a shipped config
   training: bool = False
   command: str = ""  # how the user runs it (default: python -m maxdiffusion_svg.<name>)
@@ -48,42 +49,55 @@ class Entry:
   @property
   def starts(self) -> str:
     return (self.maxdiffusion_main if self.training
-            else "the model's generate main (generate_wan, generate_wan_animate, generate_ltx2;\n"
-                 "for Wan VACE, maxdiffusion_svg's generate_vace over MaxDiffusion's VACE pipeline)")
+            else "the model's generate main (generate_wan, generate_wan_animate, "
+                 "generate_ltx2; for Wan VACE, maxdiffusion_svg's generate_vace over "
+                 "MaxDiffusion's VACE pipeline)")
 
   @property
   def usage_line(self) -> str:
     return f"usage: {self.invocation} CONFIG.yml [key=value ...]"
 
+  def help_parser(self) -> argparse.ArgumentParser:
+    """The ``--help`` of the other subcommands' shape. Only for the help: ``main`` reads the
+    arguments itself, so every ``key=value`` reaches MaxDiffusion as written."""
+    parser = argparse.ArgumentParser(
+        prog=self.invocation,
+        description=f"{self.what}. On an unmodified MaxDiffusion it merges CONFIG.yml's "
+                    f"base_config chain into one YAML over every svg_* key's default, checks "
+                    f"the overrides, registers the plugin and starts {self.starts}.",
+        epilog=f"Keys: docs/reference.md (\"Config keys\"); guide: "
+               f"docs/{'fine-tuning' if self.training else 'getting-started'}.md.")
+    parser.add_argument("config", metavar="CONFIG.yml",
+                        help=f"a config, e.g. {self.example}; a bare name that is not a file "
+                             f"here is one of the shipped configs (then MaxDiffusion's); its "
+                             f"base_config is looked up beside it, then among the installed "
+                             f"MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)")
+    example = "max_train_steps=100" if self.training else "num_inference_steps=30"
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help=f"overrides any key of the merged config, MaxDiffusion's or svg_* "
+                             f"(e.g. {example} svg_density=0.25), typed as MaxDiffusion types "
+                             f"it")
+    return parser
+
   @property
   def usage(self) -> str:
-    return f"""{self.usage_line}
-
-{self.what}
-on an unmodified MaxDiffusion: merges CONFIG's base_config chain into one YAML over every svg_*
-key's default, checks the overrides, registers the plugin and starts {self.starts}.
-
-  CONFIG.yml   a config, e.g. {self.example}; a bare name that is not a file here is one of
-               the shipped configs (then MaxDiffusion's); its base_config is looked up beside
-               it, then among the installed MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)
-  key=value    overrides any key of the merged config, MaxDiffusion's or svg_* (e.g.
-               {"max_train_steps=100" if self.training else "num_inference_steps=30"} svg_density=0.25), typed as MaxDiffusion types it
-
-Keys: docs/reference.md ("Config keys"); guide: docs/{"fine-tuning" if self.training else "getting-started"}.md."""
+    return self.help_parser().format_help().rstrip("\n")
 
 
 GENERATE = Entry("generate", "generate_wan",
-                 "Runs Wan, Wan VACE, Wan Animate or LTX-2 generation (by the config's model_name "
-                 "and inputs)\nwith Sparse VideoGen attention (attention: svg)",
+                 "Runs Wan, Wan VACE, Wan Animate or LTX-2 generation (by the config's "
+                 "model_name and inputs) with Sparse VideoGen attention (attention: svg)",
                  "configs/wan_svg.yml")
 TRAIN = Entry("train", "train_wan",
-              "Fine-tunes Wan 2.1 with MaxDiffusion's own trainer (train_wan) and Sparse VideoGen "
-              "attention\n(attention: svg): every training step sparse in svg_active_layers",
+              "Fine-tunes Wan 2.1 with MaxDiffusion's own trainer (train_wan) and Sparse "
+              "VideoGen attention (attention: svg): every training step sparse in "
+              "svg_active_layers",
               "configs/wan_svg_train.yml", training=True)
 TRAIN_VACE = Entry("train_vace", "train_wan_vace",
-                   "Fine-tunes Wan VACE with MaxDiffusion's own trainer (train_wan_vace) and Sparse "
-                   "VideoGen\nattention (attention: svg) in the main blocks: every training step "
-                   "sparse in svg_active_layers", "configs/wan_vace_svg_train.yml", training=True)
+                   "Fine-tunes Wan VACE with MaxDiffusion's own trainer (train_wan_vace) and "
+                   "Sparse VideoGen attention (attention: svg) in the main blocks: every "
+                   "training step sparse in svg_active_layers", "configs/wan_vace_svg_train.yml",
+                   training=True)
 USAGE_LINE, USAGE = GENERATE.usage_line, GENERATE.usage
 HELP = ("-h", "--help")
 
@@ -98,6 +112,8 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
     raise ValueError(f"{argv[1]} is not an option of the launcher (only -h, --help); "
                      f"{entry.usage_line}")
   check_form(argv[2:])
+  from maxdiffusion_svg.budgets.schedule import check_preset_overrides  # pylint: disable=import-outside-toplevel
+  check_preset_overrides(argv[2:])  # a typo'd preset named at once, before the config loads
   from maxdiffusion_svg.plugin.settings import config_defaults  # pylint: disable=import-outside-toplevel
   config, chain = overlay.load_config(argv[1])
   config = {**config_defaults(), **config}  # every svg_* key, so each can be overridden

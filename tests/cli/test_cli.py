@@ -290,8 +290,9 @@ def test_tiles_reads_the_jobs_libtpu_init_args_where_the_flag_is_not_given(
 
 def test_version_and_help_name_every_subcommand(capsys):
   from importlib import metadata  # pylint: disable=import-outside-toplevel
-  assert main(["--version"]) == 0
-  assert capsys.readouterr().out == f"maxdiffusion-svg {metadata.version('maxdiffusion-svg')}\n"
+  assert main(["--version"]) == 0  # each line: tests/cli/test_version.py
+  assert capsys.readouterr().out.startswith(
+      f"maxdiffusion-svg {metadata.version('maxdiffusion-svg')}")
   assert main(["--help"]) == 0
   out = capsys.readouterr().out
   for command in ("generate", "train", "train-vace", "tiles", "bench", "compare", "calibrate"):
@@ -304,8 +305,12 @@ def test_launcher_subcommands_run_the_launchers_main(capsys, monkeypatch, comman
   from maxdiffusion_svg.plugin import launcher  # pylint: disable=import-outside-toplevel
   assert main([command, "--help"]) == 0
   out = capsys.readouterr().out
-  assert out.startswith(f"usage: python -m maxdiffusion_svg {command} CONFIG.yml [key=value ...]")
-  assert getattr(launcher, entry).what in out
+  # argparse's help, as the other subcommands': usage, the positionals, the options.
+  assert out.startswith(f"usage: python -m maxdiffusion_svg {command} [-h] CONFIG.yml "
+                        f"[key=value ...]\n")
+  assert "\npositional arguments:\n  CONFIG.yml " in out and "\n  key=value " in out
+  assert "\noptions:\n  -h, --help " in out
+  assert getattr(launcher, entry).what in " ".join(out.split())
   seen = []
   monkeypatch.setattr(launcher, "main", lambda argv, entry: seen.append((argv[1:], entry.name)))
   assert main([command, "cfg.yml", "seed=1", "--x"]) == 0  # unparsed

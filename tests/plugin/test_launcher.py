@@ -114,7 +114,8 @@ def test_an_override_without_equals_is_named(capsys, config):
 def test_help_prints_the_usage_and_exits_0(capsys, flag):
   code, out, err = launch(capsys, flag)
   assert code == 0 and err == ""
-  assert out.startswith("usage: python -m maxdiffusion_svg.generate CONFIG.yml [key=value ...]")
+  assert out.startswith("usage: python -m maxdiffusion_svg.generate [-h] CONFIG.yml "
+                        "[key=value ...]\n")
   assert "docs/reference.md" in out and "key=value" in out
   assert launch(capsys, "configs/wan_svg.yml", flag)[0] == 0  # anywhere on the line
 
@@ -194,7 +195,7 @@ def train(capsys, *argv: str) -> tuple[int, str, str]:
 def test_train_help_names_the_trainer_and_its_config(capsys):
   code, out, _ = train(capsys, "--help")
   assert code == 0
-  assert out.startswith("usage: python -m maxdiffusion_svg.train CONFIG.yml")
+  assert out.startswith("usage: python -m maxdiffusion_svg.train [-h] CONFIG.yml")
   assert "train_wan" in out and "configs/wan_svg_train.yml" in out
 
 
