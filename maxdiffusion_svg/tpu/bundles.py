@@ -202,6 +202,11 @@ def parse_kernel(bundles_text: str, utilisation_text: str, name: str = "kernel",
   after = [r for r in siblings if r.start >= bodies[-1].end and not r.matmuls]
   row_init = before[-1] if before else None
   row_final = final or (after[0] if after else None)
+  if layout == OURS_LAYOUT and len(after) == 2:
+    # Ours over ragged blocks: the output's write-back is a region of its own after the row's
+    # finalisation, run when the row closes: both priced once per row, as one.
+    row_final = Region(after[0].start, after[0].start + after[0].bundles + after[1].bundles, 0,
+                       after[0].exps + after[1].exps)
   # The loop: from its first bundle to the end of the smallest region holding it and the bodies,
   # else through its back edge's delay slots (the kernel's exit bundle runs once, not per step).
   last = bundles[-1][0] + (0 if "exit bundle" in bundles[-1][2] else 1)

@@ -199,8 +199,10 @@ def test_the_walk_tells_the_tile_kinds_apart(hand_case):
 
 # Our kernel's loop: the grid step, the row's opening, the fixed-offset mask-free body, the
 # online one's lazy pass and, inside it, its commit, the online body that rescales, the masked
-# body, the row's closing.
-OUR_ROLES = ("step", "init", "full", "online", "commit", "online_rescaled", "masked", "final")
+# body, the row's closing, and (its blocks ragged: 600 tokens in 128-token tiles) the output's
+# write-back as the row closes.
+OUR_ROLES = ("step", "init", "full", "online", "commit", "online_rescaled", "masked", "final",
+             "write")
 
 
 @pytest.mark.parametrize("path", ["full", "online",
@@ -220,7 +222,8 @@ def test_our_kernels_static_total_equals_its_listing_walked(tmp_path, path):
   later = {"full": {"full"}, "online": {"online", "commit"},
            "online_rerun": {"online", "online_rescaled"}}[path]
   first = {"full"} if path == "full" else {"online_rescaled"}
-  steps = [{"step", "init", *first}, *[{"step", *later}] * 3, {"step", "masked", "final"}] * 5
+  steps = [{"step", "init", *first}, *[{"step", *later}] * 3,
+           {"step", "masked", "final", "write"}] * 5
   walked, branches = walk_listing(listing, steps, OUR_ROLES)
   kernel = read_dump(str(tmp_path), *dump_name(case))[-1]
   if path == "online_rerun":  # not what a call is priced at: each rerun adds a lazy pass
