@@ -29,7 +29,8 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class ChipCase:
-  """A shipped config's self-attention call on one device (``tiles CONFIG --slice`` prints it)."""
+  """A shipped config's self-attention call on one device (``tiles CONFIG --slice`` prints it);
+  on a ring (``ring`` > 1, heads exchanged in groups of ``ulysses``), one ring shard's call."""
 
   name: str
   config: str
@@ -37,6 +38,8 @@ class ChipCase:
   batch: int
   heads: int
   head_dim: int = 128
+  ring: int = 1
+  ulysses: int = 1
 
 
 CASES: dict[str, ChipCase] = {c.name: c for c in (
@@ -46,6 +49,9 @@ CASES: dict[str, ChipCase] = {c.name: c for c in (
     ChipCase("wan1.3b_480p", "wan_svg_1_3b.yml, 8 chips", grid_for_resolution("480p"), 1, 3),
     # ltx2_svg.yml on a v6e-8: 32 heads over 8 context shards, CFG's pair in one batch.
     ChipCase("ltx2_1280x704", "ltx2_svg.yml, 8 chips", VideoGrid(16, 22, 40), 2, 4),
+    # wan_svg_v6e32.yml at 1440p: 8-way Ulysses (5 heads a device) x a ring of 2, one video.
+    ChipCase("wan14b_1440p_ring", "wan_svg_v6e32.yml at 1440p, 32 chips: one ring shard",
+             grid_for_resolution("1440p"), 1, 5, ring=2, ulysses=8),
 )}
 DENSITIES = (0.15, 0.2, 0.35, 0.5)
 # MaxDiffusion's dense kernels: blocks (block_q, block_kv, block_kv_compute), scoped VMEM (KiB).
@@ -75,16 +81,18 @@ def maxdiffusion_custom_kernel() -> Any:
   return module
 
 
-def custom_dense_call(case: ChipCase, blocks: tuple[int, ...], fixed: bool) -> Callable[..., Any]:
+def custom_dense_call(case: ChipCase, blocks: tuple[int, ...], fixed: bool,
+                      tokens: int | None = None) -> Callable[..., Any]:
   """``ulysses_custom_fixed_m`` (``fixed``) or ``ulysses_custom``'s local call as MaxDiffusion
   makes it: base-2 q, smoothed keys and the per-head gate in XLA, padding to blocks, the kernel
-  over ``[B, H, S, D]``, its ``[H, D, S]`` output transposed back."""
+  over ``[B, H, S, D]``, its ``[H, D, S]`` output transposed back (``tokens``: S, else the
+  case's video)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   custom = maxdiffusion_custom_kernel()
   bq, bkv, bkvc = blocks[:3]
   vmem = blocks[3] * 1024 if len(blocks) > 3 and blocks[3] else None
-  s, d = case.grid.tokens, case.head_dim
+  s, d = tokens or case.grid.tokens, case.head_dim
   kernel = custom.make_splash_mha(custom._BlockSizes(bq, bkv, bkvc, bkvc),  # pylint: disable=protected-access
                                   orig_q_seq_len=s, orig_kv_seq_len=s, use_fixed_m=fixed,
                                   vmem_limit_bytes=vmem)
@@ -209,6 +217,59 @@ class ChipBench:
     return self.record(row, custom_dense_call(case, blocks, fixed), self.inputs(case),
                        self.dense_flops(case))
 
+  def _normal(self, dims: tuple[int, ...], seed: int) -> Any:
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    return jax.random.normal(jax.random.key(seed), dims, jnp.bfloat16)
+
+  def ours_on_ring(self, case: ChipCase, tiles: SplashTiles, density: float,
+                   mode: str = "aligned") -> list[dict[str, Any]]:
+    """Each ring shard's call as the ring runs it: its rows of the plan (``chunk`` queries)
+    against the key tiles it fetched (its window), one row per shard."""
+    from maxdiffusion_svg.kernels import sparse_attention  # pylint: disable=import-outside-toplevel
+    from maxdiffusion_svg.parallel.ring_plan import (ring_split, window_plan,  # pylint: disable=import-outside-toplevel
+                                                     window_slots)
+    plan = self.shape(case, density, mode).plan(tiles)
+    split = ring_split(case.grid.tokens, case.ring, case.ulysses, tiles.block_q)
+    dims = (case.batch, case.heads)
+    q = self._normal((*dims, split.chunk, case.head_dim), 0)
+    k, v = (self._normal((*dims, window_slots(plan, split) * tiles.block_kv, case.head_dim), s)
+            for s in (1, 2))
+    rows = []
+    for r in range(case.ring):
+      window = window_plan(plan, split, r)
+      fn = lambda q, k, v, window=window: sparse_attention(
+          q, k, v, window, block_kv_compute=tiles.block_kv_compute, target=self.target,
+          backend="pallas")
+      row = {"case": case.name, "kernel": "svg", "tiles": tiles.label(), "mode": mode,
+             "density": density, "heads": "fixed", "shard": r,
+             "visited_tile_fraction": round(float(window.stats.visited_tile_fraction), 4),
+             "kept_pair_fraction": round(plan.stats.kept_pairs / plan.stats.real_pairs, 4)}
+      flops = 4.0 * case.batch * case.heads * window.stats.kept_pairs * case.head_dim
+      rows.append(self.record(row, fn, (q, k, v), flops))
+    return rows
+
+  def custom_on_ring(self, case: ChipCase, blocks: tuple[int, ...], label: str) -> dict[str, Any]:
+    """``ulysses_ring_custom_fixed_m`` on one device: its ``ring`` chunk-by-chunk kernel calls
+    (its shards, ``natural`` tokens each) in one program; the hops' merge is left out."""
+    from maxdiffusion_svg.parallel.ring_plan import ring_split  # pylint: disable=import-outside-toplevel
+    chunk = ring_split(case.grid.tokens, case.ring, case.ulysses, blocks[0]).natural
+    call = custom_dense_call(case, blocks, True, tokens=chunk)
+
+    def fn(q, k, v):
+      parts = [call(q, k[:, :, r * chunk:(r + 1) * chunk], v[:, :, r * chunk:(r + 1) * chunk])
+               for r in range(case.ring)]
+      return sum(parts[1:], parts[0])
+
+    dims = (case.batch, case.heads)
+    q = self._normal((*dims, chunk, case.head_dim), 0)
+    k, v = (self._normal((*dims, case.ring * chunk, case.head_dim), s) for s in (1, 2))
+    row = {"case": case.name, "kernel": "fixed_m", "tiles": f"{blocks[0]}x{blocks[1]}/{blocks[2]}",
+           "blocks_from": f"{label}; {case.ring} chunk x chunk calls, the merge left out",
+           "vmem_kib": blocks[3] if len(blocks) > 3 else None}
+    flops = 4.0 * case.batch * case.heads * case.ring * chunk ** 2 * case.head_dim
+    return self.record(row, fn, (q, k, v), flops)
+
   def flash(self, case: ChipCase, blocks: tuple[int, int, int], label: str) -> dict[str, Any]:
     row = {"case": case.name, "kernel": "flash", "tiles": f"{blocks[0]}x{blocks[1]}/{blocks[2]}",
            "blocks_from": label}
@@ -254,6 +315,13 @@ def run_chip_bench(cfg: ChipBenchConfig, out: str | None = None,
     full = name in cfg.full_cases
     log(f"{name}: {case.batch} x {case.heads} heads x {case.grid.tokens:,} tokens x "
         f"{case.head_dim} ({case.config}); our tiles {tiles.label()}")
+    if case.ring > 1:  # one ring shard's device: the headline rows only
+      if room(f"{name} fixed_m {HEADLINE_BLOCKS}"):
+        bench.custom_on_ring(case, HEADLINE_BLOCKS, "search")
+      for density in (1.0, 0.35):
+        if room(f"{name} svg {density} aligned fixed"):
+          bench.ours_on_ring(case, tiles, density)
+      continue
     # The headline first (a budget cuts the rest): MaxDiffusion's fixed-m at the fastest blocks
     # timed on a v5e, ours at density 1 and aligned at 0.35; then the rest.
     if room(f"{name} fixed_m {HEADLINE_BLOCKS}"):
@@ -306,9 +374,10 @@ def format_chip_bench(result: dict[str, Any]) -> str:
               f"{'ms':>8} {'/ fixed-m':>9} {'of floor':>8}"]
     for r in own:
       ratio = f"{r['best_s'] / base['best_s']:.3f}" if base else "-"
+      heads = r.get("heads", "") + (f" s{r['shard']}" if "shard" in r else "")  # a ring shard
       lines.append(f"  {r['kernel']:<16} {r.get('tiles', ''):<15} {r.get('mode', ''):<8} "
                    f"{r.get('density', '') if r.get('density') is not None else '':>7} "
-                   f"{r.get('heads', ''):<7} {r['best_s'] * 1e3:8.2f} {ratio:>9} "
+                   f"{heads:<7} {r['best_s'] * 1e3:8.2f} {ratio:>9} "
                    f"{r['of_floor'] if r.get('of_floor') is not None else '-':>8}")
     for r in rows:
       if r["case"] == name and "error" in r:

@@ -256,7 +256,7 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
       "chip", help="every kernel timed on the TPU this runs on, in one process: ours (densities, "
                    "modes, online heads, compensated), MaxDiffusion's fixed-m, online and flash "
                    "(its config blocks and a search), at the shipped configs' per-chip shapes")
-  chip.add_argument("--cases", default="wan14b_720p,wan1.3b_480p,ltx2_1280x704",
+  chip.add_argument("--cases", default="wan14b_720p,wan1.3b_480p,ltx2_1280x704,wan14b_1440p_ring",
                     help="comma-separated per-chip shapes (bench/chip.py CASES)")
   chip.add_argument("--calls", type=_positive_int, default=5, help="timed calls per kernel")
   chip.add_argument("--budget-s", type=float, default=480.0,
