@@ -30,25 +30,42 @@ def _moved(layouts: tuple[str, ...] | None) -> list[str]:
           and get(name).band and get(name).to_placed is not None]
 
 
+def _reorder_heads(x: jax.Array, layout: jax.Array, moves: list[tuple[int, Callable[..., Any]]]
+                   ) -> jax.Array:
+  """``[B, H, S, D]`` with each head whose layout id is a move's reordered by it, the rest as
+  they are. One head at a time, in place: a head that keeps its order costs nothing, where
+  reordering every head and selecting per head read and wrote each array several times over."""
+  if not moves:
+    return x
+  ids = layout_ids(layout)
+  b, h = x.shape[:2]
+  heads = x.reshape(b * h, *x.shape[2:])
+  branch = jnp.zeros((b * h,), jnp.int32)
+  for i, (layout_id, _) in enumerate(moves):
+    branch = jnp.where(jnp.broadcast_to(ids, (b, h)).reshape(-1) == layout_id, i + 1, branch)
+
+  def one(i: jax.Array, out: jax.Array) -> jax.Array:
+    def moved(fn: Callable[..., Any]) -> Callable[[jax.Array], jax.Array]:
+      return lambda out: jax.lax.dynamic_update_index_in_dim(out, fn(heads[i]), i, 0)
+    return jax.lax.switch(branch[i], [lambda out: out] + [moved(fn) for _, fn in moves], out)
+
+  return jax.lax.fori_loop(0, b * h, one, heads).reshape(x.shape)
+
+
 def place(x: jax.Array, layout: jax.Array, grid: VideoGrid,
           layouts: tuple[str, ...] | None = None) -> jax.Array:
   """``[B, H, S, D]``: each head in its band layout's order (``layout [B, H]``: ids or bool
   temporal flags); ``layouts``: those the call runs (default: all)."""
-  ids = layout_ids(layout)
-  out = x
-  for name in _moved(layouts):
-    out = jnp.where((ids == index(name))[:, :, None, None], get(name).to_placed(x, grid), out)
-  return out
+  return _reorder_heads(x, layout, [(index(name), lambda y, n=name: get(n).to_placed(y, grid))
+                                    for name in _moved(layouts)])
 
 
 def restore(x: jax.Array, layout: jax.Array, grid: VideoGrid,
             layouts: tuple[str, ...] | None = None) -> jax.Array:
   """Inverse of :func:`place`."""
-  ids = layout_ids(layout)
-  out = x
-  for name in _moved(layouts):
-    out = jnp.where((ids == index(name))[:, :, None, None], get(name).to_frame_major(x, grid), out)
-  return out
+  return _reorder_heads(x, layout, [(index(name),
+                                     lambda y, n=name: get(n).to_frame_major(y, grid))
+                                    for name in _moved(layouts)])
 
 
 def placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array, *,
@@ -75,7 +92,18 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layo
   if semantic is not None:
     return _semantic_placed(kernel, q, k, v, layout, semantic, grid, scale,
                             compensation_blocks, cents, layouts)
-  placed = [place(x, layout, grid, layouts) for x in (q, k, v)]
+  with jax.named_scope("svg_place"):
+    placed = [place(x, layout, grid, layouts) for x in (q, k, v)]
+  with jax.named_scope("svg_kernel"):
+    out = _run_placed(kernel, placed, layout, scale, compensation_blocks, cents, heads)
+  with jax.named_scope("svg_restore"):
+    return restore(out, layout, grid, layouts)
+
+
+def _run_placed(kernel: SparseKernel, placed: list[jax.Array], layout: jax.Array,
+                scale: float | None, compensation_blocks: int,
+                cents: dict[str, Centroids] | None, heads: HeadTables | None) -> jax.Array:
+  """The kernel on placed inputs (:func:`_placed`'s middle)."""
   if heads is not None:  # the band in each head's placed order: its tables need no routing
     kwargs = {"head_tiles": heads.tables, "head_steps": heads.steps}
     if compensation_blocks:  # each head's own skipped tiles, by its layout's centroids
@@ -84,14 +112,14 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layo
           placed[1], placed[2], block_kv=plan.block_kv, blocks=compensation_blocks,
           seq_len=plan.seq_len)
       kwargs["row_keys"] = table_row_keys(head_cents, heads.visited, plan, compensation_blocks,
-                                          q.dtype, heads.fewest_visited)
+                                          placed[0].dtype, heads.fewest_visited)
     out = kernel(*placed, scale=scale, **kwargs)
   elif compensation_blocks:
     out = compensated_call(kernel, *placed, blocks=compensation_blocks, scale=scale,
                            cents=None if cents is None else per_head(cents, layout))
   else:
     out = kernel(*placed, scale=scale)
-  return restore(out, layout, grid, layouts)
+  return out
 
 
 def semantic_placed_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: jax.Array,
@@ -247,7 +275,8 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
     heads = head_tables(call, branch, q.shape, layer, head_ids)
 
     def run(q, k, v, key):
-      routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed, heads)
+      with jax.named_scope("svg_route"):
+        routing, cents, semantic = route(call, branch, q, k, v, key, scale, seed, heads)
       if semantic is not None:
         # The route is decided before anything is placed: scheduled among the placed copies,
         # the semantic estimate left them scattered and took more temporaries. Not for the band
@@ -257,7 +286,9 @@ def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: ja
       out = _placed(branch.kernel, q, k, v, routing.layout, call.grid, scale,
                     branch.compensation_blocks, cents, semantic, heads, call.config.layouts)
       clusters = None if semantic is None else semantic.clusters
-      return with_dense_rows(branch, q, k, v, out, scale), routing, clusters
+      with jax.named_scope("svg_rows"):
+        out = with_dense_rows(branch, q, k, v, out, scale)
+      return out, routing, clusters
     return run
 
   out, routing, clusters = call.per_platform(build)(q, k, v, key)
@@ -302,8 +333,9 @@ def svg_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,
 def prepared_dense_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,
                              scale: float | None = None) -> jax.Array:
   """The schedule's dense branch (every tile full) through the prepared call's executor."""
-  return call.per_platform(lambda branch: lambda q, k, v: branch.dense_kernel(
-      q, k, v, scale=scale))(q, k, v)
+  with jax.named_scope("svg_dense"):
+    return call.per_platform(lambda branch: lambda q, k, v: branch.dense_kernel(
+        q, k, v, scale=scale))(q, k, v)
 
 
 def dense_tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid,

@@ -124,3 +124,22 @@ def test_wan22_experts_use_their_own_density():
   q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=32, seed=6))
   _, info = svg_attention(q, k, v, grid=GRID, config=cfg, expert="low_noise", return_info=True)
   assert info["plan"]["exact_pair_fraction"] == cfg.plan(GRID, "low_noise").stats.exact_pair_fraction
+
+
+def test_placement_leaves_semantic_heads_and_differentiates_as_its_inverse():
+  """Heads of a layout with its own table (semantic) keep their order; the gradient of a
+  placement is the restore of the cotangent (training differentiates through both)."""
+  from maxdiffusion_svg.routing.layouts import SEMANTIC, SPATIAL, TEMPORAL, index
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((2, 3, GRID.tokens, 4)), jnp.float32)
+  ids = jnp.asarray([[index(SEMANTIC), index(TEMPORAL), index(SPATIAL)],
+                     [index(TEMPORAL), index(SEMANTIC), index(TEMPORAL)]], jnp.int32)
+  layouts = (SPATIAL, TEMPORAL, SEMANTIC)
+  placed = place(x, ids, GRID, layouts)
+  temporal = np.asarray(ids) == index(TEMPORAL)
+  np.testing.assert_array_equal(np.asarray(placed), np.asarray(place(x, jnp.asarray(temporal),
+                                                                     GRID)))
+  np.testing.assert_array_equal(np.asarray(placed)[~temporal], np.asarray(x)[~temporal])
+  c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  grad = jax.grad(lambda x: jnp.sum(place(x, ids, GRID, layouts) * c))(x)
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(restore(c, ids, GRID, layouts)))
