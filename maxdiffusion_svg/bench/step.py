@@ -65,7 +65,7 @@ FLASH = "splash_mha"
 _FLASH_BLOCKS = re.compile(r'\\"block_q\\": (\d+), \\"block_kv\\": (\d+)')
 _FLOAT_SHAPE = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
 _LAYOUT_OPS = ("bitcast", "copy", "copy-start", "copy-done", "reshape", "transpose")
-_TOPOLOGIES = {8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}
+_TOPOLOGIES = {1: "1x1", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}
 TEXT_LEN = 512  # the text tokens the forward is compiled with (Wan's max_sequence_length)
 # LTX-2's block scopes and the class of the attention inside each (text cross-attention, attn2
 # and audio_attn2, has none of its own).

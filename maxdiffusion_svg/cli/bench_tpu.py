@@ -78,7 +78,31 @@ def _tile_choices(text: str) -> list[tuple[int, int, int]]:
   return out
 
 
+def _bench_step_on_chip(args: argparse.Namespace) -> int:
+  from maxdiffusion_svg.bench.step_chip import (CASES, StepBenchConfig, format_step_chip,  # pylint: disable=import-outside-toplevel
+                                                run_step_chip)
+  cases = tuple(c for c in args.cases.split(",") if c)
+  unknown = [c for c in cases if c not in CASES]
+  if unknown:
+    raise ValueError(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
+  cfg = StepBenchConfig(cases=cases, kernels=tuple(k for k in args.kernels.split(",") if k),
+                        presets=tuple(p for p in args.presets.split(",") if p),
+                        repeats=args.repeats, profile=bool(args.profile))
+
+  def save(result: dict) -> None:  # after every program: a run cut short keeps what it timed
+    if args.json:
+      with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, default=str)
+
+  result = run_step_chip(cfg, log=_progress, profile_dir=args.profile, on_row=save)
+  save(result)
+  print(format_step_chip(result))
+  return 0
+
+
 def _bench_step(args: argparse.Namespace) -> int:
+  if args.on_chip:
+    return _bench_step_on_chip(args)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
   from maxdiffusion_svg.bench.step import format_step, run_step_bench  # pylint: disable=import-outside-toplevel
   import yaml  # pylint: disable=import-outside-toplevel
@@ -305,6 +329,22 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
                     help="instead: each tile choice's whole step (its kernel's bodies and its "
                          "svg forward compiled), against the stored baseline step, e.g. "
                          "3328x1536/512,2048x1024/512")
+  step.add_argument("--on-chip", action="store_true",
+                    help="instead: time the step on this host's TPU (random weights at the real "
+                         "shapes): svg's sparse and dense steps against the dense kernels, "
+                         "every program in this process (bench/step_chip.py)")
+  step.add_argument("--cases", default="wan1.3b_720p",
+                    help="with --on-chip: wan1.3b_480p, wan1.3b_720p, wan14b_720p (2 of 40 "
+                         "layers, scaled), comma-separated")
+  step.add_argument("--kernels", default="ulysses_custom_fixed_m,flash",
+                    help="with --on-chip: the dense kernels timed beside svg")
+  step.add_argument("--presets", default="moderate,aggressive",
+                    help="with --on-chip: svg_schedule presets timed")
+  step.add_argument("--repeats", type=_positive_int, default=2,
+                    help="with --on-chip: timed calls after the first (best kept)")
+  step.add_argument("--profile", metavar="DIR",
+                    help="with --on-chip: trace svg's sparse step into DIR and report its device "
+                         "time by part")
   _add_json_arg(step)
   step.set_defaults(run=_bench_step)
 

@@ -1,0 +1,64 @@
+"""bench step --on-chip without a chip: the run's arithmetic from timed steps, the scaling of a
+model timed at fewer layers, the profile's parts by named scope, the stand-in weights."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.bench import step_chip
+
+CASE = step_chip.StepCase("t", "configs/wan_svg_1_3b.yml", 480, 832)
+
+
+def _rows(layers=30, dense=(("fixed", 10.0), ("flash", 12.0))):
+  rows = [{"kernel": k, "preset": None, "layers": layers, "step_s": s} for k, s in dense]
+  rows.append({"kernel": "svg", "preset": "moderate", "layers": layers, "steps": 30,
+               "sparse_steps": 24, "sparse_step_s": 5.0, "dense_step_s": 10.5})
+  return rows
+
+
+def test_the_run_is_the_schedules_steps_added_up_against_the_fastest_dense_kernel():
+  figures = step_chip.case_figures(CASE, _rows(), 30)
+  assert figures["fastest_dense"] == "fixed" and not figures["scaled"]
+  f = figures["presets"]["moderate"]
+  assert f["run_s"] == pytest.approx(24 * 5.0 + 6 * 10.5)
+  assert f["step_speedup"] == pytest.approx(2.0)
+  assert f["run_speedup"] == pytest.approx(30 * 10.0 / (24 * 5.0 + 6 * 10.5))
+  assert f["vs_flash"]["step_speedup"] == pytest.approx(12.0 / 5.0)
+  assert f["vs_fixed"]["dense_step_ratio"] == pytest.approx(1.05)
+
+
+def test_a_model_timed_at_two_layer_counts_is_scaled_to_its_depth():
+  one, two = _rows(1, (("fixed", 1.5),)), _rows(2, (("fixed", 2.0),))
+  for row in two:  # each extra layer: 0.5 s dense, 0.2 s sparse
+    if row["kernel"] == "svg":
+      row.update(sparse_step_s=5.2, dense_step_s=10.5 + 0.5)
+  figures = step_chip.case_figures(CASE, one + two, 40)
+  assert figures["scaled"]
+  assert figures["dense_steps_s"]["fixed"] == pytest.approx(1.5 + 39 * 0.5)
+  assert figures["presets"]["moderate"]["sparse_step_s"] == pytest.approx(5.0 + 39 * 0.2)
+
+
+def test_device_ops_are_parted_by_their_named_scopes():
+  hlo = "\n".join([
+      '  %fusion.1 = f32[2] fusion(%p), metadata={op_name="jit(f)/cond/branch_1_fun/svg_route/dot_general"}',
+      '  ROOT %copy.7 = bf16[2] copy(%x), metadata={op_name="jit(f)/svg_place/transpose"}',
+      '  %svg_pallas_sparse.5 = bf16[2] custom-call(%a), metadata={op_name="jit(f)/svg_kernel/pallas_call"}',
+      '  %fusion.9 = bf16[2] fusion(%b), metadata={op_name="jit(f)/WanModel/gelu/dot_general"}',
+      '  %param.1 = bf16[2] parameter(0)'])
+  scopes = step_chip.op_scopes(hlo)
+  assert set(scopes) == {"fusion.1", "copy.7", "svg_pallas_sparse.5", "fusion.9"}
+  assert [step_chip.part_of(scopes[n]) for n in ("fusion.1", "copy.7", "svg_pallas_sparse.5",
+                                                  "fusion.9")] == [
+      "ours: routing", "ours: placement", "self-attention kernel (ours, with its XLA prepass)",
+      step_chip.OTHER]
+
+
+def test_stand_in_weights_are_ones_for_norm_scales_zeros_for_biases_else_small():
+  assert np.all(np.asarray(step_chip.random_param(("blocks", "norm2", "scale"), (8,),
+                                                  jnp.bfloat16, 0)) == 1)
+  assert np.all(np.asarray(step_chip.random_param(("proj_out", "bias"), (8,), jnp.float32, 1)) == 0)
+  w = np.asarray(step_chip.random_param(("proj_out", "kernel"), (256, 256), jnp.float32, 2))
+  assert math.isclose(float(w.std()), 0.02, rel_tol=0.05) and abs(float(w.mean())) < 1e-3
