@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxdiffusion_svg.kernels.api import resolve_backend
 from maxdiffusion_svg.plan.target import TPU_BACKENDS
@@ -77,11 +78,17 @@ def on_routing(layout: jax.Array, active: Any, step: Any, layer: Any) -> None:
   (``layout``: its heads' layout ids)."""
   counted = names()[1:]  # the first layout's heads are the rest
   counts = [jnp.sum((layout == index(name)).astype(jnp.int32)) for name in counted]
+  # One int32 vector: each operand of a callback is a transfer of its own, and the chip waits on
+  # each (docs/benchmarks.md, "A denoising step timed on a TPU v5e").
+  packed = jnp.stack([jnp.asarray(x, jnp.int32) for x in
+                      (active, step, layer, layout.size, *counts)])
+
+  def add(values: Any) -> None:
+    active, step, layer, heads, *counts = (int(x) for x in np.asarray(values))
+    _TALLY.add_counts(bool(active), step, layer, heads, dict(zip(counted, counts)))
+
   # The compiled call keeps this callback: it adds to whichever tally is current when it runs.
-  jax.debug.callback(lambda active, step, layer, heads, *counts: _TALLY.add_counts(
-      active, step, layer, heads, dict(zip(counted, counts))),
-                     jnp.asarray(active), jnp.asarray(step), jnp.asarray(layer),
-                     jnp.int32(layout.size), *counts)
+  jax.debug.callback(add, packed)
 
 
 def on_schedule() -> None:
