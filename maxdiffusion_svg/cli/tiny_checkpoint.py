@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import os
 import pathlib
+import re
 
 COMMAND_HELP = ("write a tiny random-weight Wan 2.1 checkpoint (diffusers layout, about 10 MB) "
                 "and DIR/tiny_wan_svg.yml, a config for it, to try the tools on a CPU (needs "
@@ -52,15 +53,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   tiny.add_argument("--family", choices=("wan",), default="wan",
                     help="the model family: wan (Wan 2.1 T2V: 2 layers, 8 heads of 32)")
   tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+  tiny.add_argument("--head-dim", type=int, choices=(32, 128), default=32,
+                    help="32: 8 heads of 32 (the CPU try-out); 128: 2 heads of 128, the width "
+                         "our TPU kernel runs (its config lets svg_backend pick it on a TPU)")
   tiny.set_defaults(run=run)
 
 
-def config_text(directory: str) -> str:
-  """The config beside the checkpoint: MaxDiffusion's 1.3B base, this checkpoint, a tiny video."""
+_AUTO = ("svg_backend: auto               # heads of 128: our kernel on a TPU, the XLA executor "
+         "on a CPU\n")
+
+
+def config_text(directory: str, head_dim: int = 32) -> str:
+  """The config beside the checkpoint: MaxDiffusion's 1.3B base, this checkpoint, a tiny video
+  (``head_dim`` 128: the backend left to pick our TPU kernel)."""
+  keys = _KEYS if head_dim != 128 else re.sub(r"^svg_backend: .*\n", _AUTO, _KEYS, flags=re.M)
+  where = "CPU runs" if head_dim != 128 else "CPU and TPU runs"
   return (f"# A tiny random Wan 2.1 checkpoint ({os.path.abspath(directory)}) at a 576-token "
-          f"video, for CPU runs.\n# Written by python -m maxdiffusion_svg tiny-checkpoint.\n"
+          f"video, for {where}.\n# Written by python -m maxdiffusion_svg tiny-checkpoint.\n"
           f"base_config: base_wan_1_3b.yml   # MaxDiffusion's\n"
-          f"pretrained_model_name_or_path: {os.path.abspath(directory)}\n{_KEYS}")
+          f"pretrained_model_name_or_path: {os.path.abspath(directory)}\n{keys}")
 
 
 def install_hint(root: pathlib.Path = pathlib.Path(__file__).resolve().parents[2]) -> str:
@@ -82,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
     raise ValueError(f"tiny-checkpoint needs MaxDiffusion's runtime packages {', '.join(NEEDS)} "
                      f"(missing: {', '.join(missing)}); get them with {install_hint()}")
   from maxdiffusion_svg.testing import tiny_checkpoint  # pylint: disable=import-outside-toplevel
-  tiny_checkpoint.write_wan21(args.directory, seed=args.seed)
+  tiny_checkpoint.write_wan21(args.directory, seed=args.seed, head_dim=args.head_dim)
   config = os.path.join(args.directory, CONFIG)
   with open(config, "w", encoding="utf-8") as f:
-    f.write(config_text(args.directory))
+    f.write(config_text(args.directory, args.head_dim))
   print(f"tiny Wan 2.1 checkpoint (random weights) in {args.directory}; its config: {config}")
   return 0
