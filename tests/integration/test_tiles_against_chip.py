@@ -16,7 +16,7 @@ from maxdiffusion_svg.bench.step_chip import CASES, ONE_CHIP
 from maxdiffusion_svg.cli.main import main
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
-TIMED = json.loads((ROOT / "docs" / "measurements" / "step_chip_v5e_wan1.3b.json").read_text())
+TIMED = json.loads((ROOT / "docs" / "measurements" / "chip_v5e_step_wan1.3b.json").read_text())
 ROWS = [r for r in TIMED["rows"] if r["kernel"] == "svg"]
 
 
