@@ -39,14 +39,20 @@ def _bench_compile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cases(value: str, known: Mapping[str, Any]) -> tuple[str, ...]:
+  """``--cases``' comma-separated names, each one of ``known``."""
+  cases = tuple(c for c in value.split(",") if c)
+  unknown = [c for c in cases if c not in known]
+  if unknown:
+    raise ValueError(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+  return cases
+
+
 def _bench_chip(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.chip import (CASES, ChipBenchConfig, format_chip_bench,  # pylint: disable=import-outside-toplevel
                                            run_chip_bench)
-  cases = tuple(c for c in args.cases.split(",") if c)
-  unknown = [c for c in cases if c not in CASES]
-  if unknown:
-    raise ValueError(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
-  cfg = ChipBenchConfig(cases=cases, calls=args.calls, budget_s=args.budget_s)
+  cfg = ChipBenchConfig(cases=_cases(args.cases, CASES), calls=args.calls,
+                        budget_s=args.budget_s)
   result = run_chip_bench(cfg, out=args.json, log=_progress)
   print(format_chip_bench(result))
   return 0
@@ -81,11 +87,7 @@ def _tile_choices(text: str) -> list[tuple[int, int, int]]:
 def _bench_step_on_chip(args: argparse.Namespace) -> int:
   from maxdiffusion_svg.bench.step_chip import (CASES, StepBenchConfig, format_step_chip,  # pylint: disable=import-outside-toplevel
                                                 run_step_chip)
-  cases = tuple(c for c in args.cases.split(",") if c)
-  unknown = [c for c in cases if c not in CASES]
-  if unknown:
-    raise ValueError(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
-  cfg = StepBenchConfig(cases=cases, kernels=tuple(k for k in args.kernels.split(",") if k),
+  cfg = StepBenchConfig(cases=_cases(args.cases, CASES), kernels=tuple(k for k in args.kernels.split(",") if k),
                         presets=tuple(p for p in args.presets.split(",") if p),
                         repeats=args.repeats, profile=bool(args.profile))
 
