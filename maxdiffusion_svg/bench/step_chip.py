@@ -250,7 +250,8 @@ def time_kernel(case: StepCase, kernel: str, preset: str | None, layers: int | N
 
 # Our named scopes (call/attention.py) and MaxDiffusion's attention modules, by the part of a
 # step they are reported as.
-PARTS = (("svg_route", "ours: routing"), ("svg_place", "ours: placement"),
+PARTS = (("debug_callback", "ours: the run summary's host callbacks"),
+         ("svg_route", "ours: routing"), ("svg_place", "ours: placement"),
          ("svg_restore", "ours: restore"), ("svg_rows", "ours: dense rows"),
          ("svg_kernel", "self-attention kernel (ours, with its XLA prepass)"),
          ("svg_dense", "self-attention kernel (ours, dense)"),

@@ -47,9 +47,11 @@ def test_device_ops_are_parted_by_their_named_scopes():
       '  ROOT %copy.7 = bf16[2] copy(%x), metadata={op_name="jit(f)/svg_place/transpose"}',
       '  %svg_pallas_sparse.5 = bf16[2] custom-call(%a), metadata={op_name="jit(f)/svg_kernel/pallas_call"}',
       '  %fusion.9 = bf16[2] fusion(%b), metadata={op_name="jit(f)/WanModel/gelu/dot_general"}',
+      '  %recv-done.12 = token[] recv-done(%r), metadata={op_name="jit(f)/apply_attention/debug_callback"}',
       '  %param.1 = bf16[2] parameter(0)'])
   scopes = step_chip.op_scopes(hlo)
-  assert set(scopes) == {"fusion.1", "copy.7", "svg_pallas_sparse.5", "fusion.9"}
+  assert set(scopes) == {"fusion.1", "copy.7", "svg_pallas_sparse.5", "fusion.9", "recv-done.12"}
+  assert step_chip.part_of(scopes["recv-done.12"]) == "ours: the run summary's host callbacks"
   assert [step_chip.part_of(scopes[n]) for n in ("fusion.1", "copy.7", "svg_pallas_sparse.5",
                                                   "fusion.9")] == [
       "ours: routing", "ours: placement", "self-attention kernel (ours, with its XLA prepass)",
