@@ -39,7 +39,7 @@ def _reorder_heads(x: jax.Array, layout: jax.Array, moves: list[tuple[int, Calla
     return x
   ids = layout_ids(layout)
   b, h = x.shape[:2]
-  heads = x.reshape(b * h, *x.shape[2:])
+  heads = jnp.asarray(x).reshape(b * h, *x.shape[2:])  # a NumPy input cannot take a traced index
   branch = jnp.zeros((b * h,), jnp.int32)
   for i, (layout_id, _) in enumerate(moves):
     branch = jnp.where(jnp.broadcast_to(ids, (b, h)).reshape(-1) == layout_id, i + 1, branch)

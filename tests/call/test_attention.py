@@ -136,6 +136,8 @@ def test_placement_leaves_semantic_heads_and_differentiates_as_its_inverse():
                      [index(TEMPORAL), index(SEMANTIC), index(TEMPORAL)]], jnp.int32)
   layouts = (SPATIAL, TEMPORAL, SEMANTIC)
   placed = place(x, ids, GRID, layouts)
+  np.testing.assert_array_equal(np.asarray(place(np.asarray(x), ids, GRID, layouts)),
+                                np.asarray(placed))  # NumPy in, as a caller may pass
   temporal = np.asarray(ids) == index(TEMPORAL)
   np.testing.assert_array_equal(np.asarray(placed), np.asarray(place(x, jnp.asarray(temporal),
                                                                      GRID)))
