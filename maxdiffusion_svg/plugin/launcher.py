@@ -20,15 +20,20 @@ import dataclasses
 import difflib
 import json
 import os
+import pathlib
 import sys
 import tempfile
+import time
 from typing import Any, Mapping, Sequence
 
 from maxdiffusion_svg.plugin.brokenpipe import quiet_on_broken_pipe
 # JAX comes with the settings (imported where used), so that --help answers at once.
-from maxdiffusion_svg.plugin import overlay, preflight
+from maxdiffusion_svg.plugin import overlay, preflight, quiet
 from maxdiffusion_svg.plugin.vace_inputs import VaceInputs
 from maxdiffusion_svg.plugin.video_models import WAN_VACE, video_model
+
+
+VERBOSE = "--verbose"  # a generation's MaxDiffusion output on the terminal, not in a log file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +77,12 @@ class Entry:
                              f"here is one of the shipped configs (then MaxDiffusion's); its "
                              f"base_config is looked up beside it, then among the installed "
                              f"MaxDiffusion's configs (PYTHONPATH=/path/to/maxdiffusion/src)")
+    if not self.training:
+      parser.add_argument(VERBOSE, action="store_true",
+                          help=f"print what MaxDiffusion prints (its config dump, its logs) as it "
+                               f"runs; by default it goes to {quiet.LOG_NAME} in the run's "
+                               f"folder (output_dir/run_name; a gs:// output_dir keeps it on "
+                               f"the terminal) and only this plugin's lines are printed")
     example = "max_train_steps=100" if self.training else "num_inference_steps=30"
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help=f"overrides any key of the merged config, MaxDiffusion's or svg_* "
@@ -102,6 +113,27 @@ USAGE_LINE, USAGE = GENERATE.usage_line, GENERATE.usage
 HELP = ("-h", "--help")
 
 
+def split_verbose(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[list[str], bool]:
+  """``argv`` without ``--verbose`` (anywhere after the program), and whether it was there;
+  a training entry takes no ``--verbose`` (its output is always on the terminal)."""
+  if entry.training:
+    return list(argv), False
+  rest = [argv[0], *(a for a in argv[1:] if a != VERBOSE)] if argv else []
+  return rest, len(rest) != len(argv)
+
+
+def quiet_log(config: Mapping[str, Any], overrides: Sequence[str],
+              env: Mapping[str, str] | None = None) -> str | None:
+  """Where a quiet generation run's MaxDiffusion output goes: ``maxdiffusion.log`` in
+  ``output_dir/run_name`` (the run's keys: the config's, the overrides', ``run_name`` empty:
+  ``JOBSET_NAME``, as MaxDiffusion takes it); None for a ``gs://`` output_dir."""
+  env = os.environ if env is None else env
+  keys = with_overrides(config, overrides)
+  path = quiet.log_path(str(keys.get("output_dir") or ""),
+                        str(keys.get("run_name") or env.get("JOBSET_NAME") or ""))
+  return None if path is None else str(path)
+
+
 def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[str, Any], list[str]]:
   """The merged config of ``[prog, config.yml, *overrides]`` over every ``svg_*`` default, and
   its chain of files, after checking the overrides (form, key, value) and the run name (and for
@@ -109,7 +141,8 @@ def checked_config(argv: Sequence[str], entry: Entry = GENERATE) -> tuple[dict[s
   if len(argv) < 2 or "=" in argv[1]:
     raise ValueError(entry.usage_line)
   if argv[1].startswith("-"):
-    raise ValueError(f"{argv[1]} is not an option of the launcher (only -h, --help); "
+    options = "-h, --help" if entry.training else f"-h, --help, {VERBOSE}"
+    raise ValueError(f"{argv[1]} is not an option of the launcher (only {options}); "
                      f"{entry.usage_line}")
   check_form(argv[2:])
   from maxdiffusion_svg.budgets.schedule import check_preset_overrides  # pylint: disable=import-outside-toplevel
@@ -257,7 +290,7 @@ def run(argv: Sequence[str], entry: Entry = GENERATE) -> None:
 
 @quiet_on_broken_pipe  # `... | head` ends quietly, whatever MaxDiffusion prints
 def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
-  argv = list(sys.argv if argv is None else argv)
+  argv, verbose = split_verbose(list(sys.argv if argv is None else argv), entry)
   if any(a in HELP for a in argv[1:]):
     print(entry.usage)
     sys.exit(0)
@@ -265,23 +298,48 @@ def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
     print(entry.usage, file=sys.stderr)
     sys.exit(2)
   try:  # the config, the overrides and the run name, checked before MaxDiffusion starts
-    checked_config(argv, entry)
+    config, _ = checked_config(argv, entry)
   except (OSError, ValueError) as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
-  try:
-    # pylint: disable=import-outside-toplevel
-    from absl import app
-    from maxdiffusion.train_utils import transformer_engine_context
-    # pylint: enable=import-outside-toplevel
-  except ImportError as err:
-    print(f"error: MaxDiffusion is not importable ({err}); install its runtime packages and put "
-          f"its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src), then run "
-          f"{entry.invocation} CONFIG.yml [key=value ...] again",
-          file=sys.stderr)
-    sys.exit(2)
-  with transformer_engine_context():
-    app.run(lambda maxdiffusion_argv: refusing(run, maxdiffusion_argv, entry), argv=argv)
+  log = None if verbose or entry.training else quiet_log(config, argv[2:])
+  quiet.calm_child_processes()
+  started = time.time()
+  # quiet from here: importing MaxDiffusion already prints (TensorFlow's C++ logs)
+  with quiet.to_log(None if log is None else pathlib.Path(log)) as terminal:
+    if log is not None:
+      print(f"{entry.name}: MaxDiffusion's output (its config dump, its logs) goes to {log} "
+            f"({VERBOSE} prints it here)", file=terminal.out, flush=True)
+    try:
+      # pylint: disable=import-outside-toplevel
+      from absl import app
+      from maxdiffusion.train_utils import transformer_engine_context
+      # pylint: enable=import-outside-toplevel
+    except ImportError as err:
+      print(f"error: MaxDiffusion is not importable ({err}); install its runtime packages and "
+            f"put its source on PYTHONPATH (PYTHONPATH=/path/to/maxdiffusion/src), then run "
+            f"{entry.invocation} CONFIG.yml [key=value ...] again",
+            file=sys.stderr)
+      sys.exit(2)
+
+    def generation(maxdiffusion_argv: list[str]) -> None:
+      refusing(run, maxdiffusion_argv, entry)
+      if log is not None:
+        print(written_line(entry, started), file=terminal.out, flush=True)
+
+    with transformer_engine_context():
+      app.run(generation, argv=argv)
+
+
+def written_line(entry: Entry, since: float, folder: str = ".") -> str:
+  """The last line of a quiet generation: the videos the main wrote into ``folder`` (the
+  working directory, where MaxDiffusion's mains write them) since ``since``."""
+  videos = sorted(p.name for p in pathlib.Path(folder).glob("*.mp4")
+                  if p.stat().st_mtime >= since)
+  where = os.path.abspath(folder)
+  if not videos:
+    return f"{entry.name}: done; no new video in {where}"
+  return f"{entry.name}: done; {', '.join(videos)} in {where}"
 
 
 def refusing(main_run: Any, *args: Any) -> None:

@@ -114,10 +114,30 @@ def test_an_override_without_equals_is_named(capsys, config):
 def test_help_prints_the_usage_and_exits_0(capsys, flag):
   code, out, err = launch(capsys, flag)
   assert code == 0 and err == ""
-  assert out.startswith("usage: python -m maxdiffusion_svg.generate [-h] CONFIG.yml "
-                        "[key=value ...]\n")
-  assert "docs/reference.md" in out and "key=value" in out
+  assert out.startswith("usage: python -m maxdiffusion_svg.generate [-h] [--verbose]\n")
+  assert "CONFIG.yml [key=value ...]\n" in out
+  assert "docs/reference.md" in out and "key=value" in out and "maxdiffusion.log" in out
   assert launch(capsys, "configs/wan_svg.yml", flag)[0] == 0  # anywhere on the line
+
+
+def test_verbose_is_taken_anywhere_and_only_by_a_generation():
+  assert launcher.split_verbose(["prog", "c.yml", "--verbose", "a=1"]) == (["prog", "c.yml", "a=1"],
+                                                                           True)
+  assert launcher.split_verbose(["prog", "--verbose", "c.yml"]) == (["prog", "c.yml"], True)
+  assert launcher.split_verbose(["prog", "c.yml"]) == (["prog", "c.yml"], False)
+  # training prints as it always has: --verbose is no flag of it
+  assert launcher.split_verbose(["prog", "--verbose", "c.yml"], launcher.TRAIN) == (
+      ["prog", "--verbose", "c.yml"], False)
+
+
+def test_a_quiet_run_logs_in_its_output_folder(config, tmp_path):
+  merged, _ = launcher.checked_config(["prog", config])
+  assert launcher.quiet_log(merged, []) == "/tmp/out/test/maxdiffusion.log"
+  assert launcher.quiet_log(merged, [f"output_dir={tmp_path}", "run_name=r"]) == str(
+      tmp_path / "r" / "maxdiffusion.log")
+  assert launcher.quiet_log(merged, ["run_name="], env={"JOBSET_NAME": "job"}) == (
+      "/tmp/out/job/maxdiffusion.log")
+  assert launcher.quiet_log(merged, ["output_dir=gs://bucket/out"]) is None  # on the terminal
 
 
 def test_no_arguments_print_the_usage_and_exit_2(capsys):
