@@ -4,6 +4,7 @@ placement is a per-head select among the layouts' orders, so re-routing never re
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -13,13 +14,14 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
+from maxdiffusion_svg.kernels.sampled_rows import sampled_rows, sampled_rows_xla
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target, target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
                                                    table_row_keys)
 from maxdiffusion_svg.routing.layouts import SEMANTIC, get, index, layout_ids, names
-from maxdiffusion_svg.routing.router import Routing, layout_centroids, profile_heads
+from maxdiffusion_svg.routing.router import Routing, RowsKernel, layout_centroids, profile_heads
 from maxdiffusion_svg.routing.semantic import (Seed, SemanticLayout, gather_tokens, semantic_layout,
                                                visited_table)
 
@@ -256,8 +258,21 @@ def route(call: PreparedCall, branch: Branch, q: jax.Array, k: jax.Array, v: jax
   routing = profile_heads(q, k, v, grid=call.grid, config=call.router, key=key, scale=scale,
                           plan=plan, compensation_blocks=blocks, cents=cents,
                           layouts=call.config.layouts, semantic=semantic,
-                          head_visited=None if heads is None else heads.visited)
+                          head_visited=None if heads is None else heads.visited,
+                          rows_kernel=rows_kernel(branch, q.shape[-1]))
   return routing, cents, semantic
+
+
+def rows_kernel(branch: Branch, head_dim: int) -> RowsKernel | None:
+  """The router's sampled rows on ``branch``: our Pallas pass where it lowers for a TPU (XLA's
+  six passes over the float32 logits cost 4x as much there), XLA's on the host; None where the
+  branch runs XLA (``svg_backend: xla``) or heads are not whole lanes."""
+  kernel = branch.kernel
+  if kernel.resolved == "xla" or head_dim % 128 or not (kernel.on_tpu or kernel.follows_lowering):
+    return None
+  return lambda q, k, v, keeps, scale: kernel.per_lowering(
+      lambda: functools.partial(sampled_rows, scale=scale),
+      lambda: functools.partial(sampled_rows_xla, scale=scale))(q, k, v, keeps)
 
 
 def prepared_svg_attention(call: PreparedCall, q: jax.Array, k: jax.Array, v: jax.Array, *,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -192,30 +192,46 @@ class HeadTileMask:
     return jnp.take(jnp.take(self.visited, row_tiles, axis=2), key_tiles, axis=3)
 
 
+# A TPU's sampled rows: ``(q_rows, k, v, keeps, scale) -> (out, lse)`` with the dense row first
+# (:func:`maxdiffusion_svg.kernels.sampled_rows.sampled_rows`); None: the XLA path below.
+RowsKernel = Callable[..., tuple[jax.Array, jax.Array]]
+
+
 def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, grid: VideoGrid,
                   mask: Mask | HeadTileMask, *, scale: float | None = None,
                   compensation: Compensated | None = None,
                   cents: dict[str, Centroids] | None = None,
                   sampled: Sampled | None = None,
-                  layouts: tuple[str, ...] = (SPATIAL, TEMPORAL)) -> tuple[jax.Array, ...]:
+                  layouts: tuple[str, ...] = (SPATIAL, TEMPORAL),
+                  rows_kernel: RowsKernel | None = None) -> tuple[jax.Array, ...]:
   """``[B, H]`` MSE against dense of ``rows``' outputs under ``mask`` in each band layout of
-  ``layouts``; with ``compensation`` (plan, centroids per key tile), of the compensated outputs."""
+  ``layouts``; with ``compensation`` (plan, centroids per key tile), of the compensated outputs.
+  ``rows_kernel``: every layout's rows in one pass over the keys (a TPU's), else XLA's."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
   keys = jnp.arange(grid.tokens, dtype=jnp.int32)[None, :]
-  errors = []
-  for name in layouts:
-    layout = get(name)
+
+  def keep_in(name: str) -> jax.Array:
     if isinstance(mask, HeadTileMask):
-      keep = mask.keep(rows, grid, layout)
-    else:
-      keep = placed_keep(mask, grid, layout, rows[:, None], keys)
-    out = _masked_output(logits, v32, keep)
+      return mask.keep(rows, grid, get(name))
+    return placed_keep(mask, grid, get(name), rows[:, None], keys)
+
+  if rows_kernel is not None:
+    outs, lses = rows_kernel(jnp.take(q, rows, axis=2), k, v,
+                             jnp.stack([keep_in(name) for name in layouts], -3), scale)
+    dense, qs = outs[:, :, 0], jnp.take(q, rows, axis=2).astype(jnp.float32)
+    masked = [(outs[:, :, i + 1], lambda i=i: lses[:, :, i + 1]) for i in range(len(layouts))]
+  else:
+    qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
+    keeps = [keep_in(name) for name in layouts]
+    masked = [(_masked_output(logits, v32, keep), lambda keep=keep: jax.nn.logsumexp(
+        jnp.where(keep, logits, -jnp.inf), axis=-1)) for keep in keeps]
+  errors = []
+  for name, (out, lse) in zip(layouts, masked):
     if compensation is not None:
       plan, blocks = compensation
-      lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=-1)
+      layout = get(name)
       layout_cents = (cents or {}).get(name) or layout_centroids(k, v, grid, layout, plan, blocks)
-      out = compensated_rows(qs, out, lse, rows, grid, layout, plan, layout_cents, scale,
+      out = compensated_rows(qs, out, lse(), rows, grid, layout, plan, layout_cents, scale,
                              mask.visited if isinstance(mask, HeadTileMask) else None)
     errors.append(jnp.mean((out - dense) ** 2, axis=(2, 3)))
   return tuple(errors)
@@ -359,12 +375,14 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
                   cents: dict[str, Centroids] | None = None,
                   layouts: tuple[str, ...] | None = None,
                   semantic: SemanticLayout | None = None,
-                  head_visited: jax.Array | None = None) -> Routing:
+                  head_visited: jax.Array | None = None,
+                  rows_kernel: RowsKernel | None = None) -> Routing:
   """The router's decision for frame-major ``[B, H, S, D]`` inputs, with its errors.
 
   ``config``: a :class:`RouterConfig`, or an object holding one as ``router``; ``plan``: default,
   the config's for ``grid`` and ``expert``; ``compensation_blocks``: 0 off; ``layouts``: default the
-  config's, else spatial and temporal (``semantic`` needed among them). Same key, same result."""
+  config's, else spatial and temporal (``semantic`` needed among them); ``rows_kernel``: see
+  :func:`layout_errors`. Same key, same result."""
   router = getattr(config, "router", config)
   q, k, v, cents, semantic = constants((q, k, v, cents, semantic))
   if q.shape[2] != grid.tokens:
@@ -382,10 +400,9 @@ def profile_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, grid: VideoGrid, 
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   layouts = getattr(config, "layouts", DEFAULT_LAYOUTS) if layouts is None else layouts
   band = tuple(name for name in names() if name in layouts and get(name).band)
-  sampled = sample_dense(q, k, v, rows, scale)  # shared by every candidate
   errors = dict(zip(band, layout_errors(q, k, v, rows, grid, mask, scale=scale,
-                                        compensation=compensation, cents=cents, sampled=sampled,
-                                        layouts=band)))
+                                        compensation=compensation, cents=cents, layouts=band,
+                                        rows_kernel=rows_kernel)))
   shape = q.shape[:2]
   stacked = jnp.stack([errors.get(name, jnp.full(shape, jnp.inf, jnp.float32))
                        for name in names()], -1)
