@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import pathlib
 
 from maxdiffusion_svg.budgets.schedule import check_preset_overrides
 from maxdiffusion_svg.cli.args import add_config_args, require_maxdiffusion
+from maxdiffusion_svg.plugin import quiet
 
 COMMAND_HELP = ("per-layer budgets for your checkpoint: runs the config's prompt(s) through "
                 "the model's own main (generate_wan, generate_ltx2, generate_wan_animate), measures each layer's error against dense at a ladder of "
@@ -68,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # pylint: disable=prot
   calibrate.add_argument("--no-guard", action="store_true",
                          help="no per-layer guard: the total error alone decides")
   calibrate.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
+  calibrate.add_argument("--verbose", action="store_true",
+                         help="print what MaxDiffusion prints (its config dump, its logs); by "
+                              "default it goes to OVERLAY.maxdiffusion.log beside --out")
   calibrate.set_defaults(run=run)
 
 
@@ -82,9 +86,20 @@ def run(args: argparse.Namespace) -> int:
                           args.target_error, None if args.no_guard else args.max_layer_loss_db,
                           args.floor_db, args.compensation, args.per_head, args.held_out,
                           args.match_uniform)
-  report, _ = run_calibration(plan, log=lambda m: print(m, file=sys.stderr, flush=True))
+  quiet.calm_child_processes()
+  log = None if args.verbose else log_path(args.out)
+  with quiet.to_log(log, keep=quiet.WARNINGS) as terminal:
+    report, _ = run_calibration(plan, log=lambda m: print(m, file=terminal.err, flush=True))
   print(format_calibration(report))
+  if log is not None:
+    print(f"MaxDiffusion's output (its config, its logs): {log} (--verbose prints it)")
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(report, f, indent=1)
   return 0
+
+
+def log_path(overlay: str) -> pathlib.Path:
+  """Where a quiet calibration's MaxDiffusion output goes: beside the overlay, named after it."""
+  path = pathlib.Path(overlay).absolute()
+  return path.with_name(f"{path.stem}.{quiet.LOG_NAME}")

@@ -66,12 +66,16 @@ def run(args: argparse.Namespace) -> int:
   check_preset_overrides(args.overrides)
   require_maxdiffusion("compare")
   # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plugin import quiet
   from maxdiffusion_svg.plugin.compare import format_comparison, plan_comparison, run_comparison
   # pylint: enable=import-outside-toplevel
   plan = plan_comparison(args.config, args.overrides, args.dense, runs, args.out, args.lpips)
   print(f"compare: {len(plan.runs)} runs ({', '.join(r.name for r in plan.runs)}), "
         f"outputs in {plan.out_dir}", file=sys.stderr, flush=True)
-  result, _ = run_comparison(plan, log=lambda m: print(m, file=sys.stderr, flush=True),
-                             progress=not args.no_progress, quiet=not args.verbose)
+  quiet.calm_child_processes()
+  log = None if args.verbose else plan.out_dir / quiet.LOG_NAME
+  with quiet.to_log(log, keep=quiet.WARNINGS) as terminal:  # run_comparison's quiet: this one
+    result, _ = run_comparison(plan, log=lambda m: print(m, file=terminal.err, flush=True),
+                               progress=not args.no_progress, quiet=not args.verbose)
   print(format_comparison(result))
   return 0

@@ -21,7 +21,6 @@ the run ends, so an interrupted comparison keeps what finished.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -34,15 +33,17 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import yaml
 
+from maxdiffusion_svg.budgets.per_layer import Rung
 from maxdiffusion_svg.budgets.schedule import PRESETS, preset_hint
 from maxdiffusion_svg.measure import video_metrics
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plugin import families, generations, hooks, launcher, overlay, run_summary
+from maxdiffusion_svg.plugin import quiet as quiet_output
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import grid_of, video_model
 from maxdiffusion_svg.routing.layouts import check_layouts
 
-MAXDIFFUSION_LOG = "maxdiffusion.log"  # what MaxDiffusion prints during a quiet compare
+MAXDIFFUSION_LOG = quiet_output.LOG_NAME  # what MaxDiffusion prints during a quiet compare
 
 CONFIG_RUN = "config"  # the svg run the config itself describes
 
@@ -210,6 +211,17 @@ def call_counts(settings: PluginSettings, steps: int, layers: int, grid: VideoGr
   return counts.repeated(segments)
 
 
+def visited_tile_share(settings: PluginSettings, grid: VideoGrid, target: Any = None) -> float:
+  """The share of its tiles a sparse call computes, from the run's tile plan (as ``tiles``
+  prints it); with per-layer densities, the mean over the layers."""
+  svg = settings.svg
+  per_layer = svg.layer_densities_for(None)
+  if per_layer is None:
+    return svg.plan(grid, None, target).stats.visited_tile_fraction
+  plans = [svg.at_rung(Rung(d, svg.compensation)).plan(grid, None, target) for d in per_layer]
+  return sum(p.stats.visited_tile_fraction for p in plans) / len(plans)
+
+
 def _self_attention_ops(pipeline: Any) -> Iterator[tuple[Any, Any]]:
   for model in hooks.prepared_transformers(pipeline):
     for op, _ in families.self_attention_ops(model):
@@ -283,18 +295,20 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
         settings.compensation_text(settings.svg.target(mesh=getattr(pipeline, "mesh", None)))
     set_run(pipeline, run, plan.settings.get(run.name), rules[run.kernel])
 
-  bar = _bar(len(plan.runs) * steps, progress)
   eta = _Eta()
-  printed = (open(plan.out_dir / MAXDIFFUSION_LOG, "w", encoding="utf-8") if quiet  # pylint: disable=consider-using-with
-             else contextlib.nullcontext(sys.stdout))
+  bars: list[Any] = []
 
   def on_step() -> None:
+    bar = bars[0]
     bar.update(1)
     bar.set_postfix_str(eta.step(bar.total - bar.n), refresh=False)
 
-  with tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
-      generation.watch(before_call, on_step) as seen, bar, printed as out, \
-      contextlib.redirect_stdout(out):
+  with quiet_output.to_log(plan.out_dir / MAXDIFFUSION_LOG if quiet else None,
+                           keep=quiet_output.WARNINGS) as terminal, \
+      tempfile.TemporaryDirectory(prefix="maxdiffusion_svg_compare_") as tmp, \
+      generation.watch(before_call, on_step) as seen, \
+      _bar(len(plan.runs) * steps, progress, terminal.err) as bar:
+    bars.append(bar)
     dense = plan.runs[0].kernel
     rules[dense] = axis_rules_for(launcher.prepare_argv(
         ["compare", plan.config, *plan.overrides, f"attention={dense}"], tmp)[0])
@@ -331,7 +345,9 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
       if settings is not None:
         layers = hooks.prepared_transformers(seen["pipeline"])[0].num_layers
         counts = call_counts(settings, steps, layers, grid, run_summary.segments())
+        target = settings.svg.target(mesh=getattr(seen["pipeline"], "mesh", None))
         row.update(density=settings.svg.density, preset=settings.preset,
+                   visited_tile_share=visited_tile_share(settings, grid, target),
                    compensation_blocks=settings.svg.compensation_blocks
                    if settings.svg.compensation else 0,
                    sparse_calls=counts.sparse, dense_calls=counts.dense,
@@ -344,10 +360,11 @@ def run_comparison(plan: Plan, log: Callable[[str], None] = print, progress: boo
   return result, videos
 
 
-def _bar(total: int, show: bool) -> Any:
+def _bar(total: int, show: bool, file: Any = None) -> Any:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel  # a MaxDiffusion dependency
   # tqdm's own remaining time would count each run's compiling first step: ours (_Eta) does not
-  return tqdm(total=total, unit="step", disable=not show, dynamic_ncols=True, file=sys.stderr,
+  return tqdm(total=total, unit="step", disable=not show, dynamic_ncols=True,
+              file=file or sys.stderr,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
 
 
@@ -395,23 +412,32 @@ def write_outputs(plan: Plan, result: dict[str, Any], videos: dict[str, np.ndarr
 def format_comparison(result: dict[str, Any]) -> str:
   frames, height, width = result["video"]
   platform = result.get("platform", "tpu")
+  on_tpu = platform == "tpu"
+  name = platform.upper() if platform in ("tpu", "cpu", "gpu") else platform
   lines = [f"compare: {result['checkpoint']}, {frames}x{height}x{width} video "
            f"({result['tokens']:,} tokens), {result['steps']} steps, seed {result['seed']}, "
-           f"on {platform.upper() if platform in ('tpu', 'cpu', 'gpu') else platform}",
-           f"{'run':<32}{'sparse calls':>13}{'temporal':>9}{'s/step':>10}{'speed-up':>10}"
-           f"{'PSNR dB':>9}{'SSIM':>8}{'LPIPS':>8}"]
+           f"on {name}",
+           f"{'run':<32}{'sparse calls':>13}{'tiles':>7}{'temporal':>9}{'s/step':>10}"
+           f"{'speed-up':>10}{'PSNR dB':>9}{'SSIM':>8}{'LPIPS':>8}"]
   for row in result["runs"]:
     share = f"{row['sparse_call_share']:.0%}" if "sparse_call_share" in row else "-"
+    tiles = row.get("visited_tile_share")
+    tiles = "-" if tiles is None else f"{tiles:.0%}"
     temporal = row.get("temporal_head_share")
     temporal = "-" if temporal is None else f"{temporal:.0%}"
     psnr = "inf" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.2f}"
     lpips = "-" if row["lpips"] is None else f"{row['lpips']:.3f}"
-    lines.append(f"{row['name']:<32}{share:>13}{temporal:>9}{row['step_s']:>10.3f}"
-                 f"{row['speedup_vs_dense']:>9.2f}x{psnr:>9}{row['ssim']:>8.3f}{lpips:>8}")
-  if platform != "tpu":
-    lines.append(f"s/step and speed-up measured on {platform.upper()}: not a TPU figure, and "
-                 f"noise at this size (the same plan's speed-up moves by tens of percent "
-                 f"between reruns); the quality columns hold anywhere")
+    # a CPU's (or GPU's) ratio of seconds says nothing of a TPU's: not printed as a speed-up
+    speedup = f"{row['speedup_vs_dense']:.2f}x" if on_tpu else "n/a"
+    lines.append(f"{row['name']:<32}{share:>13}{tiles:>7}{temporal:>9}{row['step_s']:>10.3f}"
+                 f"{speedup:>10}{psnr:>9}{row['ssim']:>8.3f}{lpips:>8}")
+  lines.append("sparse calls: self-attention calls run sparse; tiles: share of its tiles a sparse "
+               "call computes; temporal: share of the sparse calls' heads on the temporal layout")
+  if not on_tpu:
+    lines.append(f"speed-up: not meaningful on {name} (its s/step is noise at this size and no "
+                 f"TPU figure): for what the tiles save on a TPU see python -m maxdiffusion_svg "
+                 f"tiles {result['config']} (the bound) and docs/benchmarks.md (measured); "
+                 f"the quality columns hold anywhere")
   lines.append(f"time: {result['time']}; quality: {result['metrics']}")
   lines.append(f"videos: {result['side_by_side']} (left to right: "
                f"{', '.join(result['side_by_side_order'])}); JSON beside it")

@@ -94,7 +94,11 @@ def test_maxdiffusions_output_goes_to_a_log_and_cpu_seconds_are_marked(compared)
   assert result["maxdiffusion_log"] == str(out / "maxdiffusion.log")
   assert (out / "maxdiffusion.log").read_text().count("Config param attention:") >= 1
   text = compare.format_comparison(result)
-  assert "on CPU" in text and "measured on CPU: not a TPU figure" in text
+  assert "on CPU" in text and "speed-up: not meaningful on CPU" in text
+  table = text.splitlines()[2:2 + len(result["runs"])]
+  assert all(" n/a " in line for line in table), table  # no CPU ratio shown as a speed-up
+  rows = {r["name"]: r for r in result["runs"]}
+  assert 0 < rows["svg"]["visited_tile_share"] < rows["svg density 1"]["visited_tile_share"] == 1
   assert "maxdiffusion.log (--verbose prints it)" in text
 
 

@@ -69,6 +69,8 @@ def test_each_config_reaches_its_models_entry_point(module, config, entry, model
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_maxdiffusion / "src"),
                                                       str(ROOT)])}
   extra = ["train_data_dir=/nonexistent", "output_dir=/tmp/out"] if "train" in module else []
+  if module == "maxdiffusion_svg.generate":
+    extra.append("--verbose")  # the stand-in prints RAN where MaxDiffusion prints: on stdout
   result = subprocess.run(
       [sys.executable, "-c", SCRIPT, entry, module, str(ROOT / "configs" / config),
        "svg_density=0.25", "run_name=entry", "enable_ml_diagnostics=false", *extra],
