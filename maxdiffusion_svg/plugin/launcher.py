@@ -303,6 +303,15 @@ def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
   log = None if verbose or entry.training else quiet_log(config, argv[2:])
+  if log is not None:
+    try:
+      pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(log).touch()
+    except OSError as err:
+      print(f"error: output_dir: cannot write {log} ({err.strerror}); give output_dir= a "
+            f"writable folder, or {VERBOSE} to keep MaxDiffusion's output on the terminal",
+            file=sys.stderr)
+      sys.exit(2)
   quiet.calm_child_processes()
   started = time.time()
   # quiet from here: importing MaxDiffusion already prints (TensorFlow's C++ logs)

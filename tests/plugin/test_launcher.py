@@ -140,6 +140,13 @@ def test_a_quiet_run_logs_in_its_output_folder(config, tmp_path):
   assert launcher.quiet_log(merged, ["output_dir=gs://bucket/out"]) is None  # on the terminal
 
 
+def test_an_output_dir_that_cannot_hold_the_log_is_refused_in_one_line(capsys, config, tmp_path):
+  (tmp_path / "file").write_text("")
+  err = refused(capsys, config, f"output_dir={tmp_path}/file")
+  assert err.startswith(f"error: output_dir: cannot write {tmp_path}/file/test/maxdiffusion.log")
+  assert "--verbose" in err
+
+
 def test_no_arguments_print_the_usage_and_exit_2(capsys):
   code, out, err = launch(capsys)
   assert code == 2 and out == "" and err.startswith("usage: ")
