@@ -316,9 +316,6 @@ def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
   started = time.time()
   # quiet from here: importing MaxDiffusion already prints (TensorFlow's C++ logs)
   with quiet.to_log(None if log is None else pathlib.Path(log)) as terminal:
-    if log is not None:
-      print(f"{entry.name}: MaxDiffusion's output (its config dump, its logs) goes to {log} "
-            f"({VERBOSE} prints it here)", file=terminal.out, flush=True)
     try:
       # pylint: disable=import-outside-toplevel
       from absl import app
@@ -330,6 +327,9 @@ def main(argv: Sequence[str] | None = None, entry: Entry = GENERATE) -> None:
             f"{entry.invocation} CONFIG.yml [key=value ...] again",
             file=sys.stderr)
       sys.exit(2)
+    if log is not None:
+      print(f"{entry.name}: MaxDiffusion's output (its config dump, its logs) goes to {log} "
+            f"({VERBOSE} prints it here)", file=terminal.out, flush=True)
 
     def generation(maxdiffusion_argv: list[str]) -> None:
       refusing(run, maxdiffusion_argv, entry)

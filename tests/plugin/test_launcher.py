@@ -147,6 +147,16 @@ def test_an_output_dir_that_cannot_hold_the_log_is_refused_in_one_line(capsys, c
   assert "--verbose" in err
 
 
+def test_a_quiet_runs_last_line_names_the_videos_it_wrote(tmp_path):
+  (tmp_path / "old.mp4").write_bytes(b"x")
+  os.utime(tmp_path / "old.mp4", (1, 1))  # before the run
+  assert launcher.written_line(launcher.GENERATE, 100, str(tmp_path)) == (
+      f"generate: done; no new video in {tmp_path}")
+  (tmp_path / "wan_output_0_0.mp4").write_bytes(b"x")
+  assert launcher.written_line(launcher.GENERATE, 100, str(tmp_path)) == (
+      f"generate: done; wan_output_0_0.mp4 in {tmp_path}")
+
+
 def test_no_arguments_print_the_usage_and_exit_2(capsys):
   code, out, err = launch(capsys)
   assert code == 2 and out == "" and err.startswith("usage: ")
