@@ -33,6 +33,9 @@ IMAGE_DIM = 32  # the CLIP image encoder's hidden size (Wan 2.1 I2V's image_dim)
 # the transformer's input is the noise, the temporal mask (4 channels) and the image's latent.
 TRANSFORMER_I2V = {**TRANSFORMER, "image_dim": IMAGE_DIM, "added_kv_proj_dim": HEADS * HEAD_DIM,
                    "in_channels": 2 * LATENT_CHANNELS + 4}
+# A local layer's query and key norms are scaled by this: its logits by 4, so that a query's own
+# key outweighs the 1,000 others (random weights otherwise attend nearly uniformly).
+LOCAL_SHARPNESS = 2.0
 # MaxDiffusion's loader reads the transformer through its shard index, so shard it.
 SHARD_SIZE = "2MB"
 
@@ -84,11 +87,25 @@ def _image_processor() -> transformers.CLIPImageProcessor:
   return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
 
 
+def _make_local(block, sharpness: float = LOCAL_SHARPNESS) -> None:
+  """A self-attention that attends mostly to the query's own token, as a local layer of a real
+  model attends to its neighbourhood: its keys are its queries (``to_k`` = ``to_q``, ``norm_k``
+  = ``norm_q``), both norms scaled by ``sharpness`` (the logits by its square)."""
+  import torch
+  attention = block.attn1
+  with torch.no_grad():
+    attention.to_k.weight.copy_(attention.to_q.weight)
+    attention.to_k.bias.copy_(attention.to_q.bias)
+    attention.norm_q.weight.mul_(sharpness)
+    attention.norm_k.weight.copy_(attention.norm_q.weight)
+
+
 def _write(directory: str, seed: int, experts: tuple[str, ...], transformer: dict | None = None,
-           image: bool = False, i2v: bool = False, **pipeline_config) -> str:
+           image: bool = False, i2v: bool = False, local_layers: tuple[int, ...] = (),
+           **pipeline_config) -> str:
   """Writes every component, then ``model_index.json`` from a diffusers ``WanPipeline`` (or
   ``WanImageToVideoPipeline`` with ``i2v``; ``image`` adds a CLIP image encoder and its
-  processor)."""
+  processor); ``local_layers``: the transformers' blocks made local (:func:`_make_local`)."""
   import torch
   from diffusers import (UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
                          WanTransformer3DModel)
@@ -104,6 +121,8 @@ def _write(directory: str, seed: int, experts: tuple[str, ...], transformer: dic
   for i, name in enumerate(experts):
     torch.manual_seed(seed + 1 + i)  # different weights for each expert
     parts[name] = WanTransformer3DModel(**(transformer or TRANSFORMER))
+    for layer in local_layers:
+      _make_local(parts[name].blocks[layer])
   for name, part in parts.items():
     path = os.path.join(directory, name)
     if name.startswith("transformer"):
@@ -115,15 +134,21 @@ def _write(directory: str, seed: int, experts: tuple[str, ...], transformer: dic
   return directory
 
 
-def write_wan21(directory: str, *, seed: int = 0, head_dim: int = HEAD_DIM) -> str:
+def write_wan21(directory: str, *, seed: int = 0, head_dim: int = HEAD_DIM,
+                layers: int = TRANSFORMER["num_layers"], local_layers: tuple[int, ...] = ()) -> str:
   """A tiny Wan 2.1 T2V checkpoint in ``directory`` (about 10 MB); returns ``directory``.
-  ``head_dim``: the same width in fewer, wider heads (128: two, the width our TPU kernel runs)."""
+  ``head_dim``: the same width in fewer, wider heads (128: two, the width our TPU kernel runs);
+  ``layers`` transformer blocks, those of ``local_layers`` attending mostly to their own token
+  (:func:`_make_local`: layers that need few tiles, beside random ones that need many)."""
   width = HEADS * HEAD_DIM
   if head_dim < 1 or width % head_dim:
     raise ValueError(f"head_dim must divide the tiny model's width {width}, got {head_dim}")
+  if not all(0 <= layer < layers for layer in local_layers):
+    raise ValueError(f"local_layers must be among the {layers} layers, got {local_layers}")
   transformer = {**TRANSFORMER, "num_attention_heads": width // head_dim,
-                 "attention_head_dim": head_dim}
-  return _write(directory, seed, ("transformer",), transformer=transformer)
+                 "attention_head_dim": head_dim, "num_layers": layers}
+  return _write(directory, seed, ("transformer",), transformer=transformer,
+                local_layers=local_layers)
 
 
 def write_wan22(directory: str, *, seed: int = 0) -> str:

@@ -45,6 +45,6 @@ def test_two_heads_of_128_and_the_backend_left_to_the_chip(wide):
 @pytest.mark.full
 def test_generate_runs_sparse_on_it(wide):
   result = _run(["generate", "tiny128/tiny_wan_svg.yml", "output_dir=out"], wide)
-  # 10 steps x 2 layers; sparse from step 1 in layer 1 (the config's schedule), as counted
-  assert re.search(r"20 self-attention calls, 9 sparse and 11 dense \(counted\)",
+  # 10 steps x 3 layers; sparse from step 1 in layers 1 and 2 (the config's schedule), as counted
+  assert re.search(r"30 self-attention calls, 18 sparse and 12 dense \(counted\)",
                    result.stdout + result.stderr), result.stdout[-2000:]
