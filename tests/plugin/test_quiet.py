@@ -69,7 +69,8 @@ def test_a_failure_names_the_log_and_an_exit_says_nothing_more(tmp_path, capfd):
   with pytest.raises(RuntimeError):
     with quiet.to_log(log):
       raise RuntimeError("boom")
-  assert capfd.readouterr().err == f"MaxDiffusion's output up to here: {log} (--verbose prints it)\n"
+  assert capfd.readouterr().err == (f"MaxDiffusion's output up to here: {log} "
+                                    f"(--verbose prints it)\n")
   with pytest.raises(SystemExit):
     with quiet.to_log(log):
       print("error: one line", file=sys.stderr)
