@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
+from maxdiffusion_svg.kernels import head_order
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.kernels.sampled_rows import sampled_rows, sampled_rows_xla
 from maxdiffusion_svg.plan.geometry import VideoGrid
@@ -20,7 +21,7 @@ from maxdiffusion_svg.plan.target import Target, target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
                                                    table_row_keys)
-from maxdiffusion_svg.routing.layouts import SEMANTIC, get, index, layout_ids, names
+from maxdiffusion_svg.routing.layouts import SEMANTIC, TEMPORAL, get, index, layout_ids, names
 from maxdiffusion_svg.routing.router import Routing, RowsKernel, layout_centroids, profile_heads
 from maxdiffusion_svg.routing.semantic import (Seed, SemanticLayout, gather_tokens, semantic_layout,
                                                visited_table)
@@ -95,11 +96,27 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layo
     return _semantic_placed(kernel, q, k, v, layout, semantic, grid, scale,
                             compensation_blocks, cents, layouts)
   with jax.named_scope("svg_place"):
-    placed = [place(x, layout, grid, layouts) for x in (q, k, v)]
+    placed = [_ordered(kernel, x, layout, grid, layouts, to_placed=True) for x in (q, k, v)]
   with jax.named_scope("svg_kernel"):
     out = _run_placed(kernel, placed, layout, scale, compensation_blocks, cents, heads)
   with jax.named_scope("svg_restore"):
-    return restore(out, layout, grid, layouts)
+    return _ordered(kernel, out, layout, grid, layouts, to_placed=False)
+
+
+def _ordered(kernel: SparseKernel, x: jax.Array, layout: jax.Array, grid: VideoGrid,
+             layouts: tuple[str, ...] | None, *, to_placed: bool) -> jax.Array:
+  """:func:`place` (``to_placed``) or :func:`restore`; where the only moved layout is temporal
+  and a TPU lowers the call, by our Pallas pass (one read and write of the array)."""
+  xla = place if to_placed else restore
+  b, h, s, d = x.shape
+  if _moved(layouts) != [TEMPORAL] or not head_order.supported(grid.frames, grid.frame_size, d,
+                                                                 x.dtype):
+    return xla(x, layout, grid, layouts)
+  swap = jnp.broadcast_to(layout_ids(layout) == index(TEMPORAL), (b, h)).reshape(-1)
+  tpu = lambda: lambda x, swap, layout: head_order.reorder_heads(
+      x.reshape(b * h, s, d), swap, grid.frames, to_temporal=to_placed).reshape(x.shape)
+  host = lambda: lambda x, swap, layout: xla(x, layout, grid, layouts)
+  return kernel.per_lowering(tpu, host)(jnp.asarray(x), swap, layout)
 
 
 def _run_placed(kernel: SparseKernel, placed: list[jax.Array], layout: jax.Array,

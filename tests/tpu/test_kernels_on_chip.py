@@ -117,3 +117,35 @@ def test_compensated_call_matches_its_xla_twin(qkv):
   run = lambda backend: np.asarray(jax.jit(lambda q, k, v: compensated_attention(
       q, k, v, plan, blocks=8, backend=backend))(q, k, v), np.float32)[:, :, rows]
   _check(run("pallas"), run("xla"), (2e-2, 0.25))
+
+
+def test_the_routers_sampled_rows_match_float32(qkv):
+  """The router's one pass over the keys (every mask at once) against XLA's float32 softmax."""
+  from maxdiffusion_svg.kernels.sampled_rows import sampled_rows, sampled_rows_xla  # pylint: disable=import-outside-toplevel
+  q, k, v = qkv
+  rows = jnp.asarray(_rows(1)[:64])
+  plan = plan_tiles(GRID, 0.3, 2048, 3072, "aligned")
+  keys = np.arange(GRID.tokens)[None, :]
+  keeps = jnp.asarray(np.stack([plan.computed_mask.contains(np.asarray(rows)[:, None], keys),
+                                np.asarray(rows)[:, None] >= keys]))
+  q_rows = jnp.take(q, rows, axis=2)
+  got = jax.jit(lambda *xs: sampled_rows(*xs, 0.088))(q_rows, k, v, keeps)
+  with jax.default_matmul_precision("highest"):
+    want = jax.jit(lambda *xs: sampled_rows_xla(*xs, 0.088))(q_rows, k, v, keeps)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
+def test_head_order_is_the_geometrys_bitwise(qkv):
+  """Placement by the Pallas pass: each swapped head the geometry's temporal-major copy, the
+  rest untouched, and back."""
+  from maxdiffusion_svg.kernels.head_order import reorder_heads  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.plan.geometry import to_frame_major, to_temporal_major  # pylint: disable=import-outside-toplevel
+  x = qkv[0].reshape(2, GRID.tokens, 128)
+  swap = jnp.asarray([1, 0])
+  placed = jax.jit(lambda x: reorder_heads(x, swap, GRID.frames, to_temporal=True))(x)
+  np.testing.assert_array_equal(np.asarray(placed[0]), np.asarray(to_temporal_major(x[:1], GRID)[0]))
+  np.testing.assert_array_equal(np.asarray(placed[1]), np.asarray(x[1]))
+  back = jax.jit(lambda x: reorder_heads(x, swap, GRID.frames, to_temporal=False))(placed)
+  np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(to_frame_major(placed[:1], GRID)), np.asarray(x[:1]))

@@ -204,14 +204,14 @@ def test_a_call_over_the_vmem_limit_is_refused_before_compiling_and_by_the_compi
 
 
 @pytest.mark.parametrize("chip,keys,calls", [
-    # the router's sampled rows, the sparse kernel and the dense branch
-    pytest.param("v5e", {}, 3, marks=pytest.mark.full),
+    # the router's sampled rows, placing q, k and v, the sparse kernel, restoring, the dense branch
+    pytest.param("v5e", {}, 7, marks=pytest.mark.full),
     # the call with dense frames below compiles the same routing, placement, kernel and branch
-    pytest.param("v6e", {}, 3, marks=pytest.mark.full),
+    pytest.param("v6e", {}, 7, marks=pytest.mark.full),
     # svg_dense_frames 1: the first frame's 3,600 rows against every key on our kernel, two
     # 1,920-row query tiles (Splash's calls too), beside the sparse kernel and the dense branch
-    ("v6e", {"dense_frames": 1}, 4),
-    pytest.param("v6e", {"dense_frames": 1, "backend": "splash"}, 4, marks=pytest.mark.full)])
+    ("v6e", {"dense_frames": 1}, 8),
+    pytest.param("v6e", {"dense_frames": 1, "backend": "splash"}, 8, marks=pytest.mark.full)])
 def test_scheduled_call_with_its_dense_branch_compiles(chip, keys, calls):
   """Traced step and layer: routing, placement, the sparse kernel and the dense branch, at 720p."""
   mesh = chip_mesh(chip)
@@ -224,6 +224,7 @@ def test_scheduled_call_with_its_dense_branch_compiles(chip, keys, calls):
   result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
   text = result.executable.as_text()
   assert text.count('custom_call_target="tpu_custom_call"') == calls and "svg_sampled_rows" in text
+  assert "svg_head_order" in text
 
 
 @pytest.mark.full  # training with svg_dense_frames (VACE's references): the forward's twin above
@@ -324,9 +325,9 @@ def test_auto_follows_the_compile_target_not_the_host():
   grid = grid_for_resolution("480p")
   fn = lambda q, k, v: svg_attention(q, k, v, grid=grid, config=SvgConfig())
   tpu = jax.jit(fn).lower(*qkv(chip_mesh("v6e"), grid)).as_text()
-  # our kernel and the router's sampled rows
-  assert tpu.count("tpu_custom_call") == 2 and "svg_pallas_sparse" in tpu
-  assert "svg_sampled_rows" in tpu
+  # our kernel, the router's sampled rows, placing q, k and v and restoring
+  assert tpu.count("tpu_custom_call") == 6 and "svg_pallas_sparse" in tpu
+  assert "svg_sampled_rows" in tpu and "svg_head_order" in tpu
   cpu_args = (jax.ShapeDtypeStruct((1, LOCAL_HEADS, grid.tokens, HEAD_DIM), jnp.bfloat16),) * 3
   assert "tpu_custom_call" not in jax.jit(fn).lower(*cpu_args).as_text()
 
@@ -349,8 +350,8 @@ def test_sharded_svg_compiles_for_a_v6e_2x4_slice(batch):
   grid = grid_for_resolution("720p")
   result = compile_ok(*sharded(mesh, grid, batch))
   text = result.executable.as_text()
-  # our kernel and the router's sampled rows, once each on the local heads
-  assert text.count('custom_call_target="tpu_custom_call"') == 2 and "svg_sampled_rows" in text
+  # our kernel, the router's sampled rows, placing q, k and v and restoring, on the local heads
+  assert text.count('custom_call_target="tpu_custom_call"') == 6 and "svg_sampled_rows" in text
   layouts = a2a_layouts(text)
   assert len(layouts) == 4 and not any("T(2,128)" in layout for layout in layouts), layouts
 

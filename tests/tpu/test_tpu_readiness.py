@@ -45,8 +45,10 @@ def test_svg_attention_with_routing_and_placement_lowers_for_tpu(resolution):
   module = export(lambda q, k, v: svg_attention(q, k, v, grid=grid, config=config,
                                                 target=tpu_target("v6e")),
                   (2, HEADS, grid.tokens, HEAD_DIM), "tpu")
-  # Splash's kernel and the router's sampled rows (ours: no tokamax needed)
-  assert module.count("tpu_custom_call") == 2 and "svg_sampled_rows" in module
+  # Splash's kernel, and ours (no tokamax needed): the router's sampled rows, placing q, k and v
+  # and restoring
+  assert module.count("tpu_custom_call") == 6 and "svg_sampled_rows" in module
+  assert "svg_head_order" in module
 
 
 def test_an_oversized_inner_kv_step_is_refused_with_the_numbers():

@@ -1,0 +1,36 @@
+"""Per-head token order on a TPU (interpreted): bitwise the geometry's reorders, head by head."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiffusion_svg.kernels.head_order import block_positions, reorder_heads, supported
+from maxdiffusion_svg.plan.geometry import VideoGrid, to_frame_major, to_temporal_major
+
+
+@pytest.mark.parametrize("grid,dtype", [(VideoGrid(5, 4, 8), jnp.bfloat16),
+                                        (VideoGrid(3, 8, 12), jnp.float32),
+                                        (VideoGrid(21, 2, 8), jnp.bfloat16)])
+def test_swapped_heads_reorder_and_the_rest_are_copied(grid, dtype):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((4, grid.tokens, 128)), dtype)
+  swap = jnp.asarray([1, 0, 0, 1])
+  placed = reorder_heads(x, swap, grid.frames, to_temporal=True, interpret=True)
+  for head in range(4):
+    want = to_temporal_major(x[head][None], grid)[0] if swap[head] else x[head]
+    np.testing.assert_array_equal(np.asarray(placed[head]), np.asarray(want))
+  back = reorder_heads(placed, swap, grid.frames, to_temporal=False, interpret=True)
+  np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+  for head in (0, 3):  # the inverse alone, against the geometry's
+    np.testing.assert_array_equal(np.asarray(back[head]),
+                                  np.asarray(to_frame_major(placed[head][None], grid)[0]))
+
+
+def test_what_it_takes():
+  assert block_positions(3600, 21, 256) == 144  # the largest multiple of 8 dividing 3600 in 1 MiB
+  assert block_positions(1560, 21, 256) == 120
+  assert supported(21, 3600, 128, jnp.bfloat16)
+  assert not supported(21, 3604, 128, jnp.bfloat16)  # positions not in whole sublanes
+  assert not supported(21, 3600, 64, jnp.bfloat16)  # rows narrower than the lanes
+  with pytest.raises(ValueError, match="as 3 frames of a multiple of 8 positions"):
+    reorder_heads(jnp.zeros((1, 30, 128)), jnp.ones(1), 3, to_temporal=True, interpret=True)
