@@ -81,6 +81,11 @@ def slice_generation(accelerator_type: str) -> str | None:
   return _SLICE_GENERATIONS.get(accelerator_type.strip().rsplit("-", 1)[0])
 
 
+# The most JAX devices one host of a generation holds (v4 and v5p count TensorCores): slice
+# types up to these are single-host.
+_HOST_DEVICES = {"v4": 4, "v5e": 8, "v5p": 4, "v6e": 8, "tpu7x": 8}
+
+
 # MaxDiffusion's mesh axes, in the order of its ici_*/dcn_* parallelism keys.
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 
@@ -146,6 +151,11 @@ def check_processes(job: Job, env: Mapping[str, str]) -> None:
         f"and that every host of the slice started; set skip_jax_distributed_system=False.")
   accelerator = env.get("TPU_ACCELERATOR_TYPE", "")
   expected = slice_devices(accelerator) if accelerator else None
+  if (expected is not None and job.process_count == 1 and job.device_count < expected
+      and expected <= _HOST_DEVICES.get(slice_generation(accelerator) or "", 0)):
+    # One host holds the whole slice: a process shown part of its chips (TPU_VISIBLE_CHIPS,
+    # as on a shared or borrowed VM) runs on those; no host is missing.
+    return
   if expected is not None and expected != job.device_count:
     hosts = max(1, expected // max(1, job.local_device_count))
     raise ValueError(

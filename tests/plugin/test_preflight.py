@@ -53,6 +53,21 @@ def test_fewer_hosts_than_the_slice_is_refused():
     preflight.check_job(short, env)
 
 
+def test_part_of_a_one_host_slice_is_not_a_missing_host():
+  """A process shown one chip of a v5litepod-4 host (a borrowed or shared VM) runs on it; the
+  same on one host of a multi-host slice is still refused."""
+  one_chip = dataclasses.replace(GOOD, process_count=1, device_count=1, local_device_count=1,
+                                 context_shards=1)
+  for accelerator in ("v5litepod-4", "v5litepod-8", "v6e-8", "v5p-8"):
+    preflight.check_processes(one_chip, {"TPU_ACCELERATOR_TYPE": accelerator})
+  with pytest.raises(ValueError, match=r"TPU_ACCELERATOR_TYPE v5litepod-16 has 16 devices, but "
+                     r"this job holds 1"):
+    preflight.check_processes(one_chip, {"TPU_ACCELERATOR_TYPE": "v5litepod-16"})
+  with pytest.raises(ValueError, match=r"v6e-8 has 8 devices, but this job holds 16"):
+    preflight.check_processes(dataclasses.replace(one_chip, device_count=16),
+                              {"TPU_ACCELERATOR_TYPE": "v6e-8"})
+
+
 def test_context_shards_must_divide_the_heads():
   """Unset (or the whole axis), ulysses_shards exchanges heads over all 16: the message names
   both ways out, the ulysses_shards that work and the divisors of the heads."""
