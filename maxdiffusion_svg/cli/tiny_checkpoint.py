@@ -31,6 +31,7 @@ width: 128
 num_frames: {FRAMES}
 num_inference_steps: 10
 max_sequence_length: 16
+flash_min_seq_length: 128       # the 16 text tokens: dot_product (flash's kv blocks are 128 wide)
 weights_dtype: float32
 activations_dtype: float32
 skip_jax_distributed_system: true

@@ -91,3 +91,14 @@ def test_the_typo_is_answered_without_loading_the_comparison_or_maxdiffusion():
   assert done.returncode == 0, done.stderr
   assert done.stdout == "[]\n"
   assert "did you mean 'aggressive'?" in done.stderr
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_the_tiny_config_keeps_its_text_tokens_off_flash(head_dim):
+  """Its 16 text tokens are under flash_min_seq_length: on a TPU, svg's dense kernel (flash)
+  runs cross-attention as dot_product there; flash refused 16-key blocks on the chip."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  keys = yaml.safe_load(cli_tiny.config_text("/tmp/tiny", head_dim))
+  assert keys["max_sequence_length"] < keys["flash_min_seq_length"] <= min(
+      keys["svg_block_kv"], cli_tiny.TOKENS)
+  assert keys["svg_backend"] == ("auto" if head_dim == 128 else "xla")
