@@ -82,15 +82,22 @@ def test_the_call_table_is_what_bench_chip_printed():
 # ----------------------------------------------------- bench step --on-chip: a step, timed
 
 
-def chip_steps() -> dict[str, dict[str, float]]:
-  """``bench step --on-chip``'s printout of the stored run, per case: the baseline's step (s),
-  each preset's sparse and dense step (s), run (s) and speed-ups, and the steps."""
+def chip_steps(name: str = "chip_v5e_step_wan1.3b") -> dict[str, dict[str, float]]:
+  """``bench step --on-chip``'s printout of a stored run, per case: the baseline's step (s),
+  `flash`'s, each preset's sparse and dense step (s), run (s) and speed-ups, the steps, and
+  the traced step's untouched part (s) and ours outside the kernel (share)."""
   out: dict[str, dict[str, float]] = {}
-  for line in format_step_chip(stored("chip_v5e_step_wan1.3b")).splitlines():
+  for line in format_step_chip(stored(name)).splitlines():
     if m := re.match(r"(wan\S+?)(,.*)?:$", line):
       case = out.setdefault(m.group(1), {})
     elif m := re.match(r"\s+ulysses_custom_fixed_m\s+step\s+([\d.]+) ms", line):
       case["base"] = float(m.group(1)) / 1e3
+    elif m := re.match(r"\s+flash\s+step\s+([\d.]+) ms", line):
+      case["flash"] = float(m.group(1)) / 1e3
+    elif m := re.match(r"\s+projections, MLP, norms and the rest\s+([\d.]+) s", line):
+      case["untouched"] = float(m.group(1))
+    elif m := re.match(r"\s+ours outside the kernel: [\d.]+ s, ([\d.]+)% of the step", line):
+      case["ours %"] = float(m.group(1))
     elif m := re.match(r"\s+svg (\w+)\s+sparse step\s+([\d.]+) ms, dense step ([\d.]+) ms, run "
                        r"([\d.]+) s \((\d+) of (\d+) steps", line):
       preset = m.group(1)
@@ -117,8 +124,20 @@ def check_chip_steps(text: str) -> list[str]:
     row = next(r for r in timed.rows if r[0] == label or f"`{label}`" in r[0])
     problems += [f"{label}: {m}" for m in mismatches(figures(" | ".join(row[1:])), want)]
   said = re.search(r"svg's dense steps run ([\d.]+)x \(720p\) and ([\d.]+)x \(480p\)", text)
-  return problems + mismatches(said.groups(), [hd["moderate dense"] / hd["base"],
-                                               sd["moderate dense"] / sd["base"]])
+  problems += mismatches(said.groups(), [hd["moderate dense"] / hd["base"],
+                                         sd["moderate dense"] / sd["base"]])
+  said = re.search(r"`flash` ran ([\d.]+) s a step at\s+480p, ([\d.]+)x fixed-m's", text)
+  problems += mismatches(said.groups(), [sd["flash"], sd["flash"] / sd["base"]])
+  said = re.search(r"keeps ([\d.]+) s of MaxDiffusion's", text)
+  problems += mismatches(said.groups(), [hd["untouched"]])
+  said = re.search(r"is ([\d.]+)% of the `moderate`\s+sparse step at 720p and ([\d.]+)% at 480p",
+                   text)
+  problems += mismatches(said.groups(), [hd["ours %"], sd["ours %"]])
+  big = chip_steps("chip_v5e_step_wan14b_720p")["wan14b_720p"]
+  said = re.search(r"a `moderate` sparse\s+step ([\d.]+)x, the run ([\d.]+)x; `aggressive` "
+                   r"([\d.]+)x and ([\d.]+)x", text)
+  return problems + mismatches(said.groups(), [big["moderate step x"], big["moderate run x"],
+                                               big["aggressive step x"], big["aggressive run x"]])
 
 
 def test_the_timed_step_table_is_what_bench_step_on_chip_printed():
@@ -174,6 +193,11 @@ def check_expect_timed_run(text: str) -> list[str]:
 
 def test_expect_timed_run_is_what_bench_step_on_chip_printed():
   assert check_expect_timed_run(EXPECT) == []
+  big = chip_steps("chip_v5e_step_wan14b_720p")["wan14b_720p"]
+  row = row_of(EXPECT, "Wan 2.1 14B (`wan_svg.yml`'s model, all 40 heads, random weights) on one "
+                       "v5e chip, 720p: timed at 1 and 2 of 40 layers, scaled to 40")
+  want = [big[f"{p} {k}"] for p in ("moderate", "aggressive") for k in ("step x", "run x")]
+  assert mismatches(figures(row[1]), want + [big["moderate dense"] / big["base"]]) == []
 
 
 # -------------------------------------- bench.ltx2_aot --static-schedule: LTX-2's calls
@@ -225,7 +249,8 @@ def test_expect_memory_rows_are_what_the_compiles_printed():
 def test_a_changed_figure_fails():
   assert check_chip_calls(README) == []
   assert check_chip_calls(README.replace("| 31.94 |", "| 31.95 |"))
-  assert check_chip_steps(README.replace("1.015x (720p)", "1.025x (720p)"))
-  assert check_expect_timed_run(EXPECT.replace("the run 1.53x (1.28x)", "the run 1.53x (1.29x)"))
+  assert check_chip_steps(README.replace("1.013x (720p)", "1.023x (720p)"))
+  assert check_chip_steps(README.replace("10.8% at 480p", "10.6% at 480p"))
+  assert check_expect_timed_run(EXPECT.replace("the run 1.55x (1.31x)", "the run 1.55x (1.32x)"))
   assert mismatches(["0.40x"], ["0.4005"]) == [] and mismatches(["0.39"], ["0.395"]) == []
   assert mismatches(["0.41x"], ["0.4005"]) and mismatches(["1.2"], ["1.2", "3"])

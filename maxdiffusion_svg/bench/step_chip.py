@@ -250,13 +250,17 @@ def time_kernel(case: StepCase, kernel: str, preset: str | None, layers: int | N
 
 # Our named scopes (call/attention.py) and MaxDiffusion's attention modules, by the part of a
 # step they are reported as.
+KERNEL, PREPASS = "self-attention kernel (ours)", "ours: the kernel's XLA prepass"
+# First marker found in an op's scope names its part: the dense branch and each of our parts
+# before the sparse kernel's scope, whose Pallas call is the kernel and the rest its prepass.
 PARTS = (("debug_callback", "ours: the run summary's host callbacks"),
          ("svg_route", "ours: routing"), ("svg_place", "ours: placement"),
          ("svg_restore", "ours: restore"), ("svg_rows", "ours: dense rows"),
-         ("svg_kernel", "self-attention kernel (ours, with its XLA prepass)"),
          ("svg_dense", "self-attention kernel (ours, dense)"),
-         ("attn1", "self-attention (MaxDiffusion's)"), ("attn2", "cross-attention"))
+         ("svg_pallas_sparse", KERNEL), ("svg_kernel", PREPASS))
 OTHER = "projections, MLP, norms and the rest"
+# Profiles stored before the prepass had its own part: the kernel with its prepass.
+_KERNEL_AND_PREPASS = "self-attention kernel (ours, with its XLA prepass)"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name=\"([^\"]*)\"")
 
 
@@ -411,6 +415,29 @@ def run_step_chip(cfg: StepBenchConfig, clock: Clock = _clock,
   return result
 
 
+def step_parts(profile: Mapping[str, Any]) -> dict[str, float]:
+  """A traced step's seconds by part, the sparse kernel apart from its prepass (a stored
+  profile's combined part is split by its Pallas calls among the longest ops)."""
+  parts = dict(profile["parts_s"])
+  if _KERNEL_AND_PREPASS in parts:
+    both = parts.pop(_KERNEL_AND_PREPASS)
+    kernel = sum(op["seconds"] for op in profile["top_ops"]
+                 if op["part"] == _KERNEL_AND_PREPASS and "svg_pallas_sparse" in op["name"])
+    parts[KERNEL], parts[PREPASS] = kernel, both - kernel
+  return parts
+
+
+def format_parts(preset: str, profile: Mapping[str, Any]) -> list[str]:
+  """Where a traced sparse step's device time went, and ours outside the kernel's share."""
+  parts, device = step_parts(profile), profile["device_s"]
+  lines = [f"  where svg {preset}'s sparse step goes (one traced step, device {device:.3f} s):"]
+  for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+    lines.append(f"    {part:<52} {seconds:7.3f} s {seconds / device:6.1%}")
+  ours = sum(seconds for part, seconds in parts.items() if part.startswith("ours:"))
+  lines.append(f"    ours outside the kernel: {ours:.3f} s, {ours / device:.1%} of the step")
+  return lines
+
+
 def format_step_chip(result: Mapping[str, Any]) -> str:
   lines = [f"One denoising step of MaxDiffusion's Wan, {result['kind']} "
            f"({result['device_kind']}; jax {result['software'].get('jax')}):"]
@@ -428,4 +455,7 @@ def format_step_chip(result: Mapping[str, Any]) -> str:
       if "step_speedup" in f:
         lines.append(f"    vs {case['fastest_dense']}: step {f['step_speedup']:.2f}x, run "
                      f"{f['run_speedup']:.2f}x")
+    for row in result.get("rows", ()):
+      if row.get("case") == name and "device_s" in (row.get("profile") or {}):
+        lines += format_parts(row["preset"], row["profile"])
   return "\n".join(lines)

@@ -45,17 +45,38 @@ def test_device_ops_are_parted_by_their_named_scopes():
   hlo = "\n".join([
       '  %fusion.1 = f32[2] fusion(%p), metadata={op_name="jit(f)/cond/branch_1_fun/svg_route/dot_general"}',
       '  ROOT %copy.7 = bf16[2] copy(%x), metadata={op_name="jit(f)/svg_place/transpose"}',
-      '  %svg_pallas_sparse.5 = bf16[2] custom-call(%a), metadata={op_name="jit(f)/svg_kernel/pallas_call"}',
+      '  %svg_pallas_sparse.5 = bf16[2] custom-call(%a), metadata={op_name="jit(f)/svg_kernel/svg_pallas_sparse/pallas_call"}',
+      '  %fusion.3 = f32[2] fusion(%q), metadata={op_name="jit(f)/svg_kernel/reduce_max"}',
+      '  %svg_pallas_sparse.4 = bf16[2] custom-call(%a), metadata={op_name="jit(f)/svg_dense/svg_pallas_sparse/pallas_call"}',
       '  %fusion.9 = bf16[2] fusion(%b), metadata={op_name="jit(f)/WanModel/gelu/dot_general"}',
       '  %recv-done.12 = token[] recv-done(%r), metadata={op_name="jit(f)/apply_attention/debug_callback"}',
       '  %param.1 = bf16[2] parameter(0)'])
   scopes = step_chip.op_scopes(hlo)
-  assert set(scopes) == {"fusion.1", "copy.7", "svg_pallas_sparse.5", "fusion.9", "recv-done.12"}
+  assert set(scopes) == {"fusion.1", "copy.7", "svg_pallas_sparse.5", "fusion.3",
+                         "svg_pallas_sparse.4", "fusion.9", "recv-done.12"}
   assert step_chip.part_of(scopes["recv-done.12"]) == "ours: the run summary's host callbacks"
   assert [step_chip.part_of(scopes[n]) for n in ("fusion.1", "copy.7", "svg_pallas_sparse.5",
+                                                  "fusion.3", "svg_pallas_sparse.4",
                                                   "fusion.9")] == [
-      "ours: routing", "ours: placement", "self-attention kernel (ours, with its XLA prepass)",
-      step_chip.OTHER]
+      "ours: routing", "ours: placement", step_chip.KERNEL, step_chip.PREPASS,
+      "self-attention kernel (ours, dense)", step_chip.OTHER]
+
+
+def test_the_parts_printed_and_ours_outside_the_kernel():
+  """A stored profile's kernel-with-prepass part is split by its Pallas calls; the share of
+  ours outside the kernel sums the parts that are ours."""
+  stored = {"device_s": 10.0, "parts_s": {
+      "self-attention kernel (ours, with its XLA prepass)": 4.5, step_chip.OTHER: 3.5,
+      "ours: routing": 0.5, "ours: placement": 1.0},
+      "top_ops": [{"name": "svg_pallas_sparse.5", "seconds": 4.0,
+                   "part": "self-attention kernel (ours, with its XLA prepass)"},
+                  {"name": "fusion.3", "seconds": 0.5,
+                   "part": "self-attention kernel (ours, with its XLA prepass)"}]}
+  parts = step_chip.step_parts(stored)
+  assert parts[step_chip.KERNEL] == 4.0 and parts[step_chip.PREPASS] == pytest.approx(0.5)
+  lines = step_chip.format_parts("moderate", stored)
+  assert lines[-1] == "    ours outside the kernel: 2.000 s, 20.0% of the step"
+  assert lines[1].split() == ["self-attention", "kernel", "(ours)", "4.000", "s", "40.0%"]
 
 
 def test_stand_in_weights_are_ones_for_norm_scales_zeros_for_biases_else_small():
