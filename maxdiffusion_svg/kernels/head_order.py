@@ -74,7 +74,30 @@ def _kernel(swap_ref, frame_ref, flat_ref, out_ref, *scratch, frames: int, rows:
 def reorder_heads(x: jax.Array, swap: jax.Array, frames: int, *, to_temporal: bool,
                   interpret: bool = False) -> jax.Array:
   """``x [N, S, D]`` (``S = frames x P``) with each head where ``swap [N]`` is set reordered:
-  frame-major to temporal-major (``to_temporal``) or back; the other heads as they are."""
+  frame-major to temporal-major (``to_temporal``) or back; the other heads as they are. A
+  permutation: its gradient is the reverse reorder of the cotangent."""
+  return _reorder(x, jnp.asarray(swap).astype(jnp.int32), frames, to_temporal, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _reorder(x: jax.Array, swap: jax.Array, frames: int, to_temporal: bool,
+             interpret: bool) -> jax.Array:
+  return _reorder_call(x, swap, frames, to_temporal, interpret)
+
+
+def _reorder_fwd(x, swap, frames, to_temporal, interpret):
+  return _reorder_call(x, swap, frames, to_temporal, interpret), swap
+
+
+def _reorder_bwd(frames, to_temporal, interpret, swap, cotangent):
+  return _reorder_call(cotangent, swap, frames, not to_temporal, interpret), None
+
+
+_reorder.defvjp(_reorder_fwd, _reorder_bwd)
+
+
+def _reorder_call(x: jax.Array, swap: jax.Array, frames: int, to_temporal: bool,
+                  interpret: bool) -> jax.Array:
   n, s, d = x.shape
   positions = s // frames
   rows = block_positions(positions, frames, d * x.dtype.itemsize)
@@ -111,5 +134,5 @@ def reorder_heads(x: jax.Array, swap: jax.Array, frames: int, *, to_temporal: bo
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="svg_head_order",
-  )(swap.astype(jnp.int32), frame_view, flat_view)
+  )(swap, frame_view, flat_view)
   return out.reshape(n, s, d)

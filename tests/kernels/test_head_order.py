@@ -34,3 +34,20 @@ def test_what_it_takes():
   assert not supported(21, 3600, 64, jnp.bfloat16)  # rows narrower than the lanes
   with pytest.raises(ValueError, match="as 3 frames of a multiple of 8 positions"):
     reorder_heads(jnp.zeros((1, 30, 128)), jnp.ones(1), 3, to_temporal=True, interpret=True)
+
+
+def test_its_gradient_is_the_reverse_reorder():
+  """Training differentiates placement: the gradient of a reorder is the cotangent reordered
+  back, the geometry's own gradient."""
+  import jax  # pylint: disable=import-outside-toplevel
+  grid = VideoGrid(5, 4, 8)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((2, grid.tokens, 128)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, grid.tokens, 128)), jnp.float32)
+  swap = jnp.asarray([1, 0])
+  for to_temporal in (True, False):
+    ours = jax.grad(lambda x: (reorder_heads(x, swap, grid.frames, to_temporal=to_temporal,
+                                             interpret=True) * w).sum())(x)
+    move = to_temporal_major if to_temporal else to_frame_major
+    want = jax.grad(lambda x: (jnp.stack([move(x[:1], grid)[0], x[1]]) * w).sum())(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(want))

@@ -241,6 +241,18 @@ def test_the_gradient_of_a_call_with_dense_frames_compiles():
   assert "dkv" in text and text.count("svg_pallas_sparse") >= 2
 
 
+def test_the_gradient_of_a_routed_call_compiles():
+  """Training through the whole call on a TPU: placement and restore (our Pallas pass) are
+  differentiated by the reverse pass, the router's sampled rows not at all: v5e, 480p."""
+  mesh = chip_mesh("v5e")
+  target = target_for_devices(mesh.devices.flat)
+  grid = grid_for_resolution("480p")
+  loss = lambda q, k, v: svg_attention(q, k, v, grid=grid, config=SvgConfig(),
+                                       target=target).astype(jnp.float32).sum()
+  text = compile_ok(jax.grad(loss, argnums=(0, 1, 2)), qkv(mesh, grid)).executable.as_text()
+  assert "svg_head_order" in text and "svg_sampled_rows" in text and "dkv" in text
+
+
 @pytest.mark.full  # bench schedule --compensation compiles the same call (CI time)
 def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backend="pallas"):
   """svg_compensation on, v6e, 720p: the kernel returns its log-sum-exp, the centroid pass and the
