@@ -265,3 +265,21 @@ def test_a_tile_choices_row_shows_its_kernel_and_the_xla_around_it():
   text = step_bench.format_tile_choices({"config": "c.yml", "slice": "v6e-8",
                                          "choices": [choice]})
   assert "| 2048x1024/512 | 700 | 3.0 | 30.0 | 8.0 | 38.0 | 2,400.0 | 1.900x | 1.600x |" in text
+
+
+def test_our_small_kernels_are_left_out_and_said_so():
+  """A step compiled with the router's and the placement's Mosaic kernels prices without them
+  and names them; one compiled before them says nothing."""
+  import copy  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  from maxdiffusion_svg.bench.step import UNPRICED, format_step  # pylint: disable=import-outside-toplevel
+  stored = json.loads((pathlib.Path(__file__).resolve().parents[2] / "docs" / "measurements"
+                       / "static_step_v5e1_wan1.3b_720p.json").read_text())
+  assert "left out of svg's bundles" not in format_step(stored)
+  newer = copy.deepcopy(stored)
+  newer["programs"]["svg"]["unpriced_kernels"] = ["svg_sampled_rows.3", "svg_head_order.1",
+                                                  "svg_head_order.2"]
+  assert UNPRICED == ("svg_sampled_rows", "svg_head_order")
+  assert ("left out of svg's bundles (no body model prices them; the XLA they replaced cost "
+          "more): svg_head_order, svg_sampled_rows") in format_step(newer)

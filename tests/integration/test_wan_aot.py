@@ -44,12 +44,15 @@ def test_svg_compiles_with_our_kernel_and_fits_like_ulysses(compiled):
   assert ulysses["ok"], ulysses["error"]
   assert svg["ok"], svg["error"]
   # svg chose TPU kernels from the mesh's devices, not the CPU host: our kernel for video
-  # self-attention (the schedule's sparse and dense branches, one executable for every step)
-  # and MaxDiffusion's flash (its segmented Splash) for cross-attention.
+  # self-attention (the schedule's sparse and dense branches, one executable for every step),
+  # the router's sampled rows and the placement of q, k, v and the output's restore (ours), and
+  # MaxDiffusion's flash (its segmented Splash) for cross-attention.
   assert "backend pallas" in svg["svg"] and "TPU v6e" in svg["svg"]
   names = svg["mosaic_kernel_names"]
-  assert svg["mosaic_kernels"] == 3, names
+  assert svg["mosaic_kernels"] == 8, names
   assert sum("svg_pallas_sparse" in name for name in names) == 2, names
+  assert sum("svg_sampled_rows" in name for name in names) == 1, names
+  assert sum("svg_head_order" in name for name in names) == 4, names
   assert sum("segmented" in name for name in names) == 1, names
   assert svg["memory"]["temp"] <= TEMP_RATIO_BOUND * ulysses["memory"]["temp"], (
       svg["memory"], ulysses["memory"])
