@@ -85,8 +85,7 @@ def sampled_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, keeps: jax.Array
   """Softmax attention of ``q_rows [B, H, R, D]`` over all of ``k``, ``v [B, H, S, D]``, dense
   and under each of ``keeps`` (``[M, R, S]`` shared or ``[B, H, M, R, S]``; nonzero: kept).
   Returns float32 ``out [B, H, 1 + M, R, D]`` and ``lse [B, H, 1 + M, R]``; index 0 is the
-  dense row. A row keeping no key gets
-  NaN output and ``-inf`` lse, as a softmax over nothing."""
+  dense row. A row keeping no key gets NaN output and ``-inf`` lse, as a softmax over nothing."""
   b, h, rows, d = q_rows.shape
   s, dv = k.shape[2], v.shape[-1]
   masks = 0 if keeps is None else keeps.shape[-3]
