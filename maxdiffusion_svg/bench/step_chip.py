@@ -281,11 +281,16 @@ def profile_step(fn: Callable[[], Any], directory: str,
   """One traced call of ``fn``: its device ops' time by part of the step (:data:`PARTS`, from
   each op's named scope in the compiled program ``hlo`` returns) and the longest ops, read with
   ``jax.profiler.ProfileData``. Control flow (a loop, a conditional) is left out: its ops are
-  counted themselves."""
+  counted themselves. The program's text is written beside the trace (``step.hlo.txt``)."""
   import glob  # pylint: disable=import-outside-toplevel
 
   import jax  # pylint: disable=import-outside-toplevel
-  scopes = op_scopes(hlo()) if hlo is not None else {}
+  text = hlo() if hlo is not None else ""
+  scopes = op_scopes(text)
+  if text:  # the program beside its trace: what an op without a scope is, read in its operands
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "step.hlo.txt"), "w", encoding="utf-8") as f:
+      f.write(text)
   jax.block_until_ready(fn())
   with jax.profiler.trace(directory):
     jax.block_until_ready(fn())

@@ -85,3 +85,11 @@ def test_stand_in_weights_are_ones_for_norm_scales_zeros_for_biases_else_small()
   assert np.all(np.asarray(step_chip.random_param(("proj_out", "bias"), (8,), jnp.float32, 1)) == 0)
   w = np.asarray(step_chip.random_param(("proj_out", "kernel"), (256, 256), jnp.float32, 2))
   assert math.isclose(float(w.std()), 0.02, rel_tol=0.05) and abs(float(w.mean())) < 1e-3
+
+
+def test_a_profiled_step_writes_its_program_beside_its_trace(tmp_path):
+  """On the host no TPU plane is traced (no parts); the program's text is kept all the same."""
+  text = '  %copy.1 = bf16[2] copy(%x), metadata={op_name="jit(f)/svg_place/transpose"}'
+  profile = step_chip.profile_step(lambda: jnp.ones(3) + 1, str(tmp_path), lambda: text)
+  assert (tmp_path / "step.hlo.txt").read_text() == text
+  assert profile.get("parts_s", {}) == {} or "error" in profile
