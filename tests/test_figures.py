@@ -126,8 +126,10 @@ def check_chip_steps(text: str) -> list[str]:
   said = re.search(r"svg's dense steps run ([\d.]+)x \(720p\) and ([\d.]+)x \(480p\)", text)
   problems += mismatches(said.groups(), [hd["moderate dense"] / hd["base"],
                                          sd["moderate dense"] / sd["base"]])
+  # flash was timed in the previous run, beside its own fixed-m
+  earlier = chip_steps("chip_v5e_step_wan1.3b_code1758420")["wan1.3b_480p"]
   said = re.search(r"`flash` ran ([\d.]+) s a step at\s+480p, ([\d.]+)x fixed-m's", text)
-  problems += mismatches(said.groups(), [sd["flash"], sd["flash"] / sd["base"]])
+  problems += mismatches(said.groups(), [earlier["flash"], earlier["flash"] / earlier["base"]])
   said = re.search(r"keeps ([\d.]+) s of MaxDiffusion's", text)
   problems += mismatches(said.groups(), [hd["untouched"]])
   said = re.search(r"is ([\d.]+)% of the `moderate`\s+sparse step at 720p and ([\d.]+)% at 480p",
@@ -250,7 +252,7 @@ def test_a_changed_figure_fails():
   assert check_chip_calls(README) == []
   assert check_chip_calls(README.replace("| 31.94 |", "| 31.95 |"))
   assert check_chip_steps(README.replace("1.013x (720p)", "1.023x (720p)"))
-  assert check_chip_steps(README.replace("10.8% at 480p", "10.6% at 480p"))
-  assert check_expect_timed_run(EXPECT.replace("the run 1.55x (1.31x)", "the run 1.55x (1.32x)"))
+  assert check_chip_steps(README.replace("9.1% at 480p", "9.3% at 480p"))
+  assert check_expect_timed_run(EXPECT.replace("the run 1.57x (1.33x)", "the run 1.57x (1.34x)"))
   assert mismatches(["0.40x"], ["0.4005"]) == [] and mismatches(["0.39"], ["0.395"]) == []
   assert mismatches(["0.41x"], ["0.4005"]) and mismatches(["1.2"], ["1.2", "3"])
