@@ -88,6 +88,7 @@ class ModelCall:
   expert: str | None
   step: jax.Array | None  # traced int32; None when no schedule was set
   count_calls: bool = False  # report each self-attention call to run_summary
+  traced: Any = None  # the model's run_summary.Traced, where it counts its calls
   # (centroids, ready) refs of a model holding a semantic store, in a denoising run
   semantic_store: tuple[Any, Any] | None = None
 
@@ -162,6 +163,7 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   model.svg_schedule_set = False
   # Why the run summary does not count this model's calls ("": it does).
   model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
+  model.svg_traced = run_summary.Traced()
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))
   if warm_start:
@@ -212,6 +214,7 @@ def call_of(model: Any, grid: VideoGrid, timestep: Any) -> ModelCall:
     step = jnp.sum(model.svg_timesteps[...] > t).astype(jnp.int32)
   return ModelCall(type(model).__name__, grid, getattr(model, "svg_settings", None),
                    getattr(model, "svg_expert", None), step, counts_calls(model),
+                   getattr(model, "svg_traced", None),
                    # centroids carry over steps of a denoising run only (a step is known)
                    semantic_store.refs(model) if step is not None else None)
 

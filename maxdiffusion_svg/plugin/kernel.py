@@ -196,7 +196,7 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   if dense_reason is not None:
     _record(dense_reason, call.expert)
     if call.count_calls and dense_reason != "short":  # short: the summary says so itself
-      run_summary.on_dense(dense_reason)
+      call.traced.add_dense(dense_reason)
     return dense_attention(q, k, v, context,
                            settings.resolved_dense_kernel(settings.svg.target(mesh=context["mesh"]).platform))
   if q.ndim == 3:  # LTX-2's [B, S, H*D]
@@ -230,6 +230,8 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   # Every decision before the data (target, executor, tiles, plans) once, for the call's mesh.
   prepared = prepare(settings.svg, call.grid, call.expert, mesh=context["mesh"])
   _record_rungs(q, k, v, call, settings, context, step, layer)
+  if call.count_calls:  # the other calls traced beside it run as often (run_summary.Traced)
+    call.traced.add_self()
   with residuals_named(context["residual_checkpoint_name"]):
     out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                                 config=settings.svg, scale=context["scale"], step=step,

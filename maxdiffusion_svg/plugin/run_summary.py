@@ -2,10 +2,15 @@
 
 Each self-attention call reports, from every device inside the head exchange, its step, layer,
 whether the schedule made it sparse, its heads and how many of them the router sent to each head
-layout (one host callback per call and device; no collective). The pipeline hook resets the
-tally before a call and logs the summary after it: sparse and dense calls, each reported
-layout's head share per layer range (temporal always; others, e.g. semantic, where they are
-among the layouts), the kernel and tiles, and seconds per step.
+layout (one host callback per call and device; no collective). The model's other attention calls
+(cross-attention, LTX-2's audio self-attention, Wan VACE's control blocks) run dense and are
+counted where they are traced (:class:`Traced`): each runs once for every run of the forward that
+traced it, as the self-attention calls beside it, whose runs the callbacks count. A callback of
+their own cost as much as the self-attention call's on a TPU (docs/benchmarks.md, "A denoising
+step timed on a TPU v5e"). The pipeline hook resets the tally before a call and logs the summary
+after it: sparse and dense calls, each reported layout's head share per layer range (temporal
+always; others, e.g. semantic, where they are among the layouts), the kernel and tiles, the other
+calls run dense, and seconds per step.
 
 ``svg_run_summary: false``, or MaxDiffusion's AOT cache (``aot_cache_dir``, which cannot
 serialise host callbacks), leaves the callbacks out; the calls are then counted from the
@@ -17,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,13 +46,8 @@ class _Tally:
   # per layout name, per layer: its heads in sparse calls
   routed: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
   heads: dict[int, int] = dataclasses.field(default_factory=dict)
-  dense: dict[str, int] = dataclasses.field(default_factory=dict)  # other calls, by kind
   schedules: int = 0  # timesteps the pipeline set: Wan Animate sets them once per segment
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-  def add_dense(self, kind: str) -> None:
-    with self.lock:
-      self.dense[kind] = self.dense.get(kind, 0) + 1
 
   def add(self, active, step, layer, temporal, heads, semantic=0) -> None:
     """One call's report with temporal and semantic counts (the built-in layouts')."""
@@ -66,6 +66,36 @@ class _Tally:
 
 
 _TALLY = _Tally()
+
+
+@dataclasses.dataclass(eq=False)
+class Traced:
+  """A prepared model's attention calls as its forward was traced (host side, at trace time):
+  the self-attention calls the run summary counts and the other calls by the kind they run dense
+  as. A static attribute of the model (compared by identity), kept across runs: a compiled forward
+  is not traced again."""
+
+  self_calls: int = 0
+  dense: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def add_self(self) -> None:
+    self.self_calls += 1
+
+  def add_dense(self, kind: str) -> None:
+    self.dense[kind] = self.dense.get(kind, 0) + 1
+
+
+def other_dense(traced: Sequence[Traced], executed: int) -> tuple[tuple[str, int], ...]:
+  """The other calls run dense, by kind, in a run whose counted self-attention calls ran
+  ``executed`` times: each traced beside ``self_calls`` of them runs as often as they do."""
+  selves = sum(t.self_calls for t in traced)
+  kinds: dict[str, int] = {}
+  for t in traced:
+    for kind, n in t.dense.items():
+      kinds[kind] = kinds.get(kind, 0) + n
+  if not selves:
+    return ()
+  return tuple(sorted((kind, round(n * executed / selves)) for kind, n in kinds.items()))
 
 
 def reset() -> None:
@@ -103,13 +133,6 @@ def segments() -> int:
   return max(1, _TALLY.schedules)
 
 
-def on_dense(kind: str) -> None:
-  """A call the kernel ran dense outside video self-attention (``cross``: cross-attention and
-  any other untagged op, e.g. LTX-2's audio self-attention; ``masked``): one host callback
-  per execution (outside the head exchange: once per call)."""
-  jax.debug.callback(lambda: _TALLY.add_dense(kind))
-
-
 class LayoutShare(NamedTuple):
   """A head layout's share of the sparse calls' heads, overall (None: no sparse call) and per
   layer range (first layer, last layer, share)."""
@@ -145,7 +168,8 @@ class CallCounts:
   def repeated(self, runs: int) -> CallCounts:
     """The calls of ``runs`` runs of the schedule in one pipeline call (Wan Animate's
     segments), each making these."""
-    return dataclasses.replace(self, sparse=self.sparse * runs, dense=self.dense * runs)
+    return dataclasses.replace(self, sparse=self.sparse * runs, dense=self.dense * runs,
+                               other_dense=tuple((k, n * runs) for k, n in self.other_dense))
 
 
 def _shares(counts: dict[int, int], heads: dict[int, int],
@@ -168,18 +192,19 @@ def reported(layouts: tuple[str, ...] = ()) -> tuple[str, ...]:
   return tuple(name for name in names()[1:] if get(name).reported or name in layouts)
 
 
-def counted_calls(layers: int, layouts: tuple[str, ...] = ()) -> CallCounts:
+def counted_calls(layers: int, layouts: tuple[str, ...] = (),
+                  traced: Sequence[Traced] = ()) -> CallCounts:
   """The tally of the pipeline call just finished (after ``jax.effects_barrier``);
-  ``layouts``: the run's (their shares are reported, :func:`reported`)."""
+  ``layouts``: the run's (their shares are reported, :func:`reported`); ``traced``: the models'
+  traced calls, for the other calls run dense (:func:`other_dense`)."""
   tally = _TALLY
   with tally.lock:
     calls, heads = dict(tally.calls), dict(tally.heads)
     routed = {name: dict(counts) for name, counts in tally.routed.items()}
-    other = tuple(sorted(tally.dense.items()))
   sparse = sum(calls.values())
   shares = tuple(LayoutShare(name, *_shares(routed.get(name, {}), heads, layers))
                  for name in reported(layouts))
-  return CallCounts(sparse, len(calls) - sparse, True, shares, other)
+  return CallCounts(sparse, len(calls) - sparse, True, shares, other_dense(traced, len(calls)))
 
 
 def scheduled_calls(settings: PluginSettings, steps: int, layers: int,
@@ -280,7 +305,8 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
     why = f"{tokens:,} tokens is below svg_min_seq_length {settings.min_seq_length}: all dense"
   elif counted:
     jax.effects_barrier()  # every callback of the call has run
-    counts = counted_calls(layers, settings.svg.layouts)
+    counts = counted_calls(layers, settings.svg.layouts,
+                           [m.svg_traced for m in models if hasattr(m, "svg_traced")])
     if counts.sparse + counts.dense == 0:
       return (f"run summary: {steps} steps: no self-attention call reached the svg kernel "
               f"(the model's self-attention runs another kernel)")

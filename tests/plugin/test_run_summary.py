@@ -71,3 +71,31 @@ def test_the_kernel_part_of_the_line_says_the_compensation(keys, says):
   assert text.endswith(f"high_noise density 0.5, low_noise density 0.3, {says}")
   line = run_summary.summary_line(run_summary.CallCounts(1, 1, True), 1, 2, text, None)
   assert line.endswith(says)
+
+
+def test_other_calls_run_as_often_as_the_self_attention_traced_beside_them():
+  """Each traced call runs once per run of its forward, like the counted self-attention calls
+  traced with it: 3 blocks of (self, cross, cross) and a VACE block of (vace, cross) per
+  forward, 10 forwards: 30 counted self-attention calls."""
+  run_summary.reset()
+  tally = run_summary._TALLY  # pylint: disable=protected-access
+  traced = run_summary.Traced()
+  for _ in range(3):
+    traced.add_self()
+    traced.add_dense("cross")
+    traced.add_dense("cross")
+  traced.add_dense("vace")
+  traced.add_dense("cross")
+  for step, layer in itertools.product(range(10), range(3)):
+    for _ in range(2):  # two devices report each call
+      tally.add(True, step, layer, 0, 2)
+  counts = run_summary.counted_calls(3, traced=[traced])
+  assert counts.other_dense == (("cross", 70), ("vace", 10))
+  assert counts.repeated(2).other_dense == (("cross", 140), ("vace", 20))
+  line = run_summary.summary_line(counts, 10, 3, "k", None)
+  assert line.endswith("other attention calls dense: 70 cross, 10 vace (cross-attention runs "
+                       "svg_dense_kernel)")
+  # two experts' forwards (Wan 2.2), traced alike: their counts add up
+  assert run_summary.other_dense([traced, traced], 30) == (("cross", 70), ("vace", 10))
+  assert run_summary.other_dense([run_summary.Traced()], 30) == ()
+  run_summary.reset()
