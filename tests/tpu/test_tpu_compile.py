@@ -256,7 +256,8 @@ def test_the_gradient_of_a_routed_call_compiles():
 @pytest.mark.full  # bench schedule --compensation compiles the same call (CI time)
 def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backend="pallas"):
   """svg_compensation on, v6e, 720p: the kernel returns its log-sum-exp, the centroid pass and the
-  merge follow it; the dense branch skips nothing, so it is the plain kernel."""
+  merge follow it (XLA); the dense branch skips nothing, so it is the plain kernel. Beside the two:
+  the router's sampled rows, placing q, k, v and restoring (our Mosaic passes)."""
   mesh = chip_mesh("v6e")
   grid = grid_for_resolution("720p")
   config = SvgConfig(compensation=True, backend=backend)
@@ -265,7 +266,9 @@ def test_compensated_scheduled_call_compiles_with_the_kernels_log_sum_exp(backen
       q, k, v, grid=grid, config=config, step=step, layer=layer, target=target)
   scalar = abstract((), jnp.int32, mesh)
   result = compile_ok(fn, (*qkv(mesh, grid), scalar, scalar))
-  assert result.executable.as_text().count('custom_call_target="tpu_custom_call"') == 2
+  text = result.executable.as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 7
+  assert text.count("svg_pallas_sparse") >= 2 and "svg_sampled_rows" in text
 
 
 @pytest.mark.parametrize("chip", [
