@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
-from maxdiffusion_svg.kernels import head_order
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
 from maxdiffusion_svg.kernels.sampled_rows import sampled_rows, sampled_rows_xla
 from maxdiffusion_svg.plan.geometry import VideoGrid
@@ -21,7 +20,7 @@ from maxdiffusion_svg.plan.target import Target, target_for_call
 from maxdiffusion_svg.plan.tiles import TilePlan
 from maxdiffusion_svg.routing.compensation import (Centroids, centroids, compensated_call, per_head,
                                                    table_row_keys)
-from maxdiffusion_svg.routing.layouts import SEMANTIC, TEMPORAL, get, index, layout_ids, names
+from maxdiffusion_svg.routing.layouts import SEMANTIC, get, index, layout_ids, names
 from maxdiffusion_svg.routing.router import Routing, RowsKernel, layout_centroids, profile_heads
 from maxdiffusion_svg.routing.semantic import (Seed, SemanticLayout, gather_tokens, semantic_layout,
                                                visited_table)
@@ -105,18 +104,23 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layo
 
 def _ordered(kernel: SparseKernel, x: jax.Array, layout: jax.Array, grid: VideoGrid,
              layouts: tuple[str, ...] | None, *, to_placed: bool) -> jax.Array:
-  """:func:`place` (``to_placed``) or :func:`restore`; where the only moved layout is temporal
-  and a TPU lowers the call, by our Pallas pass (one read and write of the array)."""
-  xla = place if to_placed else restore
+  """:func:`place` (``to_placed``) or :func:`restore`; where a TPU lowers the call and every
+  moved layout has its pass there (``on_tpu``), by those passes (each one read and write)."""
+  xla = functools.partial(place if to_placed else restore, grid=grid, layouts=layouts)
   b, h, s, d = x.shape
-  if _moved(layouts) != [TEMPORAL] or not head_order.supported(grid.frames, grid.frame_size, d,
-                                                                 x.dtype):
-    return xla(x, layout, grid, layouts)
-  swap = jnp.broadcast_to(layout_ids(layout) == index(TEMPORAL), (b, h)).reshape(-1)
-  tpu = lambda: lambda x, swap, layout: head_order.reorder_heads(
-      x.reshape(b * h, s, d), swap, grid.frames, to_temporal=to_placed).reshape(x.shape)
-  host = lambda: lambda x, swap, layout: xla(x, layout, grid, layouts)
-  return kernel.per_lowering(tpu, host)(jnp.asarray(x), swap, layout)
+  moved = [get(name) for name in _moved(layouts)]
+  if not moved or not all(m.on_tpu is not None and m.on_tpu.supported(grid, d, x.dtype)
+                          for m in moved):
+    return xla(x, layout)
+
+  def on_tpu(x: jax.Array, layout: jax.Array) -> jax.Array:
+    ids = jnp.broadcast_to(layout_ids(layout), (b, h)).reshape(-1)
+    heads = x.reshape(b * h, s, d)
+    for m in moved:  # each moves its own heads only
+      heads = m.on_tpu.run(heads, ids == index(m.name), grid, to_placed)
+    return heads.reshape(x.shape)
+
+  return kernel.per_lowering(lambda: on_tpu, lambda: xla)(jnp.asarray(x), layout)
 
 
 def _run_placed(kernel: SparseKernel, placed: list[jax.Array], layout: jax.Array,

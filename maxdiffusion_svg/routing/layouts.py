@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from maxdiffusion_svg.kernels import head_order
 from maxdiffusion_svg.plan.geometry import (TokenOrder, VideoGrid, layout_positions,
                                             temporal_major_order, to_frame_major,
                                             to_temporal_major)
@@ -18,11 +19,30 @@ BAND, OWN = "band", "own"  # a layout's tile table: the shared band plan's, or e
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadsReorder:
+  """A band layout's TPU pass: ``run(x [N, S, D], flags [N], grid, to_placed)`` places (or
+  restores) the heads ``flags`` marks and copies the rest, one read and write of ``x``, where
+  ``supported(grid, head_dim, dtype)``."""
+
+  run: Callable[[Any, Any, VideoGrid, bool], Any]
+  supported: Callable[[VideoGrid, int, Any], bool]
+
+
+# Temporal heads: frames interleaved in one Pallas pass (kernels/head_order.py).
+_TEMPORAL_ON_TPU = HeadsReorder(
+    run=lambda x, flags, grid, to_placed: head_order.reorder_heads(x, flags, grid.frames,
+                                                                   to_temporal=to_placed),
+    supported=lambda grid, head_dim, dtype: head_order.supported(grid.frames, grid.frame_size,
+                                                                 head_dim, dtype))
+
+
+@dataclasses.dataclass(frozen=True)
 class HeadLayout:
   """One head layout. ``table``: ``band`` (the call's shared static plan) or ``own`` (each head's,
   made on device). Band layouts give ``positions(grid, tokens)``, frame-major tokens' placed
   positions, and ``order(grid)``, ``order[u]`` the frame-major token placed at ``u`` (numpy).
-  ``to_placed``/``to_frame_major``: ``(x [..., S, D], grid) -> x`` and back (None: frame-major).
+  ``to_placed``/``to_frame_major``: ``(x [..., S, D], grid) -> x`` and back (None: frame-major);
+  ``on_tpu``: the same for a TPU lowering, by heads in one pass (None: XLA's, a head at a time).
   ``on_ring``: runs where a ring splits the sequence; ``reported``: always in the run summary."""
 
   name: str
@@ -31,6 +51,7 @@ class HeadLayout:
   order: Callable[[VideoGrid], np.ndarray] | None = None
   to_placed: Callable[[Any, VideoGrid], Any] | None = None
   to_frame_major: Callable[[Any, VideoGrid], Any] | None = None
+  on_tpu: HeadsReorder | None = None
   on_ring: bool = True
   reported: bool = False
 
@@ -65,7 +86,8 @@ _BUILT_IN = (
         grid, TokenOrder.FRAME_MAJOR, tokens), order=_frame_major_order),
     HeadLayout(TEMPORAL, positions=lambda grid, tokens: layout_positions(
         grid, TokenOrder.TEMPORAL_MAJOR, tokens), order=temporal_major_order,
-               to_placed=to_temporal_major, to_frame_major=to_frame_major, reported=True),
+               to_placed=to_temporal_major, to_frame_major=to_frame_major, on_tpu=_TEMPORAL_ON_TPU,
+               reported=True),
     HeadLayout(SEMANTIC, table=OWN, on_ring=False),
 )
 LAYOUTS: tuple[str, ...] = tuple(layout.name for layout in _BUILT_IN)  # the built-in layouts
