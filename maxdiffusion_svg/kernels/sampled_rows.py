@@ -131,18 +131,32 @@ def sampled_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, keeps: jax.Array
           lse.reshape(b, h, masks + 1, r)[:, :, :, :rows])
 
 
+# The same in XLA, in float32 at full precision: the router's host path.
+
+
+def row_logits(q_rows: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+  """``float32 [B, H, R, S]``: the rows' scaled logits against every key."""
+  f32 = jnp.float32
+  return jnp.einsum("bhrd,bhkd->bhrk", q_rows.astype(f32), k.astype(f32), precision=_FULL) * scale
+
+
+def masked_rows(logits: jax.Array, v32: jax.Array, keep: jax.Array | None) -> jax.Array:
+  """The rows' softmax over the keys ``keep`` marks (None: every key) times float32 ``v32``."""
+  if keep is not None:
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return jnp.einsum("bhrk,bhkd->bhrd", jax.nn.softmax(logits, axis=-1), v32, precision=_FULL)
+
+
+def masked_lse(logits: jax.Array, keep: jax.Array | None) -> jax.Array:
+  """The rows' log-sum-exp over the keys ``keep`` marks (None: every key)."""
+  return jax.nn.logsumexp(logits if keep is None else jnp.where(keep, logits, -jnp.inf), axis=-1)
+
+
 def sampled_rows_xla(q_rows: jax.Array, k: jax.Array, v: jax.Array, keeps: jax.Array | None,
                      scale: float) -> tuple[jax.Array, jax.Array]:
-  """:func:`sampled_rows` in XLA, in float32 at full precision (the router's host path)."""
-  f32, full = jnp.float32, jax.lax.Precision.HIGHEST
-  logits = jnp.einsum("bhrd,bhkd->bhrk", q_rows.astype(f32), k.astype(f32), precision=full) * scale
-  v32 = v.astype(f32)
-  masks = [None] if keeps is None else [None] + [keeps[..., i, :, :]
+  """:func:`sampled_rows` in XLA (:func:`row_logits`, :func:`masked_rows`, :func:`masked_lse`)."""
+  logits, v32 = row_logits(q_rows, k, scale), v.astype(jnp.float32)
+  masks = [None] if keeps is None else [None] + [keeps[..., i, :, :] != 0
                                                  for i in range(keeps.shape[-3])]
-  outs, lses = [], []
-  for keep in masks:
-    masked = logits if keep is None else jnp.where(keep != 0, logits, -jnp.inf)
-    outs.append(jnp.einsum("bhrk,bhkd->bhrd", jax.nn.softmax(masked, axis=-1), v32,
-                           precision=full))
-    lses.append(jax.nn.logsumexp(masked, axis=-1))
-  return jnp.stack(outs, 2), jnp.stack(lses, 2)
+  return (jnp.stack([masked_rows(logits, v32, keep) for keep in masks], 2),
+          jnp.stack([masked_lse(logits, keep) for keep in masks], 2))

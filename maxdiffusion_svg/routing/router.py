@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from maxdiffusion_svg.kernels.row_keys import merge, softmax_over
+from maxdiffusion_svg.kernels.sampled_rows import masked_lse, masked_rows, row_logits
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.masks import Mask, probe_mask
 from maxdiffusion_svg.plan.tiles import TilePlan
@@ -119,13 +120,6 @@ def sample_rows(key: jax.Array, seq_len: int, config: RouterConfig) -> jax.Array
   return jnp.minimum(((jnp.arange(n) + offsets) * (seq_len / n)).astype(jnp.int32), seq_len - 1)
 
 
-def _masked_output(logits: jax.Array, v: jax.Array, keep: jax.Array | None) -> jax.Array:
-  if keep is not None:
-    logits = jnp.where(keep, logits, -jnp.inf)
-  return jnp.einsum("bhrk,bhkd->bhrd", jax.nn.softmax(logits, axis=-1), v,
-                    precision=jax.lax.Precision.HIGHEST)
-
-
 # (plan, centroids per key tile): the router judges the compensated call that plan will run.
 Compensated = tuple[TilePlan, int]
 
@@ -140,12 +134,9 @@ class Sampled(NamedTuple):
 
 
 def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scale: float) -> Sampled:
-  f32 = jnp.float32
-  qs = jnp.take(q, rows, axis=2).astype(f32)
-  logits = jnp.einsum("bhrd,bhkd->bhrk", qs, k.astype(f32),
-                      precision=jax.lax.Precision.HIGHEST) * scale
-  v32 = v.astype(f32)
-  return Sampled(qs, logits, v32, _masked_output(logits, v32, None))
+  qs = jnp.take(q, rows, axis=2).astype(jnp.float32)
+  logits, v32 = row_logits(qs, k, scale), v.astype(jnp.float32)
+  return Sampled(qs, logits, v32, masked_rows(logits, v32, None))
 
 
 def compensated_rows(qs: jax.Array, exact: jax.Array, lse: jax.Array, rows: jax.Array,
@@ -223,8 +214,8 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
   else:
     qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)
     keeps = [keep_in(name) for name in layouts]
-    masked = [(_masked_output(logits, v32, keep), lambda keep=keep: jax.nn.logsumexp(
-        jnp.where(keep, logits, -jnp.inf), axis=-1)) for keep in keeps]
+    masked = [(masked_rows(logits, v32, keep), lambda keep=keep: masked_lse(logits, keep))
+              for keep in keeps]
   errors = []
   for name, (out, lse) in zip(layouts, masked):
     if compensation is not None:
