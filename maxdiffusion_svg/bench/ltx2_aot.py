@@ -41,8 +41,8 @@ from maxdiffusion_svg.bench.ltx2_model import (CONFIG_NAME, LTX2_19B, TEXT_LEN, 
                                                RESOLUTIONS, default_config, latent_grid,
                                                audio_frames, resolution_video)
 from maxdiffusion_svg.bench.wan_aot import (KERNEL_KEYS as WAN_KERNEL_KEYS, _counts,
-                                            abstract_loaders, abstract_tree, init_config, mib,
-                                            mutable_stores, record_compile, topology_mesh)
+                                            abstract_tree, init_config, mib, mutable_stores,
+                                            record_compile, stand_in_loaders, topology_mesh)
 
 KERNELS = ("flash", "ulysses_custom_fixed_m", "svg")
 # MaxDiffusion's fixed-m kernel at its fast recipe (the blocks it ships for Wan; LTX-2 has no
@@ -95,7 +95,7 @@ def weightless_loaders(num_layers: int):
   the ``NamedSharding`` the pipeline computed for it."""
   import jax  # pylint: disable=import-outside-toplevel
   ltx2_pipeline = ltx2_pipeline_module()
-  load_config, load_weights = abstract_loaders({**LTX2_19B, "num_layers": num_layers})
+  load_config, load_weights = stand_in_loaders({**LTX2_19B, "num_layers": num_layers})
 
   def place(value, sharding):
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from unittest import mock
 
 from maxdiffusion_svg.bench.wan_aot import (DEFAULT_CONFIG, GUIDANCE_SCALE, REPO, WAN_14B,
-                                            architecture_for, init_config, latent_shape)
+                                            architecture_for, init_config, latent_shape,
+                                            stand_in_loaders)
 from maxdiffusion_svg.plan.target import MIB
 
 MODERATE, AGGRESSIVE = "moderate", "aggressive"
@@ -91,23 +92,9 @@ def random_param(name: tuple[str, ...], shape: tuple[int, ...], dtype: Any, inde
 def random_loaders(architecture: Mapping[str, Any]) -> Iterator[None]:
   """``create_sharded_logical_transformer`` with ``architecture`` for the Hugging Face config and
   random weights (:func:`random_param`) for the checkpoint; placement is MaxDiffusion's own."""
-  # pylint: disable=import-outside-toplevel
-  import flax
-  from maxdiffusion.pipelines.wan import wan_pipeline
-
-  from maxdiffusion_svg.testing.stand_ins import config_loader
-  # pylint: enable=import-outside-toplevel
-
-  def load_weights(_path, eval_shapes, *args, cast_dtype_fn=None, **kwargs):
-    del args, kwargs
-    flat = flax.traverse_util.flatten_dict(eval_shapes)
-    return flax.traverse_util.unflatten_dict({
-        name: random_param(name, tuple(x.shape), cast_dtype_fn(name) if cast_dtype_fn else x.dtype,
-                           i)
-        for i, (name, x) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0])))})
-
-  with mock.patch.object(wan_pipeline.WanModel, "load_config",
-                         side_effect=config_loader(dict(architecture))), \
+  from maxdiffusion.pipelines.wan import wan_pipeline  # pylint: disable=import-outside-toplevel
+  load_config, load_weights = stand_in_loaders(dict(architecture), random_param)
+  with mock.patch.object(wan_pipeline.WanModel, "load_config", side_effect=load_config), \
        mock.patch.object(wan_pipeline, "load_wan_transformer", side_effect=load_weights):
     yield
 
@@ -375,15 +362,11 @@ def case_figures(case: StepCase, rows: Sequence[Mapping[str, Any]], depth: int
 
 
 def software() -> dict[str, str]:
-  import jax  # pylint: disable=import-outside-toplevel
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-  versions = {"python": platform.python_version(), "jax": jax.__version__}
-  for name in ("jaxlib", "libtpu", "flax", "transformers", "torch"):
-    try:
-      versions[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      pass
-  return versions
+  """The timing's software (:func:`~maxdiffusion_svg.tpu.tile_search.software`), with Python and
+  what builds MaxDiffusion's model."""
+  from maxdiffusion_svg.tpu.tile_search import software as kernel_software  # pylint: disable=import-outside-toplevel
+  return {"python": platform.python_version(),
+          **kernel_software(("flax", "transformers", "torch"))}
 
 
 def run_step_chip(cfg: StepBenchConfig, clock: Clock = _clock,

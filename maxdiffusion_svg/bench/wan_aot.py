@@ -139,21 +139,24 @@ def topology_mesh(config, topology: str):
 # -------------------------------------------------------------------- the weightless model
 
 
-def abstract_loaders(architecture: dict[str, Any]) -> tuple[Callable[..., Any],
-                                                            Callable[..., Any]]:
-  """Stand-ins for a model's Hugging Face loaders: ``load_config`` returns ``architecture``;
-  the weight loader returns each parameter as a ``ShapeDtypeStruct`` of its final dtype."""
+def stand_in_loaders(architecture: dict[str, Any],
+                     weight: Callable[..., Any] | None = None) -> tuple[Callable[..., Any],
+                                                                       Callable[..., Any]]:
+  """Stand-ins for a model's Hugging Face loaders: ``load_config`` returns ``architecture``; the
+  weight loader gives each parameter ``weight(name, shape, dtype, index)`` at its final dtype
+  (``index``: its place in the parameters sorted by name), by default a ``ShapeDtypeStruct``."""
   # pylint: disable=import-outside-toplevel
   import flax
   import jax
   # pylint: enable=import-outside-toplevel
+  weight = weight or (lambda name, shape, dtype, index: jax.ShapeDtypeStruct(shape, dtype))
 
   def load_weights(_path, eval_shapes, *args, cast_dtype_fn=None, **kwargs):
     del args, kwargs
     flat = flax.traverse_util.flatten_dict(eval_shapes)
     return flax.traverse_util.unflatten_dict({
-        name: jax.ShapeDtypeStruct(x.shape, cast_dtype_fn(name) if cast_dtype_fn else x.dtype)
-        for name, x in flat.items()})
+        name: weight(name, tuple(x.shape), cast_dtype_fn(name) if cast_dtype_fn else x.dtype, i)
+        for i, (name, x) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0])))})
 
   return config_loader(architecture), load_weights
 
@@ -168,7 +171,7 @@ def weightless_loaders(num_layers: int, architecture: dict[str, Any] | None = No
   import jax
   from maxdiffusion.pipelines.wan import wan_pipeline
   # pylint: enable=import-outside-toplevel
-  load_config, load_weights = abstract_loaders({**(architecture or WAN_14B),
+  load_config, load_weights = stand_in_loaders({**(architecture or WAN_14B),
                                                 "num_layers": num_layers})
 
   def place(state, params, shardings, mesh, restored_checkpoint=None, subfolder=""):

@@ -336,8 +336,8 @@ def add_subparsers(bench_sub: argparse._SubParsersAction) -> None:  # pylint: di
                          "shapes): svg's sparse and dense steps against the dense kernels, "
                          "every program in this process (bench/step_chip.py)")
   step.add_argument("--cases", default="wan1.3b_720p",
-                    help="with --on-chip: wan1.3b_480p, wan1.3b_720p, wan14b_720p (2 of 40 "
-                         "layers, scaled), comma-separated")
+                    help="with --on-chip: comma-separated cases (bench/step_chip.py CASES; "
+                         "wan14b_720p is timed at 1 and 2 of its 40 layers and scaled)")
   step.add_argument("--kernels", default="ulysses_custom_fixed_m,flash",
                     help="with --on-chip: the dense kernels timed beside svg")
   step.add_argument("--presets", default="moderate,aggressive",

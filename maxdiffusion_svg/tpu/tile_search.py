@@ -133,12 +133,13 @@ def random_qkv(shape: CallShape, seed: int = 0, q_gain: float = 1.0) -> tuple[An
           jax.random.normal(kk, dims, dtype), jax.random.normal(kv, dims, dtype))
 
 
-def software() -> dict[str, str]:
+def software(extra: tuple[str, ...] = ()) -> dict[str, str]:
   """What a timing depends on besides the chip: jax, jaxlib, libtpu, the plugin and its kernel's
-  source (a kernel changed within a version is searched again)."""
+  source (a kernel changed within a version is searched again); ``extra``: more distributions'
+  versions ("none": not installed)."""
   with open(pallas.__file__, "rb") as f:
     out = {"kernel": hashlib.sha256(f.read()).hexdigest()[:12]}
-  for name in ("maxdiffusion-svg", "jax", "jaxlib", "libtpu"):
+  for name in ("maxdiffusion-svg", "jax", "jaxlib", "libtpu", *extra):
     try:
       out[name] = metadata.version(name)
     except metadata.PackageNotFoundError:
