@@ -135,6 +135,10 @@ def check_chip_steps(text: str) -> list[str]:
   said = re.search(r"is ([\d.]+)% of the `moderate`\s+sparse step at 720p and ([\d.]+)% at 480p",
                    text)
   problems += mismatches(said.groups(), [hd["ours %"], sd["ours %"]])
+  said = re.search(r"a denoising step ([\d.]+)x faster on\s+`moderate` and ([\d.]+)x on "
+                   r"`aggressive`, the 30-step run ([\d.]+)x and ([\d.]+)x", text)
+  problems += mismatches(said.groups(), [hd["moderate step x"], hd["aggressive step x"],
+                                         hd["moderate run x"], hd["aggressive run x"]])
   big = chip_steps("chip_v5e_step_wan14b_720p")["wan14b_720p"]
   said = re.search(r"a `moderate` sparse\s+step ([\d.]+)x, the run ([\d.]+)x; `aggressive` "
                    r"([\d.]+)x and ([\d.]+)x", text)
@@ -253,6 +257,7 @@ def test_a_changed_figure_fails():
   assert check_chip_calls(README.replace("| 31.94 |", "| 31.95 |"))
   assert check_chip_steps(README.replace("1.013x (720p)", "1.023x (720p)"))
   assert check_chip_steps(README.replace("7.9% at 480p", "8.1% at 480p"))
+  assert check_chip_steps(README.replace("the 30-step run 1.57x", "the 30-step run 1.58x"))
   assert check_expect_timed_run(EXPECT.replace("the run 1.57x (1.35x)", "the run 1.57x (1.34x)"))
   assert mismatches(["0.40x"], ["0.4005"]) == [] and mismatches(["0.39"], ["0.395"]) == []
   assert mismatches(["0.41x"], ["0.4005"]) and mismatches(["1.2"], ["1.2", "3"])
