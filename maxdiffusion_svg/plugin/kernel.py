@@ -195,8 +195,11 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     dense_reason = None
   if dense_reason is not None:
     _record(dense_reason, call.expert)
-    if call.count_calls and dense_reason != "short":  # short: the summary says so itself
-      call.traced.add_dense(dense_reason)
+    if call.count_calls:  # a short video's self-attention: the summary says so itself
+      if dense_reason == "short":  # still the call the others are traced beside
+        call.traced.add_self()
+      else:
+        call.traced.add_dense(dense_reason)
     return dense_attention(q, k, v, context,
                            settings.resolved_dense_kernel(settings.svg.target(mesh=context["mesh"]).platform))
   if q.ndim == 3:  # LTX-2's [B, S, H*D]
