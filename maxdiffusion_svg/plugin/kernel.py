@@ -193,13 +193,10 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
     dense_reason = "short"
   else:
     dense_reason = None
+  if call.count_calls:  # the other calls run as often as the self-attention traced beside them
+    call.traced.add(dense_reason)
   if dense_reason is not None:
     _record(dense_reason, call.expert)
-    if call.count_calls:  # a short video's self-attention: the summary says so itself
-      if dense_reason == "short":  # still the call the others are traced beside
-        call.traced.add_self()
-      else:
-        call.traced.add_dense(dense_reason)
     return dense_attention(q, k, v, context,
                            settings.resolved_dense_kernel(settings.svg.target(mesh=context["mesh"]).platform))
   if q.ndim == 3:  # LTX-2's [B, S, H*D]
@@ -233,8 +230,6 @@ def svg_kernel(q: jax.Array, k: jax.Array, v: jax.Array, context: dict[str, Any]
   # Every decision before the data (target, executor, tiles, plans) once, for the call's mesh.
   prepared = prepare(settings.svg, call.grid, call.expert, mesh=context["mesh"])
   _record_rungs(q, k, v, call, settings, context, step, layer)
-  if call.count_calls:  # the other calls traced beside it run as often (run_summary.Traced)
-    call.traced.add_self()
   with residuals_named(context["residual_checkpoint_name"]):
     out = sharded_svg_attention(q, k, v, mesh=context["mesh"], grid=call.grid,
                                 config=settings.svg, scale=context["scale"], step=step,

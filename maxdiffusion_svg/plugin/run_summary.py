@@ -78,11 +78,13 @@ class Traced:
   self_calls: int = 0
   dense: dict[str, int] = dataclasses.field(default_factory=dict)
 
-  def add_self(self) -> None:
-    self.self_calls += 1
-
-  def add_dense(self, kind: str) -> None:
-    self.dense[kind] = self.dense.get(kind, 0) + 1
+  def add(self, dense_reason: str | None) -> None:
+    """A call traced: video self-attention (``dense_reason`` None, or ``short``: a short video's,
+    run dense), else another call by the kind it runs dense as."""
+    if dense_reason in (None, "short"):
+      self.self_calls += 1
+    else:
+      self.dense[dense_reason] = self.dense.get(dense_reason, 0) + 1
 
 
 def other_dense(traced: Sequence[Traced], executed: int) -> tuple[tuple[str, int], ...]:
@@ -305,8 +307,7 @@ def after_call(models: list[Any], mesh: Any, outputs: Any, kwargs: dict[str, Any
     why = f"{tokens:,} tokens is below svg_min_seq_length {settings.min_seq_length}: all dense"
   elif counted:
     jax.effects_barrier()  # every callback of the call has run
-    counts = counted_calls(layers, settings.svg.layouts,
-                           [m.svg_traced for m in models if hasattr(m, "svg_traced")])
+    counts = counted_calls(layers, settings.svg.layouts, [m.svg_traced for m in models])
     if counts.sparse + counts.dense == 0:
       return (f"run summary: {steps} steps: no self-attention call reached the svg kernel "
               f"(the model's self-attention runs another kernel)")

@@ -81,11 +81,10 @@ def test_other_calls_run_as_often_as_the_self_attention_traced_beside_them():
   tally = run_summary._TALLY  # pylint: disable=protected-access
   traced = run_summary.Traced()
   for _ in range(3):
-    traced.add_self()
-    traced.add_dense("cross")
-    traced.add_dense("cross")
-  traced.add_dense("vace")
-  traced.add_dense("cross")
+    for reason in (None, "cross", "cross"):
+      traced.add(reason)
+  traced.add("vace")
+  traced.add("cross")
   for step, layer in itertools.product(range(10), range(3)):
     for _ in range(2):  # two devices report each call
       tally.add(True, step, layer, 0, 2)
@@ -98,4 +97,7 @@ def test_other_calls_run_as_often_as_the_self_attention_traced_beside_them():
   # two experts' forwards (Wan 2.2), traced alike: their counts add up
   assert run_summary.other_dense([traced, traced], 30) == (("cross", 70), ("vace", 10))
   assert run_summary.other_dense([run_summary.Traced()], 30) == ()
+  short = run_summary.Traced()  # a short video's self-attention, run dense, is still one
+  short.add("short")
+  assert (short.self_calls, short.dense) == (1, {})
   run_summary.reset()
