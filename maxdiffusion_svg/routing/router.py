@@ -183,6 +183,21 @@ class HeadTileMask:
     return jnp.take(jnp.take(self.visited, row_tiles, axis=2), key_tiles, axis=3)
 
 
+# Rows taken one dynamic slice each, up to this many (more: one gather). On a TPU XLA gave the
+# gather q with the heads minor, a copy of all of q a call (1.4 ms of a 720p layer on a v5e); the
+# slices read the row-major q the kernels take (docs/benchmarks.md, "A denoising step timed on a
+# TPU v5e").
+SLICED_ROWS = 256
+
+
+def take_rows(q: jax.Array, rows: jax.Array) -> jax.Array:
+  """``q[:, :, rows]`` for ``[B, H, S, D]`` q and int ``rows [R]``."""
+  if rows.shape[0] > SLICED_ROWS:
+    return jnp.take(q, rows, axis=2)
+  return jnp.concatenate([jax.lax.dynamic_slice_in_dim(q, rows[i], 1, axis=2)
+                          for i in range(rows.shape[0])], axis=2)
+
+
 # A TPU's sampled rows: ``(q_rows, k, v, keeps, scale) -> (out, lse)`` with the dense row first
 # (:func:`maxdiffusion_svg.kernels.sampled_rows.sampled_rows`); None: the XLA path below.
 RowsKernel = Callable[..., tuple[jax.Array, jax.Array]]
@@ -207,9 +222,10 @@ def layout_errors(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, gri
     return placed_keep(mask, grid, get(name), rows[:, None], keys)
 
   if rows_kernel is not None:
-    outs, lses = rows_kernel(jnp.take(q, rows, axis=2), k, v,
+    q_rows = take_rows(q, rows)
+    outs, lses = rows_kernel(q_rows, k, v,
                              jnp.stack([keep_in(name) for name in layouts], -3), scale)
-    dense, qs = outs[:, :, 0], jnp.take(q, rows, axis=2).astype(jnp.float32)
+    dense, qs = outs[:, :, 0], q_rows.astype(jnp.float32)
     masked = [(outs[:, :, i + 1], lambda i=i: lses[:, :, i + 1]) for i in range(len(layouts))]
   else:
     qs, logits, v32, dense = sampled or sample_dense(q, k, v, rows, scale)

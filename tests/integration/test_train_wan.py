@@ -36,6 +36,9 @@ def dense_losses(checkpoint, tmp_path_factory):
   return losses
 
 
+# CI time: svg's gradient is held to the masked reference in tests/kernels/test_gradients.py, and
+# the sparse run below takes the trainer's path with the plugin.
+@pytest.mark.full
 def test_density_one_trains_as_dense_attention(checkpoint, dense_losses, tmp_path):
   # Every layer, every tile: the same model and data, so the same losses.
   losses, log = run(checkpoint, tmp_path, "svg_density=1.0", "svg_active_layers=[0, -1]")

@@ -12,8 +12,8 @@ from maxdiffusion_svg.bench.synthetic import planted_qkv
 from maxdiffusion_svg.kernels import dense_attention
 from maxdiffusion_svg.plan.geometry import VideoGrid, frame_major_order
 from maxdiffusion_svg.plan.tiles import plan_tiles
-from maxdiffusion_svg.routing.router import (RouterConfig, probe_errors, profile_heads, route_heads,
-                                             sample_rows)
+from maxdiffusion_svg.routing.router import (SLICED_ROWS, RouterConfig, probe_errors, profile_heads,
+                                             route_heads, sample_rows, take_rows)
 
 GRID = VideoGrid(6, 8, 16)  # 768 tokens, 128-token frames: probe band of +-1 block
 PROBE = {"profile_masks": "probe"}  # the reference SVG router's masks (the default is execution)
@@ -227,3 +227,11 @@ def test_an_svg_config_makes_the_execution_plan_itself():
   np.testing.assert_allclose(np.asarray(explicit.spatial_error), err_s, rtol=1e-4, atol=1e-9)
   result = doctest.testmod(router)
   assert result.attempted >= 4 and result.failed == 0  # the docstring example runs
+
+
+@pytest.mark.parametrize("count", [64, SLICED_ROWS + 1])  # sliced one by one; one gather
+def test_taken_rows_are_the_rows_indexed_in_numpy(count):
+  q = np.random.default_rng(0).standard_normal((2, 3, 300, 8)).astype(np.float32)
+  rows = np.random.default_rng(1).integers(0, 300, count).astype(np.int32)  # with repeats
+  got = jax.jit(take_rows)(jnp.asarray(q), jnp.asarray(rows))
+  np.testing.assert_array_equal(np.asarray(got), q[:, :, rows])

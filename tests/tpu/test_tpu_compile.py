@@ -225,6 +225,8 @@ def test_scheduled_call_with_its_dense_branch_compiles(chip, keys, calls):
   text = result.executable.as_text()
   assert text.count('custom_call_target="tpu_custom_call"') == calls and "svg_sampled_rows" in text
   assert "svg_head_order" in text
+  # The router's rows are sliced from q as the kernels take it: no copy of q with the heads minor.
+  assert not re.search(r"= bf16\[[\d,]*%d,128\]\{3,1,2,0\S* copy\(" % grid.tokens, text)
 
 
 @pytest.mark.full  # training with svg_dense_frames (VACE's references): the forward's twin above
