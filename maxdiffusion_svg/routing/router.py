@@ -133,8 +133,23 @@ class Sampled(NamedTuple):
   dense: jax.Array
 
 
+# Rows taken one dynamic slice each, up to this many (more: one gather). On a TPU XLA gave the
+# gather q with the heads minor, a copy of all of q a call (1.4 ms of a 720p layer on a v5e); the
+# slices read the row-major q the kernels take (docs/benchmarks.md, "A denoising step timed on a
+# TPU v5e").
+SLICED_ROWS = 256
+
+
+def take_rows(q: jax.Array, rows: jax.Array) -> jax.Array:
+  """``q[:, :, rows]`` for ``[B, H, S, D]`` q and int ``rows [R]``."""
+  if rows.shape[0] > SLICED_ROWS:
+    return jnp.take(q, rows, axis=2)
+  return jnp.concatenate([jax.lax.dynamic_slice_in_dim(q, rows[i], 1, axis=2)
+                          for i in range(rows.shape[0])], axis=2)
+
+
 def sample_dense(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, scale: float) -> Sampled:
-  qs = jnp.take(q, rows, axis=2).astype(jnp.float32)
+  qs = take_rows(q, rows).astype(jnp.float32)
   logits, v32 = row_logits(qs, k, scale), v.astype(jnp.float32)
   return Sampled(qs, logits, v32, masked_rows(logits, v32, None))
 
@@ -181,21 +196,6 @@ class HeadTileMask:
     row_tiles = layout.positions(grid, rows) // self.block_q
     key_tiles = layout.positions(grid, keys) // self.block_kv
     return jnp.take(jnp.take(self.visited, row_tiles, axis=2), key_tiles, axis=3)
-
-
-# Rows taken one dynamic slice each, up to this many (more: one gather). On a TPU XLA gave the
-# gather q with the heads minor, a copy of all of q a call (1.4 ms of a 720p layer on a v5e); the
-# slices read the row-major q the kernels take (docs/benchmarks.md, "A denoising step timed on a
-# TPU v5e").
-SLICED_ROWS = 256
-
-
-def take_rows(q: jax.Array, rows: jax.Array) -> jax.Array:
-  """``q[:, :, rows]`` for ``[B, H, S, D]`` q and int ``rows [R]``."""
-  if rows.shape[0] > SLICED_ROWS:
-    return jnp.take(q, rows, axis=2)
-  return jnp.concatenate([jax.lax.dynamic_slice_in_dim(q, rows[i], 1, axis=2)
-                          for i in range(rows.shape[0])], axis=2)
 
 
 # A TPU's sampled rows: ``(q_rows, k, v, keeps, scale) -> (out, lse)`` with the dense row first
