@@ -138,8 +138,9 @@ def test_dense_run_is_maxdiffusions_own_and_figures_recompute(compared, checkpoi
 
 def test_an_interrupted_comparison_keeps_the_finished_runs(checkpoint, run_config, tmp_path,
                                                            monkeypatch):
+  # Interrupted at its second run (one finished run is enough to keep; CI time).
   plan = compare.plan_comparison(run_config, _overrides(checkpoint), "dot_product",
-                                 ["0.5", "aggressive"], str(tmp_path), lpips=False)
+                                 ["aggressive"], str(tmp_path), lpips=False)
   set_run = compare.set_run
 
   def interrupt(pipeline, run, *args):
@@ -151,7 +152,7 @@ def test_an_interrupted_comparison_keeps_the_finished_runs(checkpoint, run_confi
   with pytest.raises(KeyboardInterrupt):
     compare.run_comparison(plan, log=lambda m: None)
   written = json.loads((tmp_path / "compare.json").read_text())
-  assert [r["name"] for r in written["runs"]] == ["dense (dot_product)", "svg density 0.5"]
+  assert [r["name"] for r in written["runs"]] == ["dense (dot_product)"]
   assert all(p for r in written["runs"] for p in r["videos"])
   assert not (tmp_path / "svg_aggressive").exists() or not list(
       (tmp_path / "svg_aggressive").glob("*.mp4"))
