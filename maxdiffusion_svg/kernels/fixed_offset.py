@@ -1,8 +1,9 @@
 """A fixed softmax offset per query, and the per-head gate that says where it is safe.
 
 With a fixed offset ``m_i`` each tile adds ``exp2(s - m_i)`` and nothing is rescaled. Keys are
-smoothed (``k - mean(k)``, the shift folded into the offset) and ``m_i = ceil(G_i) - 88`` with
-``G_i = |q_i| max|k|`` (Cauchy-Schwarz): no term exceeds ``2**88``, and sums stay finite while
+smoothed (``k - c``, the shift folded into the offset; ``c`` is ``mean(k)``, or for sparse plans
+the mean of every ``S // CENTRE_ROWS``-th key) and ``m_i = ceil(G_i) - 88`` with
+``G_i = |q_i| max|k - c|`` (Cauchy-Schwarz): no term exceeds ``2**88``, and sums stay finite while
 ``S max|v| < 2**39``. TPUs flush float32 below ``2**-126``, so a head qualifies only if
 ``G <= 203 - log2 S`` (dense plans; half that for sparse ones); the rest run online softmax,
 whose offset may lag the row's running maximum by a headroom of at most ``HEADROOM`` (terms up
@@ -23,6 +24,11 @@ FLUSH_EXPONENT = 126  # float32 below 2**-126 is flushed to zero on TPUs
 LOSS_EXPONENT = 10  # flushed terms may add at most 2**-10 of the row's largest term
 OVERFLOW_EXPONENT = 127  # float32's largest finite value is below 2**128
 HEADROOM = 64  # an online row keeps its offset while each tile's sums stay within 2**64 of it
+# A sparse plan's keys are centred on the mean of this many of them, evenly strided: any centre
+# keeps the bound and the sparse gate (which never counts on a row's largest logit), and the
+# pass over every key that the exact mean takes is saved. Dense plans keep the exact mean: their
+# gate counts on it (each row's largest smoothed logit over all keys is >= 0).
+CENTRE_ROWS = 512
 
 
 def gate(seq_len: int, every_key_visited: bool) -> float:
@@ -48,7 +54,8 @@ def fixed_offsets(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: float, *,
   qs = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
   # Of the values the kernel multiplies (q after rounding), so the bound holds for them.
   q32, k32 = qs.astype(jnp.float32), k.astype(jnp.float32)
-  k_mean = k32.mean(axis=1, keepdims=True)  # [BH, 1, D]
+  centre = k32 if every_key_visited else k32[:, ::max(1, s // CENTRE_ROWS)]
+  k_mean = centre.mean(axis=1, keepdims=True)  # [BH, 1, D]
   q_norm = jnp.sqrt(jnp.square(q32).sum(axis=-1))  # [BH, S]
   k_norm = jnp.sqrt(jnp.square(k32 - k_mean).sum(axis=-1)).max(axis=1)  # [BH]
   bound = q_norm * k_norm[:, None]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxdiffusion_svg.kernels import plan_reference, sparse_attention
-from maxdiffusion_svg.kernels.fixed_offset import OFFSET, fixed_offsets, gate
+from maxdiffusion_svg.kernels.fixed_offset import CENTRE_ROWS, OFFSET, fixed_offsets, gate
 from maxdiffusion_svg.kernels.worklist import pack_work, unpack_work
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.tiles import EMPTY, plan_tiles
@@ -122,6 +122,36 @@ def test_dense_plan_uses_the_dense_gate():
   np.testing.assert_allclose(out, np.asarray(plan_reference(q, k, v, plan)), atol=1e-4)
   sparse = plan_tiles(GRID, 0.3, 128, 128, "naive")
   assert flags(q, k, v, sparse).tolist() == [0]  # over the sparse gate: online there
+
+
+def test_a_sparse_plans_keys_are_centred_on_a_strided_subsample():
+  """Sparse plans centre the keys on every S // CENTRE_ROWS-th key (no pass over every key): each
+  row's logits stay within the sparse gate's derivation around its offset (no term over 2**88,
+  none under 2**(87 - 2 G_i)), keys far off the origin still pass the gate, the output is the
+  reference's; dense plans keep the exact mean."""
+  grid = VideoGrid(8, 16, 16)  # 2,048 tokens: every 4th key
+  stride = grid.tokens // CENTRE_ROWS
+  assert stride == 4
+  q, k, v = (normal((1, 1, grid.tokens, 128), seed) for seed in range(3))
+  k = k + 8.0 * normal((1, 1, 1, 128), 3)  # a common part 8x the keys' spread
+  scale = 128 ** -0.5
+  fold = lambda x: x.reshape(1, grid.tokens, 128)
+  got = fixed_offsets(fold(q), fold(k), fold(v), scale * LOG2E, every_key_visited=False)
+  exact = fixed_offsets(fold(q), fold(k), fold(v), scale * LOG2E, every_key_visited=True)
+  qs, k64 = np.asarray(got.q[0], np.float64), np.asarray(k[0, 0], np.float64)
+  logits, m = qs @ k64.T, np.asarray(got.m[0, 0], np.float64)
+  centre = k64[::stride].mean(0)
+  g = np.linalg.norm(qs, axis=1) * np.linalg.norm(k64 - centre, axis=1).max()
+  assert np.all(logits.max(1) - m <= OFFSET)
+  assert np.all(logits.min(1) - m >= OFFSET - 1 - 2 * g - 1e-3)
+  # the subsample's centre, not the mean: a different shift, the same gate decision
+  assert np.abs(np.asarray(got.m) - np.asarray(exact.m)).max() > 1e-3
+  uncentred = np.linalg.norm(qs, axis=1).max() * np.linalg.norm(k64, axis=1).max()
+  assert uncentred > gate(grid.tokens, False) > g.max()
+  assert got.fixed.tolist() == [1]
+  plan = plan_tiles(grid, 0.3, 128, 256, "split")
+  out = np.asarray(sparse_attention(q, k, v, plan, backend="pallas"))
+  np.testing.assert_allclose(out, np.asarray(plan_reference(q, k, v, plan)), atol=2e-5)
 
 
 def test_values_too_large_for_the_offset_run_online():
