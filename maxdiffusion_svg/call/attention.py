@@ -14,6 +14,7 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
+from maxdiffusion_svg.kernels.fixed_offset import BASE2_SCALE, base2_factor
 from maxdiffusion_svg.kernels.sampled_rows import sampled_rows, sampled_rows_xla
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target, target_for_call
@@ -94,19 +95,30 @@ def _placed(kernel: SparseKernel, q: jax.Array, k: jax.Array, v: jax.Array, layo
   if semantic is not None:
     return _semantic_placed(kernel, q, k, v, layout, semantic, grid, scale,
                             compensation_blocks, cents, layouts)
+  # Our kernel multiplies q by the scale (and log2 e) first: the placement pass does it on the
+  # way, where the kernel's prepass wrote a copy of q (docs/benchmarks.md, "A denoising step
+  # timed on a TPU v5e"); the kernel then takes BASE2_SCALE.
+  factor = base2_factor(scale, q.shape[-1]) if kernel.resolved == "pallas" else None
   with jax.named_scope("svg_place"):
-    placed = [_ordered(kernel, x, layout, grid, layouts, to_placed=True) for x in (q, k, v)]
+    placed = [_ordered(kernel, x, layout, grid, layouts, to_placed=True, scale=s)
+              for x, s in ((q, factor), (k, None), (v, None))]
   with jax.named_scope("svg_kernel"):
-    out = _run_placed(kernel, placed, layout, scale, compensation_blocks, cents, heads)
+    out = _run_placed(kernel, placed, layout, scale if factor is None else BASE2_SCALE,
+                      compensation_blocks, cents, heads)
   with jax.named_scope("svg_restore"):
     return _ordered(kernel, out, layout, grid, layouts, to_placed=False)
 
 
 def _ordered(kernel: SparseKernel, x: jax.Array, layout: jax.Array, grid: VideoGrid,
-             layouts: tuple[str, ...] | None, *, to_placed: bool) -> jax.Array:
+             layouts: tuple[str, ...] | None, *, to_placed: bool,
+             scale: float | None = None) -> jax.Array:
   """:func:`place` (``to_placed``) or :func:`restore`; where a TPU lowers the call and every
-  moved layout has its pass there (``on_tpu``), by those passes (each one read and write)."""
-  xla = functools.partial(place if to_placed else restore, grid=grid, layouts=layouts)
+  moved layout has its pass there (``on_tpu``), by those passes (each one read and write).
+  ``scale`` (placing): x also multiplied by it in float32, in its dtype (in the pass, on a TPU)."""
+  def xla(x: jax.Array, layout: jax.Array) -> jax.Array:
+    out = (place if to_placed else restore)(x, layout, grid=grid, layouts=layouts)
+    return out if scale is None else (out.astype(jnp.float32) * scale).astype(out.dtype)
+
   b, h, s, d = x.shape
   moved = [get(name) for name in _moved(layouts)]
   if not moved or not all(m.on_tpu is not None and m.on_tpu.supported(grid, d, x.dtype)
@@ -116,8 +128,9 @@ def _ordered(kernel: SparseKernel, x: jax.Array, layout: jax.Array, grid: VideoG
   def on_tpu(x: jax.Array, layout: jax.Array) -> jax.Array:
     ids = jnp.broadcast_to(layout_ids(layout), (b, h)).reshape(-1)
     heads = x.reshape(b * h, s, d)
-    for m in moved:  # each moves its own heads only
-      heads = m.on_tpu.run(heads, ids == index(m.name), grid, to_placed)
+    for i, m in enumerate(moved):  # each moves its own heads only; the first scales them all
+      heads = m.on_tpu.run(heads, ids == index(m.name), grid, to_placed,
+                           scale=scale if i == 0 else None)
     return heads.reshape(x.shape)
 
   return kernel.per_lowering(lambda: on_tpu, lambda: xla)(jnp.asarray(x), layout)

@@ -37,6 +37,17 @@ def gate(seq_len: int, every_key_visited: bool) -> float:
   return dense if every_key_visited else dense / 2
 
 
+# The softmax scale of a q its caller already multiplied by the scale and log2(e) (in its dtype,
+# as :func:`fixed_offsets` would): ln(2) * log2(e) is 1.0 exactly, so the prepass takes q as is.
+BASE2_SCALE = math.log(2.0)
+
+
+def base2_factor(scale: float | None, head_dim: int) -> float:
+  """What the kernel multiplies q by: the softmax ``scale`` (default ``head_dim ** -0.5``) and
+  log2(e)."""
+  return (head_dim ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
+
+
 class FixedOffsets(NamedTuple):
   """What the kernel reads: base-2 q, ``m [BH, 1, S]``, ``fixed [BH]`` (int32, 1: passed gate),
   ``headroom [BH]`` (int32: an online row's largest term, base 2, before it rescales)."""
@@ -51,7 +62,8 @@ def fixed_offsets(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: float, *,
                   every_key_visited: bool) -> FixedOffsets:
   """Offsets and gate for ``[BH, S, D]`` inputs; ``q_scale`` folds the softmax scale and log2(e)."""
   s = k.shape[1]  # the terms a row may sum
-  qs = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
+  # q_scale 1: q came scaled (BASE2_SCALE), and no pass writes a copy of it.
+  qs = q if q_scale == 1.0 else (q.astype(jnp.float32) * q_scale).astype(q.dtype)
   # Of the values the kernel multiplies (q after rounding), so the bound holds for them.
   q32, k32 = qs.astype(jnp.float32), k.astype(jnp.float32)
   centre = k32 if every_key_visited else k32[:, ::max(1, s // CENTRE_ROWS)]

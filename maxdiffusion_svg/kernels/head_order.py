@@ -39,8 +39,15 @@ def supported(frames: int, positions: int, head_dim: int, dtype) -> bool:
           and block_positions(positions, frames, head_dim * jnp.dtype(dtype).itemsize) is not None)
 
 
+def _scaled(x: jax.Array, scale: float | None, dtype) -> jax.Array:
+  """``x`` times ``scale`` in float32, in ``dtype`` (as XLA's ``(x.astype(f32) * scale)``)."""
+  if scale is None:
+    return x.astype(dtype)
+  return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
 def _kernel(swap_ref, frame_ref, flat_ref, out_ref, *scratch, frames: int, rows: int,
-            to_temporal: bool):
+            to_temporal: bool, scale: float | None):
   swap = swap_ref[pl.program_id(0)] != 0
 
   if to_temporal:  # frame_ref (F, rows, D) -> out_ref (rows * F, D), row p * F + f
@@ -50,13 +57,13 @@ def _kernel(swap_ref, frame_ref, flat_ref, out_ref, *scratch, frames: int, rows:
       # float32 scratch (exact), then move as one block.
       into = scratch[0] if scratch else out_ref
       for f in range(frames):
-        into[pl.ds(f, rows, stride=frames), :] = frame_ref[f].astype(into.dtype)
+        into[pl.ds(f, rows, stride=frames), :] = _scaled(frame_ref[f], scale, into.dtype)
       if scratch:
         out_ref[...] = into[...].astype(out_ref.dtype)
 
     @pl.when(~swap)
     def _keep():
-      out_ref[...] = flat_ref[...]
+      out_ref[...] = _scaled(flat_ref[...], scale, out_ref.dtype)
   else:  # flat_ref (rows * F, D) -> out_ref (F, rows, D)
     @pl.when(swap)
     def _swap():
@@ -72,32 +79,37 @@ def _kernel(swap_ref, frame_ref, flat_ref, out_ref, *scratch, frames: int, rows:
 
 
 def reorder_heads(x: jax.Array, swap: jax.Array, frames: int, *, to_temporal: bool,
-                  interpret: bool = False) -> jax.Array:
+                  interpret: bool = False, scale: float | None = None) -> jax.Array:
   """``x [N, S, D]`` (``S = frames x P``) with each head where ``swap [N]`` is set reordered:
   frame-major to temporal-major (``to_temporal``) or back; the other heads as they are. A
-  permutation: its gradient is the reverse reorder of the cotangent."""
-  return _reorder(x, jnp.asarray(swap).astype(jnp.int32), frames, to_temporal, interpret)
+  permutation: its gradient is the reverse reorder of the cotangent. ``scale`` (placing only):
+  every head also multiplied by it in float32, rounded to x's dtype, in the same pass."""
+  if scale is not None and not to_temporal:
+    raise ValueError("reorder_heads scales on the way to the temporal-major order only")
+  return _reorder(x, jnp.asarray(swap).astype(jnp.int32), frames, to_temporal, interpret,
+                  None if scale is None else float(scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _reorder(x: jax.Array, swap: jax.Array, frames: int, to_temporal: bool,
-             interpret: bool) -> jax.Array:
-  return _reorder_call(x, swap, frames, to_temporal, interpret)
+             interpret: bool, scale: float | None) -> jax.Array:
+  return _reorder_call(x, swap, frames, to_temporal, interpret, scale)
 
 
-def _reorder_fwd(x, swap, frames, to_temporal, interpret):
-  return _reorder_call(x, swap, frames, to_temporal, interpret), swap
+def _reorder_fwd(x, swap, frames, to_temporal, interpret, scale):
+  return _reorder_call(x, swap, frames, to_temporal, interpret, scale), swap
 
 
-def _reorder_bwd(frames, to_temporal, interpret, swap, cotangent):
-  return _reorder_call(cotangent, swap, frames, not to_temporal, interpret), None
+def _reorder_bwd(frames, to_temporal, interpret, scale, swap, cotangent):
+  back = _reorder_call(cotangent, swap, frames, not to_temporal, interpret, None)
+  return _scaled(back, scale, back.dtype), None
 
 
 _reorder.defvjp(_reorder_fwd, _reorder_bwd)
 
 
 def _reorder_call(x: jax.Array, swap: jax.Array, frames: int, to_temporal: bool,
-                  interpret: bool) -> jax.Array:
+                  interpret: bool, scale: float | None) -> jax.Array:
   n, s, d = x.shape
   positions = s // frames
   rows = block_positions(positions, frames, d * x.dtype.itemsize)
@@ -126,7 +138,8 @@ def _reorder_call(x: jax.Array, swap: jax.Array, frames: int, to_temporal: bool,
   narrow = x.dtype.itemsize < 4
   scratch = [pltpu.VMEM((rows * frames, d), jnp.float32)] if narrow else []
   out = pl.pallas_call(
-      functools.partial(_kernel, frames=frames, rows=rows, to_temporal=to_temporal),
+      functools.partial(_kernel, frames=frames, rows=rows, to_temporal=to_temporal,
+                        scale=scale),
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(n, steps),
                                              in_specs=[frame_spec, flat_spec],
                                              out_specs=out_spec, scratch_shapes=scratch),

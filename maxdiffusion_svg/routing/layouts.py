@@ -20,18 +20,19 @@ BAND, OWN = "band", "own"  # a layout's tile table: the shared band plan's, or e
 
 @dataclasses.dataclass(frozen=True)
 class HeadsReorder:
-  """A band layout's TPU pass: ``run(x [N, S, D], flags [N], grid, to_placed)`` places (or
-  restores) the heads ``flags`` marks and copies the rest, one read and write of ``x``, where
-  ``supported(grid, head_dim, dtype)``."""
+  """A band layout's TPU pass: ``run(x [N, S, D], flags [N], grid, to_placed, scale=None)``
+  places (or restores) the heads ``flags`` marks and copies the rest, one read and write of
+  ``x``, where ``supported(grid, head_dim, dtype)``; placing, it may multiply every head by
+  ``scale`` in the same pass."""
 
-  run: Callable[[Any, Any, VideoGrid, bool], Any]
+  run: Callable[..., Any]
   supported: Callable[[VideoGrid, int, Any], bool]
 
 
 # Temporal heads: frames interleaved in one Pallas pass (kernels/head_order.py).
 _TEMPORAL_ON_TPU = HeadsReorder(
-    run=lambda x, flags, grid, to_placed: head_order.reorder_heads(x, flags, grid.frames,
-                                                                   to_temporal=to_placed),
+    run=lambda x, flags, grid, to_placed, scale=None: head_order.reorder_heads(
+        x, flags, grid.frames, to_temporal=to_placed, scale=scale),
     supported=lambda grid, head_dim, dtype: head_order.supported(grid.frames, grid.frame_size,
                                                                  head_dim, dtype))
 

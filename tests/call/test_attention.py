@@ -145,3 +145,29 @@ def test_placement_leaves_semantic_heads_and_differentiates_as_its_inverse():
   c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
   grad = jax.grad(lambda x: jnp.sum(place(x, ids, GRID, layouts) * c))(x)
   np.testing.assert_allclose(np.asarray(grad), np.asarray(restore(c, ids, GRID, layouts)))
+
+
+def test_our_kernel_takes_q_scaled_by_its_placement(monkeypatch):
+  """With our Pallas kernel (interpreted) q is multiplied by the scale and log2(e) on its way to
+  the placed order and the kernel takes BASE2_SCALE: the routing, output and gradient of XLA's
+  executor, which scales inside."""
+  from maxdiffusion_svg.call import attention  # pylint: disable=import-outside-toplevel
+  factors = []
+  factor = attention.base2_factor
+  monkeypatch.setattr(attention, "base2_factor", lambda *a: factors.append(a) or factor(*a))
+  q, k, v = (jnp.asarray(x) for x in planted_qkv(GRID, TYPES, head_dim=128, seed=4))
+  key = jax.random.key(1)
+  run = lambda backend, *x: svg_attention(*x, grid=GRID, config=config(backend=backend, density=0.3),
+                                          key=key, return_info=True)
+  ours, ours_info = run("pallas", q, k, v)
+  assert factors  # the scale rode the placement
+  want, want_info = run("xla", q, k, v)
+  flags = np.asarray(want_info["temporal"])
+  assert flags.any() and not flags.all()
+  np.testing.assert_array_equal(np.asarray(ours_info["temporal"]), flags)
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(want), atol=2e-5)
+  w = jnp.cos(jnp.arange(128.0))
+  grads = [jax.grad(lambda *x: (run(backend, *x)[0] * w).sum(), argnums=(0, 1, 2))(q, k, v)
+           for backend in ("pallas", "xla")]
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)

@@ -51,3 +51,31 @@ def test_its_gradient_is_the_reverse_reorder():
     move = to_temporal_major if to_temporal else to_frame_major
     want = jax.grad(lambda x: (jnp.stack([move(x[:1], grid)[0], x[1]]) * w).sum())(x)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_placing_scales_every_head_as_xla_would(dtype):
+  """The scale rides the placing pass: each head (swapped or copied) is XLA's float32 product
+  rounded to its dtype, bitwise; its gradient is the scaled reverse reorder; restoring takes none."""
+  import jax  # pylint: disable=import-outside-toplevel
+  grid, scale = VideoGrid(5, 4, 8), 128 ** -0.5 * 1.4426950408889634
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((3, grid.tokens, 128)), dtype)
+  swap = jnp.asarray([1, 0, 1])
+  placed = reorder_heads(x, swap, grid.frames, to_temporal=True, interpret=True, scale=scale)
+  scaled = (x.astype(jnp.float32) * scale).astype(dtype)
+  for head in range(3):
+    want = to_temporal_major(scaled[head][None], grid)[0] if swap[head] else scaled[head]
+    np.testing.assert_array_equal(np.asarray(placed[head]), np.asarray(want))
+  assert not np.array_equal(np.asarray(placed[1]), np.asarray(x[1]))  # the copied head scaled
+  w = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  loss = lambda f: lambda x: (f(x).astype(jnp.float32) * w).sum()
+  ours = jax.grad(loss(lambda x: reorder_heads(x, swap, grid.frames, to_temporal=True,
+                                               interpret=True, scale=scale)))(x)
+  move = lambda x: jnp.stack([to_temporal_major(x[:1], grid)[0], x[1],
+                              to_temporal_major(x[2:], grid)[0]])
+  want = jax.grad(loss(lambda x: move((x.astype(jnp.float32) * scale).astype(dtype))))(x)
+  np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
+  with pytest.raises(ValueError, match="temporal-major order only"):
+    reorder_heads(x, swap, grid.frames, to_temporal=False, interpret=True, scale=scale)

@@ -149,3 +149,11 @@ def test_head_order_is_the_geometrys_bitwise(qkv):
   back = jax.jit(lambda x: reorder_heads(x, swap, GRID.frames, to_temporal=False))(placed)
   np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
   np.testing.assert_array_equal(np.asarray(to_frame_major(placed[:1], GRID)), np.asarray(x[:1]))
+  # placing q with its scale on the way: XLA's float32 product in bfloat16, bitwise
+  scale = 128 ** -0.5 * 1.4426950408889634
+  placed = jax.jit(lambda x: reorder_heads(x, swap, GRID.frames, to_temporal=True,
+                                           scale=scale))(x)
+  scaled = jax.jit(lambda x: (x.astype(jnp.float32) * scale).astype(x.dtype))(x)
+  np.testing.assert_array_equal(np.asarray(placed[0]),
+                                np.asarray(to_temporal_major(scaled[:1], GRID)[0]))
+  np.testing.assert_array_equal(np.asarray(placed[1]), np.asarray(scaled[1]))
