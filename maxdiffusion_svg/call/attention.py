@@ -14,7 +14,7 @@ from maxdiffusion_svg.budgets.config import SvgConfig
 from maxdiffusion_svg.budgets.per_layer import levels
 from maxdiffusion_svg.call.prepared import Branch, PreparedCall, prepare
 from maxdiffusion_svg.kernels.api import SparseKernel, prepare_kernel
-from maxdiffusion_svg.kernels.fixed_offset import BASE2_SCALE, base2_factor
+from maxdiffusion_svg.kernels.fixed_offset import BASE2_SCALE, base2_factor, scaled
 from maxdiffusion_svg.kernels.sampled_rows import sampled_rows, sampled_rows_xla
 from maxdiffusion_svg.plan.geometry import VideoGrid
 from maxdiffusion_svg.plan.target import Target, target_for_call
@@ -117,7 +117,7 @@ def _ordered(kernel: SparseKernel, x: jax.Array, layout: jax.Array, grid: VideoG
   ``scale`` (placing): x also multiplied by it in float32, in its dtype (in the pass, on a TPU)."""
   def xla(x: jax.Array, layout: jax.Array) -> jax.Array:
     out = (place if to_placed else restore)(x, layout, grid=grid, layouts=layouts)
-    return out if scale is None else (out.astype(jnp.float32) * scale).astype(out.dtype)
+    return out if scale is None else scaled(out, scale)
 
   b, h, s, d = x.shape
   moved = [get(name) for name in _moved(layouts)]

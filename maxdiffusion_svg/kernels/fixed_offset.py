@@ -48,6 +48,12 @@ def base2_factor(scale: float | None, head_dim: int) -> float:
   return (head_dim ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
 
 
+def scaled(x: jax.Array, factor: float, dtype=None) -> jax.Array:
+  """``x`` times ``factor`` in float32, in ``dtype`` (default x's): how q is scaled for the
+  kernel, by the prepass, the placement pass or XLA's placement alike (bitwise)."""
+  return (x.astype(jnp.float32) * factor).astype(dtype or x.dtype)
+
+
 class FixedOffsets(NamedTuple):
   """What the kernel reads: base-2 q, ``m [BH, 1, S]``, ``fixed [BH]`` (int32, 1: passed gate),
   ``headroom [BH]`` (int32: an online row's largest term, base 2, before it rescales)."""
@@ -63,7 +69,7 @@ def fixed_offsets(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: float, *,
   """Offsets and gate for ``[BH, S, D]`` inputs; ``q_scale`` folds the softmax scale and log2(e)."""
   s = k.shape[1]  # the terms a row may sum
   # q_scale 1: q came scaled (BASE2_SCALE), and no pass writes a copy of it.
-  qs = q if q_scale == 1.0 else (q.astype(jnp.float32) * q_scale).astype(q.dtype)
+  qs = q if q_scale == 1.0 else scaled(q, q_scale)
   # Of the values the kernel multiplies (q after rounding), so the bound holds for them.
   q32, k32 = qs.astype(jnp.float32), k.astype(jnp.float32)
   centre = k32 if every_key_visited else k32[:, ::max(1, s // CENTRE_ROWS)]

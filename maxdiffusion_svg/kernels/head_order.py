@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from maxdiffusion_svg.kernels.fixed_offset import scaled
+
 # A grid step's block, at most: large enough to stream at the HBM's pace, small enough that its
 # double-buffered input and output views stay a few MiB of VMEM.
 BLOCK_BYTES = 2**20
@@ -40,10 +42,7 @@ def supported(frames: int, positions: int, head_dim: int, dtype) -> bool:
 
 
 def _scaled(x: jax.Array, scale: float | None, dtype) -> jax.Array:
-  """``x`` times ``scale`` in float32, in ``dtype`` (as XLA's ``(x.astype(f32) * scale)``)."""
-  if scale is None:
-    return x.astype(dtype)
-  return (x.astype(jnp.float32) * scale).astype(dtype)
+  return x.astype(dtype) if scale is None else scaled(x, scale, dtype)
 
 
 def _kernel(swap_ref, frame_ref, flat_ref, out_ref, *scratch, frames: int, rows: int,
