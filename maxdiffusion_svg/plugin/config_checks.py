@@ -37,7 +37,7 @@ from maxdiffusion_svg.plan.target import MIB, TPU_BACKENDS, Target, generation_n
 from maxdiffusion_svg.budgets.budget import PER_LAYER
 from maxdiffusion_svg.budgets.per_head import check_head_shape
 from maxdiffusion_svg.budgets.per_layer import check_layer_count
-from maxdiffusion_svg.plugin import checkpoint, preflight, tile_search_keys
+from maxdiffusion_svg.plugin import checkpoint, preflight, run_summary, tile_search_keys
 from maxdiffusion_svg.plugin.calibration_record import check_record
 from maxdiffusion_svg.plugin.settings import KERNEL_NAME, PluginSettings
 from maxdiffusion_svg.plugin.video_models import FAMILIES, WAN_VACE, experts_of, video_model
@@ -75,12 +75,23 @@ def check_model(config: Mapping[str, Any], path: str = "") -> None:
   raise ValueError(f"model_name is {model!r}: python -m maxdiffusion_svg.generate runs {runs}")
 
 
+def check_platforms(env: Mapping[str, str]) -> None:
+  """MaxDiffusion loads a checkpoint's weights through JAX's CPU device (and JAX runs host
+  callbacks there): a ``JAX_PLATFORMS`` without ``cpu`` is refused before anything loads."""
+  platforms = env.get("JAX_PLATFORMS", "")
+  if run_summary.host_callbacks_missing(platforms):
+    raise ValueError(f"JAX_PLATFORMS={platforms} leaves out cpu, where MaxDiffusion loads the "
+                     f"checkpoint's weights (and JAX runs host callbacks): set "
+                     f"JAX_PLATFORMS={platforms},cpu, or unset it")
+
+
 def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None = None, *,
                          path: str = "", training: bool = False, download: bool = False,
                          layers: int | None = None, heads: int | None = None,
                          by_name: bool = True) -> checkpoint.ModelShape:
   """The checks of a merged config that need its checkpoint, made by every tool (``tiles``,
-  the launcher, ``compare``, ``calibrate``) and by the run before weights load: the model
+  the launcher, ``compare``, ``calibrate``) and by the run before weights load: ``JAX_PLATFORMS``
+  in ``env`` (:func:`check_platforms`), the model
   family (generation), a calibrated overlay's record against the run
   (:func:`calibration_record.check_record`), with ``enable_tile_search`` on (generation, under
   ``attention: svg``) its ``tile_search_*`` keys (:func:`tile_search_keys.check_tile_search`), the
@@ -92,6 +103,7 @@ def check_before_weights(keys: Mapping[str, Any], env: Mapping[str, str] | None 
   (where the checkpoint's config.json is not here to read; the launcher leaves that to the
   run, which reads it before weights load). Returns the shape."""
   env = os.environ if env is None else env
+  check_platforms(env)
   if not training:
     check_model(keys, path)
     if keys.get("attention") == KERNEL_NAME:  # enable_tile_search and its keys (generation only)

@@ -162,7 +162,8 @@ def prepare_transformer(model: Any, settings: PluginSettings, expert: str | None
   model.svg_timesteps = SvgTimesteps(jnp.full((MAX_STEPS,), -1.0, jnp.float32))
   model.svg_schedule_set = False
   # Why the run summary does not count this model's calls ("": it does).
-  model.svg_uncounted = "" if settings.run_summary else "svg_run_summary: false"
+  model.svg_uncounted = (run_summary.host_callbacks_missing() if settings.run_summary
+                         else "svg_run_summary: false")
   model.svg_traced = run_summary.Traced()
   if expert is not None:
     model.svg_expert_tag = SvgExpertTag(jnp.zeros((EXPERT_TAG_SIZE[expert],), jnp.int8))

@@ -12,9 +12,10 @@ after it: sparse and dense calls, each reported layout's head share per layer ra
 always; others, e.g. semantic, where they are among the layouts), the kernel and tiles, the other
 calls run dense, and seconds per step.
 
-``svg_run_summary: false``, or MaxDiffusion's AOT cache (``aot_cache_dir``, which cannot
-serialise host callbacks), leaves the callbacks out; the calls are then counted from the
-schedule and temporal heads are not counted.
+``svg_run_summary: false``, MaxDiffusion's AOT cache (``aot_cache_dir``, which cannot
+serialise host callbacks), or a ``JAX_PLATFORMS`` without ``cpu`` (JAX runs a callback's operands
+on a CPU device) leaves the callbacks out; the calls are then counted from the schedule and
+temporal heads are not counted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ from maxdiffusion_svg.routing.layouts import SEMANTIC, TEMPORAL, get, index, nam
 
 # Layer ranges the temporal share is reported over.
 RANGES = 4
+
+
+def host_callbacks_missing(platforms: str | None = None) -> str:
+  """Why this process cannot run host callbacks ("" where it can): JAX hands a callback its
+  operands on a CPU device, and ``platforms`` (default: ``jax_platforms``, from
+  ``JAX_PLATFORMS``) naming others but not ``cpu``, e.g. ``tpu``, leaves it none."""
+  platforms = jax.config.jax_platforms if platforms is None else platforms
+  names = [p.strip() for p in (platforms or "").split(",") if p.strip()]
+  if not names or "cpu" in names:
+    return ""
+  return (f"JAX_PLATFORMS={platforms} leaves JAX no CPU device for host callbacks "
+          f"(JAX_PLATFORMS={platforms},cpu counts them)")
 
 
 @dataclasses.dataclass

@@ -35,6 +35,23 @@ def _overrides(checkpoint):
   return [f"pretrained_model_name_or_path={checkpoint}", *TINY, *ACTIVE]
 
 
+
+def test_a_process_without_jaxs_cpu_backend_is_refused_before_weights_load(
+    run_config, wan21_checkpoint, tmp_path, monkeypatch):
+  """MaxDiffusion loads the weights through JAX's CPU device and calibrate measures each layer
+  through host callbacks, which JAX runs there: JAX_PLATFORMS=tpu (as a TPU VM may set it) is
+  refused in the pre-flight, naming the fix."""
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  with pytest.raises(ValueError, match=r"^JAX_PLATFORMS=tpu leaves out cpu, where MaxDiffusion "
+                                       r"loads the checkpoint's weights .*: set "
+                                       r"JAX_PLATFORMS=tpu,cpu, or unset it$"):
+    calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint),
+                               str(tmp_path / "out.yml"), ladder=LADDER)
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
+  calibrate.plan_calibration(run_config, _overrides(wan21_checkpoint), str(tmp_path / "out.yml"),
+                             ladder=LADDER)
+
+
 @pytest.fixture(scope="module")
 def dense_video(wan21_checkpoint, run_config, tmp_path_factory):
   """The tiny checkpoint's dense video, which both calibrated runs are judged against."""

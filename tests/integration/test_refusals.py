@@ -86,6 +86,20 @@ def test_a_refusal_is_the_same_line_in_tiles_and_the_launcher(case, run_config, 
   assert theirs in ours, (ours, theirs)  # tiles says where the run stops, then the run's words
 
 
+
+def test_jax_platforms_without_cpu_is_the_same_line_in_tiles_and_the_launcher(run_config, capsys,
+                                                                               monkeypatch):
+  """MaxDiffusion loads the weights through JAX's CPU device (on the v5e, JAX_PLATFORMS=tpu
+  stopped a run there with a traceback): refused before anything loads, naming the fix."""
+  config, common = run_config
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  ours = _tiles(capsys, config, common, None)
+  theirs = _launcher(capsys, config, common)
+  assert theirs == ("JAX_PLATFORMS=tpu leaves out cpu, where MaxDiffusion loads the checkpoint's "
+                    "weights (and JAX runs host callbacks): set JAX_PLATFORMS=tpu,cpu, or unset it")
+  assert theirs in ours, (ours, theirs)
+
+
 FILES = {
     "LTX-Video": (lambda tmp: MAXDIFFUSION_CONFIGS / "ltx_video.yml",
                   "is an LTX-Video config: LTX-Video (MaxDiffusion's legacy 13B port"),

@@ -97,6 +97,22 @@ def test_no_schedule_no_step():
     hooks.set_denoising_schedule(model, np.arange(1001.0)[::-1])
 
 
+
+def test_a_process_without_jaxs_cpu_backend_counts_from_the_schedule():
+  """With JAX_PLATFORMS=tpu (as a TPU VM may set it) JAX has no CPU device to run a host
+  callback on: the model's calls then report no callbacks, and the run summary says why."""
+  before = jax.config.jax_platforms
+  try:
+    jax.config.update("jax_platforms", "tpu")
+    model = hooks.prepare_transformer(StandInWan(), PluginSettings.from_mapping({}))
+  finally:
+    jax.config.update("jax_platforms", before)
+  assert model.svg_uncounted.startswith("JAX_PLATFORMS=tpu leaves JAX no CPU device")
+  assert not hooks.counts_calls(model)
+  counted = hooks.prepare_transformer(StandInWan(), PluginSettings.from_mapping({}))
+  assert counted.svg_uncounted == "" and hooks.counts_calls(counted)
+
+
 # ------------------------------------------------ the transformer factory hook: the expert
 
 

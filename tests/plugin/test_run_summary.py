@@ -101,3 +101,16 @@ def test_other_calls_run_as_often_as_the_self_attention_traced_beside_them():
   short.add("short")
   assert (short.self_calls, short.dense) == (1, {})
   run_summary.reset()
+
+
+@pytest.mark.parametrize("platforms, missing", [
+    ("tpu", True), ("tpu,cuda", True), (" tpu ", True),
+    ("tpu,cpu", False), ("cpu", False), ("", False), (None, False)])
+def test_host_callbacks_need_jaxs_cpu_backend(platforms, missing):
+  """JAX hands a callback its operands on a CPU device: JAX_PLATFORMS naming others but not cpu
+  (a TPU VM's ``tpu``) leaves none, and the reason names the variable and its fix."""
+  why = run_summary.host_callbacks_missing("" if platforms is None else platforms)
+  assert bool(why) == missing
+  if missing:
+    assert why.startswith(f"JAX_PLATFORMS={platforms} leaves JAX no CPU device")
+    assert why.endswith(f"(JAX_PLATFORMS={platforms},cpu counts them)")
