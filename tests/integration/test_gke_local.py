@@ -147,6 +147,9 @@ def failures(manifest, checkpoint, workdir, extra=(), env=None):
   return [r.log for r in results]
 
 
+# CI time: the two below are the full tier's (their messages: tests/plugin/test_preflight.py); the
+# CI tier keeps the mechanism (every process fails, none killed) in the two after them.
+@pytest.mark.full
 def test_context_shards_that_do_not_divide_the_heads_fail_everywhere(checkpoint, tmp_path):
   # 16 devices all on the context axis: the tiny model's 8 heads do not divide.
   for log in failures("jobset_v6e16.yaml", checkpoint, tmp_path, ["ici_data_parallelism=1"]):
@@ -154,6 +157,7 @@ def test_context_shards_that_do_not_divide_the_heads_fail_everywhere(checkpoint,
     assert "load_time" not in log  # before the pipeline loads
 
 
+@pytest.mark.full
 def test_splash_on_a_ring_fails_everywhere(checkpoint, tmp_path):
   # The v6e-32 job's ulysses_shards 8 leaves a ring of 2 over its 16 context shards.
   for log in failures("jobset_v6e32.yaml", checkpoint, tmp_path, ["svg_backend=splash"]):
