@@ -43,7 +43,28 @@ def test_each_program_runs_and_the_figures_follow_from_the_clock():
   assert f["run_s"] == pytest.approx(27 * 1.0 + 3 * 2.1)
   assert f["run_speedup"] == pytest.approx(30 * 2.0 / (27 * 1.0 + 3 * 2.1))
   assert "not a TPU" in result["kind"]
+  assert svg["run_summary"].startswith("counted")  # its callbacks are in the timed step
   assert "tiny" in step_chip.format_step_chip(result)
+  assert "callbacks not in the step" not in step_chip.format_step_chip(result)
+
+
+def test_a_step_without_the_run_summarys_callbacks_says_so(monkeypatch):
+  """Timed where the run summary's callbacks are left out (here svg_run_summary: false; on a
+  chip, a process without JAX's CPU device), the step is labelled so."""
+  build = step_chip.build_model
+  monkeypatch.setattr(step_chip, "build_model", lambda config, kernel, overrides, *a: build(
+      config, kernel, {**overrides, "svg_run_summary": False}, *a))
+  cfg = step_chip.StepBenchConfig(cases=("tiny",), kernels=(), presets=("aggressive",), repeats=1)
+
+  def clock(fn, repeats):  # each program runs once; its figures are not checked here
+    fn()
+    return 1.0, 1.0
+
+  result = step_chip.run_step_chip(cfg, clock=clock, log=lambda _: None, architecture=TINY)
+  (row,) = result["rows"]
+  assert row["run_summary"] == "svg_run_summary: false"
+  assert ("run summary's callbacks not in the step: svg_run_summary: false"
+          in step_chip.format_step_chip(result))
 
 
 def test_the_real_clock_times_each_step():
