@@ -35,7 +35,6 @@ def _overrides(checkpoint):
   return [f"pretrained_model_name_or_path={checkpoint}", *TINY, *ACTIVE]
 
 
-
 def test_a_process_without_jaxs_cpu_backend_is_refused_before_weights_load(
     run_config, wan21_checkpoint, tmp_path, monkeypatch):
   """MaxDiffusion loads the weights through JAX's CPU device and calibrate measures each layer

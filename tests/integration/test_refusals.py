@@ -86,7 +86,6 @@ def test_a_refusal_is_the_same_line_in_tiles_and_the_launcher(case, run_config, 
   assert theirs in ours, (ours, theirs)  # tiles says where the run stops, then the run's words
 
 
-
 def test_jax_platforms_without_cpu_is_the_same_line_in_tiles_and_the_launcher(run_config, capsys,
                                                                                monkeypatch):
   """MaxDiffusion loads the weights through JAX's CPU device (on the v5e, JAX_PLATFORMS=tpu

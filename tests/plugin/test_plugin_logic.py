@@ -97,7 +97,6 @@ def test_no_schedule_no_step():
     hooks.set_denoising_schedule(model, np.arange(1001.0)[::-1])
 
 
-
 def test_a_process_without_jaxs_cpu_backend_counts_from_the_schedule():
   """With JAX_PLATFORMS=tpu (as a TPU VM may set it) JAX has no CPU device to run a host
   callback on: the model's calls then report no callbacks, and the run summary says why."""

@@ -438,8 +438,10 @@ def test_tpu7x_is_two_devices_per_chip_with_its_own_limits():
              qkv(mesh, grid))
 
 
-@pytest.mark.full  # CI time (84 s): the v6e 2x4 compile below and the ring's permutes
-def test_sharded_svg_on_a_ulysses_by_ring_split_compiles_for_a_v6e_32_slice():  # (CPU) stay
+# CI time (84 s): the full tier's; the CI tier keeps the v6e 2x4 sharded compile below and the
+# ring's permutes on the CPU (test_ring_sharding.py).
+@pytest.mark.full
+def test_sharded_svg_on_a_ulysses_by_ring_split_compiles_for_a_v6e_32_slice():
   """One video on 32 chips: CFG on the data axis, 16-way context split 8 (Ulysses) x 2 (ring),
   the scheduled call (sparse and dense branch): each branch runs one kernel per ring shard, keys
   move by collective permutes (no all-gather of the sequence)."""
